@@ -1,0 +1,3 @@
+"""rredcot: segment-level credit assignment for RL fine-tuning of chain-of-thought models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Thin adapters to TRL and verl."""

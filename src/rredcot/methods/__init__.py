@@ -1,0 +1,1 @@
+"""Credit methods behind one registry."""
