@@ -1,0 +1,682 @@
+"""The credit algebra: values -> redistributed segment rewards -> segment GAE -> token advantages.
+
+Every credit method in rredcot ends here (DESIGN.md section 2). For a response split into
+segments ``k = 1..n`` with prefix states ``s_0 .. s_n`` and outcome reward ``R``:
+
+    V(s_n) := R                          (the finished trace is worth its outcome)
+    r_k     = V(s_k) - V(s_{k-1})        (redistributed reward; sum_k r_k = R - V(s_0))
+    A_k     = sum_{j >= k} lam^(j-k) r_j (segment-level GAE, gamma = 1)
+
+and every token of segment ``k`` gets ``A_k``, optionally normalised over the batch.
+
+Pure tensor functions, torch only. Layout conventions (docs/architecture.md):
+
+- values ``(B, S+1)`` with ``value_mask (B, S+1)``: ``values[b, k] = V(s_k)``, valid for
+  ``k <= n_b``; the mask is a prefix mask with at least one True (``s_0``) per row.
+- segment quantities ``(B, S)`` with ``segment_mask (B, S)``: column ``k-1`` holds segment ``k``.
+- token quantities ``(B, T)`` with ``response_mask (B, T)``.
+- ``segment_ids (B, T)`` long: the 0-based segment of each response token, ``-1`` on padding.
+
+Masks may be bool or 0/1 numbers (nonzero = valid). Every reduction is masked, and padded
+positions of every output are exactly 0: whatever sits in the padding (even NaN) never leaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "boundaries_to_segment_ids",
+    "get_normalizer",
+    "group_mean_std",
+    "grpo_advantages",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "normalize_advantages",
+    "redistribute",
+    "register_normalizer",
+    "segment_advantages_from_values",
+    "segment_gae",
+    "segments_to_tokens",
+    "token_advantages_from_values",
+    "weights_to_segment_rewards",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------
+
+
+def _check_shape(t: Tensor, shape: tuple[int, ...], name: str, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_ndim(t: Tensor, ndim: int, name: str, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim}-D), got {tuple(t.shape)}")
+
+
+def _as_bool(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _as_float(t: Tensor, like: Tensor | None = None) -> Tensor:
+    if like is not None:
+        return t.to(like.dtype)
+    return t if t.is_floating_point() else t.to(torch.get_default_dtype())
+
+
+def _check_prefix_mask(mask: Tensor, name: str, at_least_one: bool) -> None:
+    """Raise unless every row of the 2-D bool ``mask`` is True on a prefix and False after it."""
+    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        row = int((mask[:, 1:] & ~mask[:, :-1]).any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"{name} must be a prefix mask (True for the first entries of a row, False after): "
+            f"row {row} is {mask[row].int().tolist()}. Pad each row on the right."
+        )
+    if at_least_one and mask.shape[0] > 0 and not bool(mask[:, :1].all()):
+        row = int((~mask[:, 0]).nonzero()[0]) if mask.shape[1] > 0 else 0
+        raise ValueError(
+            f"{name} needs at least one True per row (column 0 is V(s_0), the prompt's value); "
+            f"row {row} has none."
+        )
+
+
+def _check_lam(lam: float) -> float:
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)):
+        raise TypeError(f"lam must be a float in [0, 1], got {lam!r}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(
+            f"lam must be in [0, 1] (0: A_k = r_k, 1: A_k = R - V(s_(k-1))), got {lam}"
+        )
+    return float(lam)
+
+
+# --------------------------------------------------------------------------------------
+# Values -> segment rewards -> segment advantages
+# --------------------------------------------------------------------------------------
+
+
+def redistribute(values: Tensor, value_mask: Tensor, rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """Redistribute each outcome over its segments by differences of values.
+
+    Row ``b`` has ``n_b = value_mask[b].sum() - 1`` segments. ``V(s_{n_b})`` is replaced by the
+    outcome ``R_b`` (whatever ``values[b, n_b]`` holds is ignored) and segment ``k`` gets
+    ``r_k = V(s_k) - V(s_{k-1})`` at column ``k-1``. The rewards of a row telescope to
+    ``R_b - V(s_0)`` whatever the value estimates are. Rows with ``n_b = 0`` (empty response)
+    have no segments.
+
+    Args:
+        values: ``(B, S+1)`` float, ``values[b, k] = V(s_k)``.
+        value_mask: ``(B, S+1)`` prefix mask, at least one True per row.
+        rewards: ``(B,)`` outcome rewards.
+
+    Returns:
+        segment_rewards ``(B, S)`` (0 on padding) and segment_mask ``(B, S)`` bool.
+    """
+    _check_ndim(values, 2, "values", "(B, S+1)")
+    if values.shape[1] < 1:
+        raise ValueError("values must have at least one column (V(s_0)); got shape (B, 0)")
+    _check_shape(value_mask, tuple(values.shape), "value_mask", "(B, S+1)")
+    _check_shape(rewards, (values.shape[0],), "rewards", "(B,)")
+    values = _as_float(values)
+    value_mask = _as_bool(value_mask)
+    _check_prefix_mask(value_mask, "value_mask", at_least_one=True)
+
+    last = value_mask.sum(dim=1) - 1  # (B,) index of s_n
+    full = torch.where(value_mask, values, torch.zeros_like(values))
+    full = full.scatter(1, last[:, None], _as_float(rewards, like=values)[:, None])
+    segment_mask = value_mask[:, 1:]
+    diffs = full[:, 1:] - full[:, :-1]
+    segment_rewards = torch.where(segment_mask, diffs, torch.zeros_like(diffs))
+    return segment_rewards, segment_mask
+
+
+def segment_gae(segment_rewards: Tensor, segment_mask: Tensor, lam: float) -> Tensor:
+    """Segment-level GAE with gamma = 1: ``A_k = sum_{j >= k} lam^(j-k) r_j`` over valid segments.
+
+    ``lam = 0`` gives ``A_k = r_k`` (pure redistribution); ``lam = 1`` gives
+    ``A_k = R - V(s_{k-1})`` (Monte Carlo return with a state-value baseline).
+
+    Args:
+        segment_rewards: ``(B, S)`` from :func:`redistribute`.
+        segment_mask: ``(B, S)`` prefix mask.
+        lam: GAE lambda in ``[0, 1]``.
+
+    Returns:
+        segment_advantages ``(B, S)``, 0 on padding.
+    """
+    lam = _check_lam(lam)
+    _check_ndim(segment_rewards, 2, "segment_rewards", "(B, S)")
+    _check_shape(segment_mask, tuple(segment_rewards.shape), "segment_mask", "(B, S)")
+    segment_rewards = _as_float(segment_rewards)
+    segment_mask = _as_bool(segment_mask)
+    _check_prefix_mask(segment_mask, "segment_mask", at_least_one=False)
+
+    r = torch.where(segment_mask, segment_rewards, torch.zeros_like(segment_rewards))
+    advantages = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0]) if r.shape[1] > 0 else None
+    for k in reversed(range(r.shape[1])):  # padding is on the right and is 0: it adds nothing
+        running = r[:, k] + lam * running
+        advantages[:, k] = running
+    return torch.where(segment_mask, advantages, torch.zeros_like(advantages))
+
+
+def segment_advantages_from_values(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, lam: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`redistribute` then :func:`segment_gae`.
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)``; rewards: ``(B,)``; lam in ``[0, 1]``.
+
+    Returns:
+        segment_advantages ``(B, S)``, segment_mask ``(B, S)``, segment_rewards ``(B, S)``.
+    """
+    segment_rewards, segment_mask = redistribute(values, value_mask, rewards)
+    return segment_gae(segment_rewards, segment_mask, lam), segment_mask, segment_rewards
+
+
+def weights_to_segment_rewards(
+    weights: Tensor, segment_mask: Tensor, rewards: Tensor, baseline: Tensor
+) -> Tensor:
+    """Split ``R - baseline`` over segments by attribution weights: ``r_k = w_k (R - baseline)``.
+
+    Weights are renormalised over the valid segments of each row so they sum to 1; they must
+    be finite and ``>= 0`` there (padding is ignored). A row whose valid weights are all zero
+    gets uniform weights ``1 / n_b``. Rows without segments get nothing.
+
+    Args:
+        weights: ``(B, S)`` non-negative attribution weights.
+        segment_mask: ``(B, S)`` prefix mask.
+        rewards: ``(B,)`` outcome rewards.
+        baseline: ``(B,)`` the value of the prompt, ``V(s_0)`` (e.g. the group mean reward).
+
+    Returns:
+        segment_rewards ``(B, S)``, 0 on padding; each row sums to ``R - baseline`` when it
+        has at least one segment. Feed it to :func:`segment_gae` (usually with ``lam = 0``).
+    """
+    _check_ndim(weights, 2, "weights", "(B, S)")
+    _check_shape(segment_mask, tuple(weights.shape), "segment_mask", "(B, S)")
+    _check_shape(rewards, (weights.shape[0],), "rewards", "(B,)")
+    _check_shape(baseline, (weights.shape[0],), "baseline", "(B,)")
+    weights = _as_float(weights)
+    segment_mask = _as_bool(segment_mask)
+    _check_prefix_mask(segment_mask, "segment_mask", at_least_one=False)
+
+    w = torch.where(segment_mask, weights, torch.zeros_like(weights))
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(
+            "weights must be finite and >= 0 on valid segments (use e.g. abs() or a softmax "
+            "on signed attributions)"
+        )
+    total = w.sum(dim=1, keepdim=True)
+    uniform = segment_mask.to(w.dtype)
+    w = torch.where(total > 0, w, uniform)
+    w = w / w.sum(dim=1, keepdim=True).clamp_min(1.0e-30)
+    credit = _as_float(rewards, like=w) - _as_float(baseline, like=w)
+    return torch.where(segment_mask, w * credit[:, None], torch.zeros_like(w))
+
+
+# --------------------------------------------------------------------------------------
+# Segments <-> tokens
+# --------------------------------------------------------------------------------------
+
+
+def boundaries_to_segment_ids(
+    boundaries: list[list[int]], response_len: int, device: torch.device | str | None = None
+) -> Tensor:
+    """Map token boundaries to a per-token segment index.
+
+    Token ``t`` of row ``b`` gets ``k-1`` when ``b_{k-1} <= t < b_k``, and ``-1`` at or beyond
+    the row's last boundary (padding). A row ``[0]`` (or ``[]``) is an empty response.
+
+    Args:
+        boundaries: per row ``[0, b_1, ..., b_n]``, strictly increasing, ``b_n <= response_len``.
+        response_len: ``T``, the padded response length.
+        device: where to put the result.
+
+    Returns:
+        segment_ids ``(B, T)`` long.
+    """
+    if isinstance(response_len, bool) or not isinstance(response_len, int) or response_len < 0:
+        raise ValueError(f"response_len must be a non-negative int, got {response_len!r}")
+    segment_ids = torch.full((len(boundaries), response_len), -1, dtype=torch.long)
+    for row, bounds in enumerate(boundaries):
+        bounds = list(bounds)
+        if not bounds:
+            continue
+        if bounds[0] != 0:
+            raise ValueError(f"boundaries[{row}] must start at 0, got {bounds}")
+        if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(
+                f"boundaries[{row}] must be strictly increasing (empty segments are dropped "
+                f"when spans become boundaries), got {bounds}"
+            )
+        if bounds[-1] > response_len:
+            raise ValueError(
+                f"boundaries[{row}] ends at {bounds[-1]}, beyond response_len={response_len}"
+            )
+        lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.long)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        segment_ids[row, : bounds[-1]] = ids
+    return segment_ids.to(device) if device is not None else segment_ids
+
+
+def segments_to_tokens(
+    segment_values: Tensor, segment_ids: Tensor, response_mask: Tensor
+) -> Tensor:
+    """Give every response token the value of its segment.
+
+    Args:
+        segment_values: ``(B, S)``.
+        segment_ids: ``(B, T)`` long, in ``[-1, S)``.
+        response_mask: ``(B, T)``.
+
+    Returns:
+        token_values ``(B, T)``: ``segment_values[b, segment_ids[b, t]]``, 0 where the mask is
+        False or ``segment_ids == -1``.
+    """
+    _check_ndim(segment_values, 2, "segment_values", "(B, S)")
+    _check_ndim(segment_ids, 2, "segment_ids", "(B, T)")
+    if segment_ids.shape[0] != segment_values.shape[0]:
+        raise ValueError(
+            f"segment_ids (B, T) = {tuple(segment_ids.shape)} and segment_values (B, S) = "
+            f"{tuple(segment_values.shape)} disagree on B"
+        )
+    _check_shape(response_mask, tuple(segment_ids.shape), "response_mask", "(B, T)")
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+        raise TypeError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
+    num_segments = segment_values.shape[1]
+    if segment_ids.numel() and (
+        int(segment_ids.min()) < -1 or int(segment_ids.max()) >= num_segments
+    ):
+        raise ValueError(
+            f"segment_ids must lie in [-1, S) = [-1, {num_segments}), got range "
+            f"[{int(segment_ids.min())}, {int(segment_ids.max())}]"
+        )
+    valid = _as_bool(response_mask) & (segment_ids >= 0)
+    if num_segments == 0:
+        return torch.zeros(segment_ids.shape, dtype=segment_values.dtype, device=segment_ids.device)
+    gathered = segment_values.gather(1, segment_ids.clamp_min(0).long())
+    return torch.where(valid, gathered, torch.zeros_like(gathered))
+
+
+# --------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is True (0 when there are none).
+
+    Args:
+        x: any shape; mask: same shape; dim: reduce over this dim, or over everything if None.
+    """
+    _check_shape(mask, tuple(x.shape), "mask", "(same as x)")
+    mask = _as_bool(mask)
+    kept = torch.where(mask, x, torch.zeros_like(x))
+    if dim is None:
+        return kept.sum() / mask.sum().clamp_min(1)
+    return kept.sum(dim=dim, keepdim=keepdim) / mask.sum(dim=dim, keepdim=keepdim).clamp_min(1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, dim: int | None = None) -> Tensor:
+    """Variance of ``x`` over positions where ``mask`` is True.
+
+    ``unbiased`` applies Bessel's correction ``n / (n - 1)``. With fewer than two valid
+    positions the variance is 0 (not NaN).
+    """
+    _check_shape(mask, tuple(x.shape), "mask", "(same as x)")
+    mask = _as_bool(mask)
+    keep = dim is not None
+    mean = masked_mean(x, mask, dim=dim, keepdim=keep)
+    centered = torch.where(mask, x - mean, torch.zeros_like(x))
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    sq = (centered**2).sum() if dim is None else (centered**2).sum(dim=dim)
+    var = sq / count.clamp_min(1)
+    if unbiased:
+        var = torch.where(count > 1, var * count / (count - 1).clamp_min(1), torch.zeros_like(var))
+    return var
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, min_std: float = 0.0
+) -> Tensor:
+    """Whiten ``x`` over the masked positions: ``(x - mean) / sqrt(var + eps)``; 0 on padding.
+
+    ``shift_mean=False`` adds the mean back (rescale only). ``min_std`` floors the std so that a
+    batch of near-zero values is not blown up to unit variance (default: no floor).
+    """
+    mask = _as_bool(mask)
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True).clamp_min(min_std**2)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def group_mean_std(
+    rewards: Tensor, group_ids: Tensor, leave_one_out: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Per-prompt group statistics of the rewards, broadcast back to the rows.
+
+    Groups are the rows that share a ``group_id`` (any integers, in any order). The std is
+    GRPO's: ``torch.std`` with Bessel's correction over the group, as TRL's ``GRPOTrainer``
+    (``nanstd``) computes it. A group of one row has std 0 (TRL gets NaN there and zeroes the
+    advantage afterwards; the resulting advantage is 0 either way).
+
+    With ``leave_one_out`` the mean of row ``i`` excludes the row itself (RLOO baseline:
+    ``(sum_g - r_i) / (n_g - 1)``). A group of one row has no other rows: its baseline is the
+    row's own reward, so its advantage is 0 as without leave-one-out (no signal from a prompt
+    sampled once, instead of a baseline-free REINFORCE term). The std is the full group's.
+
+    Args:
+        rewards: ``(B,)`` float.
+        group_ids: ``(B,)`` integer.
+
+    Returns:
+        mean ``(B,)`` and std ``(B,)``.
+    """
+    _check_ndim(rewards, 1, "rewards", "(B,)")
+    _check_shape(group_ids, tuple(rewards.shape), "group_ids", "(B,)")
+    if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
+        raise TypeError(f"group_ids must be an integer tensor (B,), got {group_ids.dtype}")
+    rewards = _as_float(rewards)
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite; give unscorable completions a reward (e.g. 0)")
+
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    count = count.index_add(0, inverse, torch.ones_like(rewards))[inverse]
+    total = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    total = total.index_add(0, inverse, rewards)[inverse]
+    mean = total / count
+
+    sq = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    sq = sq.index_add(0, inverse, (rewards - mean) ** 2)[inverse]
+    var = sq / count
+    var = torch.where(count > 1, var * (count / (count - 1).clamp_min(1)), torch.zeros_like(var))
+    std = torch.sqrt(var)
+
+    if leave_one_out:
+        others = (count - 1).clamp_min(1)
+        mean = torch.where(count > 1, (total - rewards) / others, rewards)
+    return mean, std
+
+
+def _batch_std(rewards: Tensor) -> Tensor:
+    """Unbiased std of all rewards ``(B,)`` -> scalar; 0 for a batch of one row."""
+    if rewards.numel() < 2:
+        return torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    return rewards.std()
+
+
+# --------------------------------------------------------------------------------------
+# GRPO (uniform credit)
+# --------------------------------------------------------------------------------------
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    response_mask: Tensor,
+    scale_rewards: str | bool = "group",
+    eps: float = 1e-4,
+    leave_one_out: bool = False,
+) -> Tensor:
+    """GRPO's advantages, as TRL's ``GRPOTrainer`` computes them, on every response token.
+
+    ``A = (R - group_mean) / (std + eps)`` with ``std`` the group's (``"group"``), the whole
+    batch's (``"batch"``), or no scaling (``"none"``); ``True``/``False`` mean ``"group"``/
+    ``"none"`` as in TRL. A group whose rewards all agree gets advantage 0, never NaN.
+
+    Args:
+        rewards: ``(B,)``; group_ids: ``(B,)`` integer; response_mask: ``(B, T)``.
+        leave_one_out: use the RLOO baseline (see :func:`group_mean_std`).
+
+    Returns:
+        advantages ``(B, T)``, 0 on padding.
+    """
+    _check_ndim(response_mask, 2, "response_mask", "(B, T)")
+    _check_shape(rewards, (response_mask.shape[0],), "rewards", "(B,)")
+    if scale_rewards is True:
+        scale_rewards = "group"
+    elif scale_rewards is False:
+        scale_rewards = "none"
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(
+            f"scale_rewards must be one of 'group', 'batch', 'none', got {scale_rewards!r}"
+        )
+    rewards = _as_float(rewards)
+    mean, std = group_mean_std(rewards, group_ids, leave_one_out=leave_one_out)
+    if scale_rewards == "batch":
+        std = _batch_std(rewards).expand_as(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + eps)
+    mask = _as_bool(response_mask)
+    return torch.where(mask, advantages[:, None].expand_as(mask), torch.zeros((), dtype=mean.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Advantage normalisation (registry)
+# --------------------------------------------------------------------------------------
+
+Normalizer = Callable[..., Tensor]
+_NORMALIZERS: dict[str, Normalizer] = {}
+
+
+def register_normalizer(name: str) -> Callable[[Normalizer], Normalizer]:
+    """Decorator: register ``fn(advantages, response_mask, rewards, group_ids, *, eps, min_std)``.
+
+    The function gets token advantages ``(B, T)``, ``response_mask (B, T)``, ``rewards (B,)``,
+    ``group_ids (B,)`` (or None) and returns normalised advantages ``(B, T)``, 0 on padding. Its
+    keyword defaults for ``eps`` and ``min_std`` are used when the caller passes None.
+    """
+
+    def decorator(fn: Normalizer) -> Normalizer:
+        if name in _NORMALIZERS:
+            raise ValueError(f"normalizer {name!r} is already registered")
+        _NORMALIZERS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_normalizer(name: str) -> Normalizer:
+    """Look up a registered normalizer; unknown names list the valid ones."""
+    try:
+        return _NORMALIZERS[name]
+    except KeyError:
+        valid = ", ".join(sorted(_NORMALIZERS))
+        raise ValueError(f"unknown advantage normalization {name!r}; valid: {valid}") from None
+
+
+@register_normalizer("none")
+def _normalize_none(
+    advantages: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor | None,
+    *,
+    eps: float = 1e-4,
+    min_std: float = 0.0,
+) -> Tensor:
+    """Leave advantages as they are (``eps``/``min_std`` unused); padding zeroed."""
+    mask = _as_bool(response_mask)
+    return torch.where(mask, advantages, torch.zeros_like(advantages))
+
+
+@register_normalizer("batch_std")
+def _normalize_batch_std(
+    advantages: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor | None,
+    *,
+    eps: float = 1e-4,
+    min_std: float = 0.1,
+) -> Tensor:
+    """Divide by ``max(std of the batch's rewards, min_std) + eps``.
+
+    The std is over rows (one reward per completion, unbiased), not tokens, so long responses
+    do not weigh more. The ``min_std`` floor (default 0.1) keeps a batch whose rewards all agree
+    (std 0) from multiplying value-based credit by ``1 / eps``: at most ``x 1/min_std``.
+    """
+    std = _batch_std(_as_float(rewards, like=advantages)).clamp_min(min_std)
+    mask = _as_bool(response_mask)
+    return torch.where(mask, advantages / (std + eps), torch.zeros_like(advantages))
+
+
+@register_normalizer("whiten")
+def _normalize_whiten(
+    advantages: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor | None,
+    *,
+    eps: float = 1e-8,
+    min_std: float = 0.0,
+) -> Tensor:
+    """Masked whitening over all response tokens of the batch (mean 0, std 1).
+
+    ``min_std`` floors the token std (default none): whitening otherwise blows near-zero
+    advantages up to unit variance.
+    """
+    return masked_whiten(advantages, response_mask, shift_mean=True, eps=eps, min_std=min_std)
+
+
+@register_normalizer("group_std")
+def _normalize_group_std(
+    advantages: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor | None,
+    *,
+    eps: float = 1e-4,
+    min_std: float = 0.0,
+) -> Tensor:
+    """Divide each row by ``max(its group's reward std, min_std) + eps`` (GRPO's scaling).
+
+    Only meaningful for uniform credit, where a group whose rewards agree has advantage 0
+    anyway; with the default ``min_std = 0`` this reproduces GRPO exactly. Value-based credit
+    is non-zero in such groups and gets multiplied by ``1 / eps = 10^4`` (DESIGN.md section 7):
+    use ``batch_std`` or ``whiten`` for it, or set ``min_std`` (e.g. 0.1).
+    """
+    if group_ids is None:
+        raise ValueError("normalization 'group_std' needs group_ids (B,)")
+    _, std = group_mean_std(_as_float(rewards, like=advantages), group_ids)
+    std = std.clamp_min(min_std)
+    mask = _as_bool(response_mask)
+    return torch.where(mask, advantages / (std[:, None] + eps), torch.zeros_like(advantages))
+
+
+def normalize_advantages(
+    advantages: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor | None,
+    mode: str,
+    eps: float | None = None,
+    min_std: float | None = None,
+) -> Tensor:
+    """Normalise token advantages with a registered normalizer.
+
+    Modes: ``"none"``; ``"batch_std"`` (divide by the std of the batch's rewards, floored at
+    ``min_std = 0.1``); ``"whiten"`` (masked whitening over tokens); ``"group_std"`` (divide by
+    each group's reward std + eps; for uniform credit only, see :func:`_normalize_group_std`).
+    ``eps`` / ``min_std`` = None use the mode's defaults (``eps``: 1e-4 added to a std; 1e-8
+    added to the variance for ``whiten``).
+
+    Args:
+        advantages: ``(B, T)``; response_mask: ``(B, T)``; rewards: ``(B,)``;
+        group_ids: ``(B,)`` integer (needed by ``group_std`` only).
+
+    Returns:
+        normalised advantages ``(B, T)``, 0 on padding.
+    """
+    normalizer = get_normalizer(mode)
+    _check_ndim(advantages, 2, "advantages", "(B, T)")
+    _check_shape(response_mask, tuple(advantages.shape), "response_mask", "(B, T)")
+    _check_shape(rewards, (advantages.shape[0],), "rewards", "(B,)")
+    if group_ids is not None:
+        _check_shape(group_ids, (advantages.shape[0],), "group_ids", "(B,)")
+    kwargs = {}
+    if eps is not None:
+        kwargs["eps"] = eps
+    if min_std is not None:
+        kwargs["min_std"] = min_std
+    return normalizer(_as_float(advantages), response_mask, rewards, group_ids, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# The entry point of value-based credit methods
+# --------------------------------------------------------------------------------------
+
+
+def token_advantages_from_values(
+    values: Tensor,
+    value_mask: Tensor,
+    rewards: Tensor,
+    segment_ids: Tensor,
+    response_mask: Tensor,
+    lam: float,
+    normalization: str = "batch_std",
+    group_ids: Tensor | None = None,
+    eps: float | None = None,
+    min_std: float | None = None,
+) -> Tensor:
+    """Values of the segment boundaries -> normalised token advantages.
+
+    redistribute -> segment GAE -> every token of segment ``k`` gets ``A_k`` -> normalise.
+
+    Args:
+        values: ``(B, S+1)``, ``values[b, k] = V(s_k)``; value_mask: ``(B, S+1)`` prefix mask.
+        rewards: ``(B,)``.
+        segment_ids: ``(B, T)`` long from :func:`boundaries_to_segment_ids`; row ``b`` must use
+            exactly segments ``0 .. n_b - 1`` where ``n_b = value_mask[b].sum() - 1``.
+        response_mask: ``(B, T)``.
+        lam: GAE lambda in ``[0, 1]``.
+        normalization: a registered normalizer (``none``, ``batch_std``, ``whiten``,
+            ``group_std``); see :func:`normalize_advantages`.
+        group_ids: ``(B,)`` integer, needed for ``group_std``.
+
+    Returns:
+        token advantages ``(B, T)``, 0 on padding.
+    """
+    get_normalizer(normalization)  # fail before any work on a typo
+    segment_advantages, segment_mask, _ = segment_advantages_from_values(
+        values, value_mask, rewards, lam
+    )
+    _check_ndim(segment_ids, 2, "segment_ids", "(B, T)")
+    if segment_ids.shape[0] != values.shape[0]:
+        raise ValueError(
+            f"segment_ids (B, T) = {tuple(segment_ids.shape)} and values (B, S+1) = "
+            f"{tuple(values.shape)} disagree on B"
+        )
+    num_segments = segment_mask.sum(dim=1)
+    used = segment_ids.max(dim=1).values + 1 if segment_ids.shape[1] else num_segments * 0
+    if bool((used != num_segments).any()):
+        row = int((used != num_segments).nonzero()[0])
+        raise ValueError(
+            f"row {row}: segment_ids use {int(used[row])} segments but value_mask gives "
+            f"{int(num_segments[row])} (n + 1 values for n segments); build both from the same "
+            "boundaries"
+        )
+    token_advantages = segments_to_tokens(segment_advantages, segment_ids, response_mask)
+    return normalize_advantages(
+        token_advantages, response_mask, rewards, group_ids, normalization, eps=eps, min_std=min_std
+    )
