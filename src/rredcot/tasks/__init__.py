@@ -1,0 +1,38 @@
+"""Tasks: problems, prompts, verifiers.
+
+Built-in tasks are imported on first use (`get_task(name)`), so a task whose module needs an
+optional extra (datasets, reasoning-gym) costs nothing until it is asked for. A task module
+registers itself with `@register_task("name")`; add one `register_lazy_task` line below for it.
+"""
+
+from rredcot.tasks.base import (
+    NoParams,
+    Problem,
+    Task,
+    Verdict,
+    describe_params,
+    get_task,
+    get_task_class,
+    list_tasks,
+    make_params,
+    register_lazy_task,
+    register_task,
+    safe_verify,
+)
+
+register_lazy_task("arithmetic", "rredcot.tasks.arithmetic")
+
+__all__ = [
+    "NoParams",
+    "Problem",
+    "Task",
+    "Verdict",
+    "describe_params",
+    "get_task",
+    "get_task_class",
+    "list_tasks",
+    "make_params",
+    "register_lazy_task",
+    "register_task",
+    "safe_verify",
+]
