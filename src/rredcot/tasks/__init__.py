@@ -21,6 +21,9 @@ from rredcot.tasks.base import (
 )
 
 register_lazy_task("arithmetic", "rredcot.tasks.arithmetic")
+register_lazy_task("dataset", "rredcot.tasks.dataset")
+register_lazy_task("gsm8k", "rredcot.tasks.dataset")
+register_lazy_task("reasoning_gym", "rredcot.tasks.reasoning_gym")
 
 __all__ = [
     "NoParams",
