@@ -1,0 +1,191 @@
+"""Character tokenizer, tiny Llama factory, load_policy, count_parameters."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from rredcot.models import (
+    DEFAULT_CHARSET,
+    build_char_tokenizer,
+    build_tiny_llama,
+    count_parameters,
+    load_policy,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return build_tiny_llama(tok)
+
+
+# -- tokenizer --------------------------------------------------------------------------------
+
+
+def test_char_tokenizer_vocab_and_special_ids(tok):
+    assert len(tok) == 4 + 96
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert "\n" in DEFAULT_CHARSET and " " in DEFAULT_CHARSET and "~" in DEFAULT_CHARSET
+    assert tok.padding_side == "left"
+
+
+def test_one_token_per_char_bos_prepended(tok):
+    text = "7+3=10\nA: 15"
+    ids = tok(text).input_ids
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1
+    assert tok(text, add_special_tokens=False).input_ids == ids[1:]
+    assert tok.convert_ids_to_tokens(ids[1:]) == list(text)
+    assert tok.eos_token_id not in ids
+
+
+def test_decode_has_no_inserted_spaces(tok):
+    text = "a . b ,c\n\n  d 's"
+    ids = tok(text).input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.decode(ids) == "<bos>" + text
+    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_offsets_map_each_token_to_its_character(tok):
+    text = "12*3=36\nA:36"
+    enc = tok(text, return_offsets_mapping=True)
+    assert enc.offset_mapping[0] == (0, 0)  # <bos>
+    assert enc.offset_mapping[1:] == [(i, i + 1) for i in range(len(text))]
+
+
+def test_unknown_characters_become_unk(tok):
+    ids = tok("a\u00e9b", add_special_tokens=False).input_ids
+    assert ids == [tok.convert_tokens_to_ids("a"), tok.unk_token_id, tok.convert_tokens_to_ids("b")]
+
+
+def test_custom_charset_and_bad_charset():
+    small = build_char_tokenizer("0123456789+-*=?A:\n", padding_side="right")
+    assert len(small) == 4 + 18 and small.padding_side == "right"
+    assert small.decode(small("1+2=?\n", add_special_tokens=False).input_ids) == "1+2=?\n"
+    with pytest.raises(ValueError, match="empty"):
+        build_char_tokenizer("")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=DEFAULT_CHARSET, max_size=300))
+def test_round_trip_is_exact_on_printable_text(text):
+    tok = _TOK
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    if "<" not in text:  # text spelling "<eos>" etc. is read as the special token, by design
+        assert len(enc.input_ids) == len(text)
+        assert enc.offset_mapping == [(i, i + 1) for i in range(len(text))]
+    assert tok.decode(enc.input_ids) == text
+    assert "".join(text[s:e] for s, e in enc.offset_mapping) == text
+
+
+_TOK = build_char_tokenizer()
+
+
+def test_save_and_autotokenizer_round_trip(tok, tmp_path):
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "9-4=5\n5*2=10\nA:10"
+    assert loaded(text).input_ids == tok(text).input_ids
+    assert loaded.decode(loaded(text).input_ids, skip_special_tokens=True) == text
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
+    assert loaded(text, return_offsets_mapping=True).offset_mapping[1:4] == [(0, 1), (1, 2), (2, 3)]
+
+
+# -- tiny llama -------------------------------------------------------------------------------
+
+
+def test_tiny_llama_config_and_size(tok, model):
+    n = count_parameters(model)
+    assert 200_000 <= n <= 1_000_000
+    # Tied embeddings count once: 100*64 embedding + 4 layers of (4*64*64 attn + 3*64*256 mlp
+    # + 2*64 norms) + a final 64 norm.
+    assert n == 100 * 64 + 4 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64) + 64
+    cfg, gen = model.config, model.generation_config
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (0, 1, 2)
+    assert (gen.pad_token_id, gen.bos_token_id, gen.eos_token_id) == (0, 1, 2)
+    assert cfg.vocab_size == len(tok)
+    model.requires_grad_(False)
+    assert count_parameters(model, trainable_only=True) == 0
+    model.requires_grad_(True)
+    assert count_parameters(model, trainable_only=True) == n
+
+
+def test_tiny_llama_is_deterministic_in_seed_and_keeps_global_rng(tok, model):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    same = build_tiny_llama(tok, seed=0)
+    assert torch.equal(torch.rand(3), expected)  # global RNG untouched
+    other = build_tiny_llama(tok, seed=1)
+    ref, a, b = model.state_dict(), same.state_dict(), other.state_dict()
+    assert all(torch.equal(ref[k], a[k]) for k in ref)
+    assert not torch.equal(ref["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+
+
+def test_tiny_llama_bad_heads(tok):
+    with pytest.raises(ValueError, match="divisible"):
+        build_tiny_llama(tok, hidden_size=30, num_heads=4)
+
+
+def test_forward_and_generate(tok, model):
+    enc = tok(["7+3=?\n", "12*3-4=?\n"], return_tensors="pt", padding=True)
+    assert enc.input_ids[0, 0] == tok.pad_token_id  # left padding
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert logits.shape == (2, enc.input_ids.shape[1], len(tok))
+    assert torch.isfinite(logits).all()
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return model.generate(**enc, max_new_tokens=4, do_sample=True, top_k=0)
+
+    a, b, c = sample(0), sample(0), sample(1)
+    assert a.shape == (2, enc.input_ids.shape[1] + 4)
+    assert torch.equal(a[:, : enc.input_ids.shape[1]], enc.input_ids)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = model.generate(**enc, max_new_tokens=1, do_sample=False)
+    assert torch.equal(greedy[:, -1], logits[:, -1].argmax(-1))
+
+
+# -- load_policy ------------------------------------------------------------------------------
+
+
+def test_load_policy_round_trip(tok, model, tmp_path):
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, ltok = load_policy(tmp_path, attn_implementation="eager")
+    assert not loaded.training and ltok.padding_side == "left"
+    assert ltok.pad_token_id == 0 and loaded.generation_config.eos_token_id == 2
+    enc = tok(["7+3=?\n", "12*3-4=?\n"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        assert torch.allclose(model(**enc).logits, loaded(**enc).logits, atol=1e-6)
+    half, rtok = load_policy(str(tmp_path), dtype="bf16", padding_side="right")
+    assert half.dtype == torch.bfloat16 and rtok.padding_side == "right"
+
+
+def test_load_policy_sets_missing_pad_to_eos(tok, model, tmp_path):
+    model.save_pretrained(tmp_path)
+    no_pad = build_char_tokenizer()
+    no_pad.pad_token = None
+    no_pad.save_pretrained(tmp_path)
+    _, ltok = load_policy(tmp_path)
+    assert ltok.pad_token == "<eos>" and ltok.pad_token_id == 2
+
+
+def test_load_policy_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model directory at .*missing.*save_pretrained"):
+        load_policy(tmp_path / "missing")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8x'"):
+        load_policy(tmp_path, dtype="fp8x")
+
+
+def test_load_policy_dir_without_model_names_the_dir(tok, tmp_path):
+    tok.save_pretrained(tmp_path)  # tokenizer only, no weights
+    with pytest.raises(OSError, match="could not load a causal LM and tokenizer from directory"):
+        load_policy(tmp_path)
