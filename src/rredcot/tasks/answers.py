@@ -192,9 +192,15 @@ def _math_verify_match(predicted: str, reference: str) -> bool:
     mv = _load_math_verify()
     # math-verify's timeouts use signal.alarm, which only works in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
+
+    def parse(text: str) -> list:
+        # bare LaTeX such as \dfrac{1}{2} or (x+1)^2 is only read inside math delimiters
+        return mv.parse(text, parsing_timeout=timeout) or mv.parse(
+            f"${text}$", parsing_timeout=timeout
+        )
+
     try:
-        gold = mv.parse(reference, parsing_timeout=timeout)
-        pred = mv.parse(predicted, parsing_timeout=timeout)
+        gold, pred = parse(reference), parse(predicted)
         if not gold or not pred:
             return False
         return bool(mv.verify(gold, pred, timeout_seconds=timeout))

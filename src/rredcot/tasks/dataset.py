@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,8 +92,8 @@ class DatasetParams:
         default=None,
     )
     eval_split: str | None = _help(
-        "Split of `data` (or of `eval_data`) to evaluate on, e.g. 'test'. Ignored for a single "
-        "file, which has no splits: then eval_fraction of its rows is held out.",
+        "Split of `data` (or of `eval_data`) to evaluate on, e.g. 'test'. Where `data` has no such "
+        "split (a single file, a single saved Dataset), eval_fraction of its rows is held out.",
         default=None,
     )
     eval_fraction: float = _help(
@@ -170,7 +171,7 @@ class Gsm8kParams(DatasetParams):
     )
     subset: str | None = _help("Hub dataset configuration of openai/gsm8k.", default="main")
     eval_split: str | None = _help(
-        "Split evaluated on when `data` has splits; a single file holds out eval_fraction.",
+        "Split evaluated on where `data` has it; otherwise eval_fraction is held out.",
         default="test",
     )
     answer_format: str = _help("How the reference is written; GSM8K: '#### 72'.", default="gsm8k")
@@ -347,9 +348,20 @@ def _load_hub(name: str, split: str, subset: str | None, limit: int | None) -> l
     return _dataset_rows(ds, f"{name}[{split}]", limit)
 
 
-def _has_splits(source: str) -> bool:
-    """Whether ``source`` can be asked for a split (not a single file)."""
-    return not Path(source).expanduser().is_file()
+def _split_status(source: str, split: str, subset: str | None) -> str:
+    """``"yes"`` if ``source`` has ``split``, ``"no"`` if it has splits but not this one,
+    ``"none"`` if it has no splits at all (a single file or a single saved ``Dataset``)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return "none"
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            return "yes" if split in splits else "no"
+        if (path / "state.json").exists():
+            return "none"
+        return "yes" if _split_files(path, split, subset) else "no"
+    return "yes"  # a hub dataset: load_dataset will tell
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,14 +457,23 @@ class DatasetTask(Task):
             return
         p = self.params
         train = self._problems(load_rows(p.data, p.split, p.subset, p.max_examples))
+        split_status = "none"  # does `data` itself have the eval split?
+        if not p.eval_data and p.eval_split:
+            split_status = _split_status(p.data, p.eval_split, p.subset)
         if p.eval_data:
             eval_split = p.eval_split or "test"
             self._eval = self._problems(
                 load_rows(p.eval_data, eval_split, p.subset, p.max_examples)
             )
-        elif p.eval_split and _has_splits(p.data):
+        elif split_status == "yes":
             self._eval = self._problems(load_rows(p.data, p.eval_split, p.subset, p.max_examples))
         else:
+            if split_status == "no":
+                warnings.warn(
+                    f"{p.data} has no split {p.eval_split!r}; holding out eval_fraction="
+                    f"{p.eval_fraction} of the training rows instead",
+                    stacklevel=2,
+                )
             order = list(range(len(train)))
             random.Random(p.split_seed).shuffle(order)
             n_eval = math.ceil(p.eval_fraction * len(train)) if p.eval_fraction > 0 else 0

@@ -38,7 +38,7 @@ ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
 _NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
 # The value written right after the annotation: optional space / currency sign, then a number.
-_AFTER_RE = re.compile(r"\s?\$?\s?(-?(?:" + _NUMBER + r")(?:/(?:" + _NUMBER + r"))?)")
+_AFTER_RE = re.compile(r"\s?\$?\s?(-?(?:" + _NUMBER + r")(?:/(?:" + _NUMBER + r"))?)(\s?%)?")
 _ANSWER_LINE_RE = re.compile(r"^\s*(?:####|A\s*:)")
 _TOKEN_RE = re.compile(r"\s*(?:(" + _NUMBER + r")|(\*\*|//|[-+*/^()%×÷]))")
 _MAX_MAGNITUDE = 1e100  # beyond this an "arithmetic" line is not arithmetic any more
@@ -210,6 +210,8 @@ def _check_annotation(inner: str, after: str) -> tuple[str, str]:
     m = _AFTER_RE.match(after)
     if m is not None:
         shown = evaluate(m.group(1))
+        if m.group(2) and abs(shown / 100 - right) < abs(shown - right):
+            shown /= 100  # <<20/100=20%>>20% (a percent result) rather than <<100-25=75>>75%
         # The text may round or truncate the result to the decimals it shows (<<30/7=4.2857>>4
         # people, <<4.2+9.45+1.35=14.999999999999998>>14.99): anything within one unit of the
         # last shown digit passes. An integer result is therefore copied exactly.
