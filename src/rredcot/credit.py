@@ -220,10 +220,11 @@ def weights_to_segment_rewards(
             "weights must be finite and >= 0 on valid segments (use e.g. abs() or a softmax "
             "on signed attributions)"
         )
+    peak = w.amax(dim=1, keepdim=True) if w.shape[1] else w.sum(dim=1, keepdim=True)
+    w = w / torch.where(peak > 0, peak, torch.ones_like(peak))  # in [0, 1]: sums neither over-
+    w = torch.where(peak > 0, w, segment_mask.to(w.dtype))  # nor underflow; all-zero -> uniform
     total = w.sum(dim=1, keepdim=True)
-    uniform = segment_mask.to(w.dtype)
-    w = torch.where(total > 0, w, uniform)
-    w = w / w.sum(dim=1, keepdim=True).clamp_min(1.0e-30)
+    w = w / torch.where(total > 0, total, torch.ones_like(total))
     credit = _as_float(rewards, like=w) - _as_float(baseline, like=w)
     return torch.where(segment_mask, w * credit[:, None], torch.zeros_like(w))
 
@@ -418,10 +419,12 @@ def group_mean_std(
 
 
 def _batch_std(rewards: Tensor) -> Tensor:
-    """Unbiased std of all rewards ``(B,)`` -> scalar; 0 for a batch of one row."""
-    if rewards.numel() < 2:
+    """Unbiased std of all rewards ``(B,)`` -> scalar, computed as TRL's ``nanstd``; 0 for B < 2."""
+    count = rewards.numel()
+    if count < 2:
         return torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-    return rewards.std()
+    var = ((rewards - rewards.mean()) ** 2).mean()
+    return torch.sqrt(var * (count / (count - 1)))
 
 
 # --------------------------------------------------------------------------------------
