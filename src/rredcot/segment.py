@@ -1,0 +1,794 @@
+"""Segmentation: response text -> character spans -> token boundaries (DESIGN.md section 4).
+
+Two layers:
+
+1. ``split_text`` cuts a response into contiguous character spans with a named strategy, then
+   applies the options (final answer handling, ``min_chars``, ``max_segments``).
+2. ``token_offsets`` / ``decode_with_offsets`` give each generated token's character span inside
+   the decoded text, and ``spans_to_boundaries`` turns spans + token offsets into token boundaries
+   ``0 = b_0 < b_1 < ... < b_n = T`` (segment ``k`` is tokens ``[b_{k-1}, b_k)``).
+
+Conventions, shared by every strategy:
+
+- Spans are half-open ``[start, end)``, contiguous, non-empty, and cover the text exactly.
+- Whitespace belongs to the segment before it: a line's ``\\n`` ends that line's segment, blank
+  lines and indentation go with the segment above, and every segment but the first starts on a
+  non-whitespace character. An all-whitespace text is one segment.
+- The final answer line (``answer_pattern``) is merged into the last reasoning step unless
+  ``separate_answer=True``: an answer line as its own segment lets an uncalibrated value head put
+  the whole blame of a wrong trace on it, which collapsed training in our prototype (DESIGN.md
+  section 7).
+- A token belongs to the segment holding its first non-whitespace character (its start when the
+  token is all whitespace or when no text is given): ``" So"`` goes with the segment that ``So``
+  opens, a lone ``"\\n"`` with the line it ends. A token whose bytes straddle a split goes where it
+  starts. Tokens with an empty span (special tokens such as eos) go with the token before them, so
+  a trailing eos belongs to the last segment.
+
+Strategies are looked up by name, with an optional argument after a colon: ``newline``,
+``paragraph``, ``sentence``, ``step[:REGEX]``, ``keywords[:Word|Word ...]``, ``tokens:N``.
+``tokens:N`` counts tokens, so it needs offsets: ``Segmenter.boundaries(text, offsets)`` or
+``split_text(..., offsets=...)``; without offsets ``split_text`` raises a ``ValueError`` (a
+character-count fallback would silently disagree with the token boundaries).
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from heapq import heapify, heappop, heappush
+from itertools import accumulate
+from operator import not_
+from typing import Any
+
+__all__ = [
+    "DEFAULT_ANSWER_PATTERN",
+    "DEFAULT_KEYWORDS",
+    "Segmenter",
+    "Span",
+    "decode_with_offsets",
+    "get_segmenter",
+    "list_segmenters",
+    "register_segmenter",
+    "spans_to_boundaries",
+    "split_text",
+    "token_offsets",
+]
+
+Span = tuple[int, int]
+
+# The last non-blank line is the final answer when it matches (``re.search``, case-insensitive):
+# "A: 18", "Answer: 18", "Final answer: 18", "#### 18", "... \boxed{18}", "So the answer is 18."
+DEFAULT_ANSWER_PATTERN = (
+    r"(?i)^\s*(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*:"
+    r"|^\s*A\s*:"
+    r"|^\s*####"
+    r"|\\boxed\s*\{"
+    r"|\bthe\s+(?:final\s+)?answer\s+is\b"
+)
+
+# Discourse markers that open a new reasoning move (matched case-insensitively at a sentence start).
+DEFAULT_KEYWORDS = (
+    "Wait",
+    "So",
+    "Therefore",
+    "But",
+    "Alternatively",
+    "Let me",
+    "Let's",
+    "Hmm",
+    "Now",
+    "Next",
+    "Finally",
+    "Thus",
+    "Hence",
+    "However",
+    "Actually",
+    "Okay",
+    "Hold on",
+    "Instead",
+    "On second thought",
+)
+
+# A "." after these words does not end a sentence (compared lower-case, leading brackets stripped).
+_ABBREVIATIONS = frozenset(
+    [
+        "e.g.",
+        "i.e.",
+        "etc.",
+        "vs.",
+        "cf.",
+        "mr.",
+        "mrs.",
+        "ms.",
+        "dr.",
+        "prof.",
+        "sr.",
+        "jr.",
+        "fig.",
+        "eq.",
+        "approx.",
+        "al.",
+        "u.s.",
+    ]
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Strategy registry
+# --------------------------------------------------------------------------------------------
+
+
+def _no_arg(name: str, arg: str | None) -> None:
+    if arg is not None:
+        raise ValueError(f"segmentation strategy {name!r} takes no argument, got {name}:{arg}")
+
+
+@dataclass(frozen=True)
+class _Strategy:
+    fn: Callable[..., Iterable[int]]
+    parse_arg: Callable[[str, str | None], Any]
+    uses_tokens: bool
+    usage: str
+
+
+_STRATEGIES: dict[str, _Strategy] = {}
+
+
+def register_segmenter(
+    name: str,
+    *,
+    parse_arg: Callable[[str, str | None], Any] | None = None,
+    uses_tokens: bool = False,
+    usage: str | None = None,
+) -> Callable[[Callable[..., Iterable[int]]], Callable[..., Iterable[int]]]:
+    """Register a segmentation strategy under ``name`` (decorator).
+
+    The strategy returns cut positions: character offsets where a new segment starts, in any
+    order (duplicates, 0 and ``len(text)`` are ignored). A text strategy is ``fn(text, arg)``; its
+    cuts are moved past whitespace so that whitespace stays with the segment before. A token
+    strategy (``uses_tokens=True``) is ``fn(text, arg, positions)`` with ``positions[i]`` the
+    character position of token ``i``; its cuts are used as given. ``parse_arg(name, arg)`` turns
+    the text after the colon of ``"name:arg"`` (``None`` without a colon) into ``arg`` and raises
+    ``ValueError`` on bad input; by default a strategy takes no argument.
+    """
+    if not name or ":" in name:
+        raise ValueError(f"strategy name must be non-empty and contain no ':', got {name!r}")
+
+    def decorator(fn: Callable[..., Iterable[int]]) -> Callable[..., Iterable[int]]:
+        if name in _STRATEGIES:
+            raise ValueError(f"segmentation strategy {name!r} is already registered")
+        _STRATEGIES[name] = _Strategy(fn, parse_arg or _no_arg, uses_tokens, usage or name)
+        return fn
+
+    return decorator
+
+
+def list_segmenters() -> list[str]:
+    """Usage strings of the registered strategies, e.g. ``["newline", ..., "tokens:N"]``."""
+    return [s.usage for s in _STRATEGIES.values()]
+
+
+def _parse_strategy(strategy: str) -> tuple[_Strategy, Any]:
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a string such as 'sentence', got {strategy!r}")
+    name, colon, arg = strategy.partition(":")
+    if name not in _STRATEGIES:
+        raise ValueError(
+            f"unknown segmentation strategy {strategy!r}; valid: {', '.join(list_segmenters())}"
+        )
+    entry = _STRATEGIES[name]
+    return entry, entry.parse_arg(name, arg if colon else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Text strategies: text -> cut positions
+# --------------------------------------------------------------------------------------------
+
+
+@register_segmenter("newline")
+def _newline(text: str, arg: None) -> list[int]:
+    """Cut after every line break."""
+    return [m.end() for m in re.finditer(r"\n", text)]
+
+
+_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
+
+
+@register_segmenter("paragraph")
+def _paragraph(text: str, arg: None) -> list[int]:
+    """Cut after every blank line (a line holding only whitespace)."""
+    return [m.end() for m in _BLANK_LINE.finditer(text)]
+
+
+_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*(?=\s|\Z)|\n")
+_LIST_MARKER = re.compile(r"[^\S\n]*\d{1,3}")
+_MATH = re.compile(
+    r"\$\$.+?\$\$"  # display $$...$$
+    r"|\\\[.+?\\\]"  # display \[...\]
+    r"|\\\(.+?\\\)"  # inline \(...\)
+    r"|\$(?=[^\s$])[^$\n]*?(?<![\s\\])\$(?!\d)",  # inline $...$ (pandoc's rule)
+    re.DOTALL,
+)
+# Two plain words in a row: an inline "$...$" holding this is prose between two dollar amounts.
+_PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}[.,;:!?]?\s+[A-Za-z]{2,}")
+
+
+def _math_regions(text: str) -> list[Span]:
+    """LaTeX math spans: ``$$..$$``, ``\\[..\\]``, ``\\(..\\)`` and single-line inline ``$..$``.
+
+    Inline ``$`` follows pandoc (non-space after the opening ``$``, non-space before the closing
+    one, no digit right after it), and a candidate that reads like prose is rejected, so that
+    currency such as ``costs $3. Then $5`` is not taken for math.
+    """
+    regions, pos = [], 0
+    while (m := _MATH.search(text, pos)) is not None:
+        inline = m.group().startswith("$") and not m.group().startswith("$$")
+        if inline and _PROSE.search(m.group()):
+            pos = m.start() + 1  # its closing "$" may open a real formula
+            continue
+        regions.append(m.span())
+        pos = m.end()
+    return regions
+
+
+def _inside(regions: list[Span], pos: int) -> bool:
+    k = bisect_right(regions, (pos, float("inf"))) - 1
+    return k >= 0 and regions[k][0] <= pos < regions[k][1]
+
+
+def _is_non_final_period(text: str, dot: int) -> bool:
+    """True for the "." of an abbreviation ("e.g.") or of a list marker at a line start ("2.")."""
+    if text[dot] != ".":
+        return False
+    word_start = max(text.rfind(" ", 0, dot), text.rfind("\n", 0, dot), text.rfind("\t", 0, dot))
+    word = text[word_start + 1 : dot + 1].lstrip("([{\"'\u201c\u2018")
+    if word.lower() in _ABBREVIATIONS:
+        return True
+    line_start = text.rfind("\n", 0, dot) + 1
+    return _LIST_MARKER.fullmatch(text, line_start, dot) is not None
+
+
+@register_segmenter("sentence")
+def _sentence(text: str, arg: None) -> list[int]:
+    """Cut after ``.!?`` followed by whitespace or the end, and after every line break.
+
+    Not after abbreviations or list markers, never inside LaTeX math; numbers such as ``3.14``
+    have no whitespace after the ``.`` so they never split.
+    """
+    math = _math_regions(text)
+    cuts = []
+    for m in _SENTENCE_END.finditer(text):
+        if _inside(math, m.start()) or _is_non_final_period(text, m.start()):
+            continue
+        cuts.append(m.end())
+    return cuts
+
+
+_STEP_MARKER = (
+    r"^[ \t]*(?:#{1,6}[ \t]*)?\**(?:step|stage)\s*\d+\b"  # "Step 3:", "**Step 3**", "### Step 3"
+    r"|^[ \t]*\d{1,3}[.)](?=\s)"  # "1. ", "2) " at a line start (not "3.14")
+)
+
+
+def _parse_regex(name: str, arg: str | None) -> re.Pattern[str]:
+    try:
+        return re.compile(arg or _STEP_MARKER, re.IGNORECASE | re.MULTILINE)
+    except re.error as e:
+        raise ValueError(f"{name}:REGEX has an invalid regular expression {arg!r}: {e}") from e
+
+
+@register_segmenter("step", parse_arg=_parse_regex, usage="step[:REGEX]")
+def _step(text: str, marker: re.Pattern[str]) -> list[int]:
+    """Cut before every step marker (``Step 3:``, ``1.``, ``2)`` at a line start by default)."""
+    return [m.start() for m in marker.finditer(text)]
+
+
+def _parse_keywords(name: str, arg: str | None) -> re.Pattern[str]:
+    words = DEFAULT_KEYWORDS if arg is None else tuple(w.strip() for w in arg.split("|"))
+    if not words or not all(words):
+        raise ValueError(f"{name}:WORDS needs '|'-separated non-empty words, got {arg!r}")
+    alternatives = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+    return re.compile(rf"(?:{alternatives})(?!\w)", re.IGNORECASE)
+
+
+@register_segmenter("keywords", parse_arg=_parse_keywords, usage="keywords[:Word|Word...]")
+def _keywords(text: str, marker: re.Pattern[str]) -> list[int]:
+    """Cut before a discourse marker ("Wait", "So", "Let me", ...) that opens a sentence or line."""
+    starts = _skip_whitespace(text, [0, *_sentence(text, None)])
+    return [p for p in starts if marker.match(text, p)]
+
+
+# --------------------------------------------------------------------------------------------
+# Token strategies: (text, arg, token positions) -> cut positions
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_count(name: str, arg: str | None) -> int:
+    try:
+        n = int(arg) if arg is not None else 0
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name}:N needs a positive integer N (e.g. '{name}:16'), got {arg!r}")
+    return n
+
+
+@register_segmenter("tokens", parse_arg=_parse_count, uses_tokens=True, usage="tokens:N")
+def _tokens(text: str, n: int, positions: list[int]) -> list[int]:
+    """Cut before every N-th token: segments of N tokens (the last one shorter).
+
+    Tokens that share a character position (pieces of one multi-byte character) cannot be
+    separated, so a chunk can be off by one token there.
+    """
+    return positions[n::n]
+
+
+# --------------------------------------------------------------------------------------------
+# Options: whitespace, the answer line, min_chars, max_segments
+# --------------------------------------------------------------------------------------------
+
+_WHITESPACE = re.compile(r"\s*")
+
+
+def _skip_whitespace(text: str, cuts: Iterable[int]) -> list[int]:
+    """Move each cut past the whitespace that follows it (sorted, deduplicated; O(len(text)))."""
+    out: list[int] = []
+    reach = -1  # text[c:reach] is whitespace for every cut c already passed
+    for c in sorted(set(cuts)):
+        c = reach if c <= reach else _WHITESPACE.match(text, c).end()
+        reach = c
+        if not out or out[-1] != c:
+            out.append(c)
+    return out
+
+
+def _answer_start(text: str, cuts: list[int], pattern: re.Pattern[str]) -> int | None:
+    """Start of the final answer (the last non-blank line, if it matches), else ``None``.
+
+    When the strategy cut the line before the match (``"x = 5. So the answer is 5."``), the
+    answer starts at the last such cut.
+    """
+    end = len(text.rstrip())
+    if end == 0:
+        return None
+    line_start = text.rfind("\n", 0, end) + 1
+    m = pattern.search(text[line_start:end])
+    if m is None:
+        return None
+    k = bisect_right(cuts, line_start + m.start()) - 1
+    start = max(line_start, cuts[k]) if k >= 0 else line_start
+    return _WHITESPACE.match(text, start).end()
+
+
+def _merge_short(cuts: list[int], nonws: list[int], end: int, min_chars: int) -> list[int]:
+    """Merge segments with fewer than ``min_chars`` non-whitespace characters into the next one
+    (a short last segment into the previous one)."""
+    if min_chars <= 0:
+        return cuts
+    kept: list[int] = []
+    start = 0
+    for c in cuts:
+        if nonws[c] - nonws[start] >= min_chars:
+            kept.append(c)
+            start = c
+    if kept and nonws[end] - nonws[start] < min_chars:
+        kept.pop()
+    return kept
+
+
+def _cap(cuts: list[int], nonws: list[int], end: int, limit: int | None) -> list[int]:
+    """Merge adjacent segments until at most ``limit`` remain.
+
+    Repeatedly merges the adjacent pair with the fewest non-whitespace characters together
+    (leftmost on ties): boundaries between long segments survive and merged segments come out
+    balanced. A heap over a linked list of segments: O(n log n).
+    """
+    if limit is None or len(cuts) < limit:
+        return cuts
+    bounds = [0, *cuts, end]
+    n = len(bounds) - 1
+    size = [nonws[b] - nonws[a] for a, b in zip(bounds, bounds[1:])]
+    prev, nxt, alive = list(range(-1, n - 1)), list(range(1, n + 1)), [True] * n
+    heap = [(size[i] + size[i + 1], i) for i in range(n - 1)]
+    heapify(heap)
+    count = n
+    while count > limit:
+        total, i = heappop(heap)
+        j = nxt[i]
+        if not alive[i] or j >= n or size[i] + size[j] != total:
+            continue  # stale entry: one of the two segments changed since it was pushed
+        size[i] += size[j]
+        alive[j] = False
+        nxt[i] = nxt[j]
+        if nxt[j] < n:
+            prev[nxt[j]] = i
+        count -= 1
+        if prev[i] >= 0:
+            heappush(heap, (size[prev[i]] + size[i], prev[i]))
+        if nxt[i] < n:
+            heappush(heap, (size[i] + size[nxt[i]], i))
+    return [bounds[i] for i in range(1, n) if alive[i]]
+
+
+# --------------------------------------------------------------------------------------------
+# Segmenter
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segmenter:
+    """A strategy plus options; ``split(text)`` gives character spans, ``boundaries(text,
+    offsets)`` token boundaries.
+
+    - ``strategy``: ``"newline"``, ``"sentence"``, ``"tokens:16"``, ... (``list_segmenters()``).
+    - ``min_chars``: segments with fewer non-whitespace characters merge into the next one (a
+      short last segment into the previous one).
+    - ``max_segments``: at most this many segments; the adjacent pair with the fewest
+      non-whitespace characters merges first.
+    - ``separate_answer``: keep the final answer line (``answer_pattern``, ``re.search`` on the
+      last non-blank line) as its own last segment, exempt from ``min_chars``/``max_segments``
+      merging (unless ``max_segments == 1``). When False (default) the answer line is merged into
+      the last reasoning step (DESIGN.md section 7). A text without an answer line (truncated) is
+      split as is.
+    """
+
+    strategy: str = "newline"
+    min_chars: int = 0
+    max_segments: int | None = None
+    separate_answer: bool = False
+    answer_pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATTERN
+    _entry: _Strategy = field(init=False, repr=False, compare=False)
+    _arg: Any = field(init=False, repr=False, compare=False)
+    _answer_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        entry, arg = _parse_strategy(self.strategy)
+        if isinstance(self.min_chars, bool) or not isinstance(self.min_chars, int):
+            raise TypeError(f"min_chars must be an int >= 0, got {self.min_chars!r}")
+        if self.min_chars < 0:
+            raise ValueError(f"min_chars must be >= 0, got {self.min_chars}")
+        if self.max_segments is not None and (
+            isinstance(self.max_segments, bool)
+            or not isinstance(self.max_segments, int)
+            or self.max_segments < 1
+        ):
+            raise ValueError(f"max_segments must be None or an int >= 1, got {self.max_segments!r}")
+        try:
+            answer_re = re.compile(self.answer_pattern)
+        except re.error as e:
+            raise ValueError(f"answer_pattern {self.answer_pattern!r} is not a regex: {e}") from e
+        object.__setattr__(self, "_entry", entry)
+        object.__setattr__(self, "_arg", arg)
+        object.__setattr__(self, "_answer_re", answer_re)
+
+    @property
+    def uses_tokens(self) -> bool:
+        """True when the strategy counts tokens and so needs offsets (``tokens:N``)."""
+        return self._entry.uses_tokens
+
+    def split(self, text: str, offsets: Sequence[Span] | None = None) -> list[Span]:
+        """Character spans of ``text``: contiguous, non-empty, covering ``[0, len(text))``.
+
+        ``offsets`` (token character spans, see ``token_offsets``) are needed only by token
+        strategies such as ``tokens:N``. Empty text gives ``[]``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        length = len(text)
+        if length == 0:
+            return []
+        nonws = list(
+            accumulate(map(not_, map(str.isspace, text)), initial=0)
+        )  # content prefix sums
+        if self._entry.uses_tokens:
+            if offsets is None:
+                raise ValueError(
+                    f"strategy {self.strategy!r} counts tokens: pass token offsets, e.g. "
+                    "Segmenter.boundaries(text, offsets) or split_text(..., offsets=offsets) "
+                    "with offsets from token_offsets(tokenizer, token_ids)"
+                )
+            positions = _token_positions(offsets, text, length)
+            cuts = sorted(set(self._entry.fn(text, self._arg, positions)))
+        else:
+            cuts = _skip_whitespace(text, self._entry.fn(text, self._arg))
+        cuts = [c for c in cuts if 0 < c < length and nonws[c] > 0]
+
+        end = length  # the segments [0, end) are merged by the options; [end, length) is the answer
+        answer = _answer_start(text, cuts, self._answer_re)
+        if answer is not None:
+            cuts = [c for c in cuts if c < answer]  # the answer line in one piece, merged back
+            if self.separate_answer and nonws[answer] > 0 and self.max_segments != 1:
+                end = answer
+        limit = self.max_segments
+        if limit is not None and end < length:
+            limit -= 1
+        cuts = _cap(_merge_short(cuts, nonws, end, self.min_chars), nonws, end, limit)
+        if end < length:
+            cuts.append(end)
+        bounds = [0, *cuts, length]
+        return list(zip(bounds, bounds[1:]))
+
+    def boundaries(self, text: str, offsets: Sequence[Span]) -> list[int]:
+        """Token boundaries ``[0, b_1, ..., T]`` of a response with token ``offsets`` in ``text``.
+
+        ``offsets`` come from ``token_offsets``/``decode_with_offsets`` (generated ids) or from
+        ``tokenizer(text, return_offsets_mapping=True)["offset_mapping"]`` (re-tokenized text).
+        """
+        return spans_to_boundaries(self.split(text, offsets), offsets, text=text)
+
+
+def get_segmenter(strategy: str = "newline", **options: Any) -> Segmenter:
+    """The ``Segmenter`` for a strategy name such as ``"sentence"`` or ``"tokens:16"``."""
+    return Segmenter(strategy, **options)
+
+
+def split_text(
+    text: str,
+    strategy: str = "newline",
+    *,
+    min_chars: int = 0,
+    max_segments: int | None = None,
+    separate_answer: bool = False,
+    answer_pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATTERN,
+    offsets: Sequence[Span] | None = None,
+) -> list[Span]:
+    """Split ``text`` into contiguous character spans covering it exactly (see ``Segmenter``)."""
+    segmenter = Segmenter(strategy, min_chars, max_segments, separate_answer, answer_pattern)
+    return segmenter.split(text, offsets)
+
+
+# --------------------------------------------------------------------------------------------
+# Token layer: token ids -> character offsets -> boundaries
+# --------------------------------------------------------------------------------------------
+
+
+def _as_pairs(offsets: Sequence[Span] | Any) -> list[Span]:
+    if hasattr(offsets, "tolist"):  # a (T, 2) tensor or array
+        offsets = offsets.tolist()
+    try:
+        return [(s, e) for s, e in offsets]
+    except (TypeError, ValueError) as e:
+        raise ValueError("offsets must be a sequence of (start, end) character pairs") from e
+
+
+_NON_WHITESPACE = re.compile(r"\S")
+
+
+def _token_positions(offsets: Sequence[Span], text: str | None, length: int) -> list[int]:
+    """The character position that decides each token's segment (non-decreasing).
+
+    A token's first non-whitespace character when ``text`` is given, else its start; empty spans
+    and out-of-order starts are clamped to the position of the token before.
+    """
+    positions, prev = [], 0
+    for k, (s, e) in enumerate(_as_pairs(offsets)):
+        if not 0 <= s <= e <= length:
+            raise ValueError(
+                f"token {k} has offsets ({s}, {e}) outside the text [0, {length}]: the offsets "
+                "must come from the same text as the spans (decode_with_offsets returns both)"
+            )
+        p = s
+        if text is not None and s < e and text[s].isspace():
+            m = _NON_WHITESPACE.search(text, s, e)
+            if m is not None:
+                p = m.start()
+        if p > prev:
+            prev = p
+        positions.append(prev)
+    return positions
+
+
+def spans_to_boundaries(
+    spans: Sequence[Span], offsets: Sequence[Span], *, text: str | None = None
+) -> list[int]:
+    """Token boundaries ``[0, b_1, ..., b_n = T]`` from character spans and token offsets.
+
+    ``spans``: contiguous character spans from ``split_text``; ``offsets``: ``(T, 2)`` token
+    character spans in the same text. A token belongs to the span holding its position (its first
+    non-whitespace character when ``text`` is given, else its start; empty-span tokens follow the
+    token before; a position at the end of the text is in the last span). Spans that hold no
+    token are dropped, so boundaries strictly increase and every token is in exactly one segment.
+    No tokens give ``[0]``; tokens over an empty text one segment ``[0, T]``.
+    """
+    offsets = _as_pairs(offsets)
+    n_tokens = len(offsets)
+    if n_tokens == 0:
+        return [0]
+    if not spans:
+        _token_positions(offsets, text, 0)  # validates: an empty text has only empty tokens
+        return [0, n_tokens]
+    starts = [s for s, _ in spans]
+    ends = [e for _, e in spans]
+    if (
+        starts[0] != 0
+        or any(e != s for e, s in zip(ends, starts[1:]))
+        or any(s >= e for s, e in spans)
+    ):
+        raise ValueError("spans must be non-empty, contiguous and start at 0 (from split_text)")
+    if text is not None and len(text) != ends[-1]:
+        raise ValueError(f"spans cover {ends[-1]} characters but the text has {len(text)}")
+    positions = _token_positions(offsets, text, ends[-1])
+    segment = [bisect_right(starts, p) - 1 for p in positions]
+    inner = [i for i in range(1, n_tokens) if segment[i] != segment[i - 1]]
+    return [0, *inner, n_tokens]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte maps to a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
+
+
+@lru_cache(maxsize=1 << 16)
+def _byte_level_bytes(token: str) -> bytes:
+    """Bytes of a byte-level token; a token outside the alphabet (an added token) is its UTF-8,
+    as the ``tokenizers`` ByteLevel decoder does."""
+    try:
+        return bytes(_BYTE_DECODER[ch] for ch in token)
+    except KeyError:
+        return token.encode("utf-8")
+
+
+def _pieces_byte_level(tokenizer: Any, ids: list[int], skip_special: bool) -> list[bytes] | None:
+    """Per-token bytes through the byte-level alphabet: exact and O(T) for GPT-2/Llama-3/Qwen."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None or b'"ByteLevel"' not in decoder.__getstate__():
+        return None
+    skipped = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    id_to_token = backend.id_to_token
+    pieces = []
+    for i in ids:
+        if skip_special and i in skipped:
+            pieces.append(b"")
+            continue
+        token = id_to_token(i)
+        if token is None:
+            return None
+        pieces.append(_byte_level_bytes(token))
+    return pieces
+
+
+def _pieces_per_token(tokenizer: Any, ids: list[int], skip_special: bool) -> list[bytes] | None:
+    """Each token decoded alone (one batched call): right for character/word-level tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    singles = [[i] for i in ids]
+    if backend is not None:
+        texts = backend.decode_batch(singles, skip_special_tokens=skip_special)
+    else:
+        texts = tokenizer.batch_decode(singles, skip_special_tokens=skip_special)
+    return [t.encode("utf-8") for t in texts]
+
+
+def _pieces_incremental(tokenizer: Any, ids: list[int], skip_special: bool) -> list[bytes]:
+    """Incremental detokenization over a short sliding window (as vLLM does): O(T) decodes.
+
+    Handles decoders that depend on context (SentencePiece's leading-space strip). A token whose
+    text is not complete yet (partial UTF-8) gets an empty piece and the token that completes the
+    character carries it, so both start at that character.
+    """
+
+    def decode(chunk: list[int]) -> str:
+        return tokenizer.decode(chunk, skip_special_tokens=skip_special)
+
+    pieces: list[bytes] = []
+    prefix, read = 0, 0  # ids[prefix:read] has been emitted; it is decoded again for context
+    emitted = ""
+    for i in range(len(ids)):
+        new = decode(ids[prefix : i + 1])
+        if len(new) > len(emitted) and new.startswith(emitted) and not new.endswith("\ufffd"):
+            pieces.extend([b""] * (i - read))
+            pieces.append(new[len(emitted) :].encode("utf-8"))
+            prefix, read = read, i + 1
+            emitted = decode(ids[prefix:read])
+    pieces.extend([b""] * (len(ids) - read))
+    return pieces
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # largest k with a[:k] == b[:k]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _offsets_by_prefix(tokenizer: Any, ids: list[int], skip_special: bool, text: str) -> list[Span]:
+    """Last resort, right for any tokenizer: token ``i`` starts where the decoded prefix
+    ``ids[:i]`` stops agreeing with ``text``. O(T) decodes of O(T) tokens each."""
+    stable = [0]
+    for i in range(1, len(ids) + 1):
+        prefix = tokenizer.decode(ids[:i], skip_special_tokens=skip_special)
+        stable.append(max(stable[-1], _common_prefix_len(prefix, text)))
+    stable[-1] = len(text)
+    return list(zip(stable, stable[1:]))
+
+
+def _offsets_from_pieces(pieces: list[bytes]) -> tuple[str, list[Span]]:
+    """Decode per-token byte pieces as UTF-8; each token spans the characters its bytes touch.
+
+    A token that starts inside a multi-byte character starts at that character, so starts never
+    decrease; a token without bytes gets an empty span at the current position.
+    """
+    if all(piece.isascii() for piece in pieces):  # one byte per character
+        ends = list(accumulate(map(len, pieces)))
+        return b"".join(pieces).decode("ascii"), list(zip([0, *ends], ends))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    chunks, spans, n = [], [], 0
+    for piece in pieces:
+        start = n
+        chunk = decoder.decode(piece)
+        chunks.append(chunk)
+        n += len(chunk)
+        pending = bool(piece) and bool(decoder.getstate()[0])
+        spans.append((start, n + pending))
+    chunk = decoder.decode(b"", final=True)
+    chunks.append(chunk)
+    n += len(chunk)
+    return "".join(chunks), [(min(s, n), min(e, n)) for s, e in spans]
+
+
+def _as_id_list(token_ids: Sequence[int] | Any) -> list[int]:
+    if hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, int):
+        raise ValueError("token_ids must be a 1-D sequence of ints, got a single int")
+    ids = list(token_ids)
+    if any(isinstance(t, (list, tuple)) for t in ids):
+        raise ValueError("token_ids must be one response (1-D), got a nested sequence")
+    return [int(t) for t in ids]
+
+
+def decode_with_offsets(
+    tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens: bool = True
+) -> tuple[str, list[Span]]:
+    """Decode generated ``token_ids`` and give each token's character span in the decoded text.
+
+    ``text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)``; with the
+    default ``True`` special tokens (eos, pad) have an empty span where they stand, so an eos at
+    the end sits at ``len(text)`` and belongs to the last segment. Byte-level BPE: a token that
+    holds part of a multi-byte character spans that whole character, and tokens sharing a
+    character share its start (starts never decrease).
+
+    Tries, in order, keeping the first whose pieces reproduce ``text`` exactly: per-token bytes
+    via the byte-level alphabet, each token decoded alone, incremental detokenization; else
+    decoded prefixes (quadratic, always consistent).
+    """
+    ids = _as_id_list(token_ids)
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if not ids:
+        return text, []
+    for make_pieces in (_pieces_byte_level, _pieces_per_token, _pieces_incremental):
+        pieces = make_pieces(tokenizer, ids, skip_special_tokens)
+        if pieces is not None:
+            decoded, spans = _offsets_from_pieces(pieces)
+            if decoded == text:
+                return text, spans
+    return text, _offsets_by_prefix(tokenizer, ids, skip_special_tokens, text)
+
+
+def token_offsets(
+    tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens: bool = True
+) -> list[Span]:
+    """Character spans of ``token_ids`` in ``tokenizer.decode(token_ids, skip_special_tokens=...)``
+    (see ``decode_with_offsets``, which also returns that text)."""
+    return decode_with_offsets(tokenizer, token_ids, skip_special_tokens=skip_special_tokens)[1]
