@@ -116,6 +116,7 @@ def test_generation_is_deterministic_per_seed(task):
     assert a == b
     assert [p.prompt for p in a] != [p.prompt for p in c]
     assert task.eval_problems(10, seed=0) == task.eval_problems(10, seed=0)
+    assert len(set(a + b)) == len({p.prompt for p in a})  # problems are hashable
     # The eval set grows by extension: the first n of a bigger set are the n-set.
     assert task.eval_problems(25, seed=0)[:10] == task.eval_problems(10, seed=0)
 

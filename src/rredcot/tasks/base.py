@@ -44,6 +44,9 @@ class Problem:
     answer: str
     meta: dict = field(default_factory=dict)
 
+    def __hash__(self) -> int:  # `meta` is a dict; equal problems share prompt and answer
+        return hash((self.prompt, self.answer))
+
 
 @dataclass(frozen=True)
 class Verdict:
