@@ -1,0 +1,376 @@
+"""Configuration dataclasses and the one mechanism that maps them to YAML files and CLI flags.
+
+Every field carries its help text in ``field(metadata={"help": ...})``. Nested dataclasses become
+dotted flags (``--credit.lam 0.5``); the same nesting is the YAML layout. ``--config FILE`` loads a
+YAML file first and flags given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = _help(
+        "A local directory or hub name of any causal LM; empty means the built-in tiny Llama "
+        "with a character tokenizer (use --init for its warm-start checkpoint).",
+        default=None,
+    )
+    tiny_hidden_size: int = _help("Hidden size of the built-in tiny Llama.", default=128)
+    tiny_num_layers: int = _help("Layers of the built-in tiny Llama.", default=4)
+    tiny_num_heads: int = _help("Attention heads of the built-in tiny Llama.", default=4)
+    dtype: str = _help("Policy dtype: float32, bfloat16 or float16.", default="float32")
+    lora_r: int = _help("LoRA rank through peft; 0 trains all weights.", default=0)
+    lora_alpha: int = _help("LoRA alpha.", default=16)
+    lora_target_modules: str = _help(
+        "Comma-separated module names LoRA adapts.", default="q_proj,k_proj,v_proj,o_proj"
+    )
+    gradient_checkpointing: bool = _help("Trade compute for memory in the policy.", default=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        if self.lora_r < 0:
+            raise ValueError("model.lora_r must be >= 0 (0 disables LoRA)")
+
+
+@dataclass
+class SamplingConfig:
+    num_generations: int = _help("Completions sampled per prompt (the group size G).", default=8)
+    temperature: float = _help("Sampling temperature.", default=1.0)
+    top_p: float = _help("Nucleus sampling threshold.", default=1.0)
+    max_new_tokens: int = _help("Longest completion; longer ones are truncated.", default=64)
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError("sampling.num_generations must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError("sampling.temperature must be > 0 (sampling is required for RL)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("sampling.top_p must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError("sampling.max_new_tokens must be >= 1")
+
+
+@dataclass
+class CreditConfig:
+    segmenter: str = _help(
+        "Segmentation strategy: newline, paragraph, sentence, step, keywords or tokens:N.",
+        default="newline",
+    )
+    min_chars: int = _help(
+        "Merge segments with fewer non-space characters into the next.", default=0
+    )
+    max_segments: int = _help("Cap on segments per trace (0: no cap).", default=0)
+    separate_answer: bool = _help(
+        "Keep the final answer line as its own segment (off by default: an answer segment takes "
+        "all the blame of a wrong trace and can collapse the policy, DESIGN.md section 7).",
+        default=False,
+    )
+    lam: float = _help("Segment GAE lambda: 0 pure redistribution, 1 R - V(s_k-1).", default=0.5)
+    normalization: str = _help(
+        "Advantage normalisation: auto (group_std for uniform, batch_std otherwise), batch_std, "
+        "whiten, group_std (suits uniform credit only) or none.",
+        default="auto",
+    )
+    # value head
+    value_hidden_size: int = _help("Hidden width of the value head MLP (0: auto ~1%).", default=0)
+    value_layers: str = _help(
+        "Policy hidden-state layers the value head reads, e.g. '-1' or '-1,-2'.", default="-1"
+    )
+    value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
+    value_td_lambda: float = _help(
+        "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
+    )
+    value_loss: str = _help("Value loss: bce (0/1 rewards) or mse.", default="bce")
+    value_output: str = _help(
+        "Value head output: sigmoid (0/1 rewards) or linear.", default="sigmoid"
+    )
+    value_epochs: int = _help("Value head passes over each batch.", default=4)
+    value_replay: int = _help("Recent batches replayed in each value update (0: none).", default=4)
+    value_ema: float = _help(
+        "EMA decay of the TD target network (0: plain stop-gradient).", default=0.0
+    )
+    value_pretrain_steps: int = _help(
+        "Rollout batches the head is fitted on before RL starts (warm-start policy's samples).",
+        default=0,
+    )
+    # hand-over from uniform to value-based credit
+    handover: str = _help(
+        "Blend uniform and value credit by the head's measured reliability: 'reliability' or "
+        "'off' (always use the method's credit).",
+        default="reliability",
+    )
+    # answer likelihood
+    answer_source: str = _help(
+        "Correct answers of the answer-likelihood probe: reference, group or both.",
+        default="reference",
+    )
+    # Monte Carlo
+    mc_rollouts: int = _help("Monte Carlo continuations per boundary (K).", default=4)
+    mc_max_boundaries: int = _help("Cap on boundaries estimated per trace (0: all).", default=0)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
+        if not 0.0 <= self.value_td_lambda <= 1.0:
+            raise ValueError(f"credit.value_td_lambda={self.value_td_lambda} must be in [0, 1]")
+        if self.value_loss not in ("bce", "mse"):
+            raise ValueError("credit.value_loss must be bce or mse")
+        if self.value_output not in ("sigmoid", "linear"):
+            raise ValueError("credit.value_output must be sigmoid or linear")
+        if self.handover not in ("reliability", "off"):
+            raise ValueError("credit.handover must be 'reliability' or 'off'")
+        if self.answer_source not in ("reference", "group", "both"):
+            raise ValueError("credit.answer_source must be reference, group or both")
+        if self.mc_rollouts < 1:
+            raise ValueError("credit.mc_rollouts must be >= 1")
+
+    @property
+    def value_layer_indices(self) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in str(self.value_layers).split(",") if x.strip())
+        except ValueError as err:
+            raise ValueError(
+                f"credit.value_layers={self.value_layers!r}: give layer indices like '-1,-2'"
+            ) from err
+
+
+@dataclass
+class TrainConfig:
+    task: str = _help("Task name: arithmetic, gsm8k, dataset, reasoning_gym.", default="arithmetic")
+    task_args: dict = _help(
+        "Task parameters (CLI: --task.NAME VALUE, e.g. --task.num_steps 4).", default_factory=dict
+    )
+    credit_method: str = _help(
+        "Credit method: uniform, value_head, answer_likelihood, monte_carlo, gradient, attention, "
+        "first_last.",
+        default="value_head",
+    )
+    init: str | None = _help(
+        "Warm-start checkpoint directory (from `rredcot sft`); with no --init and no "
+        "--model.name_or_path the default warm-start is built or reused.",
+        default=None,
+    )
+    out: str = _help("Run directory.", default="runs/default")
+    resume: str | None = _help(
+        "Resume the run in this directory from its last checkpoint.", default=None
+    )
+    seed: int = _help("Random seed; on CPU a seed fixes the run.", default=0)
+    steps: int = _help("RL steps (one batch of prompts each).", default=60)
+    prompts_per_step: int = _help("Prompts per RL step.", default=16)
+    lr: float = _help("Policy learning rate.", default=2e-4)
+    lr_schedule: str = _help("constant, linear or cosine (after warm-up).", default="constant")
+    warmup_steps: int = _help("Linear LR warm-up steps.", default=0)
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    epochs_per_batch: int = _help("Optimisation passes over each rollout batch.", default=1)
+    minibatches: int = _help("Minibatches per pass (one optimiser step each).", default=1)
+    grad_accumulation: int = _help("Micro-batches accumulated into each minibatch.", default=1)
+    max_grad_norm: float = _help("Gradient clipping norm (0: off).", default=1.0)
+    clip_eps_low: float = _help("PPO ratio clip below 1.", default=0.2)
+    clip_eps_high: float = _help("PPO ratio clip above 1 (DAPO's clip-higher).", default=0.28)
+    loss_agg: str = _help(
+        "Loss aggregation: token_mean, seq_mean or dr_grpo.", default="token_mean"
+    )
+    kl_coef: float = _help(
+        "KL (k3) penalty to the frozen reference policy (0: no reference).", default=0.0
+    )
+    eval_every: int = _help(
+        "Greedy evaluation every N steps (0: only at start and end).", default=10
+    )
+    eval_size: int = _help("Held-out prompts in each greedy evaluation.", default=128)
+    checkpoint_every: int = _help("Checkpoint every N steps.", default=10)
+    keep_checkpoints: int = _help("Checkpoints kept on disk.", default=2)
+    report_to: str = _help(
+        "Metric sink besides metrics.jsonl: none, tensorboard or wandb.", default="none"
+    )
+    device: str = _help("Device: auto, cpu, cuda, mps.", default="auto")
+    progress: bool = _help("Show a progress bar.", default=True)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+        if self.prompts_per_step < 1:
+            raise ValueError("prompts_per_step must be >= 1")
+        if self.loss_agg not in ("token_mean", "seq_mean", "dr_grpo"):
+            raise ValueError(f"loss_agg={self.loss_agg!r}: use token_mean, seq_mean or dr_grpo")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: use constant, linear or cosine")
+        if self.report_to not in ("none", "tensorboard", "wandb"):
+            raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard or wandb")
+        for name in ("epochs_per_batch", "minibatches", "grad_accumulation", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not (0 <= self.clip_eps_low < 1 and self.clip_eps_high >= 0):
+            raise ValueError("clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
+        if self.checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# dataclass <-> dict <-> YAML <-> argparse
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain nested dict of a config dataclass (for YAML and metrics)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict; unknown keys are errors that list valid ones."""
+    if not isinstance(data, dict):
+        raise ValueError(f"config section {where or 'top level'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            valid = ", ".join(sorted(fields))
+            raise ValueError(f"unknown config key {where}{key!r}; valid keys: {valid}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = from_dict(hint, value or {}, where=f"{where}{key}.")
+        else:
+            kwargs[key] = _coerce(value, hint, f"{where}{key}")
+    return cls(**kwargs)
+
+
+def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    return from_dict(cls, data)
+
+
+def save_yaml(cfg: Any, path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Convert a YAML or CLI value to the field's type, with an error that names the field."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if hint in (int, float, str):
+            if hint is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return hint(value)
+        if hint is dict or origin is dict:
+            if isinstance(value, str):
+                return json.loads(value)
+            return dict(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"{name}: cannot read {value!r} as {getattr(hint, '__name__', hint)}"
+        ) from err
+    return value
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """Add one ``--prefix.field`` flag per field (nested dataclasses recurse); defaults are unset
+    (``argparse.SUPPRESS``) so that only flags actually given override a YAML file."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            add_dataclass_flags(parser, hint, prefix=f"{prefix}{f.name}.")
+            continue
+        if f.name == "task_args":
+            continue  # free-form --task.KEY VALUE, parsed separately
+        default = f.default if f.default is not dataclasses.MISSING else "(computed)"
+        parser.add_argument(
+            f"--{prefix}{f.name}",
+            dest=f"{prefix}{f.name}",
+            default=argparse.SUPPRESS,
+            metavar=_metavar(hint),
+            help=f"{f.metadata.get('help', '')} (default: {default})",
+        )
+
+
+def _metavar(hint: Any) -> str:
+    args = typing.get_args(hint)
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    return getattr(base, "__name__", "VALUE").upper()
+
+
+def split_task_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Pull ``--task.KEY VALUE`` (or ``--task.KEY=VALUE``) pairs out of argv."""
+    rest, task_args = [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--task."):
+            key, eq, value = arg[len("--task.") :].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{arg} needs a value")
+                value = argv[i + 1]
+                i += 1
+            task_args[key.replace("-", "_")] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, task_args
+
+
+def merge_overrides(base: dict, flat: dict[str, Any]) -> dict:
+    """Apply dotted overrides ``{"credit.lam": "0.5"}`` to a nested dict."""
+    out = json.loads(json.dumps(base))
+    for dotted, value in flat.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def resolve_config(
+    cls: type,
+    yaml_path: str | None,
+    overrides: dict[str, Any],
+    task_args: dict[str, str] | None = None,
+) -> Any:
+    """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config."""
+    base: dict = {}
+    if yaml_path:
+        with open(yaml_path, encoding="utf-8") as fh:
+            base = yaml.safe_load(fh) or {}
+    merged = merge_overrides(base, overrides)
+    if task_args:
+        merged.setdefault("task_args", {}).update(task_args)
+    return from_dict(cls, merged)

@@ -1,0 +1,50 @@
+"""PNG plots of a run's ``metrics.jsonl`` (written at the end of every run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rredcot.runio import MetricsLog
+
+# (metric, title) pairs plotted against the step when present.
+CURVES = [
+    ("reward_mean", "mean reward of sampled completions"),
+    ("eval_accuracy", "held-out greedy accuracy"),
+    ("policy_loss", "policy loss"),
+    ("entropy", "token entropy"),
+    ("grad_norm", "gradient norm"),
+    ("kl", "KL to the reference"),
+    ("value/loss", "value-head loss"),
+    ("value/reliability", "value-head reliability"),
+    ("credit/blend", "weight of value-based credit"),
+]
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write ``plots/<metric>.png`` for every metric of ``CURVES`` that the run logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = MetricsLog(run_dir / "metrics.jsonl").read()
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for key, title in CURVES:
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3)
+        ax.set_xlabel("RL step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{key.replace('/', '_')}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

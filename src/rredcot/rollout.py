@@ -1,0 +1,291 @@
+"""Sampling, verification and segmentation: prompts in, a :class:`RolloutBatch` out.
+
+Also the policy forward pass that every part shares (log-probs, entropy, hidden states), so that
+sampling, the loss and the credit methods agree on positions and masks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rredcot import credit
+from rredcot.methods.base import RolloutBatch
+from rredcot.segment import Segmenter, token_offsets
+from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
+
+
+def render_prompt(problem: Problem, tokenizer) -> str:
+    """The prompt text the policy sees: through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": problem.prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    return problem.prompt
+
+
+def context_limit(policy) -> int | None:
+    cfg = getattr(policy, "config", None)
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def prompt_special_tokens(tokenizer) -> bool:
+    """Whether prompt encoding adds the tokenizer's special tokens (BOS): yes for raw prompts, no
+    for chat-templated ones, whose text already carries them."""
+    return not getattr(tokenizer, "chat_template", None)
+
+
+def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids ``(B, P)`` and attention mask ``(B, P)``."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(
+            prompts,
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=prompt_special_tokens(tokenizer),
+        )
+    finally:
+        tokenizer.padding_side = side
+    if enc["input_ids"].shape[1] == 0:
+        raise ValueError("every prompt encoded to zero tokens; check the task's prompt template")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` computes them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class ForwardOutput:
+    logprobs: torch.Tensor  # (B, T) log pi(y_t | y_<t) of the response tokens
+    entropy: torch.Tensor | None  # (B, T)
+    hidden_states: torch.Tensor | None  # (B, L, H * n_layers)
+
+
+def policy_forward(
+    policy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    *,
+    with_entropy: bool = False,
+    hidden_layers: tuple[int, ...] | None = None,
+    temperature: float = 1.0,
+) -> ForwardOutput:
+    """One forward pass over ``[prompt | response]``: response log-probs (and optionally the
+    entropy and the hidden states of the chosen layers, concatenated on the last dim)."""
+    out = policy(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        output_hidden_states=hidden_layers is not None,
+        use_cache=False,
+    )
+    logits = out.logits[:, prompt_len - 1 : -1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_len:]
+    logp_all = F.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    hidden = None
+    if hidden_layers is not None:
+        hidden = torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1)
+    return ForwardOutput(logprobs, entropy, hidden)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """(B, T) float mask: tokens up to and including the first EOS."""
+    if eos_token_id is None:
+        return torch.ones_like(response_ids, dtype=torch.float)
+    is_eos = response_ids == eos_token_id
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).float()
+
+
+@torch.no_grad()
+def sample(
+    policy,
+    tokenizer,
+    prompts: list[str],
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
+
+    Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
+    """
+    device = device or next(policy.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    kwargs = (
+        dict(do_sample=False)
+        if greedy
+        else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    )
+    out = policy.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **kwargs,
+    )
+    P = prompt_ids.shape[1]
+    response_ids = out[:, P:]
+    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    if response_ids.shape[1] == 0:  # nothing generated at all
+        response_mask = torch.zeros(out.shape[0], 0, device=out.device)
+    # Padding after EOS is replaced by the pad id so that the sequence is well formed.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.where(
+        response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
+    )
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, P, response_mask
+
+
+def checked_verify(task: Task, problem: Problem, completion: str) -> tuple[Verdict, bool]:
+    """Verify one completion; a verifier that raises or returns a non-number or non-finite reward
+    marks the sample bad (skipped and counted) instead of killing the run."""
+    verdict = safe_verify(task, problem, completion)
+    if verdict.reason.startswith("verifier error"):
+        return verdict, False
+    try:
+        reward = float(verdict.reward)
+    except (TypeError, ValueError):
+        return Verdict(
+            0.0, verdict.answer, None, f"reward is not a number: {verdict.reward!r}"
+        ), False
+    if not math.isfinite(reward):
+        return Verdict(0.0, verdict.answer, None, f"non-finite reward {reward}"), False
+    return verdict, True
+
+
+def build_rollout_batch(
+    policy,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    segmenter: Segmenter,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Sample, decode, verify and segment. Returns the batch and rollout statistics.
+
+    Bad samples (verifier error, NaN reward) keep their row but get an all-zero response mask, so
+    they carry no loss and no credit; ``rollout/skipped_samples`` counts them.
+    """
+    prompts = [render_prompt(p, tokenizer) for p in problems]
+    input_ids, attention_mask, P, response_mask = sample(
+        policy,
+        tokenizer,
+        prompts,
+        num_generations=num_generations,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    B, T = response_mask.shape
+    rows_problems = [p for p in problems for _ in range(num_generations)]
+    group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
+    completions, verdicts, rewards, boundaries = [], [], [], []
+    skipped = truncated = 0
+    eos = tokenizer.eos_token_id
+    for row in range(B):
+        length = int(response_mask[row].sum())
+        ids = input_ids[row, P : P + length].tolist()
+        content_ids = ids[:-1] if ids and ids[-1] == eos else ids
+        truncated += int(not ids or ids[-1] != eos)
+        text = tokenizer.decode(content_ids, skip_special_tokens=True)
+        verdict, ok = checked_verify(task, rows_problems[row], text)
+        if not ok:
+            skipped += 1
+            response_mask[row] = 0
+            attention_mask[row, P:] = 0
+            length = 0
+            content_ids = []
+        offsets = token_offsets(tokenizer, content_ids)
+        bounds = segmenter.boundaries(text, offsets) if content_ids else [0]
+        if length > len(content_ids):  # the EOS token joins the last segment
+            bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
+        completions.append(text)
+        verdicts.append(verdict)
+        rewards.append(float(verdict.reward))
+        boundaries.append(bounds)
+    segment_ids = credit.boundaries_to_segment_ids(boundaries, T).to(input_ids.device)
+    batch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=P,
+        response_mask=response_mask,
+        rewards=torch.tensor(rewards, dtype=torch.float, device=input_ids.device),
+        group_ids=group_ids.to(input_ids.device),
+        boundaries=boundaries,
+        segment_ids=segment_ids,
+        problems=rows_problems,
+        completions=completions,
+        verdicts=verdicts,
+    )
+    lengths = response_mask.sum(-1)
+    stats = {
+        "rollout/skipped_samples": float(skipped),
+        "rollout/truncated_fraction": truncated / max(B, 1),
+        "rollout/mean_length": float(lengths.mean()) if B else 0.0,
+        "rollout/mean_segments": sum(len(b) - 1 for b in boundaries) / max(B, 1),
+        "rollout/tokens": float(lengths.sum()),
+    }
+    return batch, stats
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    policy,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> float:
+    """Fraction of problems the policy solves with greedy decoding."""
+    if not problems:
+        raise ValueError("evaluation set is empty")
+    was_training = policy.training
+    policy.eval()
+    correct = 0.0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = [render_prompt(p, tokenizer) for p in chunk]
+        input_ids, _, P, response_mask = sample(
+            policy,
+            tokenizer,
+            prompts,
+            num_generations=1,
+            max_new_tokens=max_new_tokens,
+            greedy=True,
+        )
+        for row, problem in enumerate(chunk):
+            length = int(response_mask[row].sum())
+            text = tokenizer.decode(input_ids[row, P : P + length], skip_special_tokens=True)
+            verdict, ok = checked_verify(task, problem, text)
+            correct += float(verdict.reward) if ok else 0.0
+    policy.train(was_training)
+    return correct / len(problems)

@@ -1,0 +1,228 @@
+"""Supervised warm-start: train a tiny model on gold traces until it sits at the edge of
+competence (DESIGN.md section 5), then save a checkpoint that ``rredcot train --init`` accepts.
+
+With ``early_answer_prob > 0`` some gold traces are cut after k steps and followed straight by the
+final answer line, so the model learns to answer from a partial chain; the answer-likelihood
+estimator needs a model that can judge its own partial work (DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rredcot.config import _help, save_yaml, to_dict
+from rredcot.tasks import get_task
+from rredcot.tasks.base import Task
+
+
+@dataclass
+class SFTConfig:
+    task: str = _help("Task whose gold traces the model learns.", default="arithmetic")
+    task_args: dict = _help("Task parameters (CLI: --task.NAME VALUE).", default_factory=dict)
+    out: str = _help("Output checkpoint directory.", default="runs/warmstart")
+    seed: int = _help("Random seed.", default=0)
+    hidden_size: int = _help("Tiny Llama hidden size.", default=128)
+    num_layers: int = _help("Tiny Llama layers.", default=4)
+    num_heads: int = _help("Tiny Llama attention heads.", default=4)
+    max_steps: int = _help("Upper bound on optimiser steps.", default=3000)
+    max_seconds: float = _help("Upper bound on wall-clock seconds.", default=240.0)
+    batch_size: int = _help("Gold traces per optimiser step.", default=64)
+    lr: float = _help("Peak learning rate (AdamW).", default=2e-3)
+    eval_every: int = _help("Greedy evaluation every N steps.", default=50)
+    eval_size: int = _help("Held-out prompts per evaluation.", default=128)
+    target_accuracy: float = _help(
+        "Stop at the first evaluation at or above this greedy accuracy (edge of competence).",
+        default=0.5,
+    )
+    max_accuracy: float = _help("Upper end of the edge-of-competence band.", default=0.75)
+    early_answer_prob: float = _help(
+        "Probability that a gold trace is cut after k < n steps and then answered (teaches the "
+        "model to answer early; needed by answer_likelihood credit).",
+        default=0.0,
+    )
+    max_new_tokens: int = _help("Longest completion in evaluation.", default=64)
+    progress: bool = _help("Show a progress bar.", default=True)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.early_answer_prob <= 1:
+            raise ValueError("early_answer_prob must be in [0, 1]")
+        if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
+            raise ValueError("need 0 < target_accuracy <= max_accuracy <= 1")
+        if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
+            raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+
+
+def _training_text(task: Task, problem, rng: random.Random, early_answer_prob: float) -> str:
+    if early_answer_prob > 0 and rng.random() < early_answer_prob:
+        steps = len(getattr(task, "gold_steps", lambda p: [])(problem) or [])
+        if steps > 1:
+            cut = task.truncated_gold(problem, rng.randrange(1, steps))
+            if cut is not None:
+                return cut
+    gold = task.gold_completion(problem)
+    if gold is None:
+        raise ValueError(
+            f"task {task.name!r} has no gold traces, so it cannot be used for warm-start"
+        )
+    return gold
+
+
+def _encode_batch(tokenizer, prompts: list[str], completions: list[str], device):
+    """Right-padded ``prompt + completion + eos`` ids and a loss mask on the completion."""
+    from rredcot.rollout import prompt_special_tokens
+
+    special = prompt_special_tokens(tokenizer)
+    rows, masks = [], []
+    for prompt, completion in zip(prompts, completions):
+        p = tokenizer(prompt, add_special_tokens=special)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + c)
+        masks.append([0] * len(p) + [1] * len(c))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    loss_mask = torch.zeros_like(ids, dtype=torch.float)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    return ids.to(device), attn.to(device), loss_mask.to(device)
+
+
+def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
+    """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
+    from rredcot.models import build_char_tokenizer, build_tiny_llama, count_parameters
+    from rredcot.rollout import greedy_accuracy, render_prompt
+    from rredcot.trainer import seed_everything
+
+    seed_everything(cfg.seed)
+    task = get_task(cfg.task, **cfg.task_args)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(
+        tokenizer,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        seed=cfg.seed,
+    )
+    device = torch.device("cpu")
+    train = task.train_problems(20_000, seed=cfg.seed)
+    evalset = task.eval_problems(cfg.eval_size, seed=cfg.seed)
+    if not train or not evalset:
+        raise ValueError(f"task {cfg.task!r} produced no problems")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = min(100, cfg.max_steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup))
+    )
+    rng = random.Random(cfg.seed)
+    start = time.perf_counter()
+    history: list[dict[str, float]] = []
+    accuracy, best_in_band = 0.0, None
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, desc="warm-start", unit="step", dynamic_ncols=True)
+    step = 0
+    for step in range(1, cfg.max_steps + 1):
+        model.train()
+        problems = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
+        prompts = [render_prompt(p, tokenizer) for p in problems]
+        completions = [_training_text(task, p, rng, cfg.early_answer_prob) for p in problems]
+        ids, attn, loss_mask = _encode_batch(tokenizer, prompts, completions, device)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        ).view(ids.shape[0], -1)
+        mask = loss_mask[:, 1:]
+        loss = (token_loss * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{accuracy:.2f}")
+        out_of_time = time.perf_counter() - start > cfg.max_seconds
+        if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
+            accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
+            history.append({"step": step, "loss": float(loss), "eval_accuracy": accuracy})
+            if cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
+                best_in_band = accuracy
+                break
+            if accuracy > cfg.max_accuracy:
+                log(
+                    f"warm-start overshot the band: {accuracy:.1%} > {cfg.max_accuracy:.0%} at step {step}"
+                )
+                break
+            if out_of_time:
+                log(
+                    f"warm-start stopped by max_seconds at {accuracy:.1%} (target {cfg.target_accuracy:.0%})"
+                )
+                break
+    if bar is not None:
+        bar.close()
+    out = Path(cfg.out)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    info = {
+        "task": cfg.task,
+        "task_args": cfg.task_args,
+        "steps": step,
+        "seconds": time.perf_counter() - start,
+        "eval_accuracy": accuracy,
+        "in_band": best_in_band is not None,
+        "parameters": count_parameters(model),
+        "early_answer_prob": cfg.early_answer_prob,
+        "history": history,
+    }
+    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
+    save_yaml(cfg, tmp / "sft_config.yaml")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log(
+        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {step} steps, "
+        f"{info['seconds']:.0f}s, greedy accuracy {accuracy:.1%} -> {out}"
+    )
+    return info
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RREDCOT_CACHE", Path.home() / ".cache" / "rredcot"))
+
+
+def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
+    """The warm-start checkpoint for ``task``'s default settings: reused when cached, built
+    (about 2-3 minutes on 2 CPU cores) when not."""
+    cfg = SFTConfig(task=task.name, task_args=dataclasses.asdict(task.params), **overrides)
+    key = json.dumps(
+        {k: v for k, v in to_dict(cfg).items() if k not in ("out", "progress")}, sort_keys=True
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    out = cache_root() / f"warmstart-{task.name}-{digest}"
+    if (out / "warmstart.json").exists():
+        log(f"reusing warm-start {out}")
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building the warm-start checkpoint {out} (cached for later runs)")
+    cfg.out = str(out)
+    run_sft(cfg, log=log)
+    return out
