@@ -561,8 +561,8 @@ _NON_WHITESPACE = re.compile(r"\S")
 def _token_positions(offsets: Sequence[Span], text: str | None, length: int) -> list[int]:
     """The character position that decides each token's segment (non-decreasing).
 
-    A token's first non-whitespace character when ``text`` is given, else its start; empty spans
-    and out-of-order starts are clamped to the position of the token before.
+    A token's first non-whitespace character when ``text`` is given, else its start; a token with
+    an empty span takes the position of the token before, and positions never decrease.
     """
     positions, prev = [], 0
     for k, (s, e) in enumerate(_as_pairs(offsets)):
@@ -571,6 +571,9 @@ def _token_positions(offsets: Sequence[Span], text: str | None, length: int) -> 
                 f"token {k} has offsets ({s}, {e}) outside the text [0, {length}]: the offsets "
                 "must come from the same text as the spans (decode_with_offsets returns both)"
             )
+        if s == e and positions:  # an empty span (special token) goes with the token before
+            positions.append(prev)
+            continue
         p = s
         if text is not None and s < e and text[s].isspace():
             m = _NON_WHITESPACE.search(text, s, e)

@@ -1,0 +1,731 @@
+"""Tests for rredcot.segment: text strategies, options, token offsets and boundaries.
+
+Tokenizers are real: a byte-level BPE (vocab 500) trained here on a GSM8K sample from
+tests/fixtures, and a character-level tokenizer built with ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from rredcot import segment
+from rredcot.cli_segment import add_segment_parser, run_segment
+from rredcot.segment import (
+    DEFAULT_ANSWER_PATTERN,
+    Segmenter,
+    decode_with_offsets,
+    get_segmenter,
+    list_segmenters,
+    register_segmenter,
+    spans_to_boundaries,
+    split_text,
+    token_offsets,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NON_ASCII = "Über 3.5€ — naïve 日本語 😀"
+TEXT_STRATEGIES = ["newline", "paragraph", "sentence", "step", "keywords"]
+# Characters for random texts: the char tokenizer knows all of them.
+ALPHABET = (
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    " \n\t.,;:!?$#()[]{}<>=+-*/\\'\"_" + "€—ïüÜ日本語😀’"
+)
+# Pieces that trigger the rules: markers, abbreviations, numbers, math, answers.
+PIECES = [
+    ". ",
+    "! ",
+    "? ",
+    "\n",
+    "\n\n",
+    "  ",
+    "Wait, ",
+    "So ",
+    "Let me ",
+    "Step 2: ",
+    "\n1. ",
+    "2) ",
+    "e.g. ",
+    "Mr. ",
+    "3.14",
+    "$3. ",
+    "$x. y$",
+    "\\[a. b\\]",
+    "\\(c! d\\)",
+    "#### 42",
+    "\nA: 7",
+    "The answer is 5.",
+    "\\boxed{9}",
+    "\nAnswer: 3\n",
+    NON_ASCII,
+]
+
+
+def texts(max_pieces: int = 12) -> st.SearchStrategy[str]:
+    piece = st.sampled_from(PIECES) | st.text(alphabet=ALPHABET, max_size=6)
+    return st.lists(piece, max_size=max_pieces).map("".join)
+
+
+def spans_text(text: str, spans: list[tuple[int, int]]) -> list[str]:
+    return [text[s:e] for s, e in spans]
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures: GSM8K sample, a trained byte-level BPE, a character tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def seg_gsm8k_solutions() -> list[str]:
+    lines = (FIXTURES / "gsm8k_test_solutions.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["answer"] for line in lines]
+
+
+@pytest.fixture(scope="session")
+def seg_bpe() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style: ByteLevel pre-tokenizer and decoder), vocab 500."""
+    rows = [
+        json.loads(line)
+        for line in (FIXTURES / "gsm8k_train_sample.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
+    corpus = [r["question"] for r in rows] + [r["answer"] for r in rows]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def _char_tokenizer(decoder: object | None) -> PreTrainedTokenizerFast:
+    vocab = {ch: i for i, ch in enumerate(["<unk>", "</s>", *sorted(set(ALPHABET))])}
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], unk_token="<unk>")
+    )  # no merges: 1 char/token
+    tok.decoder = decoder
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def seg_char() -> PreTrainedTokenizerFast:
+    return _char_tokenizer(decoders.Fuse())
+
+
+@pytest.fixture(scope="session")
+def seg_metaspace() -> PreTrainedTokenizerFast:
+    """SentencePiece-style BPE: its decoder drops the leading space of the first token."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    corpus = ["Hello world. So the answer is 5.", "Next line and the other line"] * 20
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"], show_progress=False),
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+# --------------------------------------------------------------------------------------------
+# Text strategies: exact spans
+# --------------------------------------------------------------------------------------------
+
+
+def test_newline_whitespace_joins_the_line_above():
+    text = "a = 1\nb = 2\n\n  c = 3\n"
+    assert split_text(text, "newline") == [(0, 6), (6, 15), (15, 21)]
+    assert spans_text(text, split_text(text, "newline")) == ["a = 1\n", "b = 2\n\n  ", "c = 3\n"]
+
+
+def test_paragraph_splits_after_blank_lines():
+    text = "Plan.\nStill plan.\n\n\nDo it.\n \nCheck."
+    assert spans_text(text, split_text(text, "paragraph")) == [
+        "Plan.\nStill plan.\n\n\n",
+        "Do it.\n \n",
+        "Check.",
+    ]
+
+
+def test_sentence_rules():
+    text = (
+        "It costs $3.50 each. So 2 cost $7! Right?\n"
+        "Yes, e.g. this one. Mr. Smith says pi is 3.14 here.\n"
+        "1. First step. Then $x = 1. y$ and \\[a. b\\] hold.  Done."
+    )
+    assert spans_text(text, split_text(text, "sentence")) == [
+        "It costs $3.50 each. ",
+        "So 2 cost $7! ",
+        "Right?\n",
+        "Yes, e.g. this one. ",
+        "Mr. Smith says pi is 3.14 here.\n",
+        "1. First step. ",
+        "Then $x = 1. y$ and \\[a. b\\] hold.  ",
+        "Done.",
+    ]
+
+
+def test_sentence_math_is_never_split_but_currency_is():
+    math = "We use \\(n! = 6\\) and $3! = 6$ and $$a.\nb$$ end."
+    assert split_text(math, "sentence") == [(0, len(math))]
+    money = "He paid $5 each for 3*5=$<<3*5=15>>15. Then he saved $2. She paid $3."
+    assert spans_text(money, split_text(money, "sentence")) == [
+        "He paid $5 each for 3*5=$<<3*5=15>>15. ",
+        "Then he saved $2. ",
+        "She paid $3.",
+    ]
+
+
+def test_sentence_closing_quotes_and_brackets_stay_with_the_sentence():
+    text = 'He said "stop." (It worked.) Next.'
+    assert spans_text(text, split_text(text, "sentence")) == [
+        'He said "stop." ',
+        "(It worked.) ",
+        "Next.",
+    ]
+
+
+def test_step_default_markers():
+    text = "Plan first.\nStep 1: add.\nmore\n  **Step 2:** done\n3.14 is pi\n2) two\n10. ten"
+    assert spans_text(text, split_text(text, "step")) == [
+        "Plan first.\n",
+        "Step 1: add.\nmore\n  ",
+        "**Step 2:** done\n3.14 is pi\n",
+        "2) two\n",
+        "10. ten",
+    ]
+
+
+def test_step_custom_regex():
+    text = "intro\n- one\n- two\nend"
+    assert spans_text(text, split_text(text, r"step:^- ")) == ["intro\n", "- one\n", "- two\nend"]
+
+
+def test_keywords_default_and_custom():
+    text = "We get 5. Wait, that is wrong. So it is 6.\nHmm let me check. It holds, so done."
+    assert spans_text(text, split_text(text, "keywords")) == [
+        "We get 5. ",
+        "Wait, that is wrong. ",
+        "So it is 6.\n",
+        "Hmm let me check. It holds, so done.",
+    ]
+    assert spans_text(text, split_text(text, "keywords:hmm|It holds")) == [
+        "We get 5. Wait, that is wrong. So it is 6.\n",
+        "Hmm let me check. ",
+        "It holds, so done.",
+    ]
+    # "So" is a whole word: "Some" does not split
+    assert split_text("A. Some b. Sofa.", "keywords:So") == [(0, 16)]
+
+
+def test_tokens_strategy_counts_tokens(seg_char):
+    text = "abcdefghij"
+    offsets = seg_char(text, return_offsets_mapping=True)["offset_mapping"]
+    assert split_text(text, "tokens:4", offsets=offsets) == [(0, 4), (4, 8), (8, 10)]
+    assert Segmenter("tokens:4").boundaries(text, offsets) == [0, 4, 8, 10]
+    assert Segmenter("tokens:3").boundaries(text, [*offsets, (10, 10)]) == [0, 3, 6, 9, 11]
+    with pytest.raises(ValueError, match="counts tokens"):
+        split_text(text, "tokens:4")
+
+
+def test_tokens_strategy_keeps_a_leading_space_token_whole(seg_bpe):
+    text = "one two three four five six"
+    ids = seg_bpe.encode(text)
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    assert decoded == text
+    assert any(decoded[s] == " " for s, _ in offsets)  # GPT-2 style " two" tokens
+    assert Segmenter("tokens:2").boundaries(text, offsets) == [*range(0, len(ids), 2), len(ids)]
+
+
+# --------------------------------------------------------------------------------------------
+# Options: answer line, min_chars, max_segments
+# --------------------------------------------------------------------------------------------
+
+GSM8K = "Janet sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18.\n#### 18"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "#### 18",
+        "A: 18",
+        "Answer: 18",
+        "**Final answer:** 18",
+        "The answer is 18.",
+        "So $\\boxed{18}$",
+    ],
+)
+def test_answer_line_merged_by_default_separate_on_request(answer):
+    text = f"x = 9.\ny = 18.\n{answer}\n"
+    assert spans_text(text, split_text(text, "newline")) == ["x = 9.\n", f"y = 18.\n{answer}\n"]
+    assert spans_text(text, split_text(text, "newline", separate_answer=True)) == [
+        "x = 9.\n",
+        "y = 18.\n",
+        f"{answer}\n",
+    ]
+
+
+def test_answer_inside_the_last_line_uses_the_strategy_cut():
+    text = "We get 18. So the answer is 18."
+    assert spans_text(text, split_text(text, "sentence")) == [text]
+    assert spans_text(text, split_text(text, "sentence", separate_answer=True)) == [
+        "We get 18. ",
+        "So the answer is 18.",
+    ]
+    # paragraph: the answer is carved out of the last paragraph only when asked
+    para = "p1\n\nline a\n#### 5"
+    assert spans_text(para, split_text(para, "paragraph")) == ["p1\n\n", "line a\n#### 5"]
+    assert spans_text(para, split_text(para, "paragraph", separate_answer=True)) == [
+        "p1\n\n",
+        "line a\n",
+        "#### 5",
+    ]
+
+
+def test_answer_options_without_an_answer_line():
+    truncated = "x = 9.\ny = 18.\nso the tot"
+    for separate in (False, True):
+        assert spans_text(
+            truncated, split_text(truncated, "newline", separate_answer=separate)
+        ) == [
+            "x = 9.\n",
+            "y = 18.\n",
+            "so the tot",
+        ]
+    only_answer = "#### 18"
+    assert split_text(only_answer, "newline", separate_answer=True) == [(0, 7)]
+
+
+def test_custom_answer_pattern():
+    text = "a\nb\nRESULT 5"
+    assert split_text(text, "newline", separate_answer=True, answer_pattern=r"^RESULT") == [
+        (0, 2),
+        (2, 4),
+        (4, 12),
+    ]
+    assert split_text(text, "newline", answer_pattern=r"^RESULT") == [(0, 2), (2, 12)]
+
+
+def test_min_chars_merges_into_the_next_and_the_last_into_the_previous():
+    text = "ab\ncdefgh\nx\nyz\nlonglongline\nq"
+    assert spans_text(text, split_text(text, "newline", min_chars=3)) == [
+        "ab\ncdefgh\n",
+        "x\nyz\n",
+        "longlongline\nq",
+    ]
+    assert split_text(text, "newline", min_chars=1000) == [(0, len(text))]
+
+
+def test_max_segments_merges_the_shortest_adjacent_pair_first():
+    text = "aa\nbbbb\ncc\ndddddddd\ne\nf"
+    assert spans_text(text, split_text(text, "newline", max_segments=3)) == [
+        "aa\nbbbb\ncc\n",
+        "dddddddd\n",
+        "e\nf",
+    ]
+    assert split_text(text, "newline", max_segments=1) == [(0, len(text))]
+    assert len(split_text(text, "newline", max_segments=100)) == 6
+
+
+def test_separate_answer_is_exempt_from_merging():
+    text = "first line here\nsecond line here\n#### 5"
+    spans = split_text(text, "newline", separate_answer=True, min_chars=10, max_segments=2)
+    assert spans_text(text, spans) == ["first line here\nsecond line here\n", "#### 5"]
+    assert split_text(text, "newline", separate_answer=True, max_segments=1) == [(0, len(text))]
+
+
+# --------------------------------------------------------------------------------------------
+# Edge cases and errors
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", TEXT_STRATEGIES)
+def test_edge_cases_for_every_strategy(strategy):
+    assert split_text("", strategy) == []
+    assert split_text("   \n\n \t", strategy) == [(0, 7)]
+    assert split_text("no split point at all", strategy) == [(0, 21)]
+    assert split_text("\n\n  Leading blank lines stay in front", strategy) == [(0, 37)]
+    assert Segmenter(strategy).boundaries("", []) == [0]
+    assert Segmenter(strategy).boundaries("", [(0, 0)]) == [0, 1]  # an eos alone
+
+
+def test_unknown_and_malformed_strategies():
+    with pytest.raises(ValueError, match="valid: newline, paragraph, sentence") as err:
+        get_segmenter("sentences")
+    assert "tokens:N" in str(err.value)
+    for bad in ["tokens:0", "tokens:x", "tokens", "tokens:-2"]:
+        with pytest.raises(ValueError, match=r"tokens:N needs a positive integer"):
+            get_segmenter(bad)
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_segmenter("newline:3")
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        get_segmenter("step:(")
+    with pytest.raises(ValueError, match="non-empty words"):
+        get_segmenter("keywords:Wait||So")
+    with pytest.raises(ValueError, match="min_chars"):
+        Segmenter("newline", min_chars=-1)
+    with pytest.raises(ValueError, match="max_segments"):
+        Segmenter("newline", max_segments=0)
+    with pytest.raises(ValueError, match="answer_pattern"):
+        Segmenter("newline", answer_pattern="(")
+    assert get_segmenter("tokens:16", min_chars=2) == Segmenter("tokens:16", min_chars=2)
+    assert list_segmenters()[:3] == ["newline", "paragraph", "sentence"]
+
+
+def test_register_segmenter():
+    @register_segmenter("test_every_comma")
+    def every_comma(text, arg):
+        return [i + 1 for i, ch in enumerate(text) if ch == ","]
+
+    try:
+        assert "test_every_comma" in list_segmenters()
+        assert split_text("a, b, c", "test_every_comma") == [(0, 3), (3, 6), (6, 7)]
+        with pytest.raises(ValueError, match="already registered"):
+            register_segmenter("test_every_comma")(every_comma)
+    finally:
+        segment._STRATEGIES.pop("test_every_comma")
+
+
+def test_spans_to_boundaries_rules():
+    spans = [(0, 4), (4, 8), (8, 12)]
+    # token 1 straddles the first split (starts at 3): it belongs to segment 0
+    assert spans_to_boundaries(spans, [(0, 3), (3, 6), (6, 12)]) == [0, 2, 3]
+    # no token starts in the middle span: it is dropped
+    assert spans_to_boundaries(spans, [(0, 2), (2, 4), (8, 12)]) == [0, 2, 3]
+    # HF-style (0, 0) special tokens: bos joins the first segment, eos the last
+    assert spans_to_boundaries(spans, [(0, 0), (0, 4), (4, 8), (8, 12), (0, 0)]) == [0, 2, 3, 5]
+    # an empty span (skipped eos) goes with the token before, even where no token starts in
+    # the last span; an eos alone at the end of the last span is in it
+    assert spans_to_boundaries(spans, [(0, 4), (4, 12), (12, 12)]) == [0, 1, 3]
+    assert spans_to_boundaries(spans, [(0, 4), (4, 9), (9, 12), (12, 12)]) == [0, 1, 2, 4]
+    assert spans_to_boundaries(spans, []) == [0]
+    with pytest.raises(ValueError, match="outside the text"):
+        spans_to_boundaries(spans, [(0, 4), (4, 13)])
+    with pytest.raises(ValueError, match="contiguous"):
+        spans_to_boundaries([(0, 4), (5, 12)], [(0, 4)])
+    with pytest.raises(ValueError, match="characters but the text has"):
+        spans_to_boundaries(spans, [(0, 4)], text="short")
+
+
+def test_leading_whitespace_token_goes_with_the_word_it_carries():
+    text = "Hello. World"
+    spans = split_text(text, "sentence")
+    assert spans == [(0, 7), (7, 12)]
+    offsets = [(0, 5), (5, 6), (6, 12)]  # "Hello", ".", " World"
+    assert spans_to_boundaries(spans, offsets, text=text) == [0, 2, 3]
+    assert spans_to_boundaries(spans, offsets) == [0, 3]  # without the text: by start only
+
+
+# --------------------------------------------------------------------------------------------
+# Token layer
+# --------------------------------------------------------------------------------------------
+
+
+def _oracle_byte_spans(tokenizer, ids, text):
+    """Expected spans from the GPT-2 byte alphabet: chars holding each token's first/last byte."""
+    alphabet = set(bytes_to_unicode().values())
+    special = set(tokenizer.all_special_ids)
+    lengths = []  # bytes per token: one per alphabet character; none for a skipped special token
+    for i in ids:
+        token = tokenizer.convert_ids_to_tokens(i)
+        assert i in special or set(token) <= alphabet
+        lengths.append(0 if i in special else len(token))
+    char_of_byte = [k for k, ch in enumerate(text) for _ in ch.encode("utf-8")] + [len(text)]
+    spans, pos = [], 0
+    for n in lengths:
+        if n == 0:
+            spans.append((char_of_byte[pos], char_of_byte[pos]))
+        else:
+            spans.append((char_of_byte[pos], char_of_byte[pos + n - 1] + 1))
+        pos += n
+    return spans
+
+
+def test_byte_level_offsets_on_non_ascii(seg_bpe):
+    text = NON_ASCII + ". So x\n"
+    ids = seg_bpe.encode(text) + [seg_bpe.eos_token_id]
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    assert decoded == text
+    assert offsets == _oracle_byte_spans(seg_bpe, ids, text)
+    assert offsets[-1] == (len(text), len(text))  # eos: empty span at the end
+    starts = [s for s, _ in offsets]
+    assert starts == sorted(starts)
+    assert len(ids) > len(text) // 2  # the BPE really splits the multi-byte characters
+    # keeping special tokens: eos spans its text at the end
+    decoded, offsets = decode_with_offsets(seg_bpe, ids, skip_special_tokens=False)
+    assert decoded == text + "<|endoftext|>"
+    assert offsets[-1] == (len(text), len(decoded))
+    # token_offsets is the same, and tensors work
+    assert token_offsets(seg_bpe, torch.tensor(ids)) == _oracle_byte_spans(seg_bpe, ids, text)
+
+
+def test_truncated_inside_a_multibyte_character(seg_bpe):
+    ids = seg_bpe.encode("So x.\n日本")
+    cut = len(ids) - 1  # drop the last byte token of "本": the text ends with U+FFFD
+    text, offsets = decode_with_offsets(seg_bpe, ids[:cut])
+    assert text == "So x.\n日\ufffd"
+    assert offsets[-1] == (len(text) - 1, len(text))
+    assert offsets[-2][0] == len(text) - 1  # both bytes of the broken "本" start at it
+    assert Segmenter("newline").boundaries(text, offsets) == [0, 4, cut]
+
+
+def test_every_offset_path_agrees_on_starts(seg_bpe):
+    text = NON_ASCII + "\nThe answer is 5."
+    ids = seg_bpe.encode(text) + [seg_bpe.eos_token_id]
+    _, expected = decode_with_offsets(seg_bpe, ids)
+    incremental = segment._offsets_from_pieces(segment._pieces_incremental(seg_bpe, ids, True))
+    by_prefix = segment._offsets_by_prefix(seg_bpe, ids, True, text)
+    assert incremental[0] == text
+    assert [s for s, _ in incremental[1]] == [s for s, _ in expected]
+    assert [s for s, _ in by_prefix] == [s for s, _ in expected]
+
+
+def test_context_dependent_decoder_uses_incremental_decoding(seg_metaspace):
+    text = "Hello world. So the answer is 5."
+    ids = seg_metaspace.encode(text)
+    decoded, offsets = decode_with_offsets(seg_metaspace, [*ids, seg_metaspace.eos_token_id])
+    assert decoded == text
+    # each token decoded alone loses its leading space, so the first paths must have refused
+    alone = "".join(seg_metaspace.decode([i]) for i in ids)
+    assert alone != text
+    tokens = seg_metaspace.convert_ids_to_tokens(ids)
+    expected, pos = [], 0
+    for k, tok in enumerate(tokens):
+        piece = tok.replace("\u2581", " ")
+        piece = piece.lstrip(" ") if k == 0 else piece
+        expected.append((pos, pos + len(piece)))
+        pos += len(piece)
+    assert offsets == [*expected, (len(text), len(text))]
+    assert segment._offsets_by_prefix(seg_metaspace, ids, True, text) == expected
+    bounds = Segmenter("sentence", separate_answer=True).boundaries(decoded, offsets)
+    second = next(k for k, (s, _) in enumerate(offsets) if s >= text.index(" So"))
+    assert bounds == [0, second, len(ids) + 1]
+
+
+def test_character_tokenizer_offsets(seg_char):
+    text = " Hi\n there 日本 "
+    ids = seg_char.encode(text) + [seg_char.eos_token_id]
+    decoded, offsets = decode_with_offsets(seg_char, ids)
+    assert decoded == text
+    assert offsets == [(i, i + 1) for i in range(len(text))] + [(len(text), len(text))]
+    # no decoder: tokenizers joins tokens with spaces; the offsets follow that text
+    spaced = _char_tokenizer(None)
+    decoded, offsets = decode_with_offsets(spaced, spaced.encode("abc"))
+    assert decoded == "a b c"
+    assert offsets == [(0, 1), (1, 3), (3, 5)]
+
+
+def test_retokenized_offsets_match_decoded_offsets(seg_bpe):
+    text = "Über 3.5€ costs 2.\nSo 日本語 😀 is it. Wait, then #### 7"
+    encoding = seg_bpe(text, return_offsets_mapping=True)
+    decoded, offsets = decode_with_offsets(seg_bpe, encoding["input_ids"])
+    assert decoded == text
+    for strategy in ("newline", "sentence", "keywords", "tokens:3"):
+        segmenter = Segmenter(strategy, separate_answer=True)
+        assert segmenter.boundaries(text, encoding["offset_mapping"]) == segmenter.boundaries(
+            text, offsets
+        )
+
+
+def test_bad_token_ids(seg_bpe):
+    with pytest.raises(ValueError, match="1-D"):
+        token_offsets(seg_bpe, [[1, 2], [3, 4]])
+    assert decode_with_offsets(seg_bpe, []) == ("", [])
+
+
+# --------------------------------------------------------------------------------------------
+# Properties
+# --------------------------------------------------------------------------------------------
+
+OPTIONS = st.fixed_dictionaries(
+    {
+        "min_chars": st.integers(0, 12),
+        "max_segments": st.none() | st.integers(1, 6),
+        "separate_answer": st.booleans(),
+    }
+)
+
+
+def _check_spans(text, spans, strategy, options):
+    if not text:
+        assert spans == []
+        return
+    assert spans[0][0] == 0 and spans[-1][1] == len(text)
+    assert all(s < e for s, e in spans)
+    assert all(e == s for (_, e), (s, _) in zip(spans, spans[1:]))
+    if strategy in TEXT_STRATEGIES:
+        assert all(not text[s].isspace() for s, _ in spans[1:])
+    if options["max_segments"] is not None:
+        assert len(spans) <= options["max_segments"]
+    if options["min_chars"] and not options["separate_answer"] and len(spans) > 1:
+        content = [sum(not ch.isspace() for ch in text[s:e]) for s, e in spans]
+        assert min(content) >= options["min_chars"]
+
+
+def _check_boundaries(text, spans, offsets, bounds):
+    """Strictly increasing from 0 to T; each token is in the span holding its position."""
+    n = len(offsets)
+    assert bounds[0] == 0 and bounds[-1] == n
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    if n == 0 or not spans:
+        assert bounds == ([0] if n == 0 else [0, n])
+        return
+    # independent re-computation of the rule, token by token
+    positions = []
+    for s, e in offsets:
+        if s == e and positions:  # empty span: with the token before
+            positions.append(positions[-1])
+            continue
+        piece = text[s:e]
+        p = s + len(piece) - len(piece.lstrip()) if piece.strip() else s
+        positions.append(max(p, positions[-1]) if positions else p)
+    owner = [max(k for k, (a, _) in enumerate(spans) if a <= p) for p in positions]
+    segment_of_token = [k for k, (a, b) in enumerate(zip(bounds, bounds[1:])) for _ in range(a, b)]
+    assert len(segment_of_token) == n
+    for k in range(1, n):
+        assert (owner[k] == owner[k - 1]) == (segment_of_token[k] == segment_of_token[k - 1])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=texts(), strategy=st.sampled_from(TEXT_STRATEGIES), options=OPTIONS)
+def test_property_spans_cover_the_text(text, strategy, options):
+    spans = split_text(text, strategy, **options)
+    _check_spans(text, spans, strategy, options)
+    assert split_text(text, strategy, **options) == spans
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=texts(),
+    strategy=st.sampled_from([*TEXT_STRATEGIES, "tokens:1", "tokens:5"]),
+    options=OPTIONS,
+)
+def test_property_char_tokenizer_boundaries(seg_char, text, strategy, options):
+    ids = seg_char.encode(text) + [seg_char.eos_token_id]
+    decoded, offsets = decode_with_offsets(seg_char, ids)
+    assert decoded == text
+    assert offsets == [(i, i + 1) for i in range(len(text))] + [(len(text), len(text))]
+    segmenter = Segmenter(strategy, **options)
+    spans = segmenter.split(text, offsets)
+    _check_spans(text, spans, strategy, options)
+    bounds = segmenter.boundaries(text, offsets)
+    _check_boundaries(text, spans, offsets, bounds)
+    if text and strategy in TEXT_STRATEGIES:  # one token per character: no span is dropped
+        assert len(bounds) - 1 == len(spans)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=texts(),
+    strategy=st.sampled_from([*TEXT_STRATEGIES, "tokens:1", "tokens:4"]),
+    options=OPTIONS,
+)
+def test_property_byte_level_bpe_boundaries(seg_bpe, text, strategy, options):
+    ids = seg_bpe.encode(text) + [seg_bpe.eos_token_id]
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    assert decoded == text
+    assert offsets == _oracle_byte_spans(seg_bpe, ids, text)
+    segmenter = Segmenter(strategy, **options)
+    spans = segmenter.split(text, offsets)
+    _check_spans(text, spans, strategy, options)
+    _check_boundaries(text, spans, offsets, segmenter.boundaries(text, offsets))
+
+
+# --------------------------------------------------------------------------------------------
+# Done criterion: every GSM8K test solution, newline and sentence, with the trained BPE
+# --------------------------------------------------------------------------------------------
+
+
+def test_gsm8k_solutions_are_segmented_with_every_token_covered_once(seg_bpe, seg_gsm8k_solutions):
+    assert len(seg_gsm8k_solutions) == 1319
+    newline, sentence = Segmenter("newline"), Segmenter("sentence")
+    n_sentences = n_lines = 0
+    for solution in seg_gsm8k_solutions:
+        ids = seg_bpe.encode(solution) + [seg_bpe.eos_token_id]
+        text, offsets = decode_with_offsets(seg_bpe, ids)
+        assert text == solution
+        # newline: one segment per line (blank lines join the line above), the "#### N" line
+        # merged into the last step, and each segment's tokens decode to exactly its lines
+        bounds = newline.boundaries(text, offsets)
+        lines = re.findall(r"[^\n]*\S[^\n]*(?:\n\s*)?", text)
+        assert "".join(lines) == text and lines[-1].startswith("#### ")
+        assert len(bounds) - 1 == len(lines) - 1
+        assert bounds[0] == 0 and bounds[-1] == len(ids)
+        assert all(a < b for a, b in zip(bounds, bounds[1:]))
+        pieces = [
+            seg_bpe.decode(ids[a:b], skip_special_tokens=True) for a, b in zip(bounds, bounds[1:])
+        ]
+        assert pieces == [*lines[:-2], lines[-2] + lines[-1]]
+        n_lines += len(bounds) - 1
+        # sentence: strictly increasing, every token in the span holding its position
+        spans = sentence.split(text)
+        bounds = sentence.boundaries(text, offsets)
+        _check_boundaries(text, spans, offsets, bounds)
+        assert len(bounds) - 1 >= len(lines) - 1
+        n_sentences += len(bounds) - 1
+    assert n_sentences > n_lines  # sentence splits inside lines too
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _cli_args(argv):
+    parser = argparse.ArgumentParser(prog="rredcot")
+    add_segment_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["segment", *argv])
+
+
+def _records(out):
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_cli_segment_file_and_stdin(tmp_path, capsys, monkeypatch):
+    trace = tmp_path / "trace.txt"
+    trace.write_text(GSM8K, encoding="utf-8")
+    args = _cli_args(["--strategy", "newline", "--separate-answer", str(trace)])
+    assert args.func is run_segment
+    assert run_segment(args) == 0
+    records = _records(capsys.readouterr().out)
+    assert records == [
+        {"index": 0, "start": 0, "end": 33, "text": "Janet sells 16 - 3 - 4 = 9 eggs.\n"},
+        {"index": 1, "start": 33, "end": 56, "text": "She makes 9 * 2 = $18.\n"},
+        {"index": 2, "start": 56, "end": 63, "text": "#### 18"},
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO(GSM8K))
+    assert run_segment(_cli_args(["--strategy", "sentence", "--max-segments", "1"])) == 0
+    assert _records(capsys.readouterr().out) == [{"index": 0, "start": 0, "end": 63, "text": GSM8K}]
+
+
+def test_cli_segment_tokens_and_errors(tmp_path, capsys, seg_bpe):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("one two three four five", encoding="utf-8")
+    assert run_segment(_cli_args(["--strategy", "tokens:2", str(trace)])) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    seg_bpe.save_pretrained(tmp_path / "tok")
+    args = _cli_args(["--strategy", "tokens:2", "--tokenizer", str(tmp_path / "tok"), str(trace)])
+    assert run_segment(args) == 0
+    records = _records(capsys.readouterr().out)
+    assert "".join(r["text"] for r in records) == "one two three four five"
+    ids = seg_bpe.encode("one two three four five")
+    assert len(records) == (len(ids) + 1) // 2
+    assert run_segment(_cli_args(["--strategy", "sentencez", str(trace)])) == 2
+    assert "valid: newline" in capsys.readouterr().err
+    assert run_segment(_cli_args([str(tmp_path / "missing.txt")])) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert _cli_args([]).answer_pattern == DEFAULT_ANSWER_PATTERN
