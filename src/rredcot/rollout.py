@@ -207,7 +207,7 @@ def build_rollout_batch(
     B, T = response_mask.shape
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
-    completions, verdicts, rewards, boundaries = [], [], [], []
+    completions, verdicts, rewards, boundaries, char_starts = [], [], [], [], []
     skipped = truncated = 0
     eos = tokenizer.eos_token_id
     for row in range(B):
@@ -227,6 +227,7 @@ def build_rollout_batch(
         bounds = segmenter.boundaries(text, offsets) if content_ids else [0]
         if length > len(content_ids):  # the EOS token joins the last segment
             bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
+        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
         completions.append(text)
         verdicts.append(verdict)
         rewards.append(float(verdict.reward))
@@ -241,6 +242,7 @@ def build_rollout_batch(
         group_ids=group_ids.to(input_ids.device),
         boundaries=boundaries,
         segment_ids=segment_ids,
+        segment_char_starts=char_starts,
         problems=rows_problems,
         completions=completions,
         verdicts=verdicts,
@@ -254,6 +256,20 @@ def build_rollout_batch(
         "rollout/tokens": float(lengths.sum()),
     }
     return batch, stats
+
+
+@torch.no_grad()
+def fill_forward(
+    policy, batch: RolloutBatch, hidden_layers: tuple[int, ...] | None = None
+) -> RolloutBatch:
+    """The one no-grad forward over a fresh batch: old log-probs and (optionally) the hidden
+    states the value head reads, so values cost no extra forward pass."""
+    fwd = policy_forward(
+        policy, batch.input_ids, batch.attention_mask, batch.prompt_len, hidden_layers=hidden_layers
+    )
+    batch.old_logprobs = fwd.logprobs
+    batch.hidden_states = fwd.hidden_states
+    return batch
 
 
 @torch.no_grad()

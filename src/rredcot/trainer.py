@@ -26,6 +26,7 @@ from rredcot.methods.base import CreditContext, RolloutBatch, build_credit
 from rredcot.rollout import (
     build_rollout_batch,
     context_limit,
+    fill_forward,
     greedy_accuracy,
     policy_forward,
     prompt_special_tokens,
@@ -281,18 +282,10 @@ class Trainer:
         )
         t_rollout = time.perf_counter()
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        with torch.no_grad():
-            fwd = policy_forward(
-                self.policy,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.prompt_len,
-                hidden_layers=layers,
-            )
-            batch.old_logprobs = fwd.logprobs
-            batch.hidden_states = fwd.hidden_states
-            ref_logprobs = None
-            if self.reference is not None:
+        fill_forward(self.policy, batch, hidden_layers=layers)
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
                 ref_logprobs = policy_forward(
                     self.reference, batch.input_ids, batch.attention_mask, batch.prompt_len
                 ).logprobs

@@ -36,6 +36,7 @@ class RolloutBatch:
     group_ids: torch.Tensor  # (B,) long; the G samples of one prompt share an id
     boundaries: list[list[int]]  # per row: [0, b_1, ..., b_n = T_b]
     segment_ids: torch.Tensor  # (B, T) long, -1 on padding
+    segment_char_starts: list[list[int]] = field(default_factory=list)  # per row, per segment
     problems: list[Problem] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
@@ -85,6 +86,9 @@ class RolloutBatch:
             group_ids=pick(self.group_ids),
             boundaries=[self.boundaries[i] for i in keep],
             segment_ids=pick(self.segment_ids),
+            segment_char_starts=[self.segment_char_starts[i] for i in keep]
+            if self.segment_char_starts
+            else [],
             problems=[self.problems[i] for i in keep] if self.problems else [],
             completions=[self.completions[i] for i in keep] if self.completions else [],
             verdicts=[self.verdicts[i] for i in keep] if self.verdicts else [],
