@@ -40,6 +40,12 @@ class ModelConfig:
         "Comma-separated module names LoRA adapts.", default="q_proj,k_proj,v_proj,o_proj"
     )
     gradient_checkpointing: bool = _help("Trade compute for memory in the policy.", default=False)
+    attn_implementation: str | None = _help(
+        "Attention kernel: eager, sdpa, flash_attention_2, ...; empty means transformers' default "
+        "(sdpa), or eager with --credit_method attention, the one method that needs attention "
+        "weights (only eager returns them).",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

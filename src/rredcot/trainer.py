@@ -205,7 +205,10 @@ class Trainer:
 
             source = str(default_warmstart(self.task, log=self.log))
         dtype = getattr(torch, cfg.model.dtype)
-        policy, tokenizer = load_policy(source, dtype=dtype)
+        attn = cfg.model.attn_implementation or (
+            "eager" if cfg.credit_method == "attention" else None
+        )
+        policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         if cfg.model.lora_r > 0:
