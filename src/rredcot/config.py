@@ -121,6 +121,11 @@ class CreditConfig:
         "'off' (always use the method's credit).",
         default="reliability",
     )
+    handover_smoothing: float = _help(
+        "EMA decay of the value head's measured reliability (the hand-over weight); starting "
+        "from 0, it also sets how slowly trust is earned.",
+        default=0.9,
+    )
     # answer likelihood
     answer_source: str = _help(
         "Correct answers of the answer-likelihood probe: reference, group or both.",
@@ -141,6 +146,11 @@ class CreditConfig:
             raise ValueError("credit.value_output must be sigmoid or linear")
         if self.handover not in ("reliability", "off"):
             raise ValueError("credit.handover must be 'reliability' or 'off'")
+        if not 0.0 <= self.handover_smoothing < 1.0:
+            raise ValueError(
+                f"credit.handover_smoothing={self.handover_smoothing} must be in [0, 1) "
+                "(0: use each step's fresh reliability as is)"
+            )
         if self.answer_source not in ("reference", "group", "both"):
             raise ValueError("credit.answer_source must be reference, group or both")
         if self.mc_rollouts < 1:
