@@ -1,0 +1,334 @@
+"""The RL loop: loss aggregation, a micro run end to end, SIGKILL + resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rredcot.config import TrainConfig
+from rredcot.tasks import Verdict, register_task
+from rredcot.tasks.arithmetic import ArithmeticTask
+from rredcot.trainer import Trainer, policy_loss
+
+
+@pytest.fixture
+def init_dir(tmp_path, char_tokenizer):
+    from rredcot.models import build_tiny_llama
+
+    model = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    out = tmp_path / "init"
+    model.save_pretrained(out)
+    char_tokenizer.save_pretrained(out)
+    return out
+
+
+def micro_config(init_dir, out, **overrides) -> TrainConfig:
+    cfg = dict(
+        init=str(init_dir),
+        out=str(out),
+        task_args={"num_steps": 2},
+        credit_method="uniform",
+        steps=3,
+        prompts_per_step=2,
+        eval_size=4,
+        eval_every=2,
+        checkpoint_every=1,
+        progress=False,
+    )
+    cfg.update(overrides)
+    trainer_cfg = TrainConfig(**cfg)
+    trainer_cfg.sampling.num_generations = 4
+    trainer_cfg.sampling.max_new_tokens = 16
+    return trainer_cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# the loss
+
+
+def _loss_inputs():
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=g) * 0.1 - 1.0
+    old = logp + torch.randn(3, 5, generator=g) * 0.3
+    adv = torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.float)
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "dr_grpo"])
+def test_policy_loss_matches_a_loop(agg):
+    logp, old, adv, mask = _loss_inputs()
+    loss, stats = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        loss_agg=agg,
+        num_rows=3,
+        num_tokens=float(mask.sum()),
+        max_len=5,
+    )
+    per_row, total, count = [], 0.0, 0
+    for b in range(3):
+        row = []
+        for t in range(5):
+            if mask[b, t] == 0:
+                continue
+            r = math.exp(logp[b, t] - old[b, t])
+            a = float(adv[b, t])
+            value = max(-a * r, -a * min(max(r, 0.8), 1.28))
+            row.append(value)
+            total += value
+            count += 1
+        per_row.append(sum(row) / len(row))
+    expected = {
+        "token_mean": total / count,
+        "seq_mean": sum(per_row) / 3,
+        "dr_grpo": total / (3 * 5),
+    }[agg]
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert 0.0 <= stats["clip_fraction"] <= 1.0
+    assert stats["kl"] == 0.0
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
+    logp, old, adv, mask = _loss_inputs()
+    kw = dict(
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        loss_agg="token_mean",
+        num_rows=3,
+        num_tokens=float(mask.sum()),
+        max_len=5,
+        kl_coef=0.5,
+    )
+    base, _ = policy_loss(logp, old, adv, mask, **kw, ref_logprobs=None)
+    same, st_same = policy_loss(logp, old, adv, mask, **kw, ref_logprobs=logp.clone())
+    away, st_away = policy_loss(logp, old, adv, mask, **kw, ref_logprobs=logp - 0.5)
+    assert float(same) == pytest.approx(float(base))
+    assert st_same["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert st_away["kl"] > 0.05 and float(away) > float(base)
+
+
+def test_unknown_aggregation_is_rejected():
+    logp, old, adv, mask = _loss_inputs()
+    with pytest.raises(ValueError, match="token_mean"):
+        policy_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            clip_eps_low=0.2,
+            clip_eps_high=0.2,
+            loss_agg="sum",
+            num_rows=3,
+            num_tokens=1.0,
+            max_len=5,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# a micro run
+
+
+REQUIRED = {
+    "step",
+    "samples_seen",
+    "tokens_generated",
+    "reward_mean",
+    "policy_loss",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "step_seconds",
+}
+
+
+def test_micro_run_writes_metrics_config_checkpoints_and_plots(init_dir, tmp_path):
+    run = tmp_path / "run"
+    cfg = micro_config(init_dir, run, credit_method="uniform", kl_coef=0.1)
+    result = Trainer(cfg, log=lambda *_: None).train()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records[1:]:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert math.isfinite(r["policy_loss"]) and r["grad_norm"] >= 0
+    assert records[1]["samples_seen"] == 8 and records[3]["samples_seen"] == 24
+    assert records[3]["tokens_generated"] > records[1]["tokens_generated"] > 0
+    assert "eval_accuracy" in records[2] and "eval_accuracy" in records[3]
+    assert result["final_accuracy"] == records[3]["eval_accuracy"]
+    assert (run / "config.yaml").exists()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert len(list((run / "checkpoints").glob("step_*"))) == cfg.keep_checkpoints
+    assert (run / "plots" / "reward_mean.png").exists()
+
+
+class _ParityTask(ArithmeticTask):
+    """Reward 1 for completions of even length: varied rewards even from a random policy."""
+
+    def verify(self, problem, completion):
+        return Verdict(float(len(completion) % 2 == 0), None, None, "parity")
+
+
+register_task("test_parity")(_ParityTask)
+
+
+def test_training_changes_the_policy(init_dir, tmp_path):
+    cfg = micro_config(init_dir, tmp_path / "run", task="test_parity", steps=2, lr=1e-2)
+    trainer = Trainer(cfg, log=lambda *_: None)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    trainer.train()
+    after = trainer.policy.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+class _NaNTask(ArithmeticTask):
+    """Arithmetic whose reward is NaN for every other call: a broken user reward function."""
+
+    calls = 0
+
+    def verify(self, problem, completion):
+        type(self).calls += 1
+        if type(self).calls % 2:
+            return Verdict(float("nan"), None, None, "broken")
+        return super().verify(problem, completion)
+
+
+register_task("test_nan_arithmetic")(_NaNTask)
+
+
+def test_bad_rewards_are_skipped_and_counted(init_dir, tmp_path):
+    cfg = micro_config(init_dir, tmp_path / "run", task="test_nan_arithmetic", steps=1)
+    Trainer(cfg, log=lambda *_: None).train()
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["rollout/skipped_samples"] == 4  # half of 2 prompts x 4 samples
+    assert rec["skipped_samples_total"] == 4
+    assert math.isfinite(rec["policy_loss"])
+
+
+def test_unknown_names_fail_with_the_valid_ones(init_dir, tmp_path):
+    with pytest.raises(ValueError, match="arithmetic"):
+        Trainer(micro_config(init_dir, tmp_path / "a", task="nope"))
+    with pytest.raises(ValueError, match="uniform"):
+        Trainer(micro_config(init_dir, tmp_path / "b", credit_method="nope"))
+    with pytest.raises(ValueError, match="token_mean"):
+        micro_config(init_dir, tmp_path / "c", loss_agg="mean")
+
+
+def test_prompts_longer_than_the_context_are_a_clear_error(tmp_path, char_tokenizer):
+    from rredcot.models import build_tiny_llama
+
+    model = build_tiny_llama(
+        char_tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=20
+    )
+    model.save_pretrained(tmp_path / "short")
+    char_tokenizer.save_pretrained(tmp_path / "short")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Trainer(micro_config(tmp_path / "short", tmp_path / "run"))
+
+
+def test_resume_needs_a_run_directory(tmp_path):
+    from rredcot.trainer import train
+
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        train(TrainConfig(resume=str(tmp_path / "missing")))
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL and resume
+
+
+def _cli(init_dir, out, steps, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "rredcot.cli",
+        "train",
+        "--init",
+        str(init_dir),
+        "--out",
+        str(out),
+        "--credit",
+        "uniform",
+        "--steps",
+        str(steps),
+        "--prompts_per_step",
+        "2",
+        "--sampling.num_generations",
+        "4",
+        "--sampling.max_new_tokens",
+        "16",
+        "--eval_size",
+        "4",
+        "--eval_every",
+        "3",
+        "--checkpoint_every",
+        "2",
+        "--progress",
+        "false",
+        "--task.num_steps",
+        "2",
+        *extra,
+    ]
+
+
+VOLATILE = ("step_seconds", "time/")
+
+
+def _stable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(init_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    steps = 7
+    full = tmp_path / "full"
+    subprocess.run(_cli(init_dir, full, steps), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cli(init_dir, killed, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step_000004":
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    done = [
+        json.loads(x)["step"]
+        for x in (killed / "metrics.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
+    assert max(done) < steps
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "rredcot.cli", "train", "--resume", str(killed)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    lines = (killed / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert [r["step"] for r in records] == list(range(steps + 1)), "duplicated or missing steps"
+    expected = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert _stable(records) == _stable(expected)
