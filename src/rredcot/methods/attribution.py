@@ -69,8 +69,9 @@ def first_last_weights(num_segments: torch.Tensor) -> torch.Tensor:
     weights = torch.zeros(n.shape[0], S)
     rows = torch.arange(n.shape[0])
     has = n > 0
-    weights[rows[has], 0] += 0.5
-    weights[rows[has], (n[has] - 1)] += 0.5
+    if S:
+        weights[rows[has], 0] += 0.5
+        weights[rows[has], n[has] - 1] += 0.5
     return weights
 
 
