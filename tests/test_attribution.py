@@ -47,17 +47,19 @@ def build_batch(tokenizer, task, rows, separate_answer=False) -> RolloutBatch:
         response_mask[i, : len(ids)] = 1
         if completion is None:
             bounds = [0]
+            starts.append([])
             verdicts.append(None)
             rewards.append(0.0)
         else:
             offsets = token_offsets(tokenizer, ids[:-1])
             bounds = segmenter.boundaries(completion, offsets) if completion else [0]
+            char_starts = [offsets[b][0] if b < len(offsets) else len(completion) for b in bounds]
             bounds = bounds[:-1] + [len(ids)] if len(bounds) > 1 else [0, len(ids)]
             verdict = task.verify(problem, completion)
             verdicts.append(verdict)
             rewards.append(float(verdict.reward))
+            starts.append(char_starts[: len(bounds) - 1])
         boundaries.append(bounds)
-        starts.append([0] * (len(bounds) - 1))
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, response_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
@@ -68,6 +70,7 @@ def build_batch(tokenizer, task, rows, separate_answer=False) -> RolloutBatch:
         boundaries=boundaries,
         segment_ids=credit.boundaries_to_segment_ids(boundaries, T),
         segment_char_starts=starts,
+        verdicts=verdicts,
         problems=[p for p, _, _ in rows],
         completions=["" if c is None else c for _, c, _ in rows],
     )
@@ -147,6 +150,8 @@ def test_answer_line_starts_point_at_the_last_line(char_tokenizer, batch):
         assert texts[i] == batch.completions[i].split("\n")[-1] + "<eos>"
         assert texts[i].startswith("A:")
     assert starts[3] == 0  # a single line: nothing before the answer
+    lines = batch.completions[0].split("\n")
+    assert batch.segment_char_starts[0] == [0, len(lines[0]) + 1, len(lines[0]) + len(lines[1]) + 2]
     assert starts[4] == 0 and lengths[4] == 0
     last_step = batch.completions[5].rstrip().split("\n")[-1]
     assert texts[5] == last_step + "\n<eos>"  # last non-blank line, trailing newline included
