@@ -1,0 +1,49 @@
+"""Build a RolloutBatch from given completion texts (gold or error-injected traces) instead of
+sampling them: the same layout, verification and segmentation as ``build_rollout_batch``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline", group_size=1):
+    from rredcot import credit
+    from rredcot.methods.base import RolloutBatch
+    from rredcot.rollout import encode_prompts, render_prompt
+    from rredcot.segment import get_segmenter, token_offsets
+
+    seg = get_segmenter(segmenter)
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, [render_prompt(p, tokenizer) for p in problems], "cpu"
+    )
+    P = prompt_ids.shape[1]
+    rows, boundaries, char_starts, verdicts = [], [], [], []
+    for text, problem in zip(completions, problems):
+        content = tokenizer(text, add_special_tokens=False)["input_ids"]
+        offsets = token_offsets(tokenizer, content)
+        bounds = seg.boundaries(text, offsets) if content else [0]
+        bounds = bounds[:-1] + [len(content) + 1] if len(bounds) > 1 else [0, len(content) + 1]
+        rows.append(content + [tokenizer.eos_token_id])
+        boundaries.append(bounds)
+        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
+        verdicts.append(task.verify(problem, text))
+    T = max(len(r) for r in rows)
+    response = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        response[i, : len(r)] = torch.tensor(r)
+        response_mask[i, : len(r)] = 1
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, response], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+        prompt_len=P,
+        response_mask=response_mask,
+        rewards=torch.tensor([v.reward for v in verdicts], dtype=torch.float),
+        group_ids=torch.arange(len(rows)) // group_size,
+        boundaries=boundaries,
+        segment_ids=credit.boundaries_to_segment_ids(boundaries, T),
+        segment_char_starts=char_starts,
+        problems=list(problems),
+        completions=list(completions),
+        verdicts=verdicts,
+    )
