@@ -155,6 +155,8 @@ class CreditConfig:
             raise ValueError("credit.answer_source must be reference, group or both")
         if self.mc_rollouts < 1:
             raise ValueError("credit.mc_rollouts must be >= 1")
+        if self.mc_max_boundaries < 0:
+            raise ValueError("credit.mc_max_boundaries must be >= 0 (0 estimates every boundary)")
 
     @property
     def value_layer_indices(self) -> tuple[int, ...]:
