@@ -1,0 +1,285 @@
+"""rredcot credit inside TRL's GRPOTrainer: a tiny Llama, arithmetic prompts, a few CPU steps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_rollout_batch
+from rredcot.config import CreditConfig
+from rredcot.integrations.trl import (
+    CREDIT_STATE_FILE,
+    RREDCoTGRPOConfig,
+    RREDCoTGRPOTrainer,
+    _boundary_batch,
+    task_reward,
+)
+from rredcot.methods.base import CreditContext, build_credit
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def arithmetic_dataset():
+    from datasets import Dataset
+
+    from rredcot.tasks import get_task
+
+    problems = get_task("arithmetic", num_steps=2).train_problems(4, seed=0)
+    return Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+
+
+def digit_share(completions, **kwargs) -> list[float]:
+    """Shaping reward in [0, 1] so that an untrained policy's rewards vary within a group."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+class SpyTrainer(RREDCoTGRPOTrainer):
+    """Records TRL's own advantages next to rredcot's for every generation batch."""
+
+    def _apply_credit(self, inputs, output):
+        trl_advantages = output["advantages"].clone()
+        output = super()._apply_credit(inputs, output)
+        if not hasattr(self, "records"):
+            self.records = []
+        self.records.append(
+            {
+                "trl": trl_advantages,
+                "ours": output["advantages"].clone(),
+                "mask": output["completion_mask"].clone(),
+                "batch": self.last_batch,
+            }
+        )
+        return output
+
+
+def make_trainer(model_dir, dataset, out_dir, method="value_head", cls=SpyTrainer, **overrides):
+    from rredcot.models import build_char_tokenizer
+
+    credit = {"segmenter": "tokens:4", "handover": "off", "lam": 0.5}
+    credit.update(overrides.pop("credit", {}))
+    kwargs = dict(
+        output_dir=str(out_dir),
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=24,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        reward_weights=[0.5, 0.5],
+        credit_method=method,
+        credit=credit,
+        task="arithmetic",
+        task_args={"num_steps": 2},
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return cls(
+        model=model_dir,
+        reward_funcs=[task_reward("arithmetic", num_steps=2), digit_share],
+        args=RREDCoTGRPOConfig(**kwargs),
+        train_dataset=dataset,
+        processing_class=build_char_tokenizer(),
+    )
+
+
+def test_value_head_gives_segment_credit_and_learns(tiny_model_dir, arithmetic_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_dir, arithmetic_dataset, tmp_path)
+    head = trainer.credit_method.head
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    trainer.train()
+
+    assert len(trainer.records) == 2
+    varied = 0
+    for rec in trainer.records:
+        adv, mask, batch = rec["ours"], rec["mask"].bool(), rec["batch"]
+        assert adv.shape == mask.shape  # (B, T): token-level advantages reached TRL
+        assert torch.isfinite(adv).all() and (adv[~mask] == 0).all()
+        for row, bounds in enumerate(batch.boundaries):
+            seg_values = [adv[row, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            for seg in seg_values:  # one advantage per segment
+                assert torch.allclose(seg, seg[0].expand_as(seg))
+            if len(seg_values) > 1:
+                firsts = torch.stack([s[0] for s in seg_values])
+                varied += int((firsts.max() - firsts.min()) > 1e-6)
+    assert varied > 0, "value-head credit should differ between the segments of a completion"
+
+    after = head.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the head did not train"
+    assert trainer.credit_method.num_updates == 2
+    # TRL skips its old-log-prob pass here, so the hidden states cost one forward of our own.
+    history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
+    assert [h["rredcot/extra_forward"] for h in history] == [1.0, 1.0]
+    assert all("value/loss" in h for h in history)
+
+
+def test_uniform_reproduces_trl_advantages(tiny_model_dir, arithmetic_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_dir, arithmetic_dataset, tmp_path, method="uniform")
+    trainer.train()
+    nonzero = 0
+    for rec in trainer.records:
+        trl, ours, mask = rec["trl"], rec["ours"], rec["mask"].to(torch.float32)
+        assert trl.dim() == 1 and ours.dim() == 2
+        expected = trl.unsqueeze(1) * mask
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+        nonzero += int((trl.abs() > 1e-3).sum())
+    assert nonzero > 0, "rewards never varied within a group: the comparison would be vacuous"
+
+
+def test_hidden_states_come_from_trls_own_forward(tiny_model_dir, arithmetic_dataset, tmp_path):
+    class CheckHidden(SpyTrainer):
+        def _apply_credit(self, inputs, output):
+            output = super()._apply_credit(inputs, output)
+            batch = self.last_batch
+            with torch.no_grad():
+                ref = self.model(
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    output_hidden_states=True,
+                ).hidden_states[-1]
+            self.records[-1]["reference"] = ref
+            return output
+
+    # steps_per_generation > gradient_accumulation_steps: TRL runs the old-log-prob pass itself.
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        cls=CheckHidden,
+        steps_per_generation=2,
+        max_steps=1,
+    )
+    assert trainer._trl_runs_old_logprob_pass()
+    trainer.train()
+    rec = trainer.records[0]
+    hidden, ref = rec["batch"].hidden_states, rec["reference"]
+    assert hidden.shape == ref.shape
+    real = rec["batch"].attention_mask.bool()
+    torch.testing.assert_close(hidden[real], ref[real], rtol=1e-4, atol=1e-5)
+    history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
+    assert history and all(h["rredcot/extra_forward"] == 0.0 for h in history)
+
+
+def test_value_head_saved_with_checkpoints_and_resumed(
+    tiny_model_dir, arithmetic_dataset, tmp_path
+):
+    trainer = make_trainer(
+        tiny_model_dir, arithmetic_dataset, tmp_path, save_strategy="steps", save_steps=2
+    )
+    trainer.train()
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / CREDIT_STATE_FILE).exists()
+    saved_head = {k: v.clone() for k, v in trainer.credit_method.head.state_dict().items()}
+
+    resumed = make_trainer(
+        tiny_model_dir, arithmetic_dataset, tmp_path, save_strategy="no", max_steps=3
+    )
+    assert resumed.credit_method.num_updates == 0
+    assert resumed.load_credit_state(ckpt)
+    loaded = resumed.credit_method.head.state_dict()
+    assert all(torch.equal(saved_head[k], loaded[k].to(saved_head[k].device)) for k in saved_head)
+
+    fresh = make_trainer(
+        tiny_model_dir, arithmetic_dataset, tmp_path, save_strategy="no", max_steps=3
+    )
+    fresh.train(resume_from_checkpoint=str(ckpt))
+    assert fresh.state.global_step == 3
+    assert fresh.credit_method.num_updates == 3  # 2 restored + 1 after resuming
+
+    fresh.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / CREDIT_STATE_FILE).exists()
+
+
+def test_answer_likelihood_is_selectable(tiny_model_dir, arithmetic_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_dir, arithmetic_dataset, tmp_path, method="answer_likelihood", max_steps=1
+    )
+    trainer.train()
+    rec = trainer.records[0]
+    adv, mask = rec["ours"], rec["mask"].bool()
+    assert torch.isfinite(adv).all() and adv.shape == mask.shape
+    batch, out = rec["batch"], trainer.last_credit
+    assert batch.problems[0].answer == arithmetic_dataset[0]["answer"]
+    probed = out.value_mask.clone()
+    probed[torch.arange(batch.size), batch.num_segments] = False  # V(s_n) is the outcome
+    assert probed.any()
+    values = out.values[probed]
+    assert ((values > 0) & (values < 1)).all()  # probabilities of answering right, not outcomes
+    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the probes' one pass
+
+
+def test_boundary_batch_trains_the_head_like_the_full_batch(
+    tiny_policy, char_tokenizer, arithmetic_task
+):
+    batch = make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, segmenter="tokens:5")
+    cfg = CreditConfig(handover="off", value_replay=0, value_epochs=2)
+    ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
+    full, compact = build_credit("value_head", cfg, ctx), build_credit("value_head", cfg, ctx)
+    small = _boundary_batch(batch)
+    assert small.hidden_states.shape[1] == max(len(b) for b in batch.boundaries)
+    torch.testing.assert_close(full.segment_values(batch)[0], compact.segment_values(small)[0])
+    full.update(batch)
+    compact.update(small)
+    for a, b in zip(full.head.parameters(), compact.head.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="valid keys"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit={"lamda": 0.5})
+    with pytest.raises(ValueError, match="unknown credit method"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="vine")
+    with pytest.raises(ValueError, match="needs task"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="answer_likelihood")
+    cfg = RREDCoTGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, credit='{"segmenter": "sentence", "lam": 0.25}'
+    )
+    assert cfg.credit_config.segmenter == "sentence" and cfg.credit_config.lam == 0.25
+
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="RREDCoTGRPOConfig"):
+        RREDCoTGRPOTrainer(model="unused", args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
+def test_task_reward_scores_with_the_verifier():
+    reward = task_reward("arithmetic", num_steps=2)
+    prompt = "Compute 2+3*4 step by step.\n"  # any prompt works: the answer column decides
+    out = reward([prompt, prompt], ["2+3=5\n5*4=20\nA:20", "A:19"], answer=["20", "20"])
+    assert out == [1.0, 0.0]
+    with pytest.raises(ValueError, match="no 'answer' column"):
+        reward([prompt], ["A:20"], solution=["20"])
+
+
+def test_core_imports_neither_trl_nor_verl():
+    code = (
+        "import sys, rredcot, rredcot.credit, rredcot.segment, rredcot.methods.base, "
+        "rredcot.rollout, rredcot.trainer, rredcot.integrations, rredcot.integrations._batch\n"
+        "from rredcot.methods.base import get_credit\n"
+        "get_credit('value_head'); get_credit('answer_likelihood')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('trl', 'verl'))\n"
+        "assert not bad, bad\n"
+        "print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "clean"
