@@ -331,3 +331,30 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(init_dir, tmp_path
     assert [r["step"] for r in records] == list(range(steps + 1)), "duplicated or missing steps"
     expected = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     assert _stable(records) == _stable(expected)
+
+
+def test_runs_under_accelerate_launch(init_dir, tmp_path):
+    out = tmp_path / "acc"
+    args = _cli(init_dir, out, 1)[3:]  # drop "python -m rredcot.cli"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "rredcot.cli",
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]

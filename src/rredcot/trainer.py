@@ -8,6 +8,7 @@ value head trains on the outcomes only after their credit was computed).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -138,7 +139,11 @@ class Trainer:
         self.log = log
         self.run_dir = Path(cfg.out)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.device = resolve_device(cfg.device)
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")
+        self.device = self.accelerator.device
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         seed_everything(cfg.seed)
 
         self.task = get_task(cfg.task, **cfg.task_args)
@@ -168,6 +173,9 @@ class Trainer:
         )
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # Under `accelerate launch` the loss forward runs through the DDP-wrapped `self.model`;
+        # sampling, credit, evaluation and checkpoints use the plain `self.policy`.
+        self.model, self.optimizer = self.accelerator.prepare(self.policy, self.optimizer)
         optim_steps = cfg.steps * cfg.epochs_per_batch * cfg.minibatches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -269,8 +277,8 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        problems = self.prompts_for_step(step)
-        seed_everything(step_seed(cfg.seed, step))
+        problems = self.prompts_for_step(step)[self.rank :: self.world]
+        seed_everything(step_seed(cfg.seed, step, salt=self.rank))
         self.policy.eval()
         batch, stats = build_rollout_batch(
             self.policy,
@@ -336,7 +344,7 @@ class Trainer:
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs
     ) -> dict[str, float]:
         cfg = self.cfg
-        self.policy.train()
+        self.model.train()
         B = batch.size
         T_max = cfg.sampling.max_new_tokens
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -349,39 +357,43 @@ class Trainer:
                 num_tokens = float(batch.response_mask[mb].sum())
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_total, entropy_sum, micro_stats = 0.0, 0.0, {}
-                for micro in mb.chunk(cfg.grad_accumulation):
-                    fwd = policy_forward(
-                        self.policy,
-                        batch.input_ids[micro],
-                        batch.attention_mask[micro],
-                        batch.prompt_len,
-                        with_entropy=True,
-                    )
-                    rmask = batch.response_mask[micro]
-                    loss, st = policy_loss(
-                        fwd.logprobs,
-                        batch.old_logprobs[micro],
-                        advantages[micro],
-                        rmask,
-                        clip_eps_low=cfg.clip_eps_low,
-                        clip_eps_high=cfg.clip_eps_high,
-                        loss_agg=cfg.loss_agg,
-                        num_rows=len(mb),
-                        num_tokens=num_tokens,
-                        max_len=T_max,
-                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
-                        kl_coef=cfg.kl_coef,
-                    )
-                    loss.backward()
-                    loss_total += loss.item()
-                    entropy_sum += float((fwd.entropy.detach() * rmask).sum())
-                    for k, v in st.items():
-                        micro_stats[k] = micro_stats.get(k, 0.0) + v * float(rmask.sum()) / max(
-                            num_tokens, 1.0
+                micros = mb.chunk(cfg.grad_accumulation)
+                for i, micro in enumerate(micros):
+                    sync = i == len(micros) - 1
+                    ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
+                    with ctx:
+                        fwd = policy_forward(
+                            self.model,
+                            batch.input_ids[micro],
+                            batch.attention_mask[micro],
+                            batch.prompt_len,
+                            with_entropy=True,
                         )
+                        rmask = batch.response_mask[micro]
+                        loss, st = policy_loss(
+                            fwd.logprobs,
+                            batch.old_logprobs[micro],
+                            advantages[micro],
+                            rmask,
+                            clip_eps_low=cfg.clip_eps_low,
+                            clip_eps_high=cfg.clip_eps_high,
+                            loss_agg=cfg.loss_agg,
+                            num_rows=len(mb),
+                            num_tokens=num_tokens,
+                            max_len=T_max,
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
+                            kl_coef=cfg.kl_coef,
+                        )
+                        self.accelerator.backward(loss)
+                        loss_total += loss.item()
+                        entropy_sum += float((fwd.entropy.detach() * rmask).sum())
+                        for k, v in st.items():
+                            micro_stats[k] = micro_stats.get(k, 0.0) + v * float(rmask.sum()) / max(
+                                num_tokens, 1.0
+                            )
                 params = [p for p in self.policy.parameters() if p.requires_grad]
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                grad_norm = float(self.accelerator.clip_grad_norm_(params, max_norm))
                 self.optimizer.step()
                 self.scheduler.step()
                 entries = {
@@ -439,14 +451,16 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
-        save_yaml(cfg, self.run_dir / "config.yaml")
+        main = self.accelerator.is_main_process
+        if main:
+            save_yaml(cfg, self.run_dir / "config.yaml")
         ckpt = runio.latest_checkpoint(self.run_dir)
         if ckpt is not None:
             self.restore(ckpt)
             self.log(f"resumed from {ckpt} at step {self.step}")
-        else:
+        elif main:
             self.metrics.truncate_after(-1)
-        if self.step == 0:
+        if self.step == 0 and main:
             acc0 = self.evaluate()
             self.metrics.append(
                 {"step": 0, "samples_seen": 0, "tokens_generated": 0, "eval_accuracy": acc0}
@@ -458,29 +472,35 @@ class Trainer:
             (r["eval_accuracy"] for r in reversed(records) if r.get("eval_accuracy") is not None),
             start_acc,
         )
-        bar = _progress(cfg.progress, total=cfg.steps, initial=self.step)
+        bar = _progress(cfg.progress and main, total=cfg.steps, initial=self.step)
         while self.step < cfg.steps:
             self.step += 1
             record = self.train_step(self.step)
-            if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+            if main and (
+                (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps
+            ):
                 last_acc = self.evaluate()
                 record["eval_accuracy"] = last_acc
-            self.metrics.append(record)
-            self.sink.log(record, self.step)
+            if main:
+                self.metrics.append(record)
+                self.sink.log(record, self.step)
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
-                self.save()
+                if main:
+                    self.save()
+                self.accelerator.wait_for_everyone()
             if bar is not None:
-                bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{last_acc:.2f}")
+                bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{last_acc or 0:.2f}")
                 bar.update(1)
         if bar is not None:
             bar.close()
         self.sink.close()
-        try:
-            from rredcot.plots import plot_run
+        if main:
+            try:
+                from rredcot.plots import plot_run
 
-            plot_run(self.run_dir)
-        except Exception as err:  # noqa: BLE001 - plots are a convenience, never fatal
-            self.log(f"plotting skipped: {err}")
+                plot_run(self.run_dir)
+            except Exception as err:  # noqa: BLE001 - plots are a convenience, never fatal
+                self.log(f"plotting skipped: {err}")
         return {
             "start_accuracy": start_acc,
             "final_accuracy": last_acc,

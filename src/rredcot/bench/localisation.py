@@ -5,7 +5,8 @@ completion. Credit is per *segment*, so the line is mapped to the segment holdin
 character. Then, over a batch:
 
 - error_acc: among incorrect traces with a known first error, the share whose most-blamed segment
-  (lowest advantage) is the one holding the first wrong step;
+  (lowest advantage) is the one holding the first wrong step (ties shared fairly, so uniform
+  credit scores exactly chance);
 - correct_acc: among correct traces, the share with no segment blamed below ``threshold``;
 - f1: their harmonic mean.
 """
@@ -43,6 +44,14 @@ def error_segment(
     return max(0, bisect.bisect_right(segment_char_starts, start) - 1)
 
 
+def blame_hit(segment_advantages: torch.Tensor, target: int, tol: float = 1e-6) -> float:
+    """1 if segment ``target`` is the most-blamed (lowest advantage), shared fairly on ties: a
+    tie of m segments that includes the target scores 1/m (so equal credit scores chance)."""
+    lowest = segment_advantages.min()
+    tied = (segment_advantages <= lowest + tol).nonzero().flatten().tolist()
+    return 1.0 / len(tied) if target in tied else 0.0
+
+
 def localisation_scores(
     segment_advantages: torch.Tensor,
     segment_mask: torch.Tensor,
@@ -57,7 +66,8 @@ def localisation_scores(
     Rows with a single segment are left out of error_acc (nothing to localise), and so are rows
     where the first error falls in no segment.
     """
-    hits = wrong = ok = correct = 0
+    hits = 0.0
+    wrong = ok = correct = 0
     for row, text in enumerate(completions):
         n = int(segment_mask[row].sum())
         if n == 0:
@@ -71,7 +81,7 @@ def localisation_scores(
         if target is None or n < 2:
             continue
         wrong += 1
-        hits += int(int(torch.argmin(adv)) == target)
+        hits += blame_hit(adv, target)
     error_acc = hits / wrong if wrong else float("nan")
     correct_acc = ok / correct if correct else float("nan")
     f1 = (
