@@ -30,7 +30,7 @@ def test_ties_are_shared_so_uniform_credit_scores_chance():
 def test_scores_on_a_small_batch():
     texts = ["a\nb\nc", "a\nb\nc", "a\nb"]
     starts = [[0, 2, 4], [0, 2, 4], [0, 2]]
-    adv = torch.tensor([[0.0, -1.0, 0.2], [-0.5, -0.5, -0.5], [0.3, 0.1]])
+    adv = torch.tensor([[0.0, -1.0, 0.2], [-0.5, -0.5, -0.5], [0.3, 0.1, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     rewards = torch.tensor([0.0, 0.0, 1.0])
     scores = localisation_scores(adv, mask, texts, rewards, [1, 2, -1], starts)
