@@ -37,4 +37,4 @@ def test_scores_on_a_small_batch():
     assert scores["n_wrong"] == 2 and scores["n_correct"] == 1
     assert math.isclose(scores["error_acc"], (1.0 + 1 / 3) / 2)
     assert scores["correct_acc"] == 1.0
-    assert math.isclose(chance_error_acc(mask, rewards), 1 / 3)
+    assert math.isclose(chance_error_acc(mask, rewards), 1 / 3, rel_tol=1e-6)
