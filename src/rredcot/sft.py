@@ -159,7 +159,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         out_of_time = time.perf_counter() - start > cfg.max_seconds
         if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
             accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
-            history.append({"step": step, "loss": float(loss), "eval_accuracy": accuracy})
+            history.append({"step": step, "loss": loss.item(), "eval_accuracy": accuracy})
             if cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
                 best_in_band = accuracy
                 break
