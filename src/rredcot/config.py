@@ -207,6 +207,12 @@ class TrainConfig:
     kl_coef: float = _help(
         "KL (k3) penalty to the frozen reference policy (0: no reference).", default=0.0
     )
+    max_tokens_generated: int = _help(
+        "Token budget: stop once the sampled tokens reach it, counting the policy's rollouts "
+        "plus the tokens a credit method generates on top (Monte Carlo continuations); 0: no "
+        "budget, only `steps` ends the run.",
+        default=0,
+    )
     eval_every: int = _help(
         "Greedy evaluation every N steps (0: only at start and end).", default=10
     )
@@ -240,6 +246,10 @@ class TrainConfig:
             raise ValueError("clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        if self.max_tokens_generated < 0:
+            raise ValueError(
+                f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
