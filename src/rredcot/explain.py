@@ -197,7 +197,15 @@ def add_explain_parser(sub) -> None:
     p.add_argument("--html", default=None, help="Also write a self-contained HTML page here.")
     p.add_argument("--samples", type=int, default=8, help="Completions sampled (group size).")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--task", dest="task_name", default="arithmetic", help="Task name.")
+    p.add_argument(
+        "--task",
+        dest="task_name",
+        default=None,
+        help="Task name (default: the checkpoint's task, else arithmetic).",
+    )
+    p.add_argument(
+        "--answer", default=None, help="Reference answer of --prompt (to verify the samples)."
+    )
     p.add_argument("--no-color", action="store_true", help="Plain terminal output.")
 
 

@@ -1,0 +1,765 @@
+"""``rredcot bench credit``: how good is each method's credit on a frozen policy? (DESIGN.md s. 6)
+
+Read top to bottom:
+
+1. Sample ``N`` prompts x ``G`` completions from the frozen policy (held-out problems,
+   ``task.eval_problems(N, seed)``), verify and segment them. With several segmenters the *same*
+   traces are re-segmented, so segmenters are compared on identical text.
+2. Ground truth: ``V_MC(s_k)`` = mean reward of ``K`` (default 32) Monte Carlo continuations from
+   every boundary (:func:`rredcot.methods.monte_carlo.mc_values`), and ground-truth segment
+   advantages ``A*_k`` from them through :func:`rredcot.credit.segment_advantages_from_values`
+   at the comparison lambda ``lam`` (default 0, so ``A*_k = r_k = V_MC(s_k) - V_MC(s_{k-1})``,
+   ``V(s_n) := R``).
+3. Every method (and named variant) computes its credit on the same batches exactly as the trainer
+   would (one ``fill_forward`` with the hidden layers it needs, then ``compute``). Its segment
+   advantages for the comparison are taken at the *same* ``lam`` for every method: from its values
+   ``CreditOutput.values`` when it has them (so the value head's hand-over blend with uniform credit
+   is not applied: the estimator is judged, not the schedule), else by segment GAE over its segment
+   credit (attribution methods: ``r_k = w_k (R - mean R)``). Under ``lam = 0`` uniform credit (a
+   constant value) puts all of ``R - mean R`` on the last segment; under ``lam = 1`` it is GRPO.
+4. Learned methods (the value head) are first fitted on ``--value-fit-batches`` *separate* batches
+   sampled from the same frozen policy on training problems (fresh traces, never the evaluated
+   ones), each batch scored before the head trains on it, as in RL (``ValueHeadCredit.pretrain``);
+   or their state is loaded from a training run (``--run``).
+
+Metrics per (method, segmenter):
+
+- ``spearman_pooled``: Spearman rho (average ranks for ties) between the method's and the ground
+  truth's segment advantages, pooled over all segments of all traces (it rewards ranking traces
+  as well as segments within a trace).
+- ``spearman_trace_mean``: mean per-trace rho over traces with >= 2 segments whose ground truth is
+  not constant; a method constant on such a trace scores 0 there (it ranks nothing).
+- ``sign_agreement``: over segments whose ground-truth advantage is non-zero, the share where the
+  method's advantage has the same sign (a zero advantage counts one half).
+- ``value_mse`` and ``value_ece``: the method's ``V(s_k)``, ``k < n``, against ``V_MC(s_k)``; ECE
+  bins the predictions into 10 equal-width bins and averages ``|mean V - mean V_MC|`` weighted by
+  bin counts. Only for methods with values.
+- ``error_acc``, ``correct_acc``, ``f1`` (:mod:`rredcot.bench.localisation`, threshold
+  ``--blame-threshold`` on the comparison advantages) on tasks whose verifier reports the first
+  wrong step; ``chance_error_acc`` is the expected error_acc of random blame.
+- Cost per trace: ``extra_forward_tokens``, ``extra_generated_tokens`` (from the method's
+  ``credit/extra_*`` metrics), ``seconds_per_trace`` = (the shared no-grad forward + the method's
+  ``compute``) / traces and ``credit_seconds_per_trace`` (``compute`` alone);
+  ``time_ratio_to_uniform`` divides ``seconds_per_trace`` by uniform's (uniform is always run).
+
+A ``ground_truth`` row scores the ``K``-rollout values themselves on localisation (the ceiling a
+value-based method can reach with these traces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rredcot import credit as credit_algebra
+from rredcot.bench.localisation import chance_error_acc, localisation_scores
+from rredcot.bench.report import fmt, markdown_table, write_json
+from rredcot.bench.variants import Variant, dir_name, parse_variants
+from rredcot.methods.base import RolloutBatch
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def rankdata(x: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of a 1-D tensor; tied entries share the average of their ranks.
+
+    ``rankdata([10, 20, 20, 30]) = [1, 2.5, 2.5, 4]``.
+    """
+    x = x.detach().flatten().double().cpu()
+    n = x.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    order = torch.argsort(x, stable=True)
+    _, counts = torch.unique_consecutive(x[order], return_counts=True)
+    ends = counts.cumsum(0).double()  # rank of the last member of each tie group
+    avg = ends - (counts.double() - 1) / 2  # average rank of each tie group
+    ranks = torch.empty(n, dtype=torch.float64)
+    ranks[order] = torch.repeat_interleave(avg, counts)
+    return ranks
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> float:
+    """Spearman rank correlation: Pearson's r of the average ranks (ties handled).
+
+    ``decimals`` rounds both inputs first so that float noise (``0.1 + 0.2`` vs ``0.3``) ties.
+    NaN when fewer than two entries or either side is constant.
+    """
+    x = x.detach().flatten().double().cpu()
+    y = y.detach().flatten().double().cpu()
+    if x.numel() != y.numel():
+        raise ValueError(f"spearman needs equal lengths, got {x.numel()} and {y.numel()}")
+    if x.numel() < 2:
+        return float("nan")
+    if decimals is not None:
+        x, y = torch.round(x, decimals=decimals), torch.round(y, decimals=decimals)
+    rx, ry = rankdata(x), rankdata(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = math.sqrt(float((rx * rx).sum()) * float((ry * ry).sum()))
+    return float((rx * ry).sum()) / denom if denom > 0 else float("nan")
+
+
+def sign_agreement(pred: torch.Tensor, truth: torch.Tensor, tol: float = 1e-9) -> float:
+    """Share of entries with ``|truth| > tol`` where ``pred`` has the same sign; ``|pred| <= tol``
+    counts 1/2. NaN when every ``truth`` is zero."""
+    pred, truth = pred.double().flatten(), truth.double().flatten()
+    keep = truth.abs() > tol
+    if not bool(keep.any()):
+        return float("nan")
+    p, t = pred[keep], truth[keep]
+    score = ((p * t) > 0).double() + 0.5 * (p.abs() <= tol).double()
+    return float(score.mean())
+
+
+def per_trace_spearman(preds: list[list[float]], truths: list[list[float]]) -> tuple[float, int]:
+    """Mean per-trace rho over traces with >= 2 segments and a non-constant truth (a constant
+    prediction scores 0). Returns ``(mean, traces used)``."""
+    rhos = []
+    for p, t in zip(preds, truths):
+        if len(t) < 2:
+            continue
+        tt = torch.round(torch.tensor(t, dtype=torch.float64), decimals=9)
+        if bool((tt == tt[0]).all()):
+            continue
+        rho = spearman(torch.tensor(p), tt)
+        rhos.append(0.0 if math.isnan(rho) else rho)
+    return (sum(rhos) / len(rhos) if rhos else float("nan")), len(rhos)
+
+
+def value_errors(
+    values: list[list[float]], targets: list[list[float]], num_bins: int = 10
+) -> tuple[float, float]:
+    """``(MSE, ECE)`` of predicted values against target values over all entries."""
+    from rredcot.methods.value_head import expected_calibration_error
+
+    v = torch.tensor([x for row in values for x in row], dtype=torch.float64)
+    t = torch.tensor([x for row in targets for x in row], dtype=torch.float64)
+    if v.numel() == 0:
+        return float("nan"), float("nan")
+    mse = float(((v - t) ** 2).mean())
+    ece = expected_calibration_error(v, t, torch.ones_like(v, dtype=torch.bool), num_bins)
+    return mse, ece
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+def resegment(batch: RolloutBatch, tokenizer, segmenter) -> RolloutBatch:
+    """The same traces cut by another segmenter (boundaries, segment ids and segment starts are
+    recomputed exactly as :func:`rredcot.rollout.build_rollout_batch` does; hidden states are
+    dropped, the next ``fill_forward`` recomputes them)."""
+    from rredcot.segment import token_offsets
+
+    P, eos = batch.prompt_len, tokenizer.eos_token_id
+    boundaries, char_starts = [], []
+    for row in range(batch.size):
+        length = int(batch.response_mask[row].sum())
+        ids = batch.input_ids[row, P : P + length].tolist()
+        content = ids[:-1] if ids and ids[-1] == eos else ids
+        text = batch.completions[row]
+        offsets = token_offsets(tokenizer, content)
+        bounds = segmenter.boundaries(text, offsets) if content else [0]
+        if length > len(content):
+            bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
+        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
+        boundaries.append(bounds)
+    segment_ids = credit_algebra.boundaries_to_segment_ids(boundaries, batch.response_len)
+    return dataclasses.replace(
+        batch,
+        boundaries=boundaries,
+        segment_ids=segment_ids.to(batch.input_ids.device),
+        segment_char_starts=char_starts,
+        old_logprobs=None,
+        hidden_states=None,
+    )
+
+
+def _rows(t: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    return [t[i][mask[i].bool()].double().cpu().tolist() for i in range(t.shape[0])]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros(len(rows), max(width, 1), dtype=torch.float64)
+    mask = torch.zeros(len(rows), max(width, 1), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        mask[i, : len(r)] = True
+    return out, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+@dataclass
+class CreditBenchConfig:
+    checkpoint: str
+    methods: str = "uniform,value_head,answer_likelihood,monte_carlo,gradient,attention,first_last"
+    segmenters: str = "newline"
+    task: str | None = None  # default: the checkpoint's task, else arithmetic
+    task_args: dict = field(default_factory=dict)
+    prompts: int = 32
+    samples: int = 8
+    mc_k: int = 32
+    lam: float = 0.0
+    out: str = "bench/credit"
+    seed: int = 0
+    value_fit_batches: int = 20
+    value_fit_prompts: int = 16
+    run: str | None = None  # load learned method states from this training run instead
+    max_new_tokens: int | None = None  # default: the run's sampling.max_new_tokens, else 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    blame_threshold: float = 0.0
+    chunk_prompts: int = 16
+    examples: int = 2
+    overrides: dict = field(default_factory=dict)  # dotted credit.* defaults for every variant
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "samples", "mc_k", "chunk_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        for name in ("value_fit_batches", "value_fit_prompts", "examples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 0")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"lam={self.lam} must be in [0, 1]")
+
+
+@dataclass
+class _Collected:
+    """Per-row results of one method on one segmentation, pooled over chunks."""
+
+    adv: list[list[float]] = field(default_factory=list)
+    values: list[list[float]] | None = field(default_factory=list)  # V(s_k), k < n
+    metrics: dict[str, float] = field(default_factory=dict)
+    forward_seconds: float = 0.0
+    credit_seconds: float = 0.0
+    examples: dict[int, list] = field(default_factory=dict)
+
+
+def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, device):
+    from rredcot.config import SamplingConfig
+    from rredcot.methods.base import CreditContext
+
+    sampling = SamplingConfig(
+        num_generations=cfg.samples,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+    )
+    return CreditContext(
+        policy=policy,
+        tokenizer=tokenizer,
+        task=task,
+        segmenter=segmenter,
+        sampling=sampling,
+        device=device,
+    )
+
+
+def _make_segmenter(name: str, credit_cfg):
+    from rredcot.segment import get_segmenter
+
+    return get_segmenter(
+        name,
+        min_chars=credit_cfg.min_chars,
+        max_segments=credit_cfg.max_segments or None,
+        separate_answer=credit_cfg.separate_answer,
+    )
+
+
+def _comparison_advantages(out, rewards: torch.Tensor, lam: float) -> torch.Tensor:
+    """Segment advantages of a method's output at the comparison lambda (see module doc)."""
+    if out.values is not None:
+        adv, _, _ = credit_algebra.segment_advantages_from_values(
+            out.values.double(), out.value_mask, rewards.double().to(out.values.device), lam
+        )
+        return adv
+    return credit_algebra.segment_gae(out.segment_advantages.double(), out.segment_mask, lam)
+
+
+@dataclass
+class _Traces:
+    """The evaluated traces of one segmentation, pooled over chunks (row i = trace i)."""
+
+    batches: list[RolloutBatch]
+    rewards: torch.Tensor  # (N,)
+    completions: list[str]
+    first_errors: list[int | None]
+    char_starts: list[list[int]]
+
+    @classmethod
+    def of(cls, batches: list[RolloutBatch]) -> _Traces:
+        return cls(
+            batches,
+            torch.cat([b.rewards.detach().cpu() for b in batches]),
+            [c for b in batches for c in b.completions],
+            [v.first_error_step for b in batches for v in b.verdicts],
+            [s for b in batches for s in b.segment_char_starts],
+        )
+
+    @property
+    def size(self) -> int:
+        return len(self.completions)
+
+    @property
+    def has_labels(self) -> bool:
+        return any(e is not None for e in self.first_errors)
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(chunk, row in chunk) of trace ``i``."""
+        for c, b in enumerate(self.batches):
+            if i < b.size:
+                return c, i
+            i -= b.size
+        raise IndexError(i)
+
+    def localisation(self, adv_rows: list[list[float]], threshold: float) -> dict[str, float]:
+        """error_acc / correct_acc / f1 (+ chance) of per-trace segment advantages; empty when the
+        task reports no first wrong step."""
+        if not self.has_labels:
+            return {}
+        adv, mask = _pad(adv_rows)
+        scores = localisation_scores(
+            adv,
+            mask,
+            self.completions,
+            self.rewards,
+            self.first_errors,
+            self.char_starts,
+            threshold,
+        )
+        scores["chance_error_acc"] = chance_error_acc(mask, self.rewards)
+        return scores
+
+    def example_rows(self, count: int, num_segments: list[int]) -> list[int]:
+        """Up to ``count`` traces to show: incorrect ones with a known first error and >= 2
+        segments, and one correct trace."""
+        wrong = [
+            i
+            for i in range(self.size)
+            if float(self.rewards[i]) < 1.0
+            and num_segments[i] >= 2
+            and self.first_errors[i] is not None
+        ]
+        right = [i for i in range(self.size) if float(self.rewards[i]) >= 1.0 and num_segments[i]]
+        rows = sorted(wrong[: max(count - 1, 0)] + right[:1])[:count]
+        return rows or ([0] if self.size and count else [])
+
+
+@dataclass
+class _GroundTruth:
+    adv: list[list[float]]  # per trace, A*_k at the comparison lambda
+    values: list[list[float]]  # per trace, V_MC(s_k) for k < n
+    full: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk (values, mask), for the pages
+    stats: dict[str, float]
+    seconds: float
+
+
+def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfig) -> _GroundTruth:
+    """``V_MC`` from ``cfg.mc_k`` rollouts per boundary and the advantages at ``cfg.lam``."""
+    from rredcot.methods.monte_carlo import mc_values
+
+    t0 = time.perf_counter()
+    gt = _GroundTruth([], [], [], {}, 0.0)
+    for b in traces.batches:
+        v, m, st = mc_values(
+            policy,
+            tokenizer,
+            task,
+            b,
+            cfg.mc_k,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+        )
+        adv, seg_mask, _ = credit_algebra.segment_advantages_from_values(
+            v.double(), m, b.rewards.double().to(v.device), cfg.lam
+        )
+        gt.adv += _rows(adv, seg_mask)
+        gt.values += [r[:-1] for r in _rows(v, m)]  # drop s_n (it is R)
+        gt.full.append((v, m))
+        for k, x in st.items():
+            gt.stats[k] = gt.stats.get(k, 0.0) + x
+    gt.seconds = time.perf_counter() - t0
+    return gt
+
+
+def evaluate_method(
+    method, policy, traces: _Traces, cfg: CreditBenchConfig, example_rows: list[int], device
+) -> _Collected:
+    """Run ``method`` on every chunk as the trainer would (forward, then ``compute``), timed."""
+    from rredcot.explain_model import segment_credits
+    from rredcot.rollout import fill_forward
+
+    layers = method.hidden_layers if method.needs_hidden_states else None
+    col = _Collected(values=[])
+    wanted = {i: traces.locate(i) for i in example_rows}
+    for c, b in enumerate(traces.batches):
+        _sync(device)
+        t_a = time.perf_counter()
+        fill_forward(policy, b, hidden_layers=layers)
+        _sync(device)
+        t_b = time.perf_counter()
+        out = method.compute(b)
+        _sync(device)
+        t_c = time.perf_counter()
+        col.forward_seconds += t_b - t_a
+        col.credit_seconds += t_c - t_b
+        adv = _comparison_advantages(out, b.rewards, cfg.lam)
+        col.adv += _rows(adv, out.segment_mask.bool())
+        if out.values is None:
+            col.values = None
+        elif col.values is not None:
+            col.values += [r[:-1] for r in _rows(out.values, out.value_mask)]
+        for k, x in out.metrics.items():
+            if k.startswith("credit/extra_"):
+                col.metrics[k] = col.metrics.get(k, 0.0) + float(x)
+        for i, (ci, r) in wanted.items():
+            if ci == c:
+                col.examples[i] = segment_credits(b, r, adv, out.values, out.value_mask)
+    return col
+
+
+def method_scores(
+    col: _Collected, gt: _GroundTruth, traces: _Traces, cfg: CreditBenchConfig
+) -> dict[str, Any]:
+    """Agreement with the ground truth, localisation and cost of one method's results."""
+    n = max(traces.size, 1)
+    pred = torch.tensor([x for r in col.adv for x in r], dtype=torch.float64)
+    truth = torch.tensor([x for r in gt.adv for x in r], dtype=torch.float64)
+    row: dict[str, Any] = {"num_traces": traces.size, "num_segments": int(pred.numel())}
+    row["spearman_pooled"] = spearman(pred, truth)
+    row["spearman_trace_mean"], row["traces_ranked"] = per_trace_spearman(col.adv, gt.adv)
+    row["sign_agreement"] = sign_agreement(pred, truth)
+    if col.values is not None:
+        row["value_mse"], row["value_ece"] = value_errors(col.values, gt.values)
+    else:
+        row["value_mse"] = row["value_ece"] = None
+    row.update(traces.localisation(col.adv, cfg.blame_threshold))
+    for key in ("forward", "generated", "backward"):
+        total = col.metrics.get(f"credit/extra_{key}_tokens")
+        row[f"extra_{key}_tokens_per_trace"] = None if total is None else total / n
+    row["seconds_per_trace"] = (col.forward_seconds + col.credit_seconds) / n
+    row["credit_seconds_per_trace"] = col.credit_seconds / n
+    return row
+
+
+def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer, segmenter, log):
+    """Make a learned method meaningful on the frozen policy: load it from ``--run`` or fit it
+    on the fresh ``fit_batches`` (each scored before the head trains on it). Returns a summary."""
+    from rredcot.explain_model import load_method_state
+    from rredcot.rollout import fill_forward
+
+    if not method.state_dict():
+        return {}
+    if saved_run is not None and saved_run[0] == method.name:
+        return {"loaded_from": str(load_method_state(method, cfg.run))}
+    if hasattr(method, "pretrain") and fit_batches:
+        layers = method.hidden_layers if method.needs_hidden_states else None
+        queue = iter(fit_batches)
+
+        def next_batch() -> RolloutBatch:
+            b = resegment(next(queue), tokenizer, segmenter)
+            return fill_forward(policy, b, hidden_layers=layers)
+
+        t0 = time.perf_counter()
+        fit = method.pretrain(next_batch, len(fit_batches))
+        fit["seconds"] = time.perf_counter() - t0
+        return fit
+    log(f"warning: {name} is untrained (--value-fit-batches 0 and no --run)")
+    return {"warning": "untrained: no fit batches and no --run"}
+
+
+def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
+    """Run the credit-quality benchmark; writes ``credit.json``, ``credit.md`` and example
+    pages ``examples_<segmenter>.html`` under ``cfg.out`` and returns the JSON content."""
+    from rredcot.explain import render_html
+    from rredcot.explain_model import (
+        choose_task,
+        resolve_checkpoint,
+        run_credit_config,
+        segment_credits,
+    )
+    from rredcot.methods.base import build_credit
+    from rredcot.models import load_policy
+    from rredcot.rollout import build_rollout_batch, fill_forward
+    from rredcot.trainer import resolve_device
+
+    variants = parse_variants(cfg.methods)
+    if "uniform" not in [v.name for v in variants]:
+        variants.insert(0, Variant("uniform", "uniform"))
+    segmenter_names = [s.strip() for s in cfg.segmenters.split(",") if s.strip()]
+    if not segmenter_names:
+        raise ValueError("--segmenter: give at least one segmentation strategy")
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = resolve_checkpoint(cfg.checkpoint)
+    task = choose_task(resolved, cfg.task, cfg.task_args)
+    saved_run = run_credit_config(cfg.run) if cfg.run else None
+    if cfg.run and saved_run is None:
+        raise FileNotFoundError(f"--run {cfg.run!r}: no config.yaml there; is it a run directory?")
+    if cfg.max_new_tokens is None:
+        own = run_credit_config(resolved.run_dir)
+        cfg.max_new_tokens = own[2].max_new_tokens if own else 64
+    device = resolve_device(cfg.device)
+    attn = "eager" if any(v.method == "attention" for v in variants) else None
+    policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
+    policy.to(device).eval()
+    base_credit = Variant("base", "uniform").credit_config(cfg.overrides)
+    log(
+        f"credit bench: {cfg.prompts} prompts x {cfg.samples} samples of {task.name}, "
+        f"ground truth K={cfg.mc_k}, methods {', '.join(v.name for v in variants)}"
+    )
+
+    def sample_batches(problems, seed: int) -> list[RolloutBatch]:
+        first = _make_segmenter(segmenter_names[0], base_credit)
+        batches = []
+        for i in range(0, len(problems), cfg.chunk_prompts):
+            torch.manual_seed(seed + i)
+            batch, _ = build_rollout_batch(
+                policy,
+                tokenizer,
+                task,
+                problems[i : i + cfg.chunk_prompts],
+                first,
+                num_generations=cfg.samples,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+            )
+            batches.append(batch)
+        return batches
+
+    # 1. the evaluated traces, sampled once (re-segmented per segmenter below)
+    t0 = time.perf_counter()
+    sampled = sample_batches(task.eval_problems(cfg.prompts, seed=cfg.seed), cfg.seed)
+    sample_seconds = time.perf_counter() - t0
+    rewards = torch.cat([b.rewards.cpu() for b in sampled])
+    log(f"sampled {len(rewards)} traces in {sample_seconds:.1f}s, mean reward {rewards.mean():.3f}")
+
+    # fresh traces on training problems for fitting learned methods (never the evaluated ones)
+    ctx0 = _method_context(policy, tokenizer, task, None, cfg, device)
+    needs_fit = any(
+        build_credit(v.method, v.credit_config(cfg.overrides), ctx0).state_dict()
+        and (saved_run is None or saved_run[0] != v.method)
+        for v in variants
+    )
+    fit_batches: list[RolloutBatch] = []
+    if needs_fit and cfg.value_fit_batches > 0:
+        fit_problems = task.train_problems(
+            cfg.value_fit_batches * cfg.value_fit_prompts, seed=cfg.seed + 1
+        )
+        for i in range(cfg.value_fit_batches):
+            chunk = fit_problems[i * cfg.value_fit_prompts : (i + 1) * cfg.value_fit_prompts]
+            if chunk:
+                fit_batches += sample_batches(chunk, cfg.seed + 100_000 + 1_000 * i)
+
+    results: list[dict[str, Any]] = []
+    gt_summary: dict[str, Any] = {}
+    example_pages: dict[str, str] = {}
+    for seg_name in segmenter_names:
+        segmenter = _make_segmenter(seg_name, base_credit)
+        traces = _Traces.of([resegment(b, tokenizer, segmenter) for b in sampled])
+        # 2. ground truth
+        gt = ground_truth(policy, tokenizer, task, traces, cfg)
+        gt_summary[seg_name] = {
+            "k": cfg.mc_k,
+            "lam": cfg.lam,
+            "seconds": gt.seconds,
+            "segments_per_trace": sum(len(r) for r in gt.adv) / max(traces.size, 1),
+            **{k.replace("credit/", ""): x for k, x in gt.stats.items()},
+        }
+        log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
+        examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv])
+        n = max(traces.size, 1)
+        results.append(
+            {
+                "method": "ground_truth",
+                "base_method": f"monte_carlo K={cfg.mc_k}",
+                "segmenter": seg_name,
+                "num_traces": traces.size,
+                "num_segments": sum(len(r) for r in gt.adv),
+                "spearman_pooled": 1.0,
+                "spearman_trace_mean": 1.0,
+                "sign_agreement": 1.0,
+                "extra_generated_tokens_per_trace": gt.stats.get("credit/extra_generated_tokens", 0)
+                / n,
+                "extra_forward_tokens_per_trace": gt.stats.get("credit/extra_forward_tokens", 0)
+                / n,
+                **traces.localisation(gt.adv, cfg.blame_threshold),
+            }
+        )
+        # 3. every method
+        pages: dict[int, list] = {i: [] for i in examples}
+        for i in examples:
+            c, r = traces.locate(i)
+            b, (v, m) = traces.batches[c], gt.full[c]
+            adv, _, _ = credit_algebra.segment_advantages_from_values(
+                v.double(), m, b.rewards.double().to(v.device), cfg.lam
+            )
+            pages[i].append(
+                (f"ground truth V_MC, K = {cfg.mc_k}", segment_credits(b, r, adv, v, m))
+            )
+        for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
+            fill_forward(policy, b)
+        for variant in variants:
+            credit_cfg = variant.credit_config(cfg.overrides)
+            credit_cfg.segmenter = seg_name
+            ctx = _method_context(policy, tokenizer, task, segmenter, cfg, device)
+            method = build_credit(variant.method, credit_cfg, ctx)
+            fit = fit_method(
+                method, variant.name, fit_batches, saved_run, cfg, policy, tokenizer, segmenter, log
+            )
+            col = evaluate_method(method, policy, traces, cfg, examples, device)
+            row = {
+                "method": variant.name,
+                "base_method": variant.method,
+                "overrides": variant.overrides,
+                "segmenter": seg_name,
+                **method_scores(col, gt, traces, cfg),
+                "fit": fit,
+            }
+            results.append(row)
+            for i, segs in col.examples.items():
+                pages[i].append((variant.name, segs))
+            log(
+                f"[{seg_name}] {variant.name}: rho {fmt(row['spearman_pooled'])}, "
+                f"sign {fmt(row['sign_agreement'])}, {row['seconds_per_trace'] * 1e3:.2f} ms/trace"
+            )
+        uniform_s = next(
+            r["seconds_per_trace"]
+            for r in results
+            if r["method"] == "uniform" and r["segmenter"] == seg_name
+        )
+        for r in results:
+            if r["segmenter"] == seg_name and "seconds_per_trace" in r:
+                r["time_ratio_to_uniform"] = (
+                    r["seconds_per_trace"] / uniform_s if uniform_s else None
+                )
+        if examples:
+            page = out_dir / f"examples_{dir_name(seg_name)}.html"
+            page.write_text(render_html(_example_sections(traces, pages)), encoding="utf-8")
+            example_pages[seg_name] = page.name
+
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "policy": str(resolved.policy_dir),
+        "task": task.name,
+        "task_params": dataclasses.asdict(task.params)
+        if dataclasses.is_dataclass(task.params)
+        else {},
+        "num_traces": len(rewards),
+        "mean_reward": float(rewards.mean()) if len(rewards) else float("nan"),
+        "sample_seconds": sample_seconds,
+        "comparison_lam": cfg.lam,
+        "ground_truth": gt_summary,
+        "results": results,
+        "examples": example_pages,
+        "definitions": DEFINITIONS,
+    }
+    write_json(report, out_dir / "credit.json")
+    md = credit_markdown(report)
+    (out_dir / "credit.md").write_text(md, encoding="utf-8")
+    log(md)
+    return report
+
+
+def _example_sections(traces: _Traces, pages: dict[int, list]) -> list:
+    sections = []
+    for i, entries in pages.items():
+        c, r = traces.locate(i)
+        b = traces.batches[c]
+        fe = b.verdicts[r].first_error_step
+        head = f"trace {i + 1} (R = {float(b.rewards[r]):g}" + (
+            f", first wrong line {fe + 1})" if fe is not None and fe >= 0 else ")"
+        )
+        sections += [(f"{head}: {name}", b.problems[r].prompt, segs) for name, segs in entries]
+    return sections
+
+
+DEFINITIONS = {
+    "spearman_pooled": "Spearman rho (average ranks for ties) over all segments of all traces",
+    "spearman_trace_mean": "mean per-trace rho over traces with >= 2 segments and a non-constant "
+    "ground truth; a constant prediction scores 0",
+    "sign_agreement": "share of segments with non-zero ground truth whose advantage has the same "
+    "sign (a zero advantage counts 1/2)",
+    "value_mse/value_ece": "the method's V(s_k), k < n, against V_MC(s_k)",
+    "seconds_per_trace": "(shared no-grad forward + method.compute) / traces",
+    "comparison_lam": "every method's segment advantages (and the ground truth's) at this lambda",
+}
+
+
+COLUMNS = [
+    ("method", "method", "s"),
+    ("segmenter", "segmenter", "s"),
+    ("ρ pooled", "spearman_pooled", ".3f"),
+    ("ρ per trace", "spearman_trace_mean", ".3f"),
+    ("sign agr.", "sign_agreement", ".3f"),
+    ("value MSE", "value_mse", ".4f"),
+    ("value ECE", "value_ece", ".3f"),
+    ("error_acc", "error_acc", ".3f"),
+    ("correct_acc", "correct_acc", ".3f"),
+    ("F1", "f1", ".3f"),
+    ("fwd tok/trace", "extra_forward_tokens_per_trace", ".0f"),
+    ("gen tok/trace", "extra_generated_tokens_per_trace", ".0f"),
+    ("ms/trace", "seconds_per_trace", ".2f"),
+    ("× uniform", "time_ratio_to_uniform", ".2f"),
+]
+
+
+def credit_markdown(report: dict[str, Any]) -> str:
+    """``credit.md``: the results table, what the columns mean, links to example pages."""
+    rows = []
+    for r in report["results"]:
+        cells = []
+        for _, key, spec in COLUMNS:
+            value = r.get(key)
+            if key == "seconds_per_trace" and value is not None:
+                value = value * 1e3
+            cells.append(fmt(value, spec) if spec != "s" else str(value))
+        rows.append(cells)
+    lam = report["comparison_lam"]
+    chance = next(
+        (r.get("chance_error_acc") for r in report["results"] if r.get("chance_error_acc")), None
+    )
+    lines = [
+        "# Credit quality on a frozen policy",
+        "",
+        f"Policy `{report['policy']}`, task `{report['task']}`, {report['num_traces']} traces "
+        f"(mean reward {fmt(report['mean_reward'])}). Ground truth: V_MC from "
+        f"{report['config']['mc_k']} Monte Carlo rollouts per boundary; every method's segment "
+        f"advantages are compared at λ = {lam:g}"
+        + (" (A_k = r_k = V(s_k) − V(s_{k−1}))" if lam == 0 else "")
+        + ".",
+        "",
+        markdown_table([c[0] for c in COLUMNS], rows),
+        "",
+        "- ρ pooled: Spearman over all segments of all traces; ρ per trace: mean over traces with "
+        "≥ 2 segments and non-constant ground truth (constant credit scores 0).",
+        "- sign agr.: share of segments with non-zero ground truth whose credit has its sign.",
+        "- value MSE / ECE: the method's V(s_k) against V_MC(s_k) (methods with values only).",
+        "- error_acc / correct_acc / F1: first-error localisation (ProcessBench terms)"
+        + (f"; random blame scores error_acc {fmt(chance)}." if chance is not None else "."),
+        "- fwd / gen tok: extra forward and generated tokens per trace; ms/trace: shared forward + "
+        "credit computation; × uniform: ratio of that time to uniform's.",
+    ]
+    if report.get("examples"):
+        lines += ["", "Example traces, segment by segment:"]
+        lines += [f"- [{seg}]({page})" for seg, page in report["examples"].items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,587 @@
+"""``rredcot bench learn``: does better credit learn faster? (DESIGN.md section 6)
+
+Every method (or named variant, :mod:`rredcot.bench.variants`) trains from ONE warm-start
+checkpoint, with the same prompt stream (the trainer's prompts are a function of (seed, step)) and
+the same budget of sampled tokens, for several seeds. The budget counts the policy's rollout tokens
+*plus* the tokens a credit method generates on top (Monte Carlo continuations): that is what a run
+pays for in generation, so it is the honest comparison of cost (``TrainConfig.max_tokens_generated``
+stops the run; both figures are reported).
+
+Each run lives in ``OUT/runs/<variant>/seed<k>/`` (a normal run directory). A run whose
+``result.json`` exists is complete and skipped; any other is resumed from its last checkpoint by the
+trainer, so a killed bench picks up where it stopped.
+
+Outputs in ``OUT``: ``learn.json``, ``learn.md``, ``accuracy_vs_tokens.png``,
+``accuracy_vs_wallclock.png`` (held-out greedy accuracy, mean ± std over seeds, linearly
+interpolated onto a common grid up to the shortest run), ``grad_variance.png``.
+
+Policy-gradient variance (``--variance-probes P``): at ``P`` matched points of the token budget
+(fractions ``0, 1/(P-1), ..., 1``; the first is the warm-start policy itself, identical for every
+method, so there the methods differ only in their credit) a fixed probe batch is scored: the same
+``--variance-prompts`` training problems, ``G`` completions each sampled from the current policy
+with a fixed seed, the method's advantages computed as in training (without updating the method).
+The policy-gradient loss at ratio 1 (``-A log pi``, the run's loss aggregation) is differentiated
+separately for each prompt group, giving one flattened gradient ``g_i`` per group. Minibatches of
+``--variance-minibatch`` groups are drawn with replacement (``--variance-bootstrap`` draws) and
+``grad_var_trace`` is the mean of ``||mean_{i in S} g_i - g_bar||^2`` over the draws: a bootstrap
+estimate of the trace of the covariance of a minibatch gradient estimate at a fixed sample count
+(in expectation ``(1/m) * (1/N) sum_i ||g_i - g_bar||^2``). ``grad_mean_sqnorm`` is
+``||g_bar||^2``. The probe neither consumes the run's random numbers nor counts toward its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rredcot.bench.report import (
+    fmt,
+    fmt_mean_std,
+    interpolate_runs,
+    markdown_table,
+    mean_std,
+    plot_mean_std,
+    write_json,
+)
+from rredcot.bench.variants import Variant, dir_name, parse_variants
+from rredcot.trainer import Trainer
+
+PROBE_SEED = 987_654  # problems and sampling of the variance probe batch
+RESULT = "result.json"
+VARIANCE = "variance.jsonl"
+
+
+@dataclass
+class LearnBenchConfig:
+    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
+    seeds: int = 3
+    first_seed: int = 0
+    budget_tokens: int = 200_000
+    init: str | None = None  # default: the train config's init, else the default warm-start
+    out: str = "bench/learn"
+    steps_max: int = 1000
+    eval_every: int | None = None  # default: the train config's
+    eval_size: int | None = None
+    target_acc: float | None = None  # default: mean warm-start accuracy + target_delta
+    target_delta: float = 0.1
+    config: str | None = None  # YAML TrainConfig every run starts from
+    overrides: dict = field(default_factory=dict)  # dotted TrainConfig overrides (--set)
+    task: str | None = None
+    task_args: dict = field(default_factory=dict)
+    variance_probes: int = 3
+    variance_prompts: int = 8
+    variance_minibatch: int = 2
+    variance_bootstrap: int = 200
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError("--seeds must be >= 1")
+        if self.budget_tokens < 1:
+            raise ValueError("--budget-tokens must be >= 1 (sampled tokens per run)")
+        if self.steps_max < 1:
+            raise ValueError("--steps-max must be >= 1")
+        if self.variance_probes < 0 or self.variance_prompts < 1:
+            raise ValueError("--variance-probes must be >= 0 and --variance-prompts >= 1")
+        if self.variance_minibatch < 1 or self.variance_bootstrap < 1:
+            raise ValueError("--variance-minibatch and --variance-bootstrap must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# policy-gradient variance
+
+
+def bootstrap_trace_cov(
+    grads: torch.Tensor, minibatch: int, draws: int, seed: int = 0
+) -> tuple[float, float]:
+    """Bootstrap estimate of the trace of the covariance of a minibatch-mean gradient.
+
+    Args:
+        grads: ``(N, D)`` one gradient per unit (prompt group).
+        minibatch: units per minibatch ``m``, drawn with replacement.
+        draws: bootstrap draws.
+
+    Returns ``(mean over draws of ||mean_S g - g_bar||^2, ||g_bar||^2)``. Works through the Gram
+    matrix ``G G^T`` (``N x N``), so draws cost nothing per parameter.
+    """
+    n = grads.shape[0]
+    if n < 1:
+        return float("nan"), float("nan")
+    g = grads.double()
+    gram = g @ g.T
+    mean_sq = float(gram.sum()) / n**2
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (draws, minibatch), generator=gen)
+    counts = torch.zeros(draws, n, dtype=torch.float64)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+    w = counts / minibatch - 1.0 / n  # (draws, N): minibatch mean minus full mean
+    d = ((w @ gram.cpu()) * w).sum(-1)
+    return float(d.mean()), mean_sq
+
+
+def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.Tensor:
+    """``(groups, D)``: the flattened policy gradient of each prompt group's PG loss at ratio 1."""
+    from rredcot.rollout import policy_forward
+    from rredcot.trainer import policy_loss
+
+    cfg = trainer.cfg
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    rows_by_group: dict[int, list[int]] = {}
+    for row, g in enumerate(batch.group_ids.tolist()):
+        rows_by_group.setdefault(g, []).append(row)
+    out = []
+    for rows in rows_by_group.values():
+        idx = torch.tensor(rows, device=batch.input_ids.device)
+        mask = batch.response_mask[idx]
+        fwd = policy_forward(
+            trainer.policy, batch.input_ids[idx], batch.attention_mask[idx], batch.prompt_len
+        )
+        loss, _ = policy_loss(
+            fwd.logprobs,
+            fwd.logprobs.detach(),
+            advantages[idx],
+            mask,
+            clip_eps_low=cfg.clip_eps_low,
+            clip_eps_high=cfg.clip_eps_high,
+            loss_agg=cfg.loss_agg,
+            num_rows=len(rows),
+            num_tokens=float(mask.sum()),
+            max_len=cfg.sampling.max_new_tokens,
+        )
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros_like(p)).detach().float().flatten().cpu()
+                for g, p in zip(grads, params)
+            ]
+        )
+        out.append(flat)
+    return torch.stack(out)
+
+
+class VarianceProbe:
+    """Measures the policy-gradient variance of a run at fixed fractions of its token budget
+    (see the module docstring); results go to ``run_dir/variance.jsonl``."""
+
+    def __init__(self, cfg: LearnBenchConfig, run_dir: Path) -> None:
+        p = cfg.variance_probes
+        self.fractions = [0.0] if p == 1 else [j / (p - 1) for j in range(p)]
+        self.cfg = cfg
+        self.path = run_dir / VARIANCE
+        self.done = {r["fraction"] for r in self.read()}
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def maybe_measure(self, trainer: Trainer, final: bool = False) -> None:
+        budget = trainer.cfg.max_tokens_generated
+        used = trainer.tokens_generated + trainer.extra_tokens_generated
+        for f in self.fractions:
+            if f in self.done:
+                continue
+            if used >= f * budget or (final and f == self.fractions[-1]):
+                self.measure(trainer, f, used)
+
+    def measure(self, trainer: Trainer, fraction: float, used: int) -> None:
+        from rredcot.rollout import build_rollout_batch, fill_forward
+
+        cfg, tcfg = self.cfg, trainer.cfg
+        devices = [trainer.device] if trainer.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(PROBE_SEED)
+            problems = trainer.task.train_problems(cfg.variance_prompts, seed=PROBE_SEED)
+            trainer.policy.eval()
+            batch, _ = build_rollout_batch(
+                trainer.policy,
+                trainer.tokenizer,
+                trainer.task,
+                problems,
+                trainer.segmenter,
+                num_generations=tcfg.sampling.num_generations,
+                max_new_tokens=tcfg.sampling.max_new_tokens,
+                temperature=tcfg.sampling.temperature,
+                top_p=tcfg.sampling.top_p,
+            )
+            method = trainer.method
+            fill_forward(
+                trainer.policy,
+                batch,
+                hidden_layers=method.hidden_layers if method.needs_hidden_states else None,
+            )
+            advantages = method.compute(batch).advantages.detach()
+            grads = group_gradients(trainer, batch, advantages)
+        var, mean_sq = bootstrap_trace_cov(
+            grads, cfg.variance_minibatch, cfg.variance_bootstrap, seed=PROBE_SEED
+        )
+        record = {
+            "fraction": fraction,
+            "step": trainer.step,
+            "budget_tokens_used": used,
+            "groups": int(grads.shape[0]),
+            "minibatch_groups": cfg.variance_minibatch,
+            "grad_var_trace": var,
+            "grad_mean_sqnorm": mean_sq,
+            "probe_reward_mean": float(batch.rewards.mean()),
+        }
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.done.add(fraction)
+
+
+class ProbedTrainer(Trainer):
+    """A :class:`Trainer` that lets a :class:`VarianceProbe` look before each step."""
+
+    def __init__(self, cfg, probe: VarianceProbe | None = None, log=print) -> None:
+        super().__init__(cfg, log=log)
+        self.probe = probe
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        if self.probe is not None:
+            self.probe.maybe_measure(self)
+        return super().train_step(step)
+
+
+# ---------------------------------------------------------------------------------------------
+# the runs
+
+
+def _base_init(cfg: LearnBenchConfig, log) -> str:
+    """The one warm-start checkpoint every run starts from."""
+    from rredcot.config import TrainConfig, resolve_config
+    from rredcot.tasks import get_task
+
+    if cfg.init:
+        return cfg.init
+    base = resolve_config(
+        TrainConfig, cfg.config, _task_override(cfg, cfg.overrides), cfg.task_args
+    )
+    if base.init:
+        return base.init
+    if base.model.name_or_path:
+        return base.model.name_or_path
+    from rredcot.sft import default_warmstart
+
+    return str(default_warmstart(get_task(base.task, **base.task_args), log=log))
+
+
+def _task_override(cfg: LearnBenchConfig, overrides: dict) -> dict:
+    return {**overrides, **({"task": cfg.task} if cfg.task else {})}
+
+
+def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, run_dir: Path):
+    """The ``TrainConfig`` of one run: YAML, ``--set``, the variant, then the bench's fixed
+    fields (init, seed, budget, step cap, run directory)."""
+    from rredcot.config import TrainConfig, resolve_config
+
+    fixed: dict[str, Any] = {
+        "init": init,
+        "out": str(run_dir),
+        "resume": None,
+        "seed": seed,
+        "steps": cfg.steps_max,
+        "max_tokens_generated": cfg.budget_tokens,
+        "progress": cfg.progress,
+    }
+    if cfg.eval_every is not None:
+        fixed["eval_every"] = cfg.eval_every
+    if cfg.eval_size is not None:
+        fixed["eval_size"] = cfg.eval_size
+    overrides = {**variant.train_overrides(_task_override(cfg, cfg.overrides)), **fixed}
+    return resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
+
+
+def run_one(
+    cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, log=print
+) -> dict[str, Any]:
+    """Train (or resume, or skip when complete) one (variant, seed) run; returns its result."""
+    run_dir = Path(cfg.out) / "runs" / dir_name(variant.name) / f"seed{seed}"
+    done = run_dir / RESULT
+    if done.exists():
+        log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
+        return json.loads(done.read_text())
+    tcfg = train_config(cfg, variant, seed, init, run_dir)
+    probe = VarianceProbe(cfg, run_dir) if cfg.variance_probes > 0 else None
+    log(f"{variant.name} seed {seed}: training in {run_dir}")
+    trainer = ProbedTrainer(tcfg, probe, log=log)
+    result = trainer.train()
+    if probe is not None:
+        probe.maybe_measure(trainer, final=True)
+    result = {**result, "variant": variant.name, "method": variant.method, "seed": seed}
+    write_json(result, done)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation
+
+
+def run_curve(run_dir: Path) -> dict[str, list[float]]:
+    """Held-out accuracy points of one run: budget tokens (policy + extra), policy tokens, extra
+    tokens, training wall-clock (sum of ``step_seconds``, evaluation excluded) and accuracy."""
+    from rredcot.runio import MetricsLog
+
+    curve: dict[str, list[float]] = {
+        k: [] for k in ("step", "tokens", "policy_tokens", "extra_tokens", "seconds", "accuracy")
+    }
+    wall = 0.0
+    for r in MetricsLog(run_dir / "metrics.jsonl").read():
+        wall += float(r.get("step_seconds") or 0.0)
+        if r.get("eval_accuracy") is None:
+            continue
+        policy = float(r.get("tokens_generated") or 0)
+        extra = float(r.get("extra_tokens_generated") or 0)
+        curve["step"].append(r["step"])
+        curve["tokens"].append(policy + extra)
+        curve["policy_tokens"].append(policy)
+        curve["extra_tokens"].append(extra)
+        curve["seconds"].append(wall)
+        curve["accuracy"].append(float(r["eval_accuracy"]))
+    return curve
+
+
+def first_reach(curve: dict[str, list[float]], target: float) -> dict[str, float] | None:
+    """Tokens, policy tokens and seconds at the first evaluation with accuracy >= target."""
+    for i, acc in enumerate(curve["accuracy"]):
+        if acc >= target:
+            return {k: curve[k][i] for k in ("tokens", "policy_tokens", "seconds", "step")}
+    return None
+
+
+def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) -> dict[str, Any]:
+    """Read every run directory and summarise per variant."""
+    out = Path(cfg.out)
+    curves = {
+        v.name: {s: run_curve(out / "runs" / dir_name(v.name) / f"seed{s}") for s in seeds}
+        for v in variants
+    }
+    starts = [c["accuracy"][0] for per in curves.values() for c in per.values() if c["accuracy"]]
+    warm = statistics.fmean(starts) if starts else float("nan")
+    target = cfg.target_acc if cfg.target_acc is not None else warm + cfg.target_delta
+    summary = []
+    for v in variants:
+        per = curves[v.name]
+        finals = {s: c["accuracy"][-1] for s, c in per.items() if c["accuracy"]}
+        reach = {s: first_reach(c, target) for s, c in per.items() if c["accuracy"]}
+        reached = [r for r in reach.values() if r is not None]
+        below = [
+            s for s, c in per.items() if c["accuracy"] and c["accuracy"][-1] < c["accuracy"][0]
+        ]
+        variance: dict[str, dict[str, float]] = {}
+        for s in seeds:
+            path = out / "runs" / dir_name(v.name) / f"seed{s}" / VARIANCE
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    if line.strip():
+                        rec = json.loads(line)
+                        variance.setdefault(f"{rec['fraction']:.3f}", {})[str(s)] = rec
+        var_summary = {}
+        for frac, by_seed in sorted(variance.items()):
+            m, sd = mean_std([r["grad_var_trace"] for r in by_seed.values()])
+            mm, _ = mean_std([r["grad_mean_sqnorm"] for r in by_seed.values()])
+            tok, _ = mean_std([r["budget_tokens_used"] for r in by_seed.values()])
+            var_summary[frac] = {
+                "grad_var_trace_mean": m,
+                "grad_var_trace_std": sd,
+                "grad_mean_sqnorm_mean": mm,
+                "budget_tokens_used_mean": tok,
+                "seeds": len(by_seed),
+            }
+        fm, fs = mean_std(list(finals.values()))
+        tm, ts = mean_std([r["tokens"] for r in reached])
+        sm, _ = mean_std([r["seconds"] for r in reached])
+        pol, _ = mean_std([c["policy_tokens"][-1] for c in per.values() if c["policy_tokens"]])
+        ext, _ = mean_std([c["extra_tokens"][-1] for c in per.values() if c["extra_tokens"]])
+        wall, _ = mean_std([c["seconds"][-1] for c in per.values() if c["seconds"]])
+        steps, _ = mean_std([c["step"][-1] for c in per.values() if c["step"]])
+        summary.append(
+            {
+                "variant": v.name,
+                "method": v.method,
+                "overrides": v.overrides,
+                "seeds": sorted(finals),
+                "start_accuracy": {
+                    str(s): c["accuracy"][0] for s, c in per.items() if c["accuracy"]
+                },
+                "final_accuracy": {str(s): a for s, a in finals.items()},
+                "final_accuracy_mean": fm,
+                "final_accuracy_std": fs,
+                "seeds_below_warm_start": below,
+                "any_below_warm_start": bool(below),
+                "target_reached": f"{len(reached)}/{len(reach)}",
+                "tokens_to_target_mean": tm,
+                "tokens_to_target_std": ts,
+                "seconds_to_target_mean": sm,
+                "tokens_to_target": {str(s): (r or {}).get("tokens") for s, r in reach.items()},
+                "policy_tokens_mean": pol,
+                "extra_generated_tokens_mean": ext,
+                "train_seconds_mean": wall,
+                "steps_mean": steps,
+                "grad_variance": var_summary,
+            }
+        )
+    return {
+        "warm_start_accuracy": warm,
+        "target_accuracy": target,
+        "summary": summary,
+        "curves": curves,
+    }
+
+
+def plot_learning(agg: dict[str, Any], out: Path) -> list[str]:
+    """The three PNGs of ``learn.md``; returns their file names."""
+    tok_curves, wall_curves, var_curves = {}, {}, {}
+    for name, per in agg["curves"].items():
+        runs = [c for c in per.values() if c["accuracy"]]
+        tok_curves[name] = interpolate_runs([(c["tokens"], c["accuracy"]) for c in runs])
+        wall_curves[name] = interpolate_runs([(c["seconds"], c["accuracy"]) for c in runs])
+    for s in agg["summary"]:
+        pts = sorted(s["grad_variance"].items())
+        if pts:
+            x = torch.tensor([float(p[1]["budget_tokens_used_mean"]) for p in pts]).numpy()
+            m = torch.tensor([float(p[1]["grad_var_trace_mean"]) for p in pts]).numpy()
+            sd = torch.tensor([float(p[1]["grad_var_trace_std"]) for p in pts]).numpy()
+            var_curves[s["variant"]] = (x, m, sd)
+    lines = {
+        "warm start": agg["warm_start_accuracy"],
+        "target": agg["target_accuracy"],
+    }
+    files = [
+        plot_mean_std(
+            tok_curves,
+            out / "accuracy_vs_tokens.png",
+            xlabel="sampled tokens (policy + credit generations)",
+            ylabel="held-out greedy accuracy",
+            title="accuracy vs sampled tokens (mean ± std over seeds)",
+            hlines=lines,
+        ).name,
+        plot_mean_std(
+            wall_curves,
+            out / "accuracy_vs_wallclock.png",
+            xlabel="training wall-clock seconds (evaluation excluded)",
+            ylabel="held-out greedy accuracy",
+            title="accuracy vs wall-clock (mean ± std over seeds)",
+            hlines=lines,
+        ).name,
+    ]
+    if var_curves:
+        files.append(
+            plot_mean_std(
+                var_curves,
+                out / "grad_variance.png",
+                xlabel="sampled tokens at the probe",
+                ylabel="tr Cov of a minibatch PG estimate",
+                title="policy-gradient variance on a fixed probe batch",
+            ).name
+        )
+    return files
+
+
+def learn_markdown(report: dict[str, Any]) -> str:
+    agg = report
+    rows = []
+    for s in agg["summary"]:
+        var0 = next(iter(sorted(s["grad_variance"].items())), (None, {}))[1]
+        var_last = (sorted(s["grad_variance"].items()) or [(None, {})])[-1][1]
+        rows.append(
+            [
+                s["variant"],
+                len(s["seeds"]),
+                fmt_mean_std(s["final_accuracy_mean"], s["final_accuracy_std"]),
+                fmt(s["any_below_warm_start"]),
+                s["target_reached"],
+                fmt_mean_std(s["tokens_to_target_mean"], s["tokens_to_target_std"], ".0f"),
+                fmt(s["seconds_to_target_mean"], ".0f"),
+                fmt(s["policy_tokens_mean"], ".0f"),
+                fmt(s["extra_generated_tokens_mean"], ".0f"),
+                fmt(s["train_seconds_mean"], ".0f"),
+                fmt(var0.get("grad_var_trace_mean"), ".3g"),
+                fmt(var_last.get("grad_var_trace_mean"), ".3g"),
+            ]
+        )
+    cfg = agg["config"]
+    lines = [
+        "# Learning under a matched token budget",
+        "",
+        f"Every run starts from `{agg['init']}` with the same prompt stream; budget "
+        f"{cfg['budget_tokens']} sampled tokens per run (policy rollouts + tokens generated by "
+        f"the credit method), at most {cfg['steps_max']} steps; seeds "
+        f"{', '.join(str(s) for s in agg['seeds'])}. Warm-start greedy accuracy "
+        f"{fmt(agg['warm_start_accuracy'])}; target {fmt(agg['target_accuracy'])}.",
+        "",
+        markdown_table(
+            [
+                "method",
+                "seeds",
+                "final acc",
+                "any seed below warm start",
+                "reached target",
+                "tokens to target",
+                "s to target",
+                "policy tokens",
+                "extra gen. tokens",
+                "train s",
+                "PG var @ start",
+                "PG var @ end",
+            ],
+            rows,
+        ),
+        "",
+        "- final acc: last held-out greedy accuracy, mean ± std over seeds; tokens / s to target: "
+        "mean over the seeds that reached it.",
+        "- PG var: bootstrap trace of the covariance of a minibatch policy-gradient estimate "
+        f"({cfg['variance_minibatch']} prompt groups per minibatch) on a fixed probe batch, at "
+        "the start and the end of the budget (see `bench/learn.py`).",
+        "",
+    ]
+    lines += [f"![{f}]({f})" for f in agg.get("plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def run_learn_bench(cfg: LearnBenchConfig, log=print) -> dict[str, Any]:
+    """Train every (variant, seed), then write ``learn.json``, ``learn.md`` and the PNGs."""
+    variants = parse_variants(cfg.methods)
+    seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    init = _base_init(cfg, log)
+    results = []
+    for variant in variants:
+        for seed in seeds:
+            results.append(run_one(cfg, variant, seed, init, log=log))
+    agg = aggregate(cfg, variants, seeds)
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "init": init,
+        "seeds": seeds,
+        "runs": results,
+        **agg,
+    }
+    report["plots"] = plot_learning(agg, out)
+    write_json(report, out / "learn.json")
+    md = learn_markdown(report)
+    (out / "learn.md").write_text(md, encoding="utf-8")
+    log(md)
+    return report
+
+
+__all__ = [
+    "LearnBenchConfig",
+    "ProbedTrainer",
+    "VarianceProbe",
+    "aggregate",
+    "bootstrap_trace_cov",
+    "first_reach",
+    "group_gradients",
+    "run_curve",
+    "run_learn_bench",
+    "run_one",
+    "train_config",
+]

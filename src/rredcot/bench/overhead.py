@@ -1,0 +1,223 @@
+"""``rredcot bench overhead``: the full RL step time of each credit method divided by uniform's.
+
+All methods run in ONE process, interleaved step by step: round ``r`` runs one full trainer step
+(``Trainer.train_step``: sampling, verification, segmentation, the no-grad forward, credit, the
+policy update, the method's own update) of every method, in an order rotated each round so that no
+method always goes first. Each method has its own :class:`~rredcot.trainer.Trainer` (own policy,
+optimiser and credit state), all from the same warm-start and config. By default each policy is
+reset to the warm-start weights before each step, so that in round ``r`` every method samples
+*the same* completions (same prompts, same seed, same weights): the times then differ only by what
+the credit method costs. ``--no-reset`` lets each policy train on (its lengths then drift apart).
+
+The first ``--warmup`` rounds are not timed (allocator warm-up, the value head's replay filling).
+Per method: the median over timed rounds of ``step_seconds`` and of each phase
+(``time/rollout``, ``time/old_logprobs``, ``time/credit``, ``time/update``, ``time/value_update``);
+``ratio`` = median step time / uniform's median; ``ratio_paired`` = median over rounds of the
+per-round ratio (robust to drift of the machine's speed). Writes ``overhead.json`` and
+``overhead.md``; the target of the value head is ``ratio <= 1.05``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rredcot.bench.report import fmt, markdown_table, write_json
+from rredcot.bench.variants import Variant, dir_name, parse_variants
+
+PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")
+VALUE_HEAD_TARGET = 1.05
+
+
+@dataclass
+class OverheadBenchConfig:
+    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
+    steps: int = 20
+    warmup: int = 2
+    init: str | None = None
+    out: str = "bench/overhead"
+    seed: int = 0
+    reset_policy: bool = True
+    config: str | None = None
+    overrides: dict = field(default_factory=dict)
+    task: str | None = None
+    task_args: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError("--steps must be >= 1 (timed rounds)")
+        if self.warmup < 0:
+            raise ValueError("--warmup must be >= 0")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
+    """Interleave full trainer steps of every method; write ``overhead.json`` / ``overhead.md``."""
+    from rredcot.bench.learn import LearnBenchConfig, _base_init
+    from rredcot.config import TrainConfig, resolve_config
+    from rredcot.trainer import Trainer
+
+    variants = parse_variants(cfg.methods)
+    if "uniform" not in [v.name for v in variants]:
+        variants.insert(0, Variant("uniform", "uniform"))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    init = _base_init(
+        LearnBenchConfig(
+            init=cfg.init,
+            config=cfg.config,
+            overrides=cfg.overrides,
+            task=cfg.task,
+            task_args=cfg.task_args,
+        ),
+        log,
+    )
+    rounds = cfg.warmup + cfg.steps
+    trainers: dict[str, Trainer] = {}
+    for v in variants:
+        overrides = {
+            **cfg.overrides,
+            **({"task": cfg.task} if cfg.task else {}),
+            **v.train_overrides(),
+            "init": init,
+            "out": str(out / "runs" / dir_name(v.name)),
+            "resume": None,
+            "seed": cfg.seed,
+            "steps": rounds,
+            "max_tokens_generated": 0,
+            "progress": False,
+        }
+        tcfg = resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
+        trainers[v.name] = Trainer(tcfg, log=log)
+    first = trainers[variants[0].name]
+    initial = copy.deepcopy(first.policy.state_dict())
+    device = first.device
+    log(
+        f"overhead bench: {len(variants)} methods x {rounds} interleaved steps ({cfg.warmup} warm-up)"
+    )
+
+    records: list[dict[str, Any]] = []
+    names = [v.name for v in variants]
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            tr = trainers[name]
+            if cfg.reset_policy:
+                tr.policy.load_state_dict(initial)
+            tr.step = r + 1
+            _sync(device)
+            rec = tr.train_step(r + 1)
+            _sync(device)
+            records.append(
+                {
+                    "round": r,
+                    "method": name,
+                    "timed": r >= cfg.warmup,
+                    "step_seconds": rec["step_seconds"],
+                    **{k: rec[k] for k in PHASES},
+                    "rollout_tokens": rec.get("rollout/tokens"),
+                    "extra_generated_tokens": rec.get("credit/extra_generated_tokens", 0.0),
+                    "extra_forward_tokens": rec.get("credit/extra_forward_tokens", 0.0),
+                }
+            )
+        if r == cfg.warmup - 1 or (r >= cfg.warmup and (r - cfg.warmup + 1) % 5 == 0):
+            log(f"round {r + 1}/{rounds}")
+
+    timed = [x for x in records if x["timed"]]
+    by_round: dict[int, dict[str, float]] = {}
+    for x in timed:
+        by_round.setdefault(x["round"], {})[x["method"]] = x["step_seconds"]
+    uniform_median = statistics.median(x["step_seconds"] for x in timed if x["method"] == "uniform")
+    methods = []
+    for v in variants:
+        mine = [x for x in timed if x["method"] == v.name]
+        median = statistics.median(x["step_seconds"] for x in mine)
+        paired = statistics.median(
+            by_round[x["round"]][v.name] / by_round[x["round"]]["uniform"] for x in mine
+        )
+        entry = {
+            "method": v.name,
+            "base_method": v.method,
+            "overrides": v.overrides,
+            "steps": len(mine),
+            "median_step_seconds": median,
+            "ratio": median / uniform_median,
+            "ratio_paired": paired,
+            "median_phase_seconds": {k: statistics.median(x[k] for x in mine) for k in PHASES},
+            "mean_rollout_tokens": statistics.fmean(float(x["rollout_tokens"] or 0) for x in mine),
+            "mean_extra_generated_tokens": statistics.fmean(
+                float(x["extra_generated_tokens"] or 0) for x in mine
+            ),
+        }
+        if v.method == "value_head":
+            entry["target"] = VALUE_HEAD_TARGET
+            entry["meets_target"] = entry["ratio"] <= VALUE_HEAD_TARGET
+        methods.append(entry)
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "init": init,
+        "device": str(device),
+        "train_config": dataclasses.asdict(first.cfg),
+        "methods": methods,
+        "records": records,
+    }
+    write_json(report, out / "overhead.json")
+    md = overhead_markdown(report)
+    (out / "overhead.md").write_text(md, encoding="utf-8")
+    log(md)
+    return report
+
+
+def overhead_markdown(report: dict[str, Any]) -> str:
+    rows = []
+    for m in report["methods"]:
+        ph = m["median_phase_seconds"]
+        rows.append(
+            [
+                m["method"],
+                m["steps"],
+                fmt(m["median_step_seconds"] * 1e3, ".1f"),
+                fmt(m["ratio"], ".3f"),
+                fmt(m["ratio_paired"], ".3f"),
+                *(fmt(ph[k] * 1e3, ".1f") for k in PHASES),
+                fmt(m.get("meets_target")) if "meets_target" in m else "",
+            ]
+        )
+    cfg = report["config"]
+    tc = report["train_config"]
+    return (
+        "# Step-time overhead of each credit method\n\n"
+        f"Full trainer steps interleaved in one process on {report['device']} "
+        f"({cfg['steps']} timed rounds after {cfg['warmup']} warm-up; {tc['prompts_per_step']} "
+        f"prompts x {tc['sampling']['num_generations']} samples per step; policies "
+        f"{'reset to the warm-start before every step' if cfg['reset_policy'] else 'training on'}"
+        ").\n\n"
+        + markdown_table(
+            [
+                "method",
+                "steps",
+                "median step ms",
+                "× uniform",
+                "× uniform (paired)",
+                "rollout ms",
+                "old-logprob ms",
+                "credit ms",
+                "update ms",
+                "value update ms",
+                f"≤ {VALUE_HEAD_TARGET}",
+            ],
+            rows,
+        )
+        + "\n\n- × uniform: median step time / uniform's median; paired: median over rounds of "
+        "the per-round ratio.\n"
+    )

@@ -1,0 +1,115 @@
+"""Named method variants for the benchmarks: ``name=method:key=value:key=value``.
+
+A variant is a credit method plus config overrides, so that, say, the collapse configuration of
+DESIGN.md section 7 runs next to the default::
+
+    --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off"
+
+Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...), dotted ``TrainConfig``
+paths (``sampling.temperature``) or top-level ``TrainConfig`` fields (``lr``). Without a name the
+variant is called by its whole spec (``value_head:lam=0``), or by the method when there are no
+overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from rredcot.config import CreditConfig, TrainConfig, from_dict
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclass
+class Variant:
+    name: str
+    method: str
+    overrides: dict[str, str] = field(default_factory=dict)  # dotted TrainConfig keys
+
+    def credit_config(self, base: dict[str, str] | None = None) -> CreditConfig:
+        """``CreditConfig`` from ``base`` overrides (dotted, e.g. from ``--set``) and the
+        variant's own (which win); non-credit keys are ignored here."""
+        merged = {**(base or {}), **self.overrides}
+        fields = {k[len("credit.") :]: v for k, v in merged.items() if k.startswith("credit.")}
+        return from_dict(CreditConfig, fields, where="credit.")
+
+    def train_overrides(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Dotted ``TrainConfig`` overrides: ``base``, then the variant's, then its method."""
+        return {**(base or {}), **self.overrides, "credit_method": self.method}
+
+
+def _dotted_key(key: str) -> str:
+    credit_fields = {f.name for f in dataclasses.fields(CreditConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if "." in key:
+        return key
+    if key in credit_fields:
+        return f"credit.{key}"
+    if key in train_fields:
+        return key
+    raise ValueError(
+        f"unknown variant key {key!r}; use a credit field ({', '.join(sorted(credit_fields))}), "
+        "a top-level train field, or a dotted path like sampling.temperature"
+    )
+
+
+def parse_variant(spec: str) -> Variant:
+    """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked)."""
+    from rredcot.methods.base import get_credit
+
+    spec = spec.strip()
+    if not spec:
+        raise ValueError("empty method spec; give e.g. value_head or vh=value_head:lam=0")
+    name = None
+    head, eq, rest = spec.partition("=")
+    if eq and ":" not in head:
+        name, spec = head.strip(), rest.strip()
+    method, *pairs = spec.split(":")
+    method = method.strip()
+    get_credit(method)  # raises with the valid names
+    overrides = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"variant {spec!r}: {pair!r} is not key=value")
+        overrides[_dotted_key(key.strip())] = value.strip()
+    name = name or (spec if overrides else method)
+    if not _NAME_RE.match(name.replace(":", "+").replace("=", "-")):
+        raise ValueError(f"variant name {name!r}: use letters, digits, _ . + -")
+    variant = Variant(name, method, overrides)
+    variant.credit_config()  # fail now on bad credit values
+    return variant
+
+
+def parse_variants(specs: str | list[str]) -> list[Variant]:
+    """A comma-separated list (or a list) of specs; names must be unique."""
+    if isinstance(specs, str):
+        specs = [s for s in specs.split(",") if s.strip()]
+    variants = [parse_variant(s) for s in specs]
+    names = [v.name for v in variants]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(
+            f"method variants named twice: {', '.join(dup)}; name them name=method:..."
+        )
+    if not variants:
+        raise ValueError("no methods given; e.g. --methods uniform,value_head")
+    return variants
+
+
+def dir_name(name: str) -> str:
+    """A directory-safe form of a variant name."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "-", name.replace(":", "+"))
+
+
+def parse_set(pairs: list[str] | None) -> dict[str, str]:
+    """``--set key=value`` pairs -> dotted overrides (bare credit fields get ``credit.``)."""
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--set {pair!r}: use key=value, e.g. --set credit.lam=0.5")
+        out[_dotted_key(key.strip())] = value.strip()
+    return out

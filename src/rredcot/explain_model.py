@@ -1,0 +1,326 @@
+"""``rredcot explain --checkpoint DIR``: where a credit method puts the credit on traces that a
+trained policy actually samples.
+
+The checkpoint may be a model directory (a warm-start from ``rredcot sft``, or
+``checkpoints/step_N/policy``), a checkpoint directory (``checkpoints/step_N``) or a run directory
+(its latest checkpoint). One group of completions is sampled for the prompt, the chosen method
+computes its credit exactly as the trainer would (``fill_forward`` then ``compute``), and one
+correct and one incorrect trace (or the first trace, if all agree) are shown segment by segment.
+
+The helpers here are shared with the benchmarks: :func:`resolve_checkpoint` (which directory holds
+what), :func:`load_method_state` (a run's trained value head), :func:`segment_credits` (one row of
+a batch as :class:`~rredcot.explain.SegmentCredit` entries for the terminal and HTML views).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rredcot import credit
+from rredcot.explain import SegmentCredit
+from rredcot.methods.base import CreditOutput, RolloutBatch
+
+DEFAULT_TASK = "arithmetic"
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+@dataclass
+class ResolvedCheckpoint:
+    policy_dir: Path  # loadable by models.load_policy
+    checkpoint_dir: Path | None  # checkpoints/step_N (holds trainer_state.pt), if any
+    run_dir: Path | None  # the run directory (holds config.yaml), if any
+
+
+def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
+    """Find the policy, the trainer checkpoint and the run behind ``path``.
+
+    Accepts a model directory (``config.json``), a trainer checkpoint (``policy/`` and
+    ``trainer_state.pt``) or a run directory (``checkpoints/``, its latest checkpoint is used).
+    """
+    from rredcot import runio
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
+
+    def run_of(ckpt: Path) -> Path | None:
+        run = ckpt.parent.parent
+        return run if (run / "config.yaml").exists() else None
+
+    if (p / "config.json").exists():
+        ckpt = p.parent if (p.parent / "trainer_state.pt").exists() else None
+        return ResolvedCheckpoint(p, ckpt, run_of(ckpt) if ckpt else None)
+    if (p / "policy").is_dir() and (p / "trainer_state.pt").exists():
+        return ResolvedCheckpoint(p / "policy", p, run_of(p))
+    if (p / runio.CHECKPOINTS).is_dir():
+        ckpt = runio.latest_checkpoint(p)
+        if ckpt is None:
+            raise FileNotFoundError(f"run directory {str(p)!r} has no complete checkpoint yet")
+        return ResolvedCheckpoint(ckpt / "policy", ckpt, p)
+    raise FileNotFoundError(
+        f"{str(p)!r} is neither a model directory (config.json), a trainer checkpoint "
+        "(policy/ + trainer_state.pt) nor a run directory (checkpoints/); pass the output of "
+        "`rredcot sft` or `rredcot train`"
+    )
+
+
+def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
+    """The task (name, parameters) the checkpoint was trained on, when it says so: the run's
+    ``config.yaml`` or the warm-start's ``warmstart.json``."""
+    if resolved.run_dir is not None:
+        from rredcot.config import load_yaml
+
+        cfg = load_yaml(resolved.run_dir / "config.yaml")
+        return cfg.task, dict(cfg.task_args)
+    info = resolved.policy_dir / "warmstart.json"
+    if info.exists():
+        data = json.loads(info.read_text())
+        if data.get("task"):
+            return data["task"], dict(data.get("task_args") or {})
+    return None
+
+
+def choose_task(resolved: ResolvedCheckpoint, name: str | None, task_args: dict):
+    """``name`` (default: the checkpoint's task, else arithmetic) with the checkpoint's task
+    parameters under the ones given on the command line."""
+    from rredcot.tasks import get_task
+
+    saved = checkpoint_task(resolved)
+    chosen = name or (saved[0] if saved else DEFAULT_TASK)
+    params = dict(saved[1]) if saved and saved[0] == chosen else {}
+    params.update(task_args)
+    return get_task(chosen, **params)
+
+
+def load_method_state(method, run_or_checkpoint: str | Path) -> Path:
+    """Load a credit method's state (the value head) from a run's latest checkpoint (or the
+    given checkpoint) ``trainer_state.pt["credit_method"]``. Returns the checkpoint used."""
+    from rredcot import runio
+
+    p = Path(run_or_checkpoint).expanduser()
+    ckpt = p if (p / "trainer_state.pt").exists() else runio.latest_checkpoint(p)
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"--run {str(p)!r}: no checkpoint with trainer_state.pt there; pass a run directory "
+            "written by `rredcot train`"
+        )
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    method.load_state_dict(state["credit_method"])
+    return ckpt
+
+
+def run_credit_config(run_dir: str | Path | None):
+    """``(credit_method, CreditConfig, SamplingConfig)`` of a run, or None without a run."""
+    if run_dir is None or not (Path(run_dir) / "config.yaml").exists():
+        return None
+    from rredcot.config import load_yaml
+
+    cfg = load_yaml(Path(run_dir) / "config.yaml")
+    return cfg.credit_method, cfg.credit, cfg.sampling
+
+
+# ---------------------------------------------------------------------------------------------
+# one trace as segments
+
+
+def segment_texts(batch: RolloutBatch, row: int) -> list[str]:
+    """The text of each segment of ``row`` (from the segments' first characters)."""
+    text = batch.completions[row]
+    starts = list(batch.segment_char_starts[row]) if batch.segment_char_starts else []
+    n = len(batch.boundaries[row]) - 1
+    if len(starts) != n:
+        raise ValueError(f"row {row}: {n} segments but {len(starts)} segment starts")
+    ends = starts[1:] + [len(text)]
+    return [text[a:b] for a, b in zip(starts, ends)]
+
+
+def segment_credits(
+    batch: RolloutBatch,
+    row: int,
+    segment_advantages: torch.Tensor,
+    values: torch.Tensor | None = None,
+    value_mask: torch.Tensor | None = None,
+) -> list[SegmentCredit]:
+    """Row ``row`` as one :class:`SegmentCredit` per segment.
+
+    Args:
+        segment_advantages: ``(B, S)`` the credit ``A_k`` to show.
+        values, value_mask: ``(B, S+1)`` ``V(s_k)`` where the method has values; then ``r_k`` is
+            ``V(s_k) - V(s_{k-1})`` with ``V(s_n) := R``. Without values ``r_k`` is shown as the
+            segment's own credit (attribution methods split ``R - V(s_0)`` directly).
+    """
+    texts = segment_texts(batch, row)
+    n = len(texts)
+    adv = segment_advantages[row, :n].detach().double().cpu().tolist()
+    if values is None:
+        return [SegmentCredit(t, None, None, a, a) for t, a in zip(texts, adv)]
+    v = values[row : row + 1].detach().double().cpu()
+    m = value_mask[row : row + 1].cpu()
+    r = batch.rewards[row : row + 1].detach().double().cpu()
+    seg_rewards, _ = credit.redistribute(v, m, r)
+    full = v[0, : n + 1].clone()
+    full[n] = r[0]
+    return [
+        SegmentCredit(t, float(full[k]), float(full[k + 1]), float(seg_rewards[0, k]), adv[k])
+        for k, t in enumerate(texts)
+    ]
+
+
+def output_credits(batch: RolloutBatch, out: CreditOutput, row: int) -> list[SegmentCredit]:
+    """A method's :class:`CreditOutput` for one row, as the trainer uses it."""
+    return segment_credits(batch, row, out.segment_advantages, out.values, out.value_mask)
+
+
+def pick_rows(batch: RolloutBatch) -> list[int]:
+    """One correct and one incorrect row (first of each), or the first row if all agree;
+    rows with no segments are passed over."""
+    live = [i for i in range(batch.size) if len(batch.boundaries[i]) > 1]
+    correct = [i for i in live if float(batch.rewards[i]) >= 1.0]
+    wrong = [i for i in live if float(batch.rewards[i]) < 1.0]
+    rows = correct[:1] + wrong[:1]
+    return rows or live[:1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _reference_answer(task, prompt: str) -> tuple[str, str]:
+    """A free prompt's reference answer where the task can work it out (arithmetic chains);
+    returns (prompt, answer) with the prompt normalised to the task's format, or (prompt, "")."""
+    if task.name == "arithmetic":
+        from rredcot.tasks.arithmetic import chain_results, parse_prompt
+
+        for text in (prompt, prompt.rstrip("\n") + "\n"):
+            chain = parse_prompt(text)
+            if chain is not None:
+                return text, str(chain_results(*chain)[-1])
+    return prompt, ""
+
+
+def explain_checkpoint(
+    args: argparse.Namespace, task_args: dict
+) -> list[tuple[str, str, list[SegmentCredit]]]:
+    """Sample ``args.samples`` completions for one prompt from the checkpoint's policy, compute
+    ``args.method``'s credit and return ``(title, prompt, segments)`` sections for a correct and
+    an incorrect trace (or one trace when all agree)."""
+    from rredcot.config import CreditConfig, SamplingConfig
+    from rredcot.methods.base import CreditContext, build_credit
+    from rredcot.models import load_policy
+    from rredcot.rollout import build_rollout_batch, fill_forward
+    from rredcot.segment import get_segmenter
+    from rredcot.tasks.base import Problem
+
+    if args.samples < 1:
+        raise ValueError(f"--samples {args.samples}: sample at least one completion")
+    resolved = resolve_checkpoint(args.checkpoint)
+    task = choose_task(resolved, getattr(args, "task_name", None), task_args)
+    run_dir = Path(args.run) if args.run else resolved.run_dir
+    saved = run_credit_config(run_dir)
+    credit_cfg, sampling = CreditConfig(), SamplingConfig()
+    if saved is not None and saved[0] == args.method:
+        credit_cfg, sampling = saved[1], saved[2]
+    elif saved is not None:
+        sampling = saved[2]
+    attn = "eager" if args.method == "attention" else None
+    policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
+    segmenter = get_segmenter(
+        credit_cfg.segmenter,
+        min_chars=credit_cfg.min_chars,
+        max_segments=credit_cfg.max_segments or None,
+        separate_answer=credit_cfg.separate_answer,
+    )
+    method = build_credit(
+        args.method,
+        credit_cfg,
+        CreditContext(
+            policy=policy, tokenizer=tokenizer, task=task, segmenter=segmenter, sampling=sampling
+        ),
+    )
+    note = ""
+    if method.state_dict():  # a learned method (the value head)
+        if saved is not None and saved[0] == args.method:
+            ckpt = load_method_state(method, run_dir)
+            note = f" (head from {ckpt})"
+        else:
+            note = " (untrained head)"
+            why = (
+                "no --run given"
+                if saved is None
+                else f"the run {str(run_dir)!r} trained {saved[0]!r}, not {args.method!r}"
+            )
+            print(
+                f"warning: {why}, so the {args.method} head is untrained and its values are "
+                "meaningless; pass --run RUN_DIR of a `rredcot train` run of this method",
+                file=sys.stderr,
+            )
+
+    answer = getattr(args, "answer", None)
+    if args.prompt:
+        text, guess = _reference_answer(task, args.prompt)
+        problem = Problem(prompt=text, answer=answer if answer is not None else guess)
+        if not problem.answer:
+            print(
+                "warning: no reference answer for this prompt (pass --answer); rewards and "
+                "answer-based credit may be meaningless",
+                file=sys.stderr,
+            )
+    else:
+        problem = task.eval_problems(1, seed=args.seed)[0]
+        if answer is not None:
+            problem = Problem(problem.prompt, answer, problem.meta)
+
+    torch.manual_seed(args.seed)
+    batch, _ = build_rollout_batch(
+        policy,
+        tokenizer,
+        task,
+        [problem],
+        segmenter,
+        num_generations=args.samples,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+    )
+    fill_forward(
+        policy, batch, hidden_layers=method.hidden_layers if method.needs_hidden_states else None
+    )
+    out = method.compute(batch)
+    blend = out.metrics.get("credit/blend")
+    blend_note = "" if blend is None or blend >= 1.0 else f", blended {blend:.2f} with uniform"
+    correct = int(sum(float(r) >= 1.0 for r in batch.rewards))
+    sections = []
+    for row in pick_rows(batch):
+        verdict = batch.verdicts[row]
+        title = (
+            f"{args.method}{note}{blend_note}: sample {row + 1} of {batch.size} "
+            f"({correct} correct), R = {float(batch.rewards[row]):g}, {verdict.reason}"
+        )
+        sections.append((title, problem.prompt, output_credits(batch, out, row)))
+    if not sections:
+        raise ValueError("every sampled completion was empty or skipped; nothing to show")
+    return sections
+
+
+__all__ = [
+    "ResolvedCheckpoint",
+    "checkpoint_task",
+    "choose_task",
+    "explain_checkpoint",
+    "load_method_state",
+    "output_credits",
+    "pick_rows",
+    "resolve_checkpoint",
+    "run_credit_config",
+    "segment_credits",
+    "segment_texts",
+]
