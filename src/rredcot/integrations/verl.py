@@ -1,0 +1,385 @@
+"""rredcot credit as a verl advantage estimator (``algorithm.adv_estimator=rredcot``).
+
+verl keeps the model, the rollout engines (vLLM/SGLang), FSDP/Megatron sharding, the critic and
+Ray. This module adds two things, both loaded in every verl process through
+``VERL_USE_EXTERNAL_MODULES=rredcot.integrations.verl``:
+
+1. an advantage estimator registered as ``rredcot`` in verl's registry
+   (``verl.trainer.ppo.core_algos.register_adv_est``): :func:`compute_rredcot_advantage`, a pure
+   function over verl's token tensors that runs rredcot's credit algebra;
+2. the trainer-side hook it needs. verl's ``compute_advantage`` hands a custom estimator only
+   ``token_level_rewards``, ``response_mask``, ``index`` (the prompt ``uid``) and the algorithm
+   ``config``: no response ids (so no segments) and no critic values. The hook segments the
+   responses with :mod:`rredcot.segment` and makes the segment ids (and the critic's values)
+   visible to the estimator for the duration of one ``compute_advantage`` call
+   (:func:`rredcot_segments`). For verl's default v1 trainer it is the trainer mode
+   ``rredcot_sync`` (``trainer.v1.trainer_mode=rredcot_sync``), a ``PPOTrainerSync`` whose
+   ``_compute_advantage`` fetches ``responses`` from the TransferQueue and then runs verl's own
+   ``_compute_advantage`` inside that context. Code that holds a full ``DataProto`` (the legacy
+   ``RayPPOTrainer``, custom loops) calls :func:`compute_advantage_for_data` instead.
+
+Values. Where rredcot's own loop and TRL use the small value head or answer likelihood, verl's
+driver holds no model: the value estimate here is **verl's critic** (``critic.enable=True``), a
+full value model that verl shards and trains itself. Its per-token values ``values[:, t] =
+V(prompt + response[:t])`` give ``V(s_k) = values[:, b_k]`` at every segment start, and the
+estimator returns TD(``value_td_lambda``) targets at segment starts as the critic's ``returns``
+(``value_td_lambda = 1``, the default: every token regresses on ``R``). Credit methods:
+
+- ``critic``: segment values from the critic, ``A_k`` by segment GAE with ``lam``;
+- ``uniform``: GRPO through rredcot's algebra (no critic needed).
+
+Settings live under ``algorithm.rredcot`` (fields of :class:`rredcot.config.CreditConfig` plus
+``credit_method``), e.g. ``+algorithm.rredcot.segmenter=sentence +algorithm.rredcot.lam=0.5``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rredcot import credit
+from rredcot.config import CreditConfig, from_dict
+from rredcot.integrations._batch import group_ids_from_keys, segment_completions
+from rredcot.methods.base import (
+    CreditContext,
+    CreditMethod,
+    RolloutBatch,
+    UniformCredit,
+)
+from rredcot.segment import Segmenter, get_segmenter
+
+try:
+    from verl.trainer.ppo import core_algos
+except ImportError as err:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "rredcot.integrations.verl needs verl's core: pip install 'rredcot[verl]' and then "
+        "pip install --no-deps 'verl>=0.9,<0.10' (or install verl by its own instructions)"
+    ) from err
+
+__all__ = [
+    "ESTIMATOR",
+    "METHODS",
+    "TRAINER_MODE",
+    "compute_advantage_for_data",
+    "compute_rredcot_advantage",
+    "credit_settings",
+    "rredcot_segments",
+    "segment_responses",
+]
+
+logger = logging.getLogger(__name__)
+
+ESTIMATOR = "rredcot"
+TRAINER_MODE = "rredcot_sync"
+METHODS = ("critic", "uniform")
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
+    """``(credit_method, CreditConfig)`` from verl's algorithm config (``algorithm.rredcot``).
+
+    ``config`` is verl's ``AlgoConfig``/``DictConfig`` (or a plain dict); its ``rredcot`` entry,
+    if any, maps ``credit_method`` (``critic`` by default) and :class:`CreditConfig` fields.
+    """
+    raw = config.get("rredcot", None) if config is not None else None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raw = dict(raw)  # an OmegaConf DictConfig
+    fields = {str(k): v for k, v in raw.items()}
+    method = str(fields.pop("credit_method", "critic"))
+    if method not in METHODS:
+        raise ValueError(
+            f"algorithm.rredcot.credit_method={method!r}; valid in verl: {', '.join(METHODS)} "
+            "(the value head and answer likelihood need the policy, which verl's driver does "
+            "not hold: use verl's critic as the value estimate)"
+        )
+    return method, from_dict(CreditConfig, fields, where="algorithm.rredcot.")
+
+
+def make_segmenter(cfg: CreditConfig) -> Segmenter:
+    return get_segmenter(
+        cfg.segmenter,
+        min_chars=cfg.min_chars,
+        max_segments=cfg.max_segments or None,
+        separate_answer=cfg.separate_answer,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# segment ids: from response ids (trainer side) to boundaries (estimator side)
+
+
+def segment_responses(
+    responses: Tensor,
+    response_mask: Tensor,
+    tokenizer,
+    segmenter: Segmenter,
+    eos_token_ids: Any = None,
+) -> Tensor:
+    """``(B, T)`` long segment ids of verl's response tokens (``-1`` on padding).
+
+    Args:
+        responses: ``(B, T)`` response ids (``data.batch["responses"]``).
+        response_mask: ``(B, T)`` 1 on real tokens.
+        tokenizer: the policy's tokenizer; segmenter: how to cut the decoded text.
+    """
+    boundaries, _, _ = segment_completions(
+        responses, response_mask, tokenizer, segmenter, eos_token_ids
+    )
+    return credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
+
+
+def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> list[list[int]]:
+    """Per row ``[0, b_1, ..., n_tokens]`` from segment ids (contiguous ``0, 0, 1, 1, 2, ...``
+    over the masked tokens, which must be a prefix of the row)."""
+    out = []
+    lengths = response_mask.bool().sum(-1).tolist()
+    rows = segment_ids.tolist()
+    for row, n in enumerate(lengths):
+        ids = rows[row][:n]
+        if not ids:
+            out.append([0])
+            continue
+        steps = [b - a for a, b in zip(ids[:-1], ids[1:])]
+        if ids[0] != 0 or any(s not in (0, 1) for s in steps):
+            raise ValueError(
+                f"segment_ids row {row} must count segments 0, 1, 2, ... over its response "
+                f"tokens; got {ids[:12]}{'...' if len(ids) > 12 else ''}"
+            )
+        out.append([0, *(t for t in range(1, n) if ids[t] != ids[t - 1]), n])
+    return out
+
+
+@dataclass
+class _Segments:
+    segment_ids: Tensor  # (B, T)
+    values: Tensor | None  # (B, T) critic values, or None
+
+
+_ACTIVE: contextvars.ContextVar[_Segments | None] = contextvars.ContextVar(
+    "rredcot_segments", default=None
+)
+
+
+@contextlib.contextmanager
+def rredcot_segments(segment_ids: Tensor, values: Tensor | None = None) -> Iterator[None]:
+    """Make one batch's segment ids (and critic values) visible to the ``rredcot`` estimator
+    while verl's ``compute_advantage`` runs (verl passes it neither)."""
+    token = _ACTIVE.set(_Segments(segment_ids, values))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimator
+
+
+class _CriticValues(CreditMethod):
+    """Segment values read off verl's critic at the segment starts (``V(s_k) = values[:, b_k]``)."""
+
+    name = "critic"
+
+    def __init__(self, config: CreditConfig, token_values: Tensor) -> None:
+        super().__init__(config, CreditContext(policy=None, tokenizer=None))
+        self.token_values = token_values
+
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """``values (B, S+1)`` with column ``k`` = the critic's value at token ``b_k`` (column
+        ``n`` is replaced by ``R`` in the algebra); ``mask (B, S+1)``."""
+        n = batch.num_segments
+        S = int(n.max()) if len(n) else 0
+        T = self.token_values.shape[1]
+        starts = torch.zeros(batch.size, S + 1, dtype=torch.long)
+        for row, bounds in enumerate(batch.boundaries):
+            starts[row, : len(bounds)] = torch.tensor(bounds).clamp(max=max(T - 1, 0))
+        mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+        values = self.token_values.float().gather(1, starts.to(self.token_values.device))
+        mask = mask.to(values.device)
+        return torch.where(mask, values, torch.zeros_like(values)), mask
+
+
+def _fit_width(t: Tensor, width: int, fill: float) -> Tensor:
+    if t.shape[1] >= width:
+        return t[:, :width]
+    pad = t.new_full((t.shape[0], width - t.shape[1]), fill)
+    return torch.cat([t, pad], dim=1)
+
+
+def compute_rredcot_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: np.ndarray | None = None,
+    config: Any = None,
+    segment_ids: Tensor | None = None,
+    values: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """Segment-level credit for verl (registered as ``rredcot``).
+
+    Args:
+        token_level_rewards: ``(B, T)``; the outcome is its row sum ``R``.
+        response_mask: ``(B, T)``.
+        index: ``(B,)`` prompt ids (verl's ``uid``): the groups of ``uniform`` credit and of
+            ``group_std`` normalisation.
+        config: verl's algorithm config; ``config.rredcot`` holds the settings
+            (:func:`credit_settings`).
+        segment_ids: ``(B, T)`` segment of each response token (:func:`segment_responses`);
+            default: the ones made visible by :func:`rredcot_segments`.
+        values: ``(B, T)`` critic values ``V(prompt + response[:t])``; default: likewise.
+
+    Returns:
+        advantages ``(B, T)`` (0 on padding) and returns ``(B, T)``: the critic's TD targets
+        for ``critic``, the advantages for ``uniform`` (as verl's GRPO).
+    """
+    active = _ACTIVE.get()
+    if segment_ids is None and active is not None:
+        segment_ids = active.segment_ids
+        values = active.values if values is None else values
+    if segment_ids is None:
+        raise ValueError(
+            "the rredcot estimator needs each response's segments, which verl's "
+            "compute_advantage does not pass: run verl with trainer.v1.trainer_mode="
+            f"{TRAINER_MODE} and VERL_USE_EXTERNAL_MODULES=rredcot.integrations.verl, or wrap "
+            "the call in rredcot.integrations.verl.rredcot_segments(segment_ids, values), or use "
+            "compute_advantage_for_data(data, tokenizer, config)"
+        )
+    method_name, cfg = credit_settings(config)
+    B, T = response_mask.shape
+    mask = response_mask.bool()
+    segment_ids = _fit_width(segment_ids.to(mask.device).long(), T, -1)
+    segment_ids = torch.where(mask, segment_ids, torch.full_like(segment_ids, -1))
+    boundaries = boundaries_from_segment_ids(segment_ids, mask)
+    if index is None:
+        group_ids = torch.arange(B)
+    else:
+        group_ids = group_ids_from_keys(list(np.asarray(index, dtype=object)))
+    rewards = token_level_rewards.float().sum(dim=-1)
+    batch = RolloutBatch(
+        input_ids=torch.zeros(B, T, dtype=torch.long, device=mask.device),
+        attention_mask=mask.long(),
+        prompt_len=0,
+        response_mask=mask.float(),
+        rewards=rewards,
+        group_ids=group_ids.to(mask.device),
+        boundaries=boundaries,
+        segment_ids=segment_ids,
+    )
+    if method_name == "uniform":
+        if index is None:
+            raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
+        out = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None)).compute(batch)
+        return out.advantages, out.advantages
+    if values is None:
+        raise ValueError(
+            "algorithm.rredcot.credit_method=critic needs the critic's values: set "
+            "critic.enable=True (or choose +algorithm.rredcot.credit_method=uniform)"
+        )
+    values = _fit_width(values.to(mask.device).float(), T, 0.0)
+    method = _CriticValues(cfg, values)
+    out = method.compute(batch)
+    returns = _critic_returns(out.values, out.value_mask, rewards, batch, cfg.value_td_lambda)
+    return out.advantages, returns
+
+
+def _critic_returns(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, batch: RolloutBatch, lam_v: float
+) -> Tensor:
+    """``(B, T)`` critic targets: every token of segment ``k+1`` gets the TD(``lam_v``) target
+    ``G_k`` of the state ``s_k`` where the segment starts (``lam_v = 1``: ``R``)."""
+    seg_rewards, seg_mask = credit.redistribute(values, value_mask, rewards)
+    # G_k = V(s_k) + sum_j lam_v^(j-k) r_{j+1}: the lam_v-return, by segment GAE.
+    targets = values[:, :-1] + credit.segment_gae(seg_rewards, seg_mask, lam_v)
+    targets = torch.where(seg_mask, targets, torch.zeros_like(targets))
+    return credit.segments_to_tokens(targets, batch.segment_ids, batch.response_mask)
+
+
+core_algos.register_adv_est(ESTIMATOR)(compute_rredcot_advantage)
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer side
+
+
+def compute_advantage_for_data(data, tokenizer, config: Any = None):
+    """rredcot advantages for a full verl ``DataProto``, written to ``data.batch["advantages"]``
+    and ``["returns"]``: segments ``responses``, reads the critic's ``values`` if present and calls
+    the estimator through verl's registry. For the legacy ``RayPPOTrainer`` and custom loops (the
+    v1 trainer uses the ``rredcot_sync`` trainer mode instead)."""
+    _, cfg = credit_settings(config)
+    batch = data.batch
+    if "response_mask" not in batch.keys():  # noqa: SIM118 - TensorDict has no `in`
+        raise ValueError("data.batch needs 'response_mask' (verl's compute_response_mask)")
+    segment_ids = segment_responses(
+        batch["responses"], batch["response_mask"], tokenizer, make_segmenter(cfg)
+    )
+    values = batch["values"] if "values" in batch.keys() else None  # noqa: SIM118
+    estimator = core_algos.get_adv_estimator_fn(ESTIMATOR)
+    with rredcot_segments(segment_ids, values):
+        advantages, returns = estimator(
+            token_level_rewards=batch["token_level_rewards"],
+            response_mask=batch["response_mask"],
+            index=data.non_tensor_batch.get("uid"),
+            config=config,
+        )
+    batch["advantages"] = advantages
+    batch["returns"] = returns
+    return data
+
+
+def _register_trainer() -> type | None:
+    """Register ``trainer.v1.trainer_mode=rredcot_sync`` when verl's v1 trainer imports (a full
+    verl install: TransferQueue, Ray, the rollout servers); a core-only install skips it."""
+    try:
+        import transfer_queue as tq
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+        from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    except ModuleNotFoundError as err:  # a core-only install (pip install 'rredcot[verl]')
+        logger.debug("rredcot: verl's v1 trainer is not installed (%s); no %s", err, TRAINER_MODE)
+        return None
+    except ImportError as err:  # installed but broken: say so, the estimator still works
+        logger.warning("rredcot: cannot import verl's v1 trainer (%s); no %s", err, TRAINER_MODE)
+        return None
+    if TRAINER_MODE in TRAINER_REGISTRY:
+        return TRAINER_REGISTRY[TRAINER_MODE]
+
+    @register_trainer(TRAINER_MODE)
+    class RREDCoTPPOTrainerSync(PPOTrainerSync):
+        """verl's synchronous v1 trainer; with ``algorithm.adv_estimator=rredcot`` it segments
+        the responses before verl's own ``_compute_advantage`` runs."""
+
+        def _compute_advantage(self, batch, metrics):
+            if str(self.config.algorithm.adv_estimator) != ESTIMATOR:
+                return super()._compute_advantage(batch, metrics)
+            method, cfg = credit_settings(self.config.algorithm)
+            fields = ["responses", "response_mask"] + (["values"] if method == "critic" else [])
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
+            ).to_padded_tensor()
+            segment_ids = segment_responses(
+                data["responses"], data["response_mask"], self.tokenizer, make_segmenter(cfg)
+            )
+            values = data["values"] if "values" in data.keys() else None  # noqa: SIM118
+            metrics["rredcot/mean_segments"] = float(
+                (segment_ids.max(dim=1).values + 1).float().mean()
+            )
+            with rredcot_segments(segment_ids, values):
+                return super()._compute_advantage(batch, metrics)
+
+    return RREDCoTPPOTrainerSync
+
+
+RREDCoTPPOTrainerSync = _register_trainer()

@@ -1,0 +1,176 @@
+"""rredcot as a verl advantage estimator, checked against verl's own DataProto and core_algos."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from verl import DataProto
+from verl.trainer.config import AlgoConfig
+from verl.trainer.ppo import core_algos
+
+import rredcot.integrations.verl as rv
+from rredcot import credit
+
+TEXTS = [  # two prompts x three samples; the newline segmenter cuts each into lines
+    "2+3=5\n5*4=20\nA:20",
+    "2+3=6\n6*4=24\nA:24",
+    "2+3=5\nA:5",
+    "7-1=6\n6+2=8\n8*2=16\nA:16",
+    "7-1=6\n6+2=9\nA:9",
+    "7-1=6\n6+2=8\n8*2=16\nA:16",
+]
+SCORES = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+UIDS = np.array(["p0", "p0", "p0", "p1", "p1", "p1"], dtype=object)
+
+
+def make_data(tokenizer, with_values: bool = True, seed: int = 0) -> DataProto:
+    """A verl batch: right-padded responses ending in EOS, the score on the last token."""
+    ids = [
+        tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for t in TEXTS
+    ]
+    T = max(len(r) for r in ids) + 3
+    responses = torch.full((len(ids), T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(ids), T, dtype=torch.long)
+    rewards = torch.zeros(len(ids), T)
+    for row, r in enumerate(ids):
+        responses[row, : len(r)] = torch.tensor(r)
+        mask[row, : len(r)] = 1
+        rewards[row, len(r) - 1] = SCORES[row]
+    tensors = {"responses": responses, "response_mask": mask, "token_level_rewards": rewards}
+    if with_values:
+        gen = torch.Generator().manual_seed(seed)
+        tensors["values"] = torch.rand(len(ids), T, generator=gen) * mask
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": UIDS})
+
+
+def algo_config(**rredcot_settings) -> dict:
+    return {"adv_estimator": rv.ESTIMATOR, "rredcot": rredcot_settings}
+
+
+def test_registered_in_verls_registry():
+    assert core_algos.get_adv_estimator_fn(rv.ESTIMATOR) is rv.compute_rredcot_advantage
+    assert core_algos.ADV_ESTIMATOR_REGISTRY["rredcot"] is rv.compute_rredcot_advantage
+
+
+def test_verl_imports_it_through_external_modules():
+    """What every Ray worker does: VERL_USE_EXTERNAL_MODULES makes ``import verl`` load us."""
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
+        "fn = get_adv_estimator_fn('rredcot')\n"
+        "print(fn.__module__)"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "rredcot.integrations.verl"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "rredcot.integrations.verl"
+
+
+def test_uniform_matches_verls_grpo(char_tokenizer):
+    data = make_data(char_tokenizer, with_values=False)
+    cfg = algo_config(credit_method="uniform")
+    rv.compute_advantage_for_data(data, char_tokenizer, cfg)
+    expected, _ = core_algos.compute_grpo_outcome_advantage(
+        data.batch["token_level_rewards"], data.batch["response_mask"], UIDS
+    )
+    mask = data.batch["response_mask"].bool()
+    ours = data.batch["advantages"]
+    # verl adds eps 1e-6 to the group std, rredcot (like TRL) 1e-4: equal to ~1e-4 relative.
+    torch.testing.assert_close(ours[mask], expected[mask], rtol=5e-4, atol=1e-5)
+    assert (ours[~mask] == 0).all() and ours[mask].abs().max() > 0.5
+    torch.testing.assert_close(data.batch["returns"], ours)
+
+
+def test_one_token_segments_reproduce_verls_gae():
+    """With every token its own segment, segment GAE over the critic's values is token GAE."""
+    gen = torch.Generator().manual_seed(1)
+    B, T, lam = 5, 9, 0.8
+    lengths = torch.tensor([9, 4, 7, 1, 6])
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    values = torch.rand(B, T, generator=gen) * mask
+    rewards = torch.zeros(B, T)
+    rewards[torch.arange(B), lengths - 1] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    segment_ids = torch.where(mask.bool(), torch.arange(T).expand(B, T), -1)
+
+    expected_adv, expected_ret = core_algos.compute_gae_advantage_return(
+        rewards, values, mask, gamma=1.0, lam=lam
+    )
+    cfg = algo_config(lam=lam, normalization="whiten", value_td_lambda=lam)
+    adv, ret = rv.compute_rredcot_advantage(
+        rewards, mask, index=np.arange(B), config=cfg, segment_ids=segment_ids, values=values
+    )
+    m = mask.bool()
+    torch.testing.assert_close(adv[m], expected_adv[m], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ret[m], expected_ret[m], rtol=1e-5, atol=1e-6)
+
+
+def test_critic_credit_is_per_segment(char_tokenizer):
+    data = make_data(char_tokenizer)
+    cfg = AlgoConfig(adv_estimator=rv.ESTIMATOR)  # verl's own config type: defaults apply
+    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": {"normalization": "none"}})
+    adv, ret = data.batch["advantages"], data.batch["returns"]
+    values, mask = data.batch["values"], data.batch["response_mask"].bool()
+
+    lam = 0.5  # CreditConfig's default
+    for row, text in enumerate(TEXTS):
+        lines = text.split("\n")
+        # newline segments; the answer line merges into the last step (separate_answer=False)
+        seg_lens = [len(x) + 1 for x in lines[:-2]] + [len(lines[-2]) + 1 + len(lines[-1]) + 1]
+        starts = [0, *np.cumsum(seg_lens)[:-1].tolist()]
+        v = [float(values[row, s]) for s in starts] + [SCORES[row]]
+        r = [v[k + 1] - v[k] for k in range(len(starts))]
+        a = [sum(lam ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))]
+        for k, (s, n) in enumerate(zip(starts, seg_lens)):
+            torch.testing.assert_close(adv[row, s : s + n], torch.full((n,), a[k]))
+            torch.testing.assert_close(ret[row, s : s + n], torch.full((n,), SCORES[row]))
+        assert (adv[row, ~mask[row]] == 0).all()
+    # the default normalisation divides by the std of the batch's outcomes
+    data2 = make_data(char_tokenizer)
+    rv.compute_advantage_for_data(data2, char_tokenizer, cfg)
+    std = torch.tensor(SCORES).std().clamp_min(0.1)
+    torch.testing.assert_close(data2.batch["advantages"], adv / (std + 1e-4))
+
+
+def test_segments_survive_verls_batch_ops(char_tokenizer):
+    """Segment ids computed on a DataProto stay aligned through verl's select/concat."""
+    data = make_data(char_tokenizer)
+    _, cfg = rv.credit_settings(None)
+    seg = rv.segment_responses(
+        data.batch["responses"], data.batch["response_mask"], char_tokenizer, rv.make_segmenter(cfg)
+    )
+    data.batch["rredcot_segment_ids"] = seg
+    part = DataProto.concat([data.select_idxs([3, 4]), data.select_idxs([0])])
+    torch.testing.assert_close(part.batch["rredcot_segment_ids"], seg[[3, 4, 0]])
+    bounds = rv.boundaries_from_segment_ids(seg, data.batch["response_mask"])
+    assert bounds[0] == [0, 6, 18]  # "2+3=5\n" | "5*4=20\nA:20" + EOS (answer merged)
+    assert bounds[2] == [0, 10]  # "2+3=5\nA:5" + EOS: the answer joins the only step
+    assert credit.boundaries_to_segment_ids(bounds, seg.shape[1]).equal(seg)
+
+
+def test_errors_name_the_fix(char_tokenizer):
+    data = make_data(char_tokenizer)
+    kwargs = dict(
+        token_level_rewards=data.batch["token_level_rewards"],
+        response_mask=data.batch["response_mask"],
+        index=UIDS,
+    )
+    with pytest.raises(ValueError, match="rredcot_sync"):
+        rv.compute_rredcot_advantage(**kwargs, config=algo_config())
+    with (
+        pytest.raises(ValueError, match="critic.enable=True"),
+        rv.rredcot_segments(torch.zeros_like(data.batch["responses"])),
+    ):
+        rv.compute_rredcot_advantage(**kwargs, config=algo_config())
+    with pytest.raises(ValueError, match="valid in verl: critic, uniform"):
+        rv.credit_settings(algo_config(credit_method="value_head"))
+    with pytest.raises(ValueError, match="valid keys"):
+        rv.credit_settings(algo_config(lamda=0.5))
+    assert rv._ACTIVE.get() is None  # the context never leaks past its block
