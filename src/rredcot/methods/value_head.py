@@ -1,0 +1,536 @@
+"""RREDCoT with a learned value head (DESIGN.md section 3).
+
+A small fp32 MLP reads the policy's hidden state at the last token of each prefix ``s_k`` (column
+0: the last prompt token; column k: token ``b_k - 1``) and predicts ``V(s_k)``, the chance that the
+trace ends correct. The hidden states come from the no-grad forward pass that already computes the
+old log-probs (``rollout.fill_forward``), so values cost no extra forward pass and no generation.
+
+Per RL step the trainer calls, in this order:
+
+1. ``compute(batch)``: values of the fresh batch from the head as it stands (trained only on
+   earlier batches, so the credit never sees this batch's outcomes), turned into advantages by
+   :mod:`rredcot.credit`. With ``handover="reliability"`` the value credit is blended with uniform
+   (GRPO) credit by the head's earned reliability ``w``: ``A = w A_value + (1 - w) A_uniform``.
+2. ``update(batch)``: first measure how well the untrained-on-this-batch head predicts the
+   outcomes (its Brier skill against the group-mean baseline that uniform credit uses), fold that
+   into the reliability EMA, then train the head by TD(lambda_v) over segment boundaries, with
+   replay of recent batches.
+
+The pure tensor helpers (``gather_boundary_features``, ``td_lambda_targets``, ...) are public so
+that tests and benchmarks can check them against plain loops.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rredcot import credit
+from rredcot.methods.base import (
+    CreditContext,
+    CreditMethod,
+    CreditOutput,
+    RolloutBatch,
+    UniformCredit,
+    register_credit,
+)
+
+__all__ = [
+    "ValueHeadCredit",
+    "ValueMLP",
+    "auto_hidden_size",
+    "brier_skill",
+    "expected_calibration_error",
+    "gather_boundary_features",
+    "monotone_fraction",
+    "td_lambda_targets",
+]
+
+HEAD_FRACTION = 0.01  # auto width: the head has about this share of the policy's parameters
+MIN_HIDDEN = 8  # ... but never fewer hidden units than this
+INIT_SEED = 0  # the head's initial weights do not depend on (or consume) the global RNG
+
+
+# ---------------------------------------------------------------------------------------------
+# the head
+
+
+class ValueMLP(nn.Module):
+    """``x (..., D) -> logit (...)``: parameter-free LayerNorm, Linear(D, h), GELU, Linear(h, 1).
+
+    The LayerNorm puts hidden states of different layers (and models) on one scale without adding
+    parameters; the last layer starts at zero so every first prediction is the neutral logit 0.
+    """
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.norm = nn.LayerNorm(input_size, elementwise_affine=False)
+        self.fc1 = nn.Linear(input_size, hidden_size)
+        self.fc2 = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)))).squeeze(-1)
+
+
+def auto_hidden_size(
+    num_policy_params: int, input_size: int, fraction: float = HEAD_FRACTION
+) -> int:
+    """Hidden width ``h`` so that the head's ``h (D + 2) + 1`` parameters are about ``fraction``
+    of the policy's, but at least ``MIN_HIDDEN`` units."""
+    budget = fraction * num_policy_params - 1
+    return max(MIN_HIDDEN, round(budget / (input_size + 2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# pure tensor helpers
+
+
+def gather_boundary_features(hidden_states: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+    """The hidden state at the last token of every prefix.
+
+    Args:
+        hidden_states: ``(B, L, D)``.
+        positions: ``(B, S+1)`` long sequence positions (``RolloutBatch.boundary_positions``).
+        mask: ``(B, S+1)`` bool, valid prefixes.
+
+    Returns:
+        features ``(B, S+1, D)``, exactly 0 where ``mask`` is False (padding never leaks in).
+    """
+    B, L, _ = hidden_states.shape
+    if positions.shape[0] != B or positions.shape != mask.shape:
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and mask {tuple(mask.shape)} must both be "
+            f"(B, S+1) with B = {B}"
+        )
+    idx = torch.where(mask, positions, torch.zeros_like(positions)).clamp(0, L - 1)
+    rows = torch.arange(B, device=hidden_states.device).unsqueeze(1)
+    feats = hidden_states[rows, idx.to(hidden_states.device)]
+    return torch.where(mask.to(feats.device).unsqueeze(-1), feats, torch.zeros_like(feats))
+
+
+def td_lambda_targets(
+    target_values: Tensor, value_mask: Tensor, rewards: Tensor, lam: float
+) -> tuple[Tensor, Tensor]:
+    """TD(lambda) targets over segment boundaries (gamma = 1, reward only at the end).
+
+    With ``V̄(s_n) := R``: ``G_k = (1 - lam) V̄(s_{k+1}) + lam G_{k+1}``, ``G_n = R``, i.e.
+    ``G_k = (1-lam) sum_{m>=1} lam^(m-1) V̄(s_{k+m}) + lam^(n-k-1) R`` truncated at ``s_n``.
+    ``lam = 1`` regresses every boundary on ``R``; ``lam = 0`` is TD(0), ``G_k = V̄(s_{k+1})``.
+
+    Args:
+        target_values: ``(B, S+1)`` stop-gradient values ``V̄(s_k)`` (whatever sits at ``s_n`` and
+            beyond is ignored).
+        value_mask: ``(B, S+1)`` prefix mask, ``n_b + 1`` True entries per row.
+        rewards: ``(B,)`` outcomes.
+        lam: lambda_v in ``[0, 1]``.
+
+    Returns:
+        targets ``(B, S+1)`` and target_mask ``(B, S+1)`` bool: valid for ``k = 0 .. n_b - 1``
+        (``s_n`` has no target, it *is* the outcome); targets are 0 elsewhere.
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"TD lambda must be in [0, 1], got {lam}")
+    mask = value_mask.bool()
+    last = mask.sum(dim=1) - 1  # (B,) column of s_n
+    cols = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
+    target_mask = mask & (cols < last.unsqueeze(1))
+    r = rewards.to(target_values.dtype)
+    # V̄ with V̄(s_n) := R and zeros beyond.
+    vbar = torch.where(cols == last.unsqueeze(1), r.unsqueeze(1), target_values)
+    vbar = torch.where(mask, vbar, torch.zeros_like(vbar))
+    targets = torch.zeros_like(vbar)
+    running = r.clone()  # G_{k+1}; at the last valid column this is G_n = R
+    for k in reversed(range(mask.shape[1] - 1)):
+        nxt = vbar[:, k + 1]
+        g = (1.0 - lam) * nxt + lam * running
+        # At k = n - 1 the recursion gives (1-lam) R + lam R = R; rows where k >= n keep R.
+        running = torch.where(target_mask[:, k], g, r)
+        targets[:, k] = running
+    return torch.where(target_mask, targets, torch.zeros_like(targets)), target_mask
+
+
+def expected_calibration_error(
+    pred: Tensor, target: Tensor, mask: Tensor, num_bins: int = 10
+) -> float:
+    """ECE of predicted probabilities against 0/1 outcomes over the masked entries: the
+    count-weighted mean over ``num_bins`` equal-width bins of ``|mean(pred) - mean(target)|``.
+    Predictions are clipped to ``[0, 1]``. NaN when nothing is masked in."""
+    m = mask.bool()
+    p = pred[m].float().clamp(0.0, 1.0)
+    y = target[m].float()
+    if p.numel() == 0:
+        return float("nan")
+    bins = (p * num_bins).long().clamp(max=num_bins - 1).cpu()
+    p_sum = torch.zeros(num_bins).index_add(0, bins, p.cpu())
+    y_sum = torch.zeros(num_bins).index_add(0, bins, y.cpu())
+    gap = (p_sum - y_sum).abs()  # = count * |mean p - mean y| per bin
+    return float(gap.sum() / p.numel())
+
+
+def monotone_fraction(values: Tensor, value_mask: Tensor, rewards: Tensor) -> float:
+    """Share of correct traces (``R >= 1``, at least one segment) whose values never drop along
+    ``V(s_0), ..., V(s_{n-1}), R``. NaN when the batch has no such trace."""
+    hits = total = 0
+    for row in range(values.shape[0]):
+        n = int(value_mask[row].sum()) - 1
+        if n < 1 or float(rewards[row]) < 1.0:
+            continue
+        seq = torch.cat([values[row, :n].float(), rewards[row : row + 1].float().to(values.device)])
+        total += 1
+        hits += int(bool((seq[1:] >= seq[:-1]).all()))
+    return hits / total if total else float("nan")
+
+
+def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: Tensor) -> float:
+    """``1 - MSE(values, R) / MSE(baseline, R)`` over the masked boundaries: 1 is a perfect
+    predictor, 0 no better than the baseline, negative worse. NaN when the baseline is exact
+    (all outcomes of every group agree), where there is nothing to compare.
+
+    Args:
+        values, baseline: ``(B, S+1)`` predictions of ``R`` at each boundary.
+        target_mask: ``(B, S+1)`` the boundaries to score (``k = 0 .. n-1``).
+        rewards: ``(B,)``.
+    """
+    r = rewards.to(values.dtype).unsqueeze(1).expand_as(values)
+    mse = credit.masked_mean((values - r) ** 2, target_mask)
+    ref = credit.masked_mean((baseline.to(values.dtype) - r) ** 2, target_mask)
+    if float(ref) < 1e-8:
+        return float("nan")
+    return float(1.0 - mse / ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# the credit method
+
+
+@register_credit("value_head")
+class ValueHeadCredit(CreditMethod):
+    """Segment values from a learned head on the policy's hidden states, trained by TD(lambda).
+
+    Extra API besides :class:`CreditMethod`: ``pretrain(sample_batch, steps)`` fits the head on
+    the warm-start policy's own samples before RL; ``reliability`` is the smoothed skill that sets
+    the hand-over weight.
+    """
+
+    needs_hidden_states = True
+
+    def __init__(self, config, context: CreditContext) -> None:
+        super().__init__(config, context)
+        self.hidden_layers = tuple(config.value_layer_indices)
+        if not self.hidden_layers:
+            raise ValueError(
+                "credit.value_layers is empty; give layer indices like '-1' or '-1,-2'"
+            )
+        if config.value_epochs < 1:
+            raise ValueError(f"credit.value_epochs={config.value_epochs} must be >= 1")
+        if config.value_replay < 0:
+            raise ValueError(f"credit.value_replay={config.value_replay} must be >= 0")
+        if not 0.0 <= config.value_ema < 1.0:
+            raise ValueError(f"credit.value_ema={config.value_ema} must be in [0, 1)")
+        self.device = torch.device(context.device)
+        self.head: ValueMLP | None = None
+        self.target: ValueMLP | None = None  # EMA copy when value_ema > 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.replay: deque[dict[str, Tensor]] = deque(maxlen=max(config.value_replay, 1))
+        self.reliability = 0.0  # EMA of the clipped fresh-batch skill; the hand-over weight
+        self.num_updates = 0
+        self._uniform = UniformCredit(config, context)
+        input_size = self._input_size_from_policy()
+        if input_size is not None:
+            self._build(input_size, self._hidden_size_for(input_size))
+
+    # -- building the head --------------------------------------------------------------------
+    def _input_size_from_policy(self) -> int | None:
+        cfg = getattr(self.context.policy, "config", None)
+        hidden = getattr(cfg, "hidden_size", None)
+        layers = getattr(cfg, "num_hidden_layers", None)
+        if layers is not None:
+            bad = [i for i in self.hidden_layers if not -(layers + 1) <= i <= layers]
+            if bad:
+                raise ValueError(
+                    f"credit.value_layers={self.config.value_layers!r}: the policy has "
+                    f"{layers} layers, so indices must lie in [{-(layers + 1)}, {layers}] "
+                    f"(0 = embeddings, -1 = last layer); got {bad}"
+                )
+        return None if hidden is None else int(hidden) * len(self.hidden_layers)
+
+    def _hidden_size_for(self, input_size: int) -> int:
+        if self.config.value_hidden_size > 0:
+            return int(self.config.value_hidden_size)
+        policy = self.context.policy
+        if policy is None or not hasattr(policy, "parameters"):
+            return max(MIN_HIDDEN, 64)
+        num_params = sum(p.numel() for p in policy.parameters())
+        return auto_hidden_size(num_params, input_size)
+
+    def _build(self, input_size: int, hidden_size: int) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(INIT_SEED)
+            head = ValueMLP(input_size, hidden_size)
+        self.head = head.to(self.device)
+        self.target = (
+            copy.deepcopy(self.head).requires_grad_(False) if self.config.value_ema > 0 else None
+        )
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.config.value_lr)
+
+    @property
+    def num_head_parameters(self) -> int:
+        return 0 if self.head is None else sum(p.numel() for p in self.head.parameters())
+
+    # -- features and values ------------------------------------------------------------------
+    def boundary_features(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """``(features (B, S+1, D) fp32 on the head's device, mask (B, S+1) bool)``."""
+        if batch.hidden_states is None:
+            raise ValueError(
+                "value_head needs batch.hidden_states: run rollout.fill_forward(policy, batch, "
+                "hidden_layers=method.hidden_layers) before compute/update"
+            )
+        positions, mask = batch.boundary_positions()
+        feats = gather_boundary_features(batch.hidden_states, positions, mask)
+        feats = feats.to(self.device, torch.float32)
+        mask = mask.to(self.device)
+        if self.head is None:
+            self._build(feats.shape[-1], self._hidden_size_for(feats.shape[-1]))
+        if feats.shape[-1] != self.head.input_size:
+            raise ValueError(
+                f"batch.hidden_states has {feats.shape[-1]} features per token but the value head "
+                f"reads {self.head.input_size} ({len(self.hidden_layers)} layer(s) "
+                f"{self.hidden_layers} of the policy); fill the batch with "
+                "hidden_layers=method.hidden_layers"
+            )
+        return feats, mask
+
+    def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
+        logits = net(feats)
+        return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
+
+    @torch.no_grad()
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """``(values (B, S+1), mask (B, S+1))`` from the head as it stands (before this batch's
+        update); 0 on padding."""
+        feats, mask = self.boundary_features(batch)
+        values = self._predict(self.head, feats)
+        return torch.where(mask, values, torch.zeros_like(values)), mask
+
+    # -- credit ---------------------------------------------------------------------------------
+    @property
+    def blend(self) -> float:
+        """Weight of value credit against uniform credit this step (1 with handover off)."""
+        return 1.0 if self.config.handover == "off" else float(self.reliability)
+
+    def compute(self, batch: RolloutBatch) -> CreditOutput:
+        values, mask = self.segment_values(batch)
+        rewards = batch.rewards.to(values.device)
+        out = self._from_values(batch, values, mask)  # pure value credit
+        w = self.blend
+        if w < 1.0:
+            u_values, u_mask = self._uniform.segment_values(batch)
+            uniform_adv, _, _ = credit.segment_advantages_from_values(
+                u_values.to(values.device), u_mask.to(values.device), rewards, self._uniform.lam
+            )
+            seg_adv = w * out.segment_advantages + (1.0 - w) * uniform_adv
+            out.segment_advantages = seg_adv
+            out.advantages = self._to_tokens(batch, seg_adv)
+        out.metrics.update(self._fresh_diagnostics(values, mask, rewards, batch))
+        out.metrics.update(
+            {
+                "value/reliability": float(self.reliability),
+                "credit/blend": w,
+                "credit/extra_forward_tokens": 0.0,
+                "credit/extra_generated_tokens": 0.0,
+            }
+        )
+        return out
+
+    def _fresh_diagnostics(
+        self, values: Tensor, mask: Tensor, rewards: Tensor, batch: RolloutBatch
+    ) -> dict[str, float]:
+        """Calibration and shape of the pre-update values on the batch's own outcomes."""
+        live = (batch.response_mask.sum(-1) > 0).to(values.device)
+        _, target_mask = td_lambda_targets(values, mask, rewards, 1.0)
+        target_mask = target_mask & live.unsqueeze(1)
+        r = rewards.unsqueeze(1).expand_as(values)
+        keep = live.unsqueeze(1) & mask
+        return {
+            "value/calibration_error": expected_calibration_error(values, r, target_mask),
+            "value/monotone_fraction": monotone_fraction(values, keep, rewards * live),
+            "value/mean": float(credit.masked_mean(values, target_mask))
+            if target_mask.any()
+            else float("nan"),
+        }
+
+    # -- training -----------------------------------------------------------------------------
+    def _entry(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        """What training needs from a batch: boundary features, masks, rewards, and the
+        group-mean baseline; rows whose response was skipped are dropped."""
+        feats, mask = self.boundary_features(batch)
+        live = (batch.response_mask.sum(-1) > 0).to(self.device)
+        rewards = batch.rewards.to(self.device, torch.float32)
+        if self.config.value_loss == "bce" and bool(((rewards < 0) | (rewards > 1))[live].any()):
+            raise ValueError(
+                "credit.value_loss=bce needs rewards in [0, 1]; for other rewards use "
+                "--credit.value_loss mse --credit.value_output linear"
+            )
+        baseline, _ = self._uniform.segment_values(batch)
+        return {
+            "features": feats[live],
+            "mask": mask[live],
+            "rewards": rewards[live],
+            "baseline": baseline.to(self.device)[live],
+        }
+
+    def _loss(self, entry: dict[str, Tensor]) -> Tensor:
+        feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
+        logits = self.head(feats)
+        lam_v = self.config.value_td_lambda
+        if lam_v < 1.0:
+            with torch.no_grad():
+                vbar = self._predict(self.target if self.target is not None else self.head, feats)
+        else:
+            vbar = torch.zeros_like(logits)  # lam_v = 1: targets are R, V̄ is not used
+        targets, target_mask = td_lambda_targets(vbar, mask, rewards, lam_v)
+        if self.config.value_loss == "bce":
+            if self.config.value_output != "sigmoid":
+                raise ValueError("credit.value_loss=bce needs credit.value_output=sigmoid")
+            per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
+        else:
+            per = (self._predict_from_logits(logits) - targets) ** 2
+        return credit.masked_mean(per, target_mask)
+
+    def _predict_from_logits(self, logits: Tensor) -> Tensor:
+        return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
+
+    @staticmethod
+    def _has_targets(entry: dict[str, Tensor]) -> bool:
+        return bool((entry["mask"].sum(dim=1) > 1).any())
+
+    def _measure_reliability(self, entry: dict[str, Tensor]) -> float:
+        """Fresh-batch Brier skill of the head against the group-mean baseline, folded into the
+        reliability EMA (clipped to [0, 1]). Returns the raw skill (NaN when undefined)."""
+        if not self._has_targets(entry):
+            return float("nan")
+        with torch.no_grad():
+            values = self._predict(self.head, entry["features"])
+        _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
+        skill = brier_skill(values, entry["baseline"], target_mask, entry["rewards"])
+        if skill == skill:  # not NaN
+            decay = self.config.handover_smoothing
+            clipped = min(max(skill, 0.0), 1.0)
+            self.reliability = decay * self.reliability + (1.0 - decay) * clipped
+        return skill
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Measure the head on the fresh batch, then train it (TD(lambda_v), replay)."""
+        entry = self._entry(batch)
+        metrics: dict[str, float] = {}
+        if self._has_targets(entry):
+            with torch.no_grad():
+                metrics["value/loss_fresh"] = float(self._loss(entry))
+        metrics["value/skill"] = self._measure_reliability(entry)
+        data = [{k: v.to(self.device) for k, v in e.items()} for e in self.replay]
+        data = [e for e in data + [entry] if self._has_targets(e)]
+        losses = []
+        self.head.train()
+        for _ in range(self.config.value_epochs):
+            for e in data:
+                loss = self._loss(e)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                self._ema_step()
+                losses.append(float(loss.detach()))
+        if self.config.value_replay > 0 and self._has_targets(entry):
+            self.replay.append({k: v.detach().cpu() for k, v in entry.items()})
+        self.num_updates += 1
+        metrics.update(
+            {
+                "value/loss": sum(losses) / len(losses) if losses else float("nan"),
+                "value/reliability_after": float(self.reliability),
+                "value/replay_batches": float(len(data)),
+            }
+        )
+        return metrics
+
+    @torch.no_grad()
+    def _ema_step(self) -> None:
+        if self.target is None:
+            return
+        decay = self.config.value_ema
+        for t, p in zip(self.target.parameters(), self.head.parameters()):
+            t.mul_(decay).add_(p.detach(), alpha=1.0 - decay)
+
+    def pretrain(self, sample_batch: Callable[[], RolloutBatch], steps: int) -> dict[str, float]:
+        """Fit the head on ``steps`` batches from ``sample_batch()`` (the warm-start policy's own
+        samples, filled with ``hidden_layers=self.hidden_layers``) before RL starts.
+
+        Each batch is scored before the head trains on it, exactly as in RL, so reliability can be
+        earned here. Returns the first and last fresh losses and the final reliability.
+        """
+        if steps < 0:
+            raise ValueError(f"value pretrain steps must be >= 0, got {steps}")
+        fresh: list[float] = []
+        last: dict[str, float] = {}
+        for _ in range(steps):
+            batch = sample_batch()
+            values, mask = self.segment_values(batch)
+            diag = self._fresh_diagnostics(values, mask, batch.rewards.to(values.device), batch)
+            last = {**diag, **self.update(batch)}
+            fresh.append(last.get("value/loss_fresh", float("nan")))
+        return {
+            "value_pretrain/steps": float(steps),
+            "value_pretrain/loss_first": fresh[0] if fresh else float("nan"),
+            "value_pretrain/loss_last": fresh[-1] if fresh else float("nan"),
+            "value_pretrain/calibration_error": last.get("value/calibration_error", float("nan")),
+            "value_pretrain/reliability": float(self.reliability),
+        }
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly (copied: later updates do not
+        change it)."""
+        state = {
+            "version": 1,
+            "input_size": None if self.head is None else self.head.input_size,
+            "hidden_size": None if self.head is None else self.head.hidden_size,
+            "head": None if self.head is None else self.head.state_dict(),
+            "target": None if self.target is None else self.target.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "replay": list(self.replay),
+            "reliability": float(self.reliability),
+            "num_updates": self.num_updates,
+        }
+        return copy.deepcopy(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = copy.deepcopy(state)
+        if state.get("version") != 1:
+            raise ValueError(
+                f"value_head state has version {state.get('version')!r}; this code reads 1"
+            )
+        if state["head"] is not None:
+            if (
+                self.head is None
+                or self.head.input_size != state["input_size"]
+                or self.head.hidden_size != state["hidden_size"]
+            ):
+                self._build(state["input_size"], state["hidden_size"])
+            self.head.load_state_dict(state["head"])
+            if self.target is not None:
+                self.target.load_state_dict(
+                    state["target"] if state["target"] is not None else state["head"]
+                )
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.replay.clear()
+        self.replay.extend(state["replay"])
+        self.reliability = float(state["reliability"])
+        self.num_updates = int(state["num_updates"])

@@ -1,0 +1,475 @@
+"""The value-head credit method: values, TD targets, training, state, hand-over, localisation."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from conftest import make_rollout_batch
+from rredcot import credit
+from rredcot.config import CreditConfig
+from rredcot.methods.base import CreditContext, UniformCredit, build_credit, get_credit
+from rredcot.methods.value_head import (
+    MIN_HIDDEN,
+    ValueHeadCredit,
+    auto_hidden_size,
+    brier_skill,
+    expected_calibration_error,
+    gather_boundary_features,
+    monotone_fraction,
+    td_lambda_targets,
+)
+from rredcot.rollout import fill_forward
+
+
+def make_method(policy, tokenizer, **overrides) -> ValueHeadCredit:
+    cfg = CreditConfig(**{"normalization": "batch_std", **overrides})
+    return build_credit("value_head", cfg, CreditContext(policy=policy, tokenizer=tokenizer))
+
+
+@pytest.fixture
+def mixed_batch(rollout_batch):
+    """The sampled batch with outcomes that vary within groups (a random tiny policy solves
+    nothing, and all-zero rewards would make uniform credit and the skill trivially zero)."""
+    batch = copy.copy(rollout_batch)
+    batch.rewards = (torch.arange(batch.size) * 7 % 3 == 0).float()
+    return batch
+
+
+def head_params(method: ValueHeadCredit) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in method.head.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------
+# registry, shapes, masks
+
+
+def test_registered_and_reads_hidden_states(tiny_policy, char_tokenizer):
+    assert get_credit("value_head") is ValueHeadCredit
+    method = make_method(tiny_policy, char_tokenizer, value_layers="-1,-2")
+    assert method.needs_hidden_states
+    assert method.hidden_layers == (-1, -2)
+    assert method.head.input_size == 2 * tiny_policy.config.hidden_size  # built from the config
+
+
+def test_shapes_masks_and_metrics(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, handover="off")
+    out = method.compute(mixed_batch)
+    B, T = mixed_batch.response_mask.shape
+    positions, mask = mixed_batch.boundary_positions()
+    S = mask.shape[1] - 1
+    assert out.advantages.shape == (B, T)
+    assert out.values.shape == (B, S + 1) and out.value_mask.shape == (B, S + 1)
+    assert torch.equal(out.value_mask, mask)
+    assert out.segment_advantages.shape == (B, S) and torch.equal(out.segment_mask, mask[:, 1:])
+    assert bool(((out.values > 0) & (out.values < 1))[mask].all())  # sigmoid output
+    assert bool((out.values[~mask] == 0).all())
+    assert bool((out.advantages[mixed_batch.response_mask == 0] == 0).all())
+    assert out.advantages.abs().sum() > 0
+    m = out.metrics
+    assert m["credit/extra_forward_tokens"] == 0.0 and m["credit/extra_generated_tokens"] == 0.0
+    assert m["credit/blend"] == 1.0
+    for key in (
+        "value/reliability",
+        "value/calibration_error",
+        "value/monotone_fraction",
+        "value/mean",
+        "credit/mean_abs_segment_reward",
+    ):
+        assert key in m
+    assert 0.0 <= m["value/calibration_error"] <= 1.0
+    stats = method.update(mixed_batch)
+    assert stats["value/loss"] > 0 and math.isfinite(stats["value/loss"])
+
+
+def test_values_read_the_hidden_state_at_each_prefix_end(
+    tiny_policy, char_tokenizer, rollout_batch
+):
+    method = make_method(tiny_policy, char_tokenizer)
+    torch.nn.init.normal_(method.head.fc2.weight)  # a non-constant head
+    values, mask = method.segment_values(rollout_batch)
+    P = rollout_batch.prompt_len
+    for row, bounds in enumerate(rollout_batch.boundaries):
+        for k, b in enumerate(bounds):
+            h = rollout_batch.hidden_states[row, P + b - 1]
+            expected = torch.sigmoid(method.head(h.float()))
+            torch.testing.assert_close(values[row, k], expected)
+    feats = gather_boundary_features(
+        rollout_batch.hidden_states, *rollout_batch.boundary_positions()
+    )
+    assert bool((feats[~mask] == 0).all())
+
+
+def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch):
+    """Garbage in padded hidden states changes nothing, and re-padding a row (more left padding
+    on the prompt, more right padding on the response) gives the same values."""
+    method = make_method(tiny_policy, char_tokenizer)
+    torch.nn.init.normal_(method.head.fc2.weight)
+    values, mask = method.segment_values(rollout_batch)
+
+    noisy = copy.copy(rollout_batch)
+    positions, _ = rollout_batch.boundary_positions()
+    keep = torch.zeros(rollout_batch.hidden_states.shape[:2], dtype=torch.bool)
+    for row in range(rollout_batch.size):
+        keep[row, positions[row, mask[row]]] = True
+    noisy.hidden_states = torch.where(
+        keep.unsqueeze(-1), rollout_batch.hidden_states, torch.full_like(noisy.hidden_states, 1e4)
+    )
+    assert torch.equal(method.segment_values(noisy)[0], values)
+
+    pad_left, pad_right = 3, 5
+    b = rollout_batch
+    pad = char_tokenizer.pad_token_id
+    B = b.size
+    repadded = copy.copy(b)
+    repadded.input_ids = torch.cat(
+        [
+            torch.full((B, pad_left), pad, dtype=b.input_ids.dtype),
+            b.input_ids,
+            torch.full((B, pad_right), pad, dtype=b.input_ids.dtype),
+        ],
+        dim=1,
+    )
+    repadded.attention_mask = torch.cat(
+        [
+            torch.zeros(B, pad_left, dtype=b.attention_mask.dtype),
+            b.attention_mask,
+            torch.zeros(B, pad_right, dtype=b.attention_mask.dtype),
+        ],
+        dim=1,
+    )
+    repadded.prompt_len = b.prompt_len + pad_left
+    repadded.response_mask = torch.cat([b.response_mask, torch.zeros(B, pad_right)], dim=1)
+    repadded.segment_ids = credit.boundaries_to_segment_ids(
+        b.boundaries, b.response_len + pad_right
+    )
+    fill_forward(tiny_policy, repadded, hidden_layers=method.hidden_layers)
+    values2, mask2 = method.segment_values(repadded)
+    assert torch.equal(mask2, mask)
+    torch.testing.assert_close(values2, values, atol=1e-5, rtol=1e-4)
+
+
+def test_values_are_computed_before_the_update(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, handover="off")
+    first = method.compute(mixed_batch)
+    again = method.compute(mixed_batch)  # compute has no side effects
+    assert torch.equal(first.values, again.values)
+    assert torch.equal(first.advantages, again.advantages)
+    values_before = first.values.clone()
+    advantages_before = first.advantages.clone()
+
+    # The values do not depend on this batch's outcomes.
+    flipped = copy.copy(mixed_batch)
+    flipped.rewards = 1.0 - mixed_batch.rewards
+    assert torch.equal(method.compute(flipped).values, values_before)
+
+    method.update(mixed_batch)
+    assert torch.equal(first.values, values_before)  # the returned credit is not aliased
+    assert torch.equal(first.advantages, advantages_before)
+    after = method.compute(mixed_batch)
+    assert not torch.allclose(after.values, values_before)  # the head did learn
+
+
+def test_missing_or_mismatched_hidden_states_are_clear_errors(
+    tiny_policy, char_tokenizer, rollout_batch
+):
+    method = make_method(tiny_policy, char_tokenizer, value_layers="-1,-2")
+    with pytest.raises(ValueError, match="hidden_layers=method.hidden_layers"):
+        method.compute(rollout_batch)  # the batch holds one layer, the head reads two
+    bare = copy.copy(rollout_batch)
+    bare.hidden_states = None
+    with pytest.raises(ValueError, match="fill_forward"):
+        method.compute(bare)
+    with pytest.raises(ValueError, match="indices must lie in"):
+        make_method(tiny_policy, char_tokenizer, value_layers="-1,7")
+    with pytest.raises(ValueError, match="value_layers"):
+        make_method(tiny_policy, char_tokenizer, value_layers="last")
+    bad = copy.copy(rollout_batch)
+    bad.rewards = torch.full_like(rollout_batch.rewards, 2.0)
+    with pytest.raises(ValueError, match="value_loss mse"):
+        make_method(tiny_policy, char_tokenizer).update(bad)
+    with pytest.raises(ValueError, match="handover_smoothing"):
+        CreditConfig(handover_smoothing=1.0)
+
+
+def test_lazy_build_without_a_policy_config(char_tokenizer, rollout_batch):
+    cfg = CreditConfig(value_hidden_size=12)
+    method = build_credit("value_head", cfg, CreditContext(policy=None, tokenizer=char_tokenizer))
+    assert method.head is None
+    values, _ = method.segment_values(rollout_batch)
+    assert method.head.input_size == rollout_batch.hidden_states.shape[-1]
+    assert method.head.hidden_size == 12
+    assert torch.allclose(values[values != 0], torch.tensor(0.5))  # zero-initialised output
+
+
+def test_head_is_about_one_percent_of_the_policy(tiny_policy, char_tokenizer):
+    method = make_method(tiny_policy, char_tokenizer)
+    policy_params = sum(p.numel() for p in tiny_policy.parameters())
+    ratio = method.num_head_parameters / policy_params
+    assert 0.008 <= ratio <= 0.012, ratio
+    assert method.head.hidden_size >= MIN_HIDDEN
+    assert auto_hidden_size(10_000_000, 4096) == round((100_000 - 1) / 4098)
+    assert auto_hidden_size(1000, 4096) == MIN_HIDDEN  # never fewer than a few units
+    fixed = make_method(tiny_policy, char_tokenizer, value_hidden_size=7)
+    assert fixed.head.hidden_size == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# TD targets and training
+
+
+def td_reference(vbar: list[float], n: int, reward: float, lam: float) -> list[float]:
+    """G_k = (1-lam) sum_{m>=1} lam^(m-1) V̄(s_{k+m}) + lam^(n-k-1) R, truncated at s_n."""
+    out = []
+    for k in range(n):
+        g = sum((1 - lam) * lam ** (m - 1) * vbar[k + m] for m in range(1, n - k))
+        out.append(g + lam ** (n - k - 1) * reward)
+    return out
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
+def test_td_targets_match_the_formula(lam):
+    gen = torch.Generator().manual_seed(0)
+    counts = [0, 1, 2, 5, 3]  # segments per row (0: empty response)
+    S = max(counts)
+    vbar = torch.rand(len(counts), S + 1, generator=gen)
+    mask = torch.arange(S + 1).unsqueeze(0) <= torch.tensor(counts).unsqueeze(1)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.3])
+    targets, target_mask = td_lambda_targets(vbar, mask, rewards, lam)
+    for row, n in enumerate(counts):
+        assert target_mask[row].tolist() == [k < n for k in range(S + 1)]
+        expected = td_reference(vbar[row].tolist(), n, float(rewards[row]), lam)
+        torch.testing.assert_close(targets[row, :n], torch.tensor(expected))
+        assert bool((targets[row, n:] == 0).all())
+    if lam == 1.0:
+        assert torch.equal(targets, torch.where(target_mask, rewards[:, None].expand_as(vbar), 0.0))
+    if lam == 0.0:  # TD(0): the next boundary's value, the outcome at the end
+        assert float(targets[3, 2]) == pytest.approx(float(vbar[3, 3]))
+        assert float(targets[3, 4]) == pytest.approx(0.0)
+
+
+def test_update_reduces_the_value_loss(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(
+        tiny_policy, char_tokenizer, value_lr=1e-2, value_replay=0, value_epochs=10
+    )
+    first = method.update(mixed_batch)
+    for _ in range(5):
+        last = method.update(mixed_batch)
+    # below the best constant prediction, H(1/3) = 0.637: the head tells rows apart
+    assert first["value/loss_fresh"] == pytest.approx(math.log(2), abs=1e-6)  # zero-init output
+    assert last["value/loss_fresh"] < 0.61
+    assert first["value/replay_batches"] == 1.0
+
+
+@pytest.mark.parametrize("td_lambda,ema", [(0.0, 0.0), (0.5, 0.9)])
+def test_td_and_ema_training_runs(tiny_policy, char_tokenizer, rollout_batch, td_lambda, ema):
+    method = make_method(
+        tiny_policy, char_tokenizer, value_td_lambda=td_lambda, value_ema=ema, value_replay=0
+    )
+    before = head_params(method)
+    method.update(rollout_batch)
+    assert any(not torch.equal(a, b) for a, b in zip(before, head_params(method)))
+    if ema:
+        # the target trails the head: it moved, but by (1 - ema) of each step
+        target = [p.detach() for p in method.target.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(before, target))
+        assert any(not torch.equal(a, b) for a, b in zip(target, head_params(method)))
+
+
+def test_replay_keeps_boundary_features_only(tiny_policy, char_tokenizer):
+    from rredcot.tasks import get_task
+
+    task = get_task("arithmetic", num_steps=3)
+    method = make_method(tiny_policy, char_tokenizer, value_replay=2, value_epochs=1)
+    counts = []
+    for seed in range(3):
+        batch = make_rollout_batch(tiny_policy, char_tokenizer, task, num_prompts=2, seed=seed)
+        counts.append(method.update(batch)["value/replay_batches"])
+    assert counts == [1.0, 2.0, 3.0]
+    assert len(method.replay) == 2
+    entry = method.replay[-1]
+    assert set(entry) == {"features", "mask", "rewards", "baseline"}
+    assert entry["features"].device.type == "cpu"
+    assert entry["features"].shape[:2] == entry["mask"].shape  # (B, S+1, D): boundaries only
+    assert entry["features"].shape[1] < batch.input_ids.shape[1]
+
+
+def test_skipped_rows_do_not_train_the_head(tiny_policy, char_tokenizer, mixed_batch):
+    """A row whose response mask is all zero (a skipped sample) is ignored by the update."""
+    skipped = copy.copy(mixed_batch)
+    skipped.response_mask = mixed_batch.response_mask.clone()
+    skipped.response_mask[0] = 0
+    skipped.rewards = mixed_batch.rewards.clone()
+    skipped.rewards[0] = 1.0 - skipped.rewards[0]
+    flipped = copy.copy(skipped)
+    flipped.rewards = skipped.rewards.clone()
+    flipped.rewards[0] = 1.0 - flipped.rewards[0]
+    a = make_method(tiny_policy, char_tokenizer, value_replay=0)
+    b = make_method(tiny_policy, char_tokenizer, value_replay=0)
+    a.update(skipped)
+    b.update(flipped)
+    for pa, pb in zip(a.head.parameters(), b.head.parameters()):
+        assert torch.equal(pa, pb)
+
+
+# ---------------------------------------------------------------------------------------------
+# state
+
+
+def test_state_dict_round_trip_reproduces_exactly(tiny_policy, char_tokenizer, arithmetic_task):
+    batches = [
+        make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, num_prompts=2, seed=s)
+        for s in range(4)
+    ]
+    kw = dict(value_td_lambda=0.5, value_ema=0.5, value_replay=2, value_epochs=2)
+    original = make_method(tiny_policy, char_tokenizer, **kw)
+    for batch in batches[:2]:
+        original.update(batch)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)  # as the trainer's checkpoint does
+    buffer.seek(0)
+    resumed = make_method(tiny_policy, char_tokenizer, **kw)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+
+    assert resumed.reliability == original.reliability
+    assert len(resumed.replay) == len(original.replay) == 2
+    assert torch.equal(
+        resumed.segment_values(batches[2])[0], original.segment_values(batches[2])[0]
+    )
+    for batch in batches[2:]:
+        got, want = resumed.update(batch), original.update(batch)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == want[key] or (math.isnan(got[key]) and math.isnan(want[key]))
+        a, b = resumed.compute(batch), original.compute(batch)
+        assert torch.equal(a.values, b.values) and torch.equal(a.advantages, b.advantages)
+    for pa, pb in zip(resumed.target.parameters(), original.target.parameters()):
+        assert torch.equal(pa, pb)
+    snapshot = original.state_dict()
+    original.update(batches[0])  # the snapshot is a copy, not a view of live tensors
+    assert not torch.equal(snapshot["head"]["fc1.weight"], original.head.fc1.weight)
+
+
+def test_head_init_does_not_touch_the_global_rng(tiny_policy, char_tokenizer):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    a = make_method(tiny_policy, char_tokenizer)
+    assert torch.equal(torch.rand(3), expected)
+    b = make_method(tiny_policy, char_tokenizer)
+    for pa, pb in zip(a.head.parameters(), b.head.parameters()):
+        assert torch.equal(pa, pb)
+
+
+# ---------------------------------------------------------------------------------------------
+# hand-over
+
+
+def test_blend_zero_is_exactly_uniform(tiny_policy, char_tokenizer, mixed_batch):
+    for normalization in ("batch_std", "whiten", "none"):
+        method = make_method(tiny_policy, char_tokenizer, normalization=normalization, lam=0.5)
+        assert method.blend == 0.0  # no reliability earned yet
+        cfg = CreditConfig(normalization=normalization)
+        uniform = UniformCredit(cfg, CreditContext(policy=tiny_policy, tokenizer=char_tokenizer))
+        out = method.compute(mixed_batch)
+        ref = uniform.compute(mixed_batch)
+        assert torch.equal(out.advantages, ref.advantages)
+        assert torch.equal(out.segment_advantages, ref.segment_advantages)
+        assert out.metrics["credit/blend"] == 0.0
+        assert out.values is not None  # the head's values are still reported
+
+
+def test_handover_off_is_pure_value_credit(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, handover="off", lam=0.5)
+    torch.nn.init.normal_(method.head.fc2.weight)
+    values, mask = method.segment_values(mixed_batch)
+    expected = credit.token_advantages_from_values(
+        values,
+        mask,
+        mixed_batch.rewards,
+        mixed_batch.segment_ids,
+        mixed_batch.response_mask,
+        lam=0.5,
+        normalization="batch_std",
+    )
+    assert torch.equal(method.compute(mixed_batch).advantages, expected)
+
+
+def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, lam=0.0)
+    torch.nn.init.normal_(method.head.fc2.weight)
+    method.reliability = 0.25
+    off = make_method(tiny_policy, char_tokenizer, lam=0.0, handover="off")
+    off.load_state_dict(method.state_dict())
+    ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
+    uniform = UniformCredit(CreditConfig(normalization="batch_std"), ctx)
+    out = method.compute(mixed_batch)
+    expected = (
+        0.25 * off.compute(mixed_batch).advantages + 0.75 * uniform.compute(mixed_batch).advantages
+    )
+    torch.testing.assert_close(out.advantages, expected)
+    assert out.metrics["credit/blend"] == 0.25
+
+
+def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5)
+    torch.nn.init.normal_(method.head.fc2.weight, std=0.1)
+    live = mixed_batch.response_mask.sum(-1) > 0
+    values, mask = method.segment_values(mixed_batch)  # before the head sees the outcomes
+    baseline, _ = UniformCredit(method.config, method.context).segment_values(mixed_batch)
+    _, target_mask = td_lambda_targets(values, mask, mixed_batch.rewards, 1.0)
+    expected = brier_skill(
+        values[live], baseline[live], target_mask[live], mixed_batch.rewards[live]
+    )
+    stats = method.update(mixed_batch)
+    assert stats["value/skill"] == pytest.approx(expected, abs=1e-6)
+    assert method.reliability == pytest.approx(0.5 * min(max(expected, 0.0), 1.0))
+
+
+def test_reliability_grows_for_a_head_that_predicts_well():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    group_mean = torch.full((4, 3), 0.5)
+    good = torch.tensor([[0.6, 0.9, 0.9], [0.4, 0.1, 0.1], [0.6, 0.8, 0.9], [0.4, 0.2, 0.1]])
+    assert brier_skill(good, group_mean, mask, rewards) > 0.5
+    assert brier_skill(1 - good, group_mean, mask, rewards) < 0
+    assert brier_skill(group_mean, group_mean, mask, rewards) == pytest.approx(0.0)
+    assert math.isnan(brier_skill(good, rewards[:, None].expand(4, 3), mask, rewards))
+
+
+# ---------------------------------------------------------------------------------------------
+# diagnostics
+
+
+def test_calibration_error_and_monotone_fraction():
+    pred = torch.tensor([[0.05, 0.15, 0.95], [0.05, 0.95, 0.0]])
+    target = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    # bins: 0.05 (x2, y 0) gap 0.1; 0.15 gap 0.15; 0.95 (x2, y 1) gap 0.1 -> 0.35 / 5
+    assert expected_calibration_error(pred, target, mask) == pytest.approx(0.07)
+    assert math.isnan(expected_calibration_error(pred, target, torch.zeros_like(mask)))
+    values = torch.tensor([[0.2, 0.5, 0.7, 0.0], [0.2, 0.6, 0.4, 0.0], [0.9, 0.1, 0.0, 0.0]])
+    vmask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    rewards = torch.tensor([1.0, 1.0, 0.0])
+    assert monotone_fraction(values, vmask, rewards) == 0.5  # row 1 dips; row 2 is wrong
+    assert math.isnan(monotone_fraction(values, vmask, torch.zeros(3)))
+
+
+def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, value_lr=3e-3)
+    calls = []
+
+    def sample_batch():
+        calls.append(1)
+        return mixed_batch
+
+    stats = method.pretrain(sample_batch, steps=4)
+    assert len(calls) == 4 and method.num_updates == 4
+    assert stats["value_pretrain/loss_last"] < stats["value_pretrain/loss_first"]
+    assert method.pretrain(sample_batch, steps=0)["value_pretrain/steps"] == 0.0
+    with pytest.raises(ValueError, match=">= 0"):
+        method.pretrain(sample_batch, steps=-1)
