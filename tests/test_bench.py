@@ -1,0 +1,381 @@
+"""Benchmarks: the statistics by hand, variants, re-segmentation, and each command end to end on
+a tiny random policy with a task whose ground truth is known exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from rredcot.bench.credit import (
+    per_trace_spearman,
+    rankdata,
+    resegment,
+    sign_agreement,
+    spearman,
+    value_errors,
+)
+from rredcot.bench.learn import LearnBenchConfig, bootstrap_trace_cov, run_learn_bench
+from rredcot.bench.overhead import PHASES, OverheadBenchConfig, run_overhead_bench
+from rredcot.bench.report import fmt, interpolate_runs, markdown_table
+from rredcot.bench.variants import parse_set, parse_variants
+from rredcot.cli import main
+from rredcot.tasks import Verdict, register_task
+from rredcot.tasks.base import Problem, Task
+
+
+@dataclass
+class _NoParams:
+    pass
+
+
+class _FirstCharTask(Task):
+    """Reward 1 iff the completion's first character has an even code point. The first token
+    decides the outcome, so ``V(s_k) = R`` exactly for every ``k >= 1``: the exact advantages are
+    ``r_1 = R - V(s_0)`` and ``r_k = 0`` after, and the first line holds every wrong trace's
+    first error. A random policy gets varied rewards."""
+
+    Params = _NoParams
+
+    def _problems(self, n, seed, split):
+        return [Problem(f"{seed}:{split}:{i}=?\n", "0") for i in range(n)]
+
+    def train_problems(self, n, seed):
+        return self._problems(n, seed, "train")
+
+    def eval_problems(self, n, seed):
+        return self._problems(n, seed, "eval")
+
+    def verify(self, problem, completion):
+        ok = bool(completion) and ord(completion[0]) % 2 == 0
+        return Verdict(float(ok), completion[:1], -1 if ok else 0, "even" if ok else "odd")
+
+
+register_task("bench_first_char")(_FirstCharTask)
+
+QUIET = dict(log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory):
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    out = tmp_path_factory.mktemp("bench") / "init"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def test_rankdata_gives_ties_their_average_rank():
+    assert rankdata(torch.tensor([10.0, 20.0, 20.0, 30.0])).tolist() == [1.0, 2.5, 2.5, 4.0]
+    assert rankdata(torch.tensor([3.0, 1.0, 3.0, 3.0])).tolist() == [3.0, 1.0, 3.0, 3.0]
+
+
+def test_spearman_matches_a_hand_computed_example_with_ties():
+    # ranks x = [1, 2.5, 2.5, 4, 5], ranks y = [2, 1, 3.5, 3.5, 5]; centred products sum to
+    # 7.25 and both centred sums of squares are 9.5.
+    x = torch.tensor([1.0, 2.0, 2.0, 3.0, 4.0])
+    y = torch.tensor([2.0, 1.0, 3.0, 3.0, 5.0])
+    assert spearman(x, y) == pytest.approx(7.25 / 9.5, abs=1e-12)
+    assert spearman(y, x) == pytest.approx(7.25 / 9.5, abs=1e-12)
+    assert spearman(x, torch.exp(x)) == pytest.approx(1.0)
+    assert spearman(x, -x) == pytest.approx(-1.0)
+    assert math.isnan(spearman(x, torch.ones(5)))  # constant side
+    assert math.isnan(spearman(torch.tensor([1.0]), torch.tensor([2.0])))
+    # float noise ties: 0.1 + 0.2 and 0.3 share a rank
+    assert spearman(torch.tensor([0.1 + 0.2, 0.3, 1.0]), torch.tensor([0.0, 0.0, 1.0])) == 1.0
+    with pytest.raises(ValueError, match="equal lengths"):
+        spearman(x, y[:3])
+
+
+def test_sign_agreement_counts_zero_predictions_half():
+    pred = torch.tensor([1.0, -1.0, 0.0, 2.0])
+    truth = torch.tensor([1.0, 1.0, 1.0, 0.0])  # the last one is left out
+    assert sign_agreement(pred, truth) == pytest.approx(1.5 / 3)
+    assert math.isnan(sign_agreement(pred, torch.zeros(4)))
+
+
+def test_per_trace_spearman_skips_constant_truth_and_scores_constant_credit_zero():
+    preds = [[1.0, 2.0, 3.0], [5.0, 5.0, 5.0], [1.0], [1.0, 2.0]]
+    truths = [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0], [3.0, 3.0]]
+    mean, used = per_trace_spearman(preds, truths)
+    assert used == 2
+    assert mean == pytest.approx(0.5)
+
+
+def test_value_errors_by_hand():
+    mse, ece = value_errors([[0.2, 0.8]], [[0.0, 1.0]])
+    assert mse == pytest.approx(0.04)
+    assert ece == pytest.approx(0.2)  # two bins, each off by 0.2
+
+
+def test_bootstrap_trace_cov_matches_its_expectation():
+    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mean = g.mean(0)
+    per_unit = float(((g - mean) ** 2).sum(-1).mean())  # (1/N) sum ||g_i - g_bar||^2
+    var, mean_sq = bootstrap_trace_cov(g, minibatch=2, draws=40_000, seed=1)
+    assert mean_sq == pytest.approx(float(mean @ mean), rel=1e-9)
+    assert var == pytest.approx(per_unit / 2, rel=0.03)
+    # a minibatch of one unit: exactly the per-unit spread, in expectation
+    var1, _ = bootstrap_trace_cov(g, minibatch=1, draws=40_000, seed=2)
+    assert var1 == pytest.approx(per_unit, rel=0.03)
+
+
+# ---------------------------------------------------------------------------------------------
+# variants, report helpers
+
+
+def test_parse_variants_names_methods_and_overrides():
+    vs = parse_variants(
+        "uniform, vh0=value_head:lam=0:separate_answer=true:handover=off, value_head:lr=1e-5"
+    )
+    assert [v.name for v in vs] == ["uniform", "vh0", "value_head:lr=1e-5"]
+    assert [v.method for v in vs] == ["uniform", "value_head", "value_head"]
+    assert vs[1].overrides == {
+        "credit.lam": "0",
+        "credit.separate_answer": "true",
+        "credit.handover": "off",
+    }
+    c = vs[1].credit_config({"credit.lam": "0.7", "credit.min_chars": "3"})
+    assert (c.lam, c.separate_answer, c.handover, c.min_chars) == (0.0, True, "off", 3)
+    assert vs[2].train_overrides({"steps": "5"}) == {
+        "steps": "5",
+        "lr": "1e-5",
+        "credit_method": "value_head",
+    }
+    assert parse_set(["lam=0.5", "sampling.temperature=0.7"]) == {
+        "credit.lam": "0.5",
+        "sampling.temperature": "0.7",
+    }
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", "unknown credit method"),
+        ("value_head:bogus=1", "unknown variant key"),
+        ("value_head:lam", "not key=value"),
+        ("value_head:lam=2", "lam"),
+        ("a=uniform,a=value_head", "named twice"),
+        ("", "no methods"),
+    ],
+)
+def test_parse_variants_rejects_bad_specs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variants(spec)
+
+
+def test_report_helpers():
+    table = markdown_table(["a", "bb"], [[fmt(1.23456), fmt(None)], [fmt(float("nan")), "x|y"]])
+    assert table.splitlines()[0] == "| a     | bb   |"
+    assert "| 1.235 | –    |" in table and "x\\|y" in table
+    grid, mean, std = interpolate_runs([([0, 10], [0.0, 1.0]), ([0, 5, 20], [0.0, 1.0, 1.0])], 3)
+    assert grid.tolist() == [0.0, 5.0, 10.0]
+    assert mean.tolist() == pytest.approx([0.0, 0.75, 1.0])
+    assert std.tolist() == pytest.approx([0.0, math.sqrt(0.125), 0.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# re-segmentation
+
+
+def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokenizer):
+    from rredcot.rollout import build_rollout_batch
+    from rredcot.segment import get_segmenter
+
+    task = _FirstCharTask()
+    problems = task.eval_problems(2, seed=0)
+
+    def sample(strategy):
+        torch.manual_seed(3)
+        batch, _ = build_rollout_batch(
+            tiny_policy,
+            char_tokenizer,
+            task,
+            problems,
+            get_segmenter(strategy),
+            num_generations=3,
+            max_new_tokens=14,
+        )
+        return batch
+
+    coarse, fine = sample("tokens:6"), sample("tokens:3")
+    assert coarse.completions == fine.completions
+    redone = resegment(coarse, char_tokenizer, get_segmenter("tokens:3"))
+    assert redone.boundaries == fine.boundaries
+    assert redone.segment_char_starts == fine.segment_char_starts
+    assert torch.equal(redone.segment_ids, fine.segment_ids)
+    assert redone.boundaries != coarse.boundaries
+    assert torch.equal(redone.input_ids, coarse.input_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# the commands end to end
+
+
+def test_bench_credit_end_to_end(init_dir, tmp_path, capsys):
+    out = tmp_path / "credit"
+    methods = "uniform,mc=monte_carlo:mc_rollouts=16,value_head,first_last"
+    argv = ["bench", "credit", "--checkpoint", str(init_dir), "--task", "bench_first_char"]
+    argv += ["--methods", methods, "--segmenter", "tokens:4,tokens:8", "--prompts", "3"]
+    argv += ["--samples", "4", "--mc-k", "16", "--value-fit-batches", "1"]
+    argv += ["--value-fit-prompts", "2", "--max-new-tokens", "12", "--out", str(out)]
+    assert main(argv) == 0
+    assert "| method" in capsys.readouterr().out  # the table is printed
+    report = json.loads((out / "credit.json").read_text())
+    assert report["num_traces"] == 12 and 0 < report["mean_reward"] < 1
+    rows = {(r["method"], r["segmenter"]): r for r in report["results"]}
+    names = ["ground_truth", "uniform", "mc", "value_head", "first_last"]
+    assert set(rows) == {(m, s) for m in names for s in ("tokens:4", "tokens:8")}
+    for seg in ("tokens:4", "tokens:8"):
+        gt, mc, uni, fl = (rows[(m, seg)] for m in ("ground_truth", "mc", "uniform", "first_last"))
+        # exact values after s_0: the ground truth blames the first segment of every wrong trace
+        assert gt["error_acc"] == 1.0 and gt["correct_acc"] == 1.0
+        # 16 Monte Carlo rollouts agree with 32 in sign everywhere and rank nearly alike
+        assert mc["sign_agreement"] == 1.0 and mc["error_acc"] == 1.0
+        assert mc["spearman_pooled"] > 0.9
+        assert mc["extra_generated_tokens_per_trace"] > 0
+        # uniform at lambda 0 puts everything on the last segment: never the first error
+        assert uni["error_acc"] < mc["error_acc"]
+        assert uni["time_ratio_to_uniform"] == 1.0
+        # first_last splits evenly between two segments: a fair tie scores exactly 1/2
+        assert fl["error_acc"] == pytest.approx(0.5)
+        assert fl["value_mse"] is None and mc["value_mse"] >= 0
+        assert rows[("value_head", seg)]["fit"]["value_pretrain/steps"] == 1.0
+        for key in ("spearman_trace_mean", "seconds_per_trace", "extra_forward_tokens_per_trace"):
+            assert key in mc
+    md = (out / "credit.md").read_text()
+    assert all(name in md for name in names)
+    page = (out / report["examples"]["tokens:4"]).read_text()
+    assert "ground truth V_MC" in page and "first_last" in page
+
+
+def test_bench_credit_rejects_train_overrides(init_dir, tmp_path, capsys):
+    argv = [
+        "bench",
+        "credit",
+        "--checkpoint",
+        str(init_dir),
+        "--set",
+        "lr=1",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 2
+    assert "credit.*" in capsys.readouterr().err
+
+
+def test_bench_without_subcommand_prints_help(capsys):
+    assert main(["bench"]) == 2
+    assert "credit" in capsys.readouterr().out
+
+
+def _tiny_train_overrides() -> dict[str, str]:
+    return {
+        "prompts_per_step": "1",
+        "sampling.num_generations": "3",
+        "sampling.max_new_tokens": "8",
+        "eval_size": "3",
+        "checkpoint_every": "1",
+    }
+
+
+def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
+    cfg = LearnBenchConfig(
+        methods="uniform,mc=monte_carlo:mc_rollouts=2",
+        seeds=1,
+        budget_tokens=40,
+        init=str(init_dir),
+        out=str(tmp_path / "learn"),
+        steps_max=50,
+        eval_every=1,
+        task="bench_first_char",
+        overrides=_tiny_train_overrides(),
+        variance_probes=2,
+        variance_prompts=2,
+        variance_minibatch=1,
+        variance_bootstrap=50,
+    )
+    report = run_learn_bench(cfg, **QUIET)
+    runs = {r["variant"]: r for r in report["runs"]}
+    for name in ("uniform", "mc"):
+        run_dir = tmp_path / "learn" / "runs" / name / "seed0"
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        used = [r["tokens_generated"] + r["extra_tokens_generated"] for r in records]
+        # the run stops at the first step that reaches the budget, well before steps_max
+        assert used[-1] >= 40 and all(u < 40 for u in used[:-1])
+        assert runs[name]["stopped_by_budget"] and runs[name]["steps"] < 50
+        probes = [json.loads(x) for x in (run_dir / "variance.jsonl").read_text().splitlines()]
+        assert [p["fraction"] for p in probes] == [0.0, 1.0]
+        assert probes[0]["budget_tokens_used"] == 0 and probes[1]["budget_tokens_used"] >= 40
+        assert all(p["grad_var_trace"] >= 0 and p["groups"] == 2 for p in probes)
+    # Monte Carlo pays for its continuations out of the same budget: fewer policy tokens
+    assert runs["mc"]["extra_tokens_generated"] > 0
+    assert runs["mc"]["tokens_generated"] < runs["uniform"]["tokens_generated"]
+    learn = json.loads((tmp_path / "learn" / "learn.json").read_text())
+    summary = {s["variant"]: s for s in learn["summary"]}
+    for key in (
+        "final_accuracy_mean",
+        "final_accuracy_std",
+        "any_below_warm_start",
+        "tokens_to_target_mean",
+        "target_reached",
+        "grad_variance",
+        "extra_generated_tokens_mean",
+    ):
+        assert key in summary["uniform"]
+    assert summary["mc"]["extra_generated_tokens_mean"] == runs["mc"]["extra_tokens_generated"]
+    for png in ("accuracy_vs_tokens.png", "accuracy_vs_wallclock.png", "grad_variance.png"):
+        assert (tmp_path / "learn" / png).stat().st_size > 1000
+    assert "| uniform" in (tmp_path / "learn" / "learn.md").read_text()
+
+    # a second call skips complete runs; a run without result.json resumes from its checkpoint
+    (tmp_path / "learn" / "runs" / "uniform" / "seed0" / "result.json").unlink()
+    lines = []
+    again = run_learn_bench(cfg, log=lines.append)
+    assert any("mc seed 0: complete, skipped" in line for line in lines)
+    assert any("resumed from" in str(line) for line in lines)
+    again_runs = {r["variant"]: r for r in again["runs"]}
+    assert again_runs["uniform"]["steps"] == runs["uniform"]["steps"]
+    assert again_runs["uniform"]["tokens_generated"] == runs["uniform"]["tokens_generated"]
+
+
+def test_bench_overhead_structure(init_dir, tmp_path):
+    cfg = OverheadBenchConfig(
+        methods="uniform,value_head",
+        steps=2,
+        warmup=1,
+        init=str(init_dir),
+        out=str(tmp_path / "overhead"),
+        task="bench_first_char",
+        overrides=_tiny_train_overrides(),
+    )
+    report = run_overhead_bench(cfg, **QUIET)
+    saved = json.loads((tmp_path / "overhead" / "overhead.json").read_text())
+    methods = {m["method"]: m for m in saved["methods"]}
+    assert set(methods) == {"uniform", "value_head"}
+    assert methods["uniform"]["ratio"] == 1.0 and methods["uniform"]["ratio_paired"] == 1.0
+    vh = methods["value_head"]
+    assert vh["steps"] == 2 and set(vh["median_phase_seconds"]) == set(PHASES)
+    assert vh["ratio"] == pytest.approx(
+        vh["median_step_seconds"] / methods["uniform"]["median_step_seconds"]
+    )
+    assert "meets_target" in vh and vh["target"] == 1.05
+    records = report["records"]
+    assert len(records) == 3 * 2
+    # the order rotates each round, and with the policies reset to the warm-start both methods
+    # sample exactly the same completions in a round
+    assert [r["method"] for r in records[:4]] == ["uniform", "value_head", "value_head", "uniform"]
+    for r in range(3):
+        tokens = {x["rollout_tokens"] for x in records if x["round"] == r}
+        assert len(tokens) == 1
+    assert "value_head" in (tmp_path / "overhead" / "overhead.md").read_text()
