@@ -248,6 +248,8 @@ def test_config_errors_name_the_problem(tmp_path):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit={"lamda": 0.5})
     with pytest.raises(ValueError, match="unknown credit method"):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="vine")
+    with pytest.raises(ValueError, match="not supported in TRL"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="monte_carlo")
     with pytest.raises(ValueError, match="needs task"):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="answer_likelihood")
     cfg = RREDCoTGRPOConfig(

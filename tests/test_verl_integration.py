@@ -174,3 +174,20 @@ def test_errors_name_the_fix(char_tokenizer):
     with pytest.raises(ValueError, match="valid keys"):
         rv.credit_settings(algo_config(lamda=0.5))
     assert rv._ACTIVE.get() is None  # the context never leaks past its block
+
+
+def test_example_config_composes_with_verls_own():
+    """examples/verl/rredcot_gsm8k.yaml on top of verl's ppo_trainer config, as main_ppo reads it."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    here = Path(__file__).resolve().parents[1] / "examples" / "verl"
+    with initialize_config_dir(config_dir=str(here), version_base=None):
+        cfg = compose("rredcot_gsm8k", overrides=["+algorithm.rredcot.min_chars=8"])
+    assert cfg.algorithm.adv_estimator == rv.ESTIMATOR
+    assert cfg.trainer.v1.trainer_mode == rv.TRAINER_MODE and cfg.critic.enable
+    method, credit_cfg = rv.credit_settings(cfg.algorithm)
+    assert method == "critic" and credit_cfg.min_chars == 8 and credit_cfg.lam == 0.5
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64  # verl's defaults merged under
+    assert "ppo_epochs" in cfg.actor_rollout_ref.actor

@@ -54,12 +54,14 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
 
 __all__ = [
     "CREDIT_STATE_FILE",
+    "TRL_METHODS",
     "RREDCoTGRPOConfig",
     "RREDCoTGRPOTrainer",
     "task_reward",
 ]
 
 CREDIT_STATE_FILE = "value_head.pt"
+TRL_METHODS = ("value_head", "answer_likelihood", "uniform")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +127,17 @@ class RREDCoTGRPOConfig(GRPOConfig):
         self.credit = _as_dict(self.credit, "credit")
         self.task_args = _as_dict(self.task_args, "task_args")
         get_credit(self.credit_method)  # unknown names list the valid ones
-        _ = self.credit_config  # validates the fields
+        if self.credit_method not in TRL_METHODS:
+            raise ValueError(
+                f"credit_method={self.credit_method!r} is not supported in TRL (it needs rredcot's "
+                f"own sampling loop); use one of: {', '.join(TRL_METHODS)}"
+            )
+        if self.credit_config.value_pretrain_steps:
+            raise ValueError(
+                "credit.value_pretrain_steps is not supported in TRL (the head trains on TRL's "
+                "batches from the first step; the reliability hand-over starts it on uniform "
+                "credit); leave it 0"
+            )
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "rredcot needs each completion's outcome reward R (the weighted sum of the reward "
