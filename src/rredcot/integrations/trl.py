@@ -419,9 +419,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         rewards = rewards[start : start + size].float()
         groups = rewards.view(-1, num_generations)
         mean = torch.nanmean(groups, dim=1, keepdim=True).nan_to_num(0.0)
-        return torch.where(torch.isnan(groups), mean.expand_as(groups), groups).view(
-            -1
-        ), torch.isnan(rewards)
+        filled = torch.where(torch.isnan(groups), mean.expand_as(groups), groups)
+        return filled.view(-1), torch.isnan(rewards)
 
     def _apply_credit(self, inputs: list[dict], output: dict) -> dict:
         """Replace TRL's per-completion advantages with rredcot's ``(B, T)`` token advantages."""
@@ -437,10 +436,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         start = self.accelerator.process_index * B
         rewards, unscorable = self._local_rewards(start, B, G)
-        loss_mask = (
-            completion_mask * output["tool_mask"] if "tool_mask" in output else completion_mask
-        )
-        live_mask = loss_mask * (~unscorable).to(loss_mask.dtype).unsqueeze(1)
+        # Segments cover every completion token (a prefix mask); unscorable rows get none. The
+        # advantages are then masked like TRL's loss (tool-output tokens excluded).
+        live_mask = completion_mask * (~unscorable).to(completion_mask.dtype).unsqueeze(1)
+        loss_mask = live_mask * output["tool_mask"] if "tool_mask" in output else live_mask
         group_ids = torch.arange(start, start + B, device=completion_ids.device) // G
 
         problems = [
@@ -467,9 +466,9 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self.credit_method.context.policy = self.model  # the prepared (possibly wrapped) model
         out = self.credit_method.compute(batch)
         advantages = out.advantages.to(device=completion_ids.device, dtype=torch.float32)
-        output["advantages"] = advantages * live_mask.to(advantages.dtype)
+        output["advantages"] = advantages * loss_mask.to(advantages.dtype)
         self._log_credit(out.metrics, mode)
-        self._log_row_advantages(output["advantages"], live_mask)
+        self._log_row_advantages(output["advantages"], loss_mask)
         if mode == "train":
             self._log_credit(self._update_credit(batch), mode)
         self.last_batch, self.last_credit = batch, out
