@@ -198,12 +198,12 @@ def _reference_answer(task, prompt: str) -> tuple[str, str]:
     """A free prompt's reference answer where the task can work it out (arithmetic chains);
     returns (prompt, answer) with the prompt normalised to the task's format, or (prompt, "")."""
     if task.name == "arithmetic":
-        from rredcot.tasks.arithmetic import chain_results, parse_prompt
+        from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt
 
-        for text in (prompt, prompt.rstrip("\n") + "\n"):
+        for text in (prompt, prompt.strip() + "\n"):
             chain = parse_prompt(text)
             if chain is not None:
-                return text, str(chain_results(*chain)[-1])
+                return format_prompt(*chain), str(chain_results(*chain)[-1])
     return prompt, ""
 
 

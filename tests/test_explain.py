@@ -1,0 +1,169 @@
+"""``rredcot explain``: the demo, and ``--checkpoint`` on a real (tiny) training run."""
+
+from __future__ import annotations
+
+import argparse
+import html
+
+import pytest
+import torch
+from conftest import make_rollout_batch
+
+from rredcot.cli import main
+from rredcot.explain_model import (
+    _reference_answer,
+    explain_checkpoint,
+    resolve_checkpoint,
+    segment_credits,
+    segment_texts,
+)
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory):
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    out = tmp_path_factory.mktemp("explain") / "init"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(init_dir, tmp_path_factory):
+    """A one-step value-head run on 2-step arithmetic, segmented every 4 tokens."""
+    from rredcot.config import TrainConfig
+    from rredcot.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("explain") / "run"
+    cfg = TrainConfig(
+        init=str(init_dir),
+        out=str(out),
+        task_args={"num_steps": 2},
+        credit_method="value_head",
+        steps=1,
+        prompts_per_step=2,
+        eval_size=2,
+        progress=False,
+    )
+    cfg.sampling.num_generations = 3
+    cfg.sampling.max_new_tokens = 12
+    cfg.credit.segmenter = "tokens:4"
+    Trainer(cfg, log=lambda *_: None).train()
+    return out
+
+
+def _args(checkpoint, **kw) -> argparse.Namespace:
+    base = dict(
+        checkpoint=str(checkpoint),
+        prompt=None,
+        method="value_head",
+        run=None,
+        html=None,
+        samples=4,
+        seed=0,
+        task_name=None,
+        answer=None,
+        no_color=True,
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_resolve_checkpoint_accepts_model_checkpoint_and_run_dirs(init_dir, run_dir, tmp_path):
+    ckpt = run_dir / "checkpoints" / "step_000001"
+    r = resolve_checkpoint(run_dir)
+    assert (r.policy_dir, r.checkpoint_dir, r.run_dir) == (ckpt / "policy", ckpt, run_dir)
+    assert resolve_checkpoint(ckpt).run_dir == run_dir
+    assert resolve_checkpoint(ckpt / "policy").checkpoint_dir == ckpt
+    plain = resolve_checkpoint(init_dir)
+    assert (plain.policy_dir, plain.checkpoint_dir, plain.run_dir) == (init_dir, None, None)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_checkpoint(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="neither a model directory"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_explain_checkpoint_writes_html_with_every_segment(run_dir, tmp_path, capsys):
+    page = tmp_path / "credit.html"
+    argv = ["explain", "--checkpoint", str(run_dir), "--samples", "4", "--no-color"]
+    assert main(argv + ["--html", str(page)]) == 0
+    printed = capsys.readouterr().out
+    assert "head from" in printed and f"wrote {page}" in printed
+    sections = explain_checkpoint(_args(run_dir), {})  # the same seed: the same samples
+    text = page.read_text()
+    assert text.startswith("<!doctype html>")
+    assert 1 <= len(sections) <= 2
+    for title, prompt, segments in sections:
+        assert html.escape(title) in text and html.escape(prompt) in text
+        assert len(segments) >= 2  # tokens:4 from the run's config
+        for s in segments:
+            assert html.escape(s.text) in text
+        # the numbers are the credit algebra's: r_k telescopes to R - V(s_0), V(s_n) = R
+        reward = float(title.split("R = ")[1].split(",")[0])
+        assert segments[-1].value_after == reward
+        assert sum(s.reward for s in segments) == pytest.approx(reward - segments[0].value_before)
+        for a, b in zip(segments, segments[1:]):
+            assert a.value_after == b.value_before
+    # the trained head (one step of updates) no longer predicts its neutral initial 0.5
+    assert any(abs(s.value_before - 0.5) > 1e-6 for _, _, segs in sections for s in segs)
+
+
+def test_explain_untrained_head_warns_and_predicts_neutral_values(init_dir, capsys):
+    sections = explain_checkpoint(_args(init_dir, samples=2), {"num_steps": "2"})
+    assert "untrained" in capsys.readouterr().err
+    values = [s.value_before for _, _, segs in sections for s in segs]
+    assert values and all(v == pytest.approx(0.5) for v in values)  # zero-initialised last layer
+
+
+def test_explain_free_prompt_gets_its_reference_answer(init_dir, capsys):
+    from rredcot.tasks import get_task
+
+    assert _reference_answer(get_task("arithmetic"), "3+4*2=?") == ("3+4*2=?\n", "14")
+    assert _reference_answer(get_task("arithmetic"), "hello") == ("hello", "")
+    argv = ["explain", "--checkpoint", str(init_dir), "--method", "uniform", "--samples", "2"]
+    assert main(argv + ["--prompt", "3+4*2=?", "--no-color"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt: 3+4*2=?" in captured.out and "uniform: sample" in captured.out
+    assert "no reference answer" not in captured.err
+
+
+def test_segment_credits_by_hand(tiny_policy, char_tokenizer, arithmetic_task):
+    batch = make_rollout_batch(
+        tiny_policy,
+        char_tokenizer,
+        arithmetic_task,
+        num_prompts=1,
+        num_generations=2,
+        segmenter="tokens:5",
+        max_new_tokens=16,
+    )
+    row = 0
+    n = len(batch.boundaries[row]) - 1
+    assert n >= 2
+    assert "".join(segment_texts(batch, row)) == batch.completions[row]
+    S = max(len(b) - 1 for b in batch.boundaries)
+    values = torch.zeros(batch.size, S + 1)
+    values[row, : n + 1] = torch.linspace(0.1, 0.9, n + 1)
+    mask = torch.arange(S + 1).unsqueeze(0) <= batch.num_segments.unsqueeze(1)
+    adv = torch.arange(batch.size * S, dtype=torch.float).view(batch.size, S)
+    segs = segment_credits(batch, row, adv, values, mask)
+    R = float(batch.rewards[row])
+    expected_v = torch.linspace(0.1, 0.9, n + 1).tolist()[:n] + [R]
+    for k, s in enumerate(segs):
+        assert s.value_before == pytest.approx(expected_v[k])
+        assert s.value_after == pytest.approx(expected_v[k + 1])
+        assert s.reward == pytest.approx(expected_v[k + 1] - expected_v[k])
+        assert s.advantage == float(adv[row, k])
+    plain = segment_credits(batch, row, adv)  # no values: the credit is shown as r_k and A_k
+    assert [s.value_before for s in plain] == [None] * n
+    assert [s.reward for s in plain] == adv[row, :n].tolist()
+
+
+def test_explain_demo_html(tmp_path, capsys):
+    page = tmp_path / "demo.html"
+    assert main(["explain", "--demo", "--no-color", "--html", str(page)]) == 0
+    assert "sum of r_k" in capsys.readouterr().out
+    assert "Where the credit went" in page.read_text()
