@@ -7,8 +7,8 @@ import html
 
 import pytest
 import torch
-from conftest import make_rollout_batch
 
+from conftest import make_rollout_batch
 from rredcot.cli import main
 from rredcot.explain_model import (
     _reference_answer,
