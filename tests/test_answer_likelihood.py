@@ -243,3 +243,31 @@ def test_method_through_the_registry(char_tokenizer, wide_task, trace_batch):
     assert out.metrics["credit/extra_generated_tokens"] == 0
     with pytest.raises(ValueError, match="needs the task"):
         get_credit("answer_likelihood")(CreditConfig(), CreditContext(policy, char_tokenizer))
+
+
+def test_warm_policy_judges_a_finished_chain(warm_checkpoint, arithmetic_task):
+    """Where answer likelihood does work on a warm start trained without early answers: right
+    before the answer line it is the model's probability of writing the reference answer, high
+    after a correct chain and low after a chain whose last result is wrong. Before that, the model
+    never answers early, so every intermediate value is near 0 (DESIGN.md section 7; an
+    ``early_answer_prob`` warm start is needed to judge partial chains)."""
+    from rredcot.models import load_policy
+    from rredcot.segment import get_segmenter
+
+    policy, tokenizer = load_policy(warm_checkpoint)
+    problems = arithmetic_task.train_problems(12, seed=3)
+    gold = [arithmetic_task.gold_completion(p) for p in problems]
+    wrong = [
+        arithmetic_task.inject_error(p, 2, rng=random.Random(i)) for i, p in enumerate(problems)
+    ]
+    segmenter = get_segmenter("newline", separate_answer=True)
+    batch = batch_from_texts(
+        tokenizer, arithmetic_task, problems + problems, gold + wrong, segmenter
+    )
+    assert all(len(b) == 5 for b in batch.boundaries)  # 3 steps, the answer line, s_0..s_4
+    values, _, stats = answer_values(policy, tokenizer, arithmetic_task, batch)
+    before_answer = values[:, 3]
+    assert float(before_answer[:12].mean()) > 0.5
+    assert float(before_answer[12:].mean()) < 0.1
+    assert float(values[:, :3].max()) < 0.1
+    assert stats["credit/probe_packed"] == 1

@@ -12,7 +12,7 @@ def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline"
     from rredcot.rollout import encode_prompts, render_prompt
     from rredcot.segment import get_segmenter, token_offsets
 
-    seg = get_segmenter(segmenter)
+    seg = get_segmenter(segmenter) if isinstance(segmenter, str) else segmenter
     prompt_ids, prompt_mask = encode_prompts(
         tokenizer, [render_prompt(p, tokenizer) for p in problems], "cpu"
     )
