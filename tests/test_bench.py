@@ -3,6 +3,7 @@ a tiny random policy with a task whose ground truth is known exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -224,7 +225,7 @@ def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokeniz
 
 def test_bench_credit_end_to_end(init_dir, tmp_path, capsys):
     out = tmp_path / "credit"
-    methods = "uniform,mc=monte_carlo:mc_rollouts=16,value_head,first_last"
+    methods = "uniform,mc=monte_carlo:mc_rollouts=16,value_head,first_last,attention"
     argv = ["bench", "credit", "--checkpoint", str(init_dir), "--task", "bench_first_char"]
     argv += ["--methods", methods, "--segmenter", "tokens:4,tokens:8", "--prompts", "3"]
     argv += ["--samples", "4", "--mc-k", "16", "--value-fit-batches", "1"]
@@ -234,7 +235,7 @@ def test_bench_credit_end_to_end(init_dir, tmp_path, capsys):
     report = json.loads((out / "credit.json").read_text())
     assert report["num_traces"] == 12 and 0 < report["mean_reward"] < 1
     rows = {(r["method"], r["segmenter"]): r for r in report["results"]}
-    names = ["ground_truth", "uniform", "mc", "value_head", "first_last"]
+    names = ["ground_truth", "uniform", "mc", "value_head", "first_last", "attention"]
     assert set(rows) == {(m, s) for m in names for s in ("tokens:4", "tokens:8")}
     for seg in ("tokens:4", "tokens:8"):
         gt, mc, uni, fl = (rows[(m, seg)] for m in ("ground_truth", "mc", "uniform", "first_last"))
@@ -250,6 +251,8 @@ def test_bench_credit_end_to_end(init_dir, tmp_path, capsys):
         # first_last splits evenly between two segments: a fair tie scores exactly 1/2
         assert fl["error_acc"] == pytest.approx(0.5)
         assert fl["value_mse"] is None and mc["value_mse"] >= 0
+        # attention weights need eager attention, switched on for that method only
+        assert rows[("attention", seg)]["extra_forward_tokens_per_trace"] > 0
         assert rows[("value_head", seg)]["fit"]["value_pretrain/steps"] == 1.0
         for key in ("spearman_trace_mean", "seconds_per_trace", "extra_forward_tokens_per_trace"):
             assert key in mc
@@ -347,6 +350,9 @@ def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
     again_runs = {r["variant"]: r for r in again["runs"]}
     assert again_runs["uniform"]["steps"] == runs["uniform"]["steps"]
     assert again_runs["uniform"]["tokens_generated"] == runs["uniform"]["tokens_generated"]
+    # other settings in the same directory would mix two experiments: refused
+    with pytest.raises(ValueError, match="other settings.*max_tokens_generated"):
+        run_learn_bench(dataclasses.replace(cfg, budget_tokens=80), **QUIET)
 
 
 def test_bench_overhead_structure(init_dir, tmp_path):

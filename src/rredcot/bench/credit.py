@@ -48,6 +48,7 @@ value-based method can reach with these traces).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -188,6 +189,21 @@ def _rows(t: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _attention_for(policy, method: str):
+    """Eager attention while the ``attention`` method runs (the one kernel that returns weights,
+    as the trainer loads it for that method); the policy's own kernel for every other method."""
+    before = getattr(policy.config, "_attn_implementation", None)
+    switch = method == "attention" and before != "eager"
+    if switch:
+        policy.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            policy.set_attn_implementation(before)
 
 
 def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,8 +534,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         own = run_credit_config(resolved.run_dir)
         cfg.max_new_tokens = own[2].max_new_tokens if own else 64
     device = resolve_device(cfg.device)
-    attn = "eager" if any(v.method == "attention" for v in variants) else None
-    policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
+    policy, tokenizer = load_policy(str(resolved.policy_dir))
     policy.to(device).eval()
     base_credit = Variant("base", "uniform").credit_config(cfg.overrides)
     log(
@@ -626,7 +641,8 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
             fit = fit_method(
                 method, variant.name, fit_batches, saved_run, cfg, policy, tokenizer, segmenter, log
             )
-            col = evaluate_method(method, policy, traces, cfg, examples, device)
+            with _attention_for(policy, variant.method):
+                col = evaluate_method(method, policy, traces, cfg, examples, device)
             row = {
                 "method": variant.name,
                 "base_method": variant.method,

@@ -298,16 +298,35 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
     return resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
 
 
+def _check_same_config(run_dir: Path, tcfg) -> None:
+    """A run directory left by an earlier call must have been made with the same settings, or
+    skipping / resuming it would mix two experiments."""
+    from rredcot.config import load_yaml, to_dict
+
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return
+    old, new = to_dict(load_yaml(saved)), to_dict(tcfg)
+    old.pop("progress", None), new.pop("progress", None)
+    if old != new:
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ValueError(
+            f"{run_dir} holds a run with other settings (differs in {', '.join(diff)}); use a "
+            "fresh --out or delete that run directory"
+        )
+
+
 def run_one(
     cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, log=print
 ) -> dict[str, Any]:
     """Train (or resume, or skip when complete) one (variant, seed) run; returns its result."""
     run_dir = Path(cfg.out) / "runs" / dir_name(variant.name) / f"seed{seed}"
+    tcfg = train_config(cfg, variant, seed, init, run_dir)
+    _check_same_config(run_dir, tcfg)
     done = run_dir / RESULT
     if done.exists():
         log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
         return json.loads(done.read_text())
-    tcfg = train_config(cfg, variant, seed, init, run_dir)
     probe = VarianceProbe(cfg, run_dir) if cfg.variance_probes > 0 else None
     log(f"{variant.name} seed {seed}: training in {run_dir}")
     trainer = ProbedTrainer(tcfg, probe, log=log)
