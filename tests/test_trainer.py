@@ -358,3 +358,27 @@ def test_runs_under_accelerate_launch(init_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+
+
+def test_value_head_is_pretrained_on_warm_start_samples(init_dir, tmp_path):
+    cfg = micro_config(
+        init_dir, tmp_path / "run", task="test_parity", credit_method="value_head", steps=1
+    )
+    cfg.credit.value_pretrain_steps = 2
+    trainer = Trainer(cfg, log=lambda *_: None)
+    head_before = trainer.method.state_dict()["head"]  # the head is built with the method
+    trainer.train()
+    stats = json.loads((tmp_path / "run" / "value_pretrain.json").read_text())
+    assert stats["value_pretrain/steps"] == 2.0
+    assert math.isfinite(stats["value_pretrain/loss_first"])
+    after = trainer.method.state_dict()["head"]
+    assert any(not torch.equal(head_before[k], after[k]) for k in head_before)
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "value/reliability" in rec and "credit/blend" in rec
+
+
+def test_value_pretrain_with_a_method_that_learns_nothing_is_an_error(init_dir, tmp_path):
+    cfg = micro_config(init_dir, tmp_path / "run", credit_method="uniform", steps=1)
+    cfg.credit.value_pretrain_steps = 1
+    with pytest.raises(ValueError, match="learns nothing"):
+        Trainer(cfg, log=lambda *_: None).train()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import os
 import random
@@ -412,6 +413,46 @@ class Trainer:
                 count += 1
         return {k: v / max(count, 1) for k, v in sums.items()}
 
+    def _pretrain_credit(self) -> None:
+        """Fit a learned estimator (the value head) on the warm-start policy's own samples before
+        RL, so that its credit is informed from the first step (DESIGN.md section 7)."""
+        pretrain = getattr(self.method, "pretrain", None)
+        if pretrain is None:
+            raise ValueError(
+                f"credit.value_pretrain_steps > 0, but credit method {self.cfg.credit_method!r} "
+                "learns nothing; set it to 0"
+            )
+        cfg = self.cfg
+        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
+        counter = iter(range(1, 1 << 30))
+
+        def sample_batch() -> RolloutBatch:
+            i = next(counter)
+            # Negative "steps": a prompt and sampling stream disjoint from the RL steps'.
+            problems = self.prompts_for_step(-i)[self.rank :: self.world]
+            seed_everything(step_seed(cfg.seed, -i, salt=self.rank))
+            self.policy.eval()
+            batch, _ = build_rollout_batch(
+                self.policy,
+                self.tokenizer,
+                self.task,
+                problems,
+                self.segmenter,
+                num_generations=cfg.sampling.num_generations,
+                max_new_tokens=cfg.sampling.max_new_tokens,
+                temperature=cfg.sampling.temperature,
+                top_p=cfg.sampling.top_p,
+            )
+            return fill_forward(self.policy, batch, hidden_layers=layers)
+
+        stats = pretrain(sample_batch, cfg.credit.value_pretrain_steps)
+        self.log(
+            "value pretraining: "
+            + ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in stats.items())
+        )
+        if self.accelerator.is_main_process:
+            (self.run_dir / "value_pretrain.json").write_text(json.dumps(stats, indent=2))
+
     # -- evaluation, checkpoints, the loop ----------------------------------------------------
     def evaluate(self) -> float:
         return greedy_accuracy(
@@ -478,6 +519,8 @@ class Trainer:
             self.log(f"resumed from {ckpt} at step {self.step}")
         elif main:
             self.metrics.truncate_after(-1)
+        if self.step == 0 and cfg.credit.value_pretrain_steps > 0:
+            self._pretrain_credit()
         if self.step == 0 and main:
             acc0 = self.evaluate()
             self.metrics.append(
