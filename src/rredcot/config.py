@@ -224,6 +224,11 @@ class TrainConfig:
     )
     device: str = _help("Device: auto, cpu, cuda, mps.", default="auto")
     progress: bool = _help("Show a progress bar.", default=True)
+    threads: int = _help(
+        "CPU threads for torch (0: auto, 1 for the built-in tiny model on CPU, where more threads "
+        "only add contention; torch's default otherwise).",
+        default=0,
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
@@ -246,6 +251,8 @@ class TrainConfig:
             raise ValueError("clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0 (0: auto)")
         if self.max_tokens_generated < 0:
             raise ValueError(
                 f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"

@@ -35,8 +35,15 @@ class SFTConfig:
     hidden_size: int = _help("Tiny Llama hidden size.", default=128)
     num_layers: int = _help("Tiny Llama layers.", default=4)
     num_heads: int = _help("Tiny Llama attention heads.", default=4)
-    max_steps: int = _help("Upper bound on optimiser steps.", default=3000)
-    max_seconds: float = _help("Upper bound on wall-clock seconds.", default=240.0)
+    max_steps: int = _help("Upper bound on optimiser steps.", default=1200)
+    max_seconds: float = _help(
+        "Upper bound on wall-clock seconds (0: none). The default warm-start is bounded by steps "
+        "only, so that its result does not depend on how busy the machine is.",
+        default=0.0,
+    )
+    threads: int = _help(
+        "CPU threads for torch; the tiny model gains nothing from more.", default=1
+    )
     batch_size: int = _help("Gold traces per optimiser step.", default=64)
     lr: float = _help("Peak learning rate (AdamW).", default=2e-3)
     eval_every: int = _help("Greedy evaluation every N steps.", default=50)
@@ -59,6 +66,8 @@ class SFTConfig:
             raise ValueError("early_answer_prob must be in [0, 1]")
         if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
             raise ValueError("need 0 < target_accuracy <= max_accuracy <= 1")
+        if self.max_seconds < 0 or self.threads < 0:
+            raise ValueError("max_seconds and threads must be >= 0")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
 
@@ -106,6 +115,8 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     from rredcot.rollout import greedy_accuracy, render_prompt
     from rredcot.trainer import seed_everything
 
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     task = get_task(cfg.task, **cfg.task_args)
     tokenizer = build_char_tokenizer()
@@ -156,7 +167,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{accuracy:.2f}")
-        out_of_time = time.perf_counter() - start > cfg.max_seconds
+        out_of_time = cfg.max_seconds > 0 and time.perf_counter() - start > cfg.max_seconds
         if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
             accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
             history.append({"step": step, "loss": loss.item(), "eval_accuracy": accuracy})
@@ -213,9 +224,8 @@ def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
     """The warm-start checkpoint for ``task``'s default settings: reused when cached, built
     (about 2-3 minutes on 2 CPU cores) when not."""
     cfg = SFTConfig(task=task.name, task_args=dataclasses.asdict(task.params), **overrides)
-    key = json.dumps(
-        {k: v for k, v in to_dict(cfg).items() if k not in ("out", "progress")}, sort_keys=True
-    )
+    volatile = ("out", "progress", "threads")
+    key = json.dumps({k: v for k, v in to_dict(cfg).items() if k not in volatile}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     out = cache_root() / f"warmstart-{task.name}-{digest}"
     if (out / "warmstart.json").exists():

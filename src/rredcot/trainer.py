@@ -145,10 +145,14 @@ class Trainer:
         self.accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")
         self.device = self.accelerator.device
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         seed_everything(cfg.seed)
 
         self.task = get_task(cfg.task, **cfg.task_args)
         self.policy, self.tokenizer = self._load_policy()
+        if not cfg.threads and self.device.type == "cpu" and _num_params(self.policy) < 20_000_000:
+            torch.set_num_threads(1)  # tiny models: more threads only add contention
         self.policy.to(self.device)
         self.reference = None
         if cfg.kl_coef > 0:
@@ -576,6 +580,10 @@ class Trainer:
             "stopped_by_budget": self.budget_spent(),
             "run_dir": str(self.run_dir),
         }
+
+
+def _num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
