@@ -166,7 +166,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         scheduler.step()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{accuracy:.2f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
         out_of_time = cfg.max_seconds > 0 and time.perf_counter() - start > cfg.max_seconds
         if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
             accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
