@@ -6,6 +6,7 @@ sampling, the loss and the credit methods agree on positions and masks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -56,6 +57,17 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor,
     if enc["input_ids"].shape[1] == 0:
         raise ValueError("every prompt encoded to zero tokens; check the task's prompt template")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+@contextlib.contextmanager
+def eval_mode(policy):
+    """Run a block with the policy in eval mode, restoring its mode afterwards."""
+    was_training = policy.training
+    policy.eval()
+    try:
+        yield policy
+    finally:
+        policy.train(was_training)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

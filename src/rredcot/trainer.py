@@ -279,12 +279,11 @@ class Trainer:
             for _ in range(self.cfg.prompts_per_step)
         ]
 
-    # -- one RL step ------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict[str, Any]:
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        problems = self.prompts_for_step(step)[self.rank :: self.world]
-        seed_everything(step_seed(cfg.seed, step, salt=self.rank))
+    # -- sampling -----------------------------------------------------------------------------
+    def rollout(self, problems, forward: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample, verify and segment G completions per problem with the current policy (the
+        caller seeds); with ``forward`` also fill the old log-probs and hidden states."""
+        s = self.cfg.sampling
         self.policy.eval()
         batch, stats = build_rollout_batch(
             self.policy,
@@ -292,14 +291,28 @@ class Trainer:
             self.task,
             problems,
             self.segmenter,
-            num_generations=cfg.sampling.num_generations,
-            max_new_tokens=cfg.sampling.max_new_tokens,
-            temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p,
+            num_generations=s.num_generations,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
         )
-        t_rollout = time.perf_counter()
+        if forward:
+            self._fill_forward(batch)
+        return batch, stats
+
+    def _fill_forward(self, batch: RolloutBatch) -> None:
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
         fill_forward(self.policy, batch, hidden_layers=layers)
+
+    # -- one RL step ------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        problems = self.prompts_for_step(step)[self.rank :: self.world]
+        seed_everything(step_seed(cfg.seed, step, salt=self.rank))
+        batch, stats = self.rollout(problems, forward=False)
+        t_rollout = time.perf_counter()
+        self._fill_forward(batch)
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
@@ -427,7 +440,6 @@ class Trainer:
                 "learns nothing; set it to 0"
             )
         cfg = self.cfg
-        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
         counter = iter(range(1, 1 << 30))
 
         def sample_batch() -> RolloutBatch:
@@ -435,19 +447,7 @@ class Trainer:
             # Negative "steps": a prompt and sampling stream disjoint from the RL steps'.
             problems = self.prompts_for_step(-i)[self.rank :: self.world]
             seed_everything(step_seed(cfg.seed, -i, salt=self.rank))
-            self.policy.eval()
-            batch, _ = build_rollout_batch(
-                self.policy,
-                self.tokenizer,
-                self.task,
-                problems,
-                self.segmenter,
-                num_generations=cfg.sampling.num_generations,
-                max_new_tokens=cfg.sampling.max_new_tokens,
-                temperature=cfg.sampling.temperature,
-                top_p=cfg.sampling.top_p,
-            )
-            return fill_forward(self.policy, batch, hidden_layers=layers)
+            return self.rollout(problems)[0]
 
         stats = pretrain(sample_batch, cfg.credit.value_pretrain_steps)
         self.log(

@@ -191,31 +191,13 @@ class VarianceProbe:
                 self.measure(trainer, f, used)
 
     def measure(self, trainer: Trainer, fraction: float, used: int) -> None:
-        from rredcot.rollout import build_rollout_batch, fill_forward
-
-        cfg, tcfg = self.cfg, trainer.cfg
+        cfg = self.cfg
         devices = [trainer.device] if trainer.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(PROBE_SEED)
             problems = trainer.task.train_problems(cfg.variance_prompts, seed=PROBE_SEED)
-            trainer.policy.eval()
-            batch, _ = build_rollout_batch(
-                trainer.policy,
-                trainer.tokenizer,
-                trainer.task,
-                problems,
-                trainer.segmenter,
-                num_generations=tcfg.sampling.num_generations,
-                max_new_tokens=tcfg.sampling.max_new_tokens,
-                temperature=tcfg.sampling.temperature,
-                top_p=tcfg.sampling.top_p,
-            )
+            batch, _ = trainer.rollout(problems)
             method = trainer.method
-            fill_forward(
-                trainer.policy,
-                batch,
-                hidden_layers=method.hidden_layers if method.needs_hidden_states else None,
-            )
             advantages = method.compute(batch).advantages.detach()
             grads = group_gradients(trainer, batch, advantages)
         var, mean_sq = bootstrap_trace_cov(

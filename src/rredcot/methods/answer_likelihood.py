@@ -30,7 +30,6 @@ match the unpacked ones on a first check) fall back to one row per probe with a 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ from rredcot.methods.base import (
     RolloutBatch,
     register_credit,
 )
-from rredcot.rollout import position_ids_from_mask
+from rredcot.rollout import eval_mode, position_ids_from_mask
 
 PACKING_MODES = ("auto", "packed", "unpacked")
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
@@ -309,16 +308,6 @@ def packing_supported(policy) -> bool:
     return impl in _PACKED_ATTENTION
 
 
-@contextlib.contextmanager
-def _eval_mode(policy):
-    was_training = policy.training
-    policy.eval()
-    try:
-        yield
-    finally:
-        policy.train(was_training)
-
-
 # ---------------------------------------------------------------------------------------------
 # Values
 
@@ -362,7 +351,7 @@ def answer_values(
                 "attn_implementation='sdpa' or 'eager' to pack the probes.",
                 stacklevel=2,
             )
-    with _eval_mode(policy):
+    with eval_mode(policy):
         logprobs, forwarded = None, 0
         if use_packed and probes:
             try:
@@ -434,7 +423,7 @@ class AnswerLikelihoodCredit(CreditMethod):
             self._checked = False  # nothing to compare yet
             return
         first = [p for p in probes if p.row == probes[0].row]
-        with torch.no_grad(), _eval_mode(ctx.policy):
+        with torch.no_grad(), eval_mode(ctx.policy):
             try:
                 packed, _ = packed_probe_logprobs(ctx.policy, batch, first)
             except (RuntimeError, ValueError, TypeError):

@@ -27,8 +27,6 @@ ground truth.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from rredcot.methods.base import (
@@ -38,7 +36,7 @@ from rredcot.methods.base import (
     RolloutBatch,
     register_credit,
 )
-from rredcot.rollout import checked_verify, response_mask_from_ids
+from rredcot.rollout import checked_verify, eval_mode, response_mask_from_ids
 
 
 def estimated_boundaries(n: int, max_boundaries: int = 0) -> list[int]:
@@ -103,16 +101,6 @@ def generate_from_ids(
     new = out[:, width:].cpu()
     lengths = response_mask_from_ids(new, tokenizer.eos_token_id).sum(-1).long().tolist()
     return [new[i, : lengths[i]].tolist() for i in range(new.shape[0])]
-
-
-@contextlib.contextmanager
-def _eval_mode(policy):
-    was_training = policy.training
-    policy.eval()
-    try:
-        yield
-    finally:
-        policy.train(was_training)
 
 
 @torch.no_grad()
@@ -183,7 +171,7 @@ def mc_values(
     order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
     per_call = max(1, batch_size // k)
     generated = forwarded = bad = 0
-    with _eval_mode(policy):
+    with eval_mode(policy):
         for start in range(0, len(order), per_call):
             chunk = order[start : start + per_call]
             conts = generate_from_ids(
