@@ -245,31 +245,32 @@ class Trainer:
         return policy, tokenizer
 
     def _check_prompt_lengths(self) -> None:
+        """Drop training and evaluation prompts that leave no room for ``max_new_tokens``."""
         limit = context_limit(self.policy)
         if limit is None:
             return
         budget = limit - self.cfg.sampling.max_new_tokens
-        kept = []
-        for problem in self.train_pool:
+        special = prompt_special_tokens(self.tokenizer)
+
+        def fits(problem) -> bool:
             text = render_prompt(problem, self.tokenizer)
-            n = len(
-                self.tokenizer(text, add_special_tokens=prompt_special_tokens(self.tokenizer))[
-                    "input_ids"
-                ]
-            )
-            if n <= budget:
-                kept.append(problem)
-        dropped = len(self.train_pool) - len(kept)
-        if not kept:
-            raise ValueError(
-                f"every prompt is longer than the context allows ({limit} positions minus "
-                f"sampling.max_new_tokens={self.cfg.sampling.max_new_tokens}); shorten the prompts "
-                "or lower sampling.max_new_tokens"
-            )
-        if dropped:
-            self.log(f"skipping {dropped} prompts longer than {budget} tokens")
-        self.prompts_dropped = dropped
-        self.train_pool = kept
+            return len(self.tokenizer(text, add_special_tokens=special)["input_ids"]) <= budget
+
+        for name in ("train_pool", "eval_set"):
+            problems = getattr(self, name)
+            kept = [p for p in problems if fits(p)]
+            if not kept:
+                raise ValueError(
+                    f"every {'training' if name == 'train_pool' else 'evaluation'} prompt is longer "
+                    f"than the context allows ({limit} positions minus sampling.max_new_tokens="
+                    f"{self.cfg.sampling.max_new_tokens}); shorten the prompts or lower "
+                    "sampling.max_new_tokens"
+                )
+            if len(kept) < len(problems):
+                self.log(
+                    f"skipping {len(problems) - len(kept)} {name} prompts longer than {budget} tokens"
+                )
+            setattr(self, name, kept)
 
     # -- the prompt stream: a function of (seed, step), so every method sees the same prompts --
     def prompts_for_step(self, step: int):
