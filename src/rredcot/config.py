@@ -98,6 +98,12 @@ class CreditConfig:
     value_layers: str = _help(
         "Policy hidden-state layers the value head reads, e.g. '-1' or '-1,-2'.", default="-1"
     )
+    value_logprob_features: bool = _help(
+        "Also feed the value head the policy's own log-probs of the prefix (mean and min over the "
+        "last segment and over the whole response so far), read from the old-logprob pass at no "
+        "extra cost; the hidden state alone barely shows a wrong step on small models.",
+        default=True,
+    )
     value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
     value_td_lambda: float = _help(
         "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
