@@ -19,7 +19,9 @@ from rredcot.methods.value_head import (
     auto_hidden_size,
     brier_skill,
     expected_calibration_error,
+    explained_variance,
     gather_boundary_features,
+    logprob_features,
     monotone_fraction,
     td_lambda_targets,
 )
@@ -89,19 +91,48 @@ def test_shapes_masks_and_metrics(tiny_policy, char_tokenizer, mixed_batch):
 def test_values_read_the_hidden_state_at_each_prefix_end(
     tiny_policy, char_tokenizer, rollout_batch
 ):
-    method = make_method(tiny_policy, char_tokenizer)
-    torch.nn.init.normal_(method.head.fc2.weight)  # a non-constant head
-    values, mask = method.segment_values(rollout_batch)
     P = rollout_batch.prompt_len
-    for row, bounds in enumerate(rollout_batch.boundaries):
-        for k, b in enumerate(bounds):
-            h = rollout_batch.hidden_states[row, P + b - 1]
-            expected = torch.sigmoid(method.head(h.float()))
-            torch.testing.assert_close(values[row, k], expected)
+    lp = logprob_features(
+        rollout_batch.old_logprobs,
+        rollout_batch.response_mask,
+        rollout_batch.segment_ids,
+        rollout_batch.boundary_positions()[1].shape[1],
+    )
+    for with_logprobs in (False, True):
+        method = make_method(tiny_policy, char_tokenizer, value_logprob_features=with_logprobs)
+        torch.nn.init.normal_(method.head.fc2.weight)  # a non-constant head
+        values, mask = method.segment_values(rollout_batch)
+        for row, bounds in enumerate(rollout_batch.boundaries):
+            for k, b in enumerate(bounds):
+                x = rollout_batch.hidden_states[row, P + b - 1].float()
+                if with_logprobs:
+                    x = torch.cat([x, lp[row, k]])
+                expected = torch.sigmoid(method.head(x))
+                torch.testing.assert_close(values[row, k], expected)
     feats = gather_boundary_features(
         rollout_batch.hidden_states, *rollout_batch.boundary_positions()
     )
     assert bool((feats[~mask] == 0).all())
+
+
+def test_logprob_features_match_a_loop(rollout_batch):
+    b = rollout_batch
+    _, mask = b.boundary_positions()
+    logprobs = b.old_logprobs.clone()
+    logprobs[b.response_mask == 0] = float("nan")  # padding must not leak
+    feats = logprob_features(logprobs, b.response_mask, b.segment_ids, mask.shape[1])
+    assert feats.shape == (b.size, mask.shape[1], 4)
+    squash = lambda x: -math.log1p(-x)  # noqa: E731
+    for row, bounds in enumerate(b.boundaries):
+        assert bool((feats[row, 0] == 0).all()) and bool((feats[row, len(bounds) :] == 0).all())
+        for k in range(1, len(bounds)):
+            seg = b.old_logprobs[row, bounds[k - 1] : bounds[k]].tolist()
+            pre = b.old_logprobs[row, : bounds[k]].tolist()
+            expected = [sum(seg) / len(seg), min(seg), sum(pre) / len(pre), min(pre)]
+            torch.testing.assert_close(
+                feats[row, k], torch.tensor([squash(x) for x in expected]), rtol=1e-5, atol=1e-5
+            )
+    assert bool(torch.isfinite(feats).all()) and bool((feats <= 0).all())
 
 
 def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch):
@@ -292,7 +323,7 @@ def test_replay_keeps_boundary_features_only(tiny_policy, char_tokenizer):
     assert counts == [1.0, 2.0, 3.0]
     assert len(method.replay) == 2
     entry = method.replay[-1]
-    assert set(entry) == {"features", "mask", "rewards", "baseline"}
+    assert set(entry) == {"features", "mask", "rewards"}
     assert entry["features"].device.type == "cpu"
     assert entry["features"].shape[:2] == entry["mask"].shape  # (B, S+1, D): boundaries only
     assert entry["features"].shape[1] < batch.input_ids.shape[1]
@@ -417,17 +448,38 @@ def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mix
 
 def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer, mixed_batch):
     method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5)
-    torch.nn.init.normal_(method.head.fc2.weight, std=0.1)
-    live = mixed_batch.response_mask.sum(-1) > 0
+    torch.nn.init.normal_(method.head.fc2.weight, std=4.0)  # confident, spread-out values
     values, mask = method.segment_values(mixed_batch)  # before the head sees the outcomes
-    baseline, _ = UniformCredit(method.config, method.context).segment_values(mixed_batch)
-    _, target_mask = td_lambda_targets(values, mask, mixed_batch.rewards, 1.0)
-    expected = brier_skill(
-        values[live], baseline[live], target_mask[live], mixed_batch.rewards[live]
-    )
-    stats = method.update(mixed_batch)
+    # Outcomes that the head's last prefix values predict well: a positive explained variance.
+    n = mask.sum(1) - 1
+    last = values[torch.arange(len(n)), (n - 1).clamp_min(0)]
+    batch = copy.copy(mixed_batch)
+    batch.rewards = (last > last.median()).float()
+    live = batch.response_mask.sum(-1) > 0
+    expected = explained_variance(values[live], mask[live], batch.rewards[live])
+    baseline, _ = UniformCredit(method.config, method.context).segment_values(batch)
+    _, target_mask = td_lambda_targets(values, mask, batch.rewards, 1.0)
+    vs_group = brier_skill(values[live], baseline[live], target_mask[live], batch.rewards[live])
+    assert expected > 0.1
+
+    stats = method.update(batch)
     assert stats["value/skill"] == pytest.approx(expected, abs=1e-6)
-    assert method.reliability == pytest.approx(0.5 * min(max(expected, 0.0), 1.0))
+    assert stats["value/skill_vs_group_mean"] == pytest.approx(vs_group, abs=1e-6)
+    assert method.reliability == pytest.approx(0.5 * min(expected, 1.0))
+    out = method.compute(batch)  # the next step's credit uses the earned weight
+    assert out.metrics["credit/blend"] == pytest.approx(method.reliability)
+    assert out.metrics["value/reliability"] == pytest.approx(method.reliability)
+
+
+def test_explained_variance():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    values = torch.tensor([[0.5, 0.9, 0.0], [0.5, 0.2, 0.0], [0.5, 0.6, 0.0], [0.5, 0.0, 0.0]])
+    # V(s_{n-1}): rows 0-2 have it at column n-1; row 3 (no segment) is left out
+    r, v = torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0.9, 0.5, 0.6])
+    expected = 1 - float(((r - v) ** 2).mean() / ((r - r.mean()) ** 2).mean())
+    assert explained_variance(values, mask, rewards) == pytest.approx(expected)
+    assert math.isnan(explained_variance(values, mask, torch.ones(4)))
 
 
 def test_reliability_grows_for_a_head_that_predicts_well():

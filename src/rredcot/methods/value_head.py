@@ -5,16 +5,30 @@ A small fp32 MLP reads the policy's hidden state at the last token of each prefi
 trace ends correct. The hidden states come from the no-grad forward pass that already computes the
 old log-probs (``rollout.fill_forward``), so values cost no extra forward pass and no generation.
 
+By default (``credit.value_logprob_features``) the head also reads four numbers per prefix from
+that same pass: the mean and the minimum of the policy's log-probs of the tokens of the last
+segment and of the whole response so far. A step the policy itself found unlikely is the clearest
+sign of a wrong step; on the tiny CPU testbed the hidden state alone hardly shows one (a probe
+trained on step-correctness labels reached AUC 0.65-0.78) and the head then blamed the first wrong
+step at chance level, while with these features it did so for ~75% of wrong traces (chance 33%).
+
 Per RL step the trainer calls, in this order:
 
 1. ``compute(batch)``: values of the fresh batch from the head as it stands (trained only on
    earlier batches, so the credit never sees this batch's outcomes), turned into advantages by
    :mod:`rredcot.credit`. With ``handover="reliability"`` the value credit is blended with uniform
    (GRPO) credit by the head's earned reliability ``w``: ``A = w A_value + (1 - w) A_uniform``.
-2. ``update(batch)``: first measure how well the untrained-on-this-batch head predicts the
-   outcomes (its Brier skill against the group-mean baseline that uniform credit uses), fold that
-   into the reliability EMA, then train the head by TD(lambda_v) over segment boundaries, with
-   replay of recent batches.
+2. ``update(batch)``: first measure how well the head, not yet trained on this batch, predicts
+   its outcomes, fold that into the reliability EMA, then train the head by TD(lambda_v) over
+   segment boundaries, with replay of recent batches.
+
+Reliability is the share of the outcome variance that ``V(s_{n-1})`` explains on the fresh batch,
+``1 - mean((R - V(s_{n-1}))^2) / var(R)``, clipped to [0, 1] and smoothed across steps. It asks
+what section 7 of DESIGN.md says goes wrong: a head that cannot see an error before the last
+segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary values
+against the group mean, reported as ``value/skill_vs_group_mean``, was never positive on the CPU
+testbed, even for a head that blamed the first wrong step in 80% of wrong traces: the group mean
+knows each prompt's realised success rate, which no prefix value can match at ``s_0``.)
 
 The pure tensor helpers (``gather_boundary_features``, ``td_lambda_targets``, ...) are public so
 that tests and benchmarks can check them against plain loops.
@@ -47,7 +61,9 @@ __all__ = [
     "auto_hidden_size",
     "brier_skill",
     "expected_calibration_error",
+    "explained_variance",
     "gather_boundary_features",
+    "logprob_features",
     "monotone_fraction",
     "td_lambda_targets",
 ]
@@ -55,6 +71,7 @@ __all__ = [
 HEAD_FRACTION = 0.01  # auto width: the head has about this share of the policy's parameters
 MIN_HIDDEN = 8  # ... but never fewer hidden units than this
 INIT_SEED = 0  # the head's initial weights do not depend on (or consume) the global RNG
+NUM_LOGPROB_FEATURES = 4  # segment mean, segment min, prefix mean, prefix min
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,24 +79,28 @@ INIT_SEED = 0  # the head's initial weights do not depend on (or consume) the gl
 
 
 class ValueMLP(nn.Module):
-    """``x (..., D) -> logit (...)``: parameter-free LayerNorm, Linear(D, h), GELU, Linear(h, 1).
+    """``x (..., D + E) -> logit (...)``: a parameter-free LayerNorm over the D hidden-state
+    features (the E extra features pass as they are), Linear(D + E, h), GELU, Linear(h, 1).
 
-    The LayerNorm puts hidden states of different layers (and models) on one scale without adding
-    parameters; the last layer starts at zero so every first prediction is the neutral logit 0.
+    The LayerNorm puts hidden states of different models on one scale without adding parameters;
+    the last layer starts at zero so every first prediction is the neutral logit 0.
     """
 
-    def __init__(self, input_size: int, hidden_size: int) -> None:
+    def __init__(self, input_size: int, hidden_size: int, extra_size: int = 0) -> None:
         super().__init__()
         self.input_size = input_size
+        self.extra_size = extra_size
         self.hidden_size = hidden_size
         self.norm = nn.LayerNorm(input_size, elementwise_affine=False)
-        self.fc1 = nn.Linear(input_size, hidden_size)
+        self.fc1 = nn.Linear(input_size + extra_size, hidden_size)
         self.fc2 = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.fc2.weight)
         nn.init.zeros_(self.fc2.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(x)))).squeeze(-1)
+        hidden, extra = x.split([self.input_size, self.extra_size], dim=-1)
+        x = torch.cat([self.norm(hidden), extra], dim=-1)
+        return self.fc2(F.gelu(self.fc1(x))).squeeze(-1)
 
 
 def auto_hidden_size(
@@ -116,6 +137,52 @@ def gather_boundary_features(hidden_states: Tensor, positions: Tensor, mask: Ten
     rows = torch.arange(B, device=hidden_states.device).unsqueeze(1)
     feats = hidden_states[rows, idx.to(hidden_states.device)]
     return torch.where(mask.to(feats.device).unsqueeze(-1), feats, torch.zeros_like(feats))
+
+
+def logprob_features(
+    logprobs: Tensor, response_mask: Tensor, segment_ids: Tensor, num_columns: int
+) -> Tensor:
+    """How likely the policy found each prefix, per boundary, from its own token log-probs.
+
+    Column ``k >= 1`` holds ``[mean, min]`` of the log-probs of segment k's tokens, then
+    ``[mean, min]`` over all response tokens up to ``b_k``; each number ``x <= 0`` is squashed to
+    ``-log(1 - x)`` so that one very unlikely token does not dwarf the rest. Column 0 (the prompt)
+    and padding are 0.
+
+    Args:
+        logprobs: ``(B, T)`` log-probs of the response tokens (``batch.old_logprobs``).
+        response_mask: ``(B, T)``.
+        segment_ids: ``(B, T)`` long, ``-1`` on padding.
+        num_columns: ``S + 1``, the width of the value layout.
+
+    Returns:
+        ``(B, S+1, 4)`` float32.
+    """
+    B = logprobs.shape[0]
+    S = num_columns - 1
+    device = logprobs.device
+    out = torch.zeros(B, num_columns, NUM_LOGPROB_FEATURES, device=device)
+    if S == 0:
+        return out
+    valid = response_mask.bool() & (segment_ids >= 0)
+    ids = segment_ids.clamp_min(0)
+    lp = torch.where(valid, logprobs.float(), torch.zeros_like(logprobs, dtype=torch.float32))
+    zeros = torch.zeros(B, S, device=device)
+    seg_sum = zeros.scatter_add(1, ids, lp)
+    seg_count = zeros.scatter_add(1, ids, valid.float())
+    inf = torch.full_like(lp, float("inf"))
+    seg_min = torch.full((B, S), float("inf"), device=device).scatter_reduce(
+        1, ids, torch.where(valid, lp, inf), reduce="amin", include_self=True
+    )
+    present = seg_count > 0
+    prefix_mean = seg_sum.cumsum(1) / seg_count.cumsum(1).clamp_min(1)
+    prefix_min = seg_min.cummin(1).values
+    feats = torch.stack(
+        [seg_sum / seg_count.clamp_min(1), seg_min, prefix_mean, prefix_min], dim=-1
+    )
+    feats = torch.where(present.unsqueeze(-1), feats, torch.zeros_like(feats))
+    out[:, 1:] = -torch.log1p(-feats.clamp(max=0.0))
+    return out
 
 
 def td_lambda_targets(
@@ -189,6 +256,26 @@ def monotone_fraction(values: Tensor, value_mask: Tensor, rewards: Tensor) -> fl
         total += 1
         hits += int(bool((seq[1:] >= seq[:-1]).all()))
     return hits / total if total else float("nan")
+
+
+def explained_variance(values: Tensor, value_mask: Tensor, rewards: Tensor) -> float:
+    """``1 - mean((R - V(s_{n-1}))^2) / var(R)`` over the rows with at least one segment: the
+    share of the outcome variance the last prefix value explains (1 perfect, 0 no better than
+    the batch mean, negative worse). NaN when the outcomes all agree or no row has a segment.
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``.
+    """
+    n = value_mask.bool().sum(dim=1) - 1
+    rows = n >= 1
+    if not bool(rows.any()):
+        return float("nan")
+    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).float()
+    r = rewards[rows].float().to(last.device)
+    var = ((r - r.mean()) ** 2).mean()
+    if float(var) < 1e-8:
+        return float("nan")
+    return float(1.0 - ((r - last) ** 2).mean() / var)
 
 
 def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: Tensor) -> float:
@@ -271,12 +358,16 @@ class ValueHeadCredit(CreditMethod):
         if policy is None or not hasattr(policy, "parameters"):
             return max(MIN_HIDDEN, 64)
         num_params = sum(p.numel() for p in policy.parameters())
-        return auto_hidden_size(num_params, input_size)
+        return auto_hidden_size(num_params, input_size + self.extra_size)
+
+    @property
+    def extra_size(self) -> int:
+        return NUM_LOGPROB_FEATURES if self.config.value_logprob_features else 0
 
     def _build(self, input_size: int, hidden_size: int) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)
-            head = ValueMLP(input_size, hidden_size)
+            head = ValueMLP(input_size, hidden_size, extra_size=self.extra_size)
         self.head = head.to(self.device)
         self.target = (
             copy.deepcopy(self.head).requires_grad_(False) if self.config.value_ema > 0 else None
@@ -289,11 +380,13 @@ class ValueHeadCredit(CreditMethod):
 
     # -- features and values ------------------------------------------------------------------
     def boundary_features(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """``(features (B, S+1, D) fp32 on the head's device, mask (B, S+1) bool)``."""
-        if batch.hidden_states is None:
+        """``(features (B, S+1, D + E) fp32 on the head's device, mask (B, S+1) bool)``: the
+        hidden states at the prefix ends, then the log-prob features (if enabled)."""
+        if batch.hidden_states is None or (self.extra_size and batch.old_logprobs is None):
             raise ValueError(
-                "value_head needs batch.hidden_states: run rollout.fill_forward(policy, batch, "
-                "hidden_layers=method.hidden_layers) before compute/update"
+                "value_head needs batch.hidden_states and batch.old_logprobs: run "
+                "rollout.fill_forward(policy, batch, hidden_layers=method.hidden_layers) before "
+                "compute/update"
             )
         positions, mask = batch.boundary_positions()
         feats = gather_boundary_features(batch.hidden_states, positions, mask)
@@ -308,6 +401,11 @@ class ValueHeadCredit(CreditMethod):
                 f"{self.hidden_layers} of the policy); fill the batch with "
                 "hidden_layers=method.hidden_layers"
             )
+        if self.extra_size:
+            extra = logprob_features(
+                batch.old_logprobs, batch.response_mask, batch.segment_ids, mask.shape[1]
+            )
+            feats = torch.cat([feats, extra.to(self.device)], dim=-1)
         return feats, mask
 
     def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
@@ -371,8 +469,8 @@ class ValueHeadCredit(CreditMethod):
 
     # -- training -----------------------------------------------------------------------------
     def _entry(self, batch: RolloutBatch) -> dict[str, Tensor]:
-        """What training needs from a batch: boundary features, masks, rewards, and the
-        group-mean baseline; rows whose response was skipped are dropped."""
+        """What training needs from a batch (and all the replay buffer keeps): boundary features,
+        masks and rewards; rows whose response was skipped are dropped."""
         feats, mask = self.boundary_features(batch)
         live = (batch.response_mask.sum(-1) > 0).to(self.device)
         rewards = batch.rewards.to(self.device, torch.float32)
@@ -381,13 +479,7 @@ class ValueHeadCredit(CreditMethod):
                 "credit.value_loss=bce needs rewards in [0, 1]; for other rewards use "
                 "--credit.value_loss mse --credit.value_output linear"
             )
-        baseline, _ = self._uniform.segment_values(batch)
-        return {
-            "features": feats[live],
-            "mask": mask[live],
-            "rewards": rewards[live],
-            "baseline": baseline.to(self.device)[live],
-        }
+        return {"features": feats[live], "mask": mask[live], "rewards": rewards[live]}
 
     def _loss(self, entry: dict[str, Tensor]) -> Tensor:
         feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
@@ -414,20 +506,24 @@ class ValueHeadCredit(CreditMethod):
     def _has_targets(entry: dict[str, Tensor]) -> bool:
         return bool((entry["mask"].sum(dim=1) > 1).any())
 
-    def _measure_reliability(self, entry: dict[str, Tensor]) -> float:
-        """Fresh-batch Brier skill of the head against the group-mean baseline, folded into the
-        reliability EMA (clipped to [0, 1]). Returns the raw skill (NaN when undefined)."""
-        if not self._has_targets(entry):
-            return float("nan")
+    def _measure_reliability(self, entry: dict[str, Tensor], batch: RolloutBatch) -> dict:
+        """Score the head on the fresh batch (before it trains on it) and fold the explained
+        variance, clipped to [0, 1], into the reliability EMA. Undefined scores (all outcomes
+        equal) leave the EMA as it is."""
         with torch.no_grad():
             values = self._predict(self.head, entry["features"])
-        _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
-        skill = brier_skill(values, entry["baseline"], target_mask, entry["rewards"])
+        skill = explained_variance(values, entry["mask"], entry["rewards"])
         if skill == skill:  # not NaN
             decay = self.config.handover_smoothing
             clipped = min(max(skill, 0.0), 1.0)
             self.reliability = decay * self.reliability + (1.0 - decay) * clipped
-        return skill
+        live = batch.response_mask.sum(-1) > 0
+        group_mean, _ = self._uniform.segment_values(batch)
+        _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
+        vs_group = brier_skill(
+            values, group_mean[live].to(values.device), target_mask, entry["rewards"]
+        )
+        return {"value/skill": skill, "value/skill_vs_group_mean": vs_group}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Measure the head on the fresh batch, then train it (TD(lambda_v), replay)."""
@@ -436,7 +532,7 @@ class ValueHeadCredit(CreditMethod):
         if self._has_targets(entry):
             with torch.no_grad():
                 metrics["value/loss_fresh"] = float(self._loss(entry))
-        metrics["value/skill"] = self._measure_reliability(entry)
+        metrics.update(self._measure_reliability(entry, batch))
         data = [{k: v.to(self.device) for k, v in e.items()} for e in self.replay]
         data = [e for e in data + [entry] if self._has_targets(e)]
         losses = []
@@ -501,6 +597,7 @@ class ValueHeadCredit(CreditMethod):
         state = {
             "version": 1,
             "input_size": None if self.head is None else self.head.input_size,
+            "extra_size": None if self.head is None else self.head.extra_size,
             "hidden_size": None if self.head is None else self.head.hidden_size,
             "head": None if self.head is None else self.head.state_dict(),
             "target": None if self.target is None else self.target.state_dict(),
@@ -518,6 +615,12 @@ class ValueHeadCredit(CreditMethod):
                 f"value_head state has version {state.get('version')!r}; this code reads 1"
             )
         if state["head"] is not None:
+            if state["extra_size"] != self.extra_size:
+                raise ValueError(
+                    f"the saved value head reads {state['extra_size']} log-prob features but "
+                    f"credit.value_logprob_features={self.config.value_logprob_features} gives "
+                    f"{self.extra_size}; resume with the run's own config"
+                )
             if (
                 self.head is None
                 or self.head.input_size != state["input_size"]
