@@ -525,3 +525,114 @@ def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_bat
     assert method.pretrain(sample_batch, steps=0)["value_pretrain/steps"] == 0.0
     with pytest.raises(ValueError, match=">= 0"):
         method.pretrain(sample_batch, steps=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the done criterion: first-error localisation on the warm-started policy
+
+
+def _localise(method, batch) -> tuple[float, int, float]:
+    """(error_acc, number of wrong traces scored, chance) of the method's credit on a batch."""
+    from rredcot.bench.localisation import chance_error_acc, localisation_scores
+
+    out = method.compute(batch)
+    scores = localisation_scores(
+        out.segment_advantages,
+        out.segment_mask,
+        batch.completions,
+        batch.rewards,
+        [v.first_error_step for v in batch.verdicts],
+        batch.segment_char_starts,
+    )
+    return scores["error_acc"], scores["n_wrong"], chance_error_acc(out.segment_mask, batch.rewards)
+
+
+def _warm_method(warm_checkpoint):
+    from rredcot.models import load_policy
+
+    policy, tokenizer = load_policy(str(warm_checkpoint))
+    policy.eval()
+    # lam = 0: a segment's credit is its own redistributed reward r_k = V(s_k) - V(s_(k-1)), so
+    # the most-blamed segment is where the value drops most.
+    cfg = CreditConfig(lam=0.0, handover="off")
+    method = build_credit("value_head", cfg, CreditContext(policy=policy, tokenizer=tokenizer))
+    return method, policy, tokenizer
+
+
+def test_localises_injected_first_errors_on_the_warm_policy(warm_checkpoint, arithmetic_task):
+    """Trained on outcomes only, the head blames the step where an error was injected (the
+    credit benchmark's ground truth) far more often than chance.
+
+    Measured (warm_checkpoint, default head, 40 batches of 128): error_acc 0.77-0.83 over 4 seeds
+    against chance 0.33; without the log-prob features 0.42.
+    """
+    import random
+
+    from text_batches import batch_from_texts
+
+    method, policy, tokenizer = _warm_method(warm_checkpoint)
+    task = arithmetic_task
+    pool = task.train_problems(2048, seed=0)
+    rng = random.Random(0)
+
+    def sample_batch(size: int = 128):
+        problems = [pool[rng.randrange(len(pool))] for _ in range(size)]
+        first_wrong = [rng.randrange(-1, task.params.num_steps) for _ in problems]  # -1: gold
+        texts = [
+            task.gold_completion(p) if e < 0 else task.inject_error(p, e, rng=rng)
+            for p, e in zip(problems, first_wrong)
+        ]
+        batch = batch_from_texts(tokenizer, task, problems, texts)
+        return fill_forward(policy, batch, hidden_layers=method.hidden_layers)
+
+    stats = method.pretrain(sample_batch, steps=32)
+    assert stats["value_pretrain/loss_last"] < stats["value_pretrain/loss_first"]
+    hits = wrong = 0.0
+    chances = []
+    for _ in range(2):
+        acc, n, chance = _localise(method, sample_batch())
+        hits, wrong = hits + acc * n, wrong + n
+        chances.append(chance)
+    chance = sum(chances) / len(chances)
+    assert wrong >= 150
+    assert chance == pytest.approx(1 / 3)
+    assert hits / wrong >= chance + 0.2, (hits / wrong, chance)
+
+
+def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arithmetic_task):
+    """On the warm policy's own samples, scored before the head trains on them (the RL order),
+    the value head blames the first wrong step more often than chance once it has seen a few
+    thousand traces.
+
+    Measured (warm_checkpoint, sampled accuracy ~25%, default head): fresh error_acc over steps
+    26-50 of 0.43-0.46 against chance 0.33 (without the log-prob features: 0.26-0.33; over the
+    first 10 steps, while the head only knows the base rate and blames the last segment: 0.15-0.35).
+    """
+    from rredcot.rollout import build_rollout_batch
+    from rredcot.segment import get_segmenter
+
+    method, policy, tokenizer = _warm_method(warm_checkpoint)
+    pool = arithmetic_task.train_problems(2048, seed=0)
+    segmenter = get_segmenter("newline")
+    hits = wrong = 0.0
+    chances = []
+    for step in range(50):
+        torch.manual_seed(step)
+        batch, _ = build_rollout_batch(
+            policy,
+            tokenizer,
+            arithmetic_task,
+            pool[16 * step : 16 * (step + 1)],
+            segmenter,
+            num_generations=8,
+            max_new_tokens=32,
+        )
+        fill_forward(policy, batch, hidden_layers=method.hidden_layers)
+        acc, n, chance = _localise(method, batch)  # before the head sees these outcomes
+        if step >= 25 and n:
+            hits, wrong = hits + acc * n, wrong + n
+            chances.append(chance)
+        method.update(batch)
+    chance = sum(chances) / len(chances)
+    assert wrong >= 1000
+    assert hits / wrong >= chance + 0.05, (hits / wrong, chance)
