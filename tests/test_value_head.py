@@ -223,6 +223,10 @@ def test_missing_or_mismatched_hidden_states_are_clear_errors(
     bad.rewards = torch.full_like(rollout_batch.rewards, 2.0)
     with pytest.raises(ValueError, match="value_loss mse"):
         make_method(tiny_policy, char_tokenizer).update(bad)
+    with pytest.raises(ValueError, match="value_output=sigmoid"):
+        make_method(tiny_policy, char_tokenizer, value_output="linear")
+    mse = make_method(tiny_policy, char_tokenizer, value_loss="mse", value_output="linear")
+    assert math.isfinite(mse.update(bad)["value/loss"])  # any reward scale with mse + linear
     with pytest.raises(ValueError, match="handover_smoothing"):
         CreditConfig(handover_smoothing=1.0)
 

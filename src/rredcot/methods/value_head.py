@@ -324,6 +324,10 @@ class ValueHeadCredit(CreditMethod):
             raise ValueError(f"credit.value_replay={config.value_replay} must be >= 0")
         if not 0.0 <= config.value_ema < 1.0:
             raise ValueError(f"credit.value_ema={config.value_ema} must be in [0, 1)")
+        if config.value_loss == "bce" and config.value_output != "sigmoid":
+            raise ValueError(
+                "credit.value_loss=bce needs credit.value_output=sigmoid (or use value_loss=mse)"
+            )
         self.device = torch.device(context.device)
         self.head: ValueMLP | None = None
         self.target: ValueMLP | None = None  # EMA copy when value_ema > 0
@@ -356,7 +360,7 @@ class ValueHeadCredit(CreditMethod):
             return int(self.config.value_hidden_size)
         policy = self.context.policy
         if policy is None or not hasattr(policy, "parameters"):
-            return max(MIN_HIDDEN, 64)
+            return 64  # no policy to size against (a head built lazily from a batch)
         num_params = sum(p.numel() for p in policy.parameters())
         return auto_hidden_size(num_params, input_size + self.extra_size)
 
@@ -409,7 +413,9 @@ class ValueHeadCredit(CreditMethod):
         return feats, mask
 
     def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
-        logits = net(feats)
+        return self._activation(net(feats))
+
+    def _activation(self, logits: Tensor) -> Tensor:
         return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
 
     @torch.no_grad()
@@ -461,7 +467,7 @@ class ValueHeadCredit(CreditMethod):
         keep = live.unsqueeze(1) & mask
         return {
             "value/calibration_error": expected_calibration_error(values, r, target_mask),
-            "value/monotone_fraction": monotone_fraction(values, keep, rewards * live),
+            "value/monotone_fraction": monotone_fraction(values, keep, rewards),
             "value/mean": float(credit.masked_mean(values, target_mask))
             if target_mask.any()
             else float("nan"),
@@ -492,15 +498,10 @@ class ValueHeadCredit(CreditMethod):
             vbar = torch.zeros_like(logits)  # lam_v = 1: targets are R, V̄ is not used
         targets, target_mask = td_lambda_targets(vbar, mask, rewards, lam_v)
         if self.config.value_loss == "bce":
-            if self.config.value_output != "sigmoid":
-                raise ValueError("credit.value_loss=bce needs credit.value_output=sigmoid")
             per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
         else:
-            per = (self._predict_from_logits(logits) - targets) ** 2
+            per = (self._activation(logits) - targets) ** 2
         return credit.masked_mean(per, target_mask)
-
-    def _predict_from_logits(self, logits: Tensor) -> Tensor:
-        return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
 
     @staticmethod
     def _has_targets(entry: dict[str, Tensor]) -> bool:
