@@ -231,7 +231,7 @@ def test_boundary_batch_trains_the_head_like_the_full_batch(
     tiny_policy, char_tokenizer, arithmetic_task
 ):
     batch = make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, segmenter="tokens:5")
-    cfg = CreditConfig(handover="off", value_replay=0, value_epochs=2)
+    cfg = CreditConfig(handover="off", value_replay=0, value_epochs=2, value_logprob_features=False)
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
     full, compact = build_credit("value_head", cfg, ctx), build_credit("value_head", cfg, ctx)
     small = _boundary_batch(batch)

@@ -132,6 +132,12 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 f"credit_method={self.credit_method!r} is not supported in TRL (it needs rredcot's "
                 f"own sampling loop); use one of: {', '.join(TRL_METHODS)}"
             )
+        if self.credit.get("value_logprob_features"):
+            raise ValueError(
+                "credit.value_logprob_features is not supported in TRL yet (the head trains on "
+                "boundary features gathered across processes, which carry no log-probs); leave it "
+                "unset"
+            )
         if self.credit_config.value_pretrain_steps:
             raise ValueError(
                 "credit.value_pretrain_steps is not supported in TRL (the head trains on TRL's "
@@ -151,8 +157,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
 
     @property
     def credit_config(self) -> CreditConfig:
-        """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones)."""
-        return from_dict(CreditConfig, _as_dict(self.credit, "credit"), where="credit.")
+        """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones).
+        The value head reads hidden states only here: ``value_logprob_features`` is off."""
+        fields = {"value_logprob_features": False, **_as_dict(self.credit, "credit")}
+        return from_dict(CreditConfig, fields, where="credit.")
 
 
 # ---------------------------------------------------------------------------------------------
