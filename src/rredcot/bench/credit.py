@@ -60,7 +60,7 @@ import torch
 
 from rredcot import credit as credit_algebra
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
-from rredcot.bench.report import fmt, markdown_table, write_json
+from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.methods.base import RolloutBatch
 
@@ -689,9 +689,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         "examples": example_pages,
         "definitions": DEFINITIONS,
     }
-    write_json(report, out_dir / "credit.json")
-    md = credit_markdown(report)
-    (out_dir / "credit.md").write_text(md, encoding="utf-8")
+    md = write_report(report, out_dir, "credit", credit_markdown)
     log(md)
     return report
 

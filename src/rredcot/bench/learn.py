@@ -48,6 +48,7 @@ from rredcot.bench.report import (
     mean_std,
     plot_mean_std,
     write_json,
+    write_report,
 )
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.trainer import Trainer
@@ -581,9 +582,7 @@ def run_learn_bench(cfg: LearnBenchConfig, log=print) -> dict[str, Any]:
         **agg,
     }
     report["plots"] = plot_learning(agg, out)
-    write_json(report, out / "learn.json")
-    md = learn_markdown(report)
-    (out / "learn.md").write_text(md, encoding="utf-8")
+    md = write_report(report, out, "learn", learn_markdown)
     log(md)
     return report
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rredcot.bench.report import fmt, markdown_table, write_json
+from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 
 PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")
@@ -171,9 +171,7 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
         "methods": methods,
         "records": records,
     }
-    write_json(report, out / "overhead.json")
-    md = overhead_markdown(report)
-    (out / "overhead.md").write_text(md, encoding="utf-8")
+    md = write_report(report, out, "overhead", overhead_markdown)
     log(md)
     return report
 

@@ -35,6 +35,18 @@ def write_json(data: Any, path: str | Path) -> Path:
     return path
 
 
+def write_report(report: dict, out_dir: str | Path, stem: str, markdown) -> str:
+    """Write ``<stem>.json`` and ``<stem>.md`` (rendered by ``markdown(report)``) under
+    ``out_dir``, both atomically; returns the Markdown."""
+    from rredcot.runio import atomic_write_text
+
+    out_dir = Path(out_dir)
+    write_json(report, out_dir / f"{stem}.json")
+    md = markdown(report)
+    atomic_write_text(out_dir / f"{stem}.md", md)
+    return md
+
+
 def fmt(value: Any, spec: str = ".3f") -> str:
     """A table cell: ``–`` for missing or NaN values."""
     if value is None:
