@@ -127,6 +127,27 @@ def test_redistribute_matches_loop_and_telescopes(batch):
 
 
 @PROPS
+@given(value_batches(), st.floats(-2.0, 2.0))
+def test_anchored_values_telescope_to_the_baseline(batch, shift):
+    """Anchoring moves V(s_0) to the baseline, keeps the increments, and ignores any per-row
+    offset of the estimates (a wrong guess of how hard the prompt is)."""
+    values, value_mask, rewards, _ = as_tensors(batch)
+    baseline = rewards.flip(0) * 0.5
+    anchored = credit.anchor_values(values, value_mask, baseline)
+    offset = credit.anchor_values(values + shift, value_mask, baseline)
+    torch.testing.assert_close(offset, anchored, rtol=0, atol=1e-9)
+    seg_rewards, _ = redistribute(anchored, value_mask, rewards)
+    for b, n_b in enumerate(batch["n"]):
+        assert float(anchored[b, 0]) == float(baseline[b])
+        assert anchored[b, n_b + 1 :].tolist() == [0.0] * (values.shape[1] - n_b - 1)
+        expected_sum = float(rewards[b] - baseline[b]) if n_b else 0.0
+        assert math.isclose(float(seg_rewards[b].sum()), expected_sum, abs_tol=1e-9)
+        raw, _ = redistribute(values, value_mask, rewards)
+        # every segment but the last keeps the estimator's own increment
+        torch.testing.assert_close(seg_rewards[b, : n_b - 1], raw[b, : n_b - 1], rtol=0, atol=1e-9)
+
+
+@PROPS
 @given(value_batches(), st.floats(0.0, 1.0))
 def test_segment_gae_matches_loop(batch, lam):
     values, value_mask, rewards, _ = as_tensors(batch)

@@ -101,7 +101,7 @@ def test_values_read_the_hidden_state_at_each_prefix_end(
     for with_logprobs in (False, True):
         method = make_method(tiny_policy, char_tokenizer, value_logprob_features=with_logprobs)
         torch.nn.init.normal_(method.head.fc2.weight)  # a non-constant head
-        values, mask = method.segment_values(rollout_batch)
+        values, mask = method.head_values(rollout_batch)
         for row, bounds in enumerate(rollout_batch.boundaries):
             for k, b in enumerate(bounds):
                 x = rollout_batch.hidden_states[row, P + b - 1].float()
@@ -140,7 +140,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
     on the prompt, more right padding on the response) gives the same values."""
     method = make_method(tiny_policy, char_tokenizer)
     torch.nn.init.normal_(method.head.fc2.weight)
-    values, mask = method.segment_values(rollout_batch)
+    values, mask = method.head_values(rollout_batch)
 
     noisy = copy.copy(rollout_batch)
     positions, _ = rollout_batch.boundary_positions()
@@ -150,7 +150,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
     noisy.hidden_states = torch.where(
         keep.unsqueeze(-1), rollout_batch.hidden_states, torch.full_like(noisy.hidden_states, 1e4)
     )
-    assert torch.equal(method.segment_values(noisy)[0], values)
+    assert torch.equal(method.head_values(noisy)[0], values)
 
     pad_left, pad_right = 3, 5
     b = rollout_batch
@@ -179,7 +179,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
         b.boundaries, b.response_len + pad_right
     )
     fill_forward(tiny_policy, repadded, hidden_layers=method.hidden_layers)
-    values2, mask2 = method.segment_values(repadded)
+    values2, mask2 = method.head_values(repadded)
     assert torch.equal(mask2, mask)
     torch.testing.assert_close(values2, values, atol=1e-5, rtol=1e-4)
 
@@ -193,10 +193,11 @@ def test_values_are_computed_before_the_update(tiny_policy, char_tokenizer, mixe
     values_before = first.values.clone()
     advantages_before = first.advantages.clone()
 
-    # The values do not depend on this batch's outcomes.
+    # The head's values do not depend on this batch's outcomes (the anchor, the group mean
+    # reward, does, as GRPO's baseline does).
     flipped = copy.copy(mixed_batch)
     flipped.rewards = 1.0 - mixed_batch.rewards
-    assert torch.equal(method.compute(flipped).values, values_before)
+    assert torch.equal(method.head_values(flipped)[0], method.head_values(mixed_batch)[0])
 
     method.update(mixed_batch)
     assert torch.equal(first.values, values_before)  # the returned credit is not aliased
@@ -235,7 +236,7 @@ def test_lazy_build_without_a_policy_config(char_tokenizer, rollout_batch):
     cfg = CreditConfig(value_hidden_size=12)
     method = build_credit("value_head", cfg, CreditContext(policy=None, tokenizer=char_tokenizer))
     assert method.head is None
-    values, _ = method.segment_values(rollout_batch)
+    values, _ = method.head_values(rollout_batch)
     assert method.head.input_size == rollout_batch.hidden_states.shape[-1]
     assert method.head.hidden_size == 12
     assert torch.allclose(values[values != 0], torch.tensor(0.5))  # zero-initialised output
@@ -451,7 +452,7 @@ def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mix
 
 
 def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5)
+    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5, value_anchor="none")
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)  # confident, spread-out values
     values, mask = method.segment_values(mixed_batch)  # before the head sees the outcomes
     # Outcomes that the head's last prefix values predict well: a positive explained variance.
@@ -475,6 +476,58 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     assert out.metrics["value/reliability"] == pytest.approx(method.reliability)
 
 
+def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenizer, mixed_batch):
+    """Anchored on the group mean, the segment rewards of every trace sum to R - mean(R_group)
+    (GRPO's credit), whatever the head predicts; only their split follows the head."""
+    method = make_method(tiny_policy, char_tokenizer, handover="off", lam=0.0)
+    torch.nn.init.normal_(method.head.fc2.weight, std=2.0)
+    out = method.compute(mixed_batch)
+    seg_rewards, seg_mask = credit.redistribute(out.values, out.value_mask, mixed_batch.rewards)
+    group_mean, _ = credit.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
+    rows = seg_mask.any(dim=1)
+    torch.testing.assert_close(
+        seg_rewards.sum(dim=1)[rows], (mixed_batch.rewards - group_mean)[rows].float()
+    )
+    raw, mask = method.head_values(mixed_batch)
+    torch.testing.assert_close(out.values[:, 0][rows], group_mean[rows].float())
+    # inside a trace the increments are the head's own
+    torch.testing.assert_close(
+        (out.values[:, 2] - out.values[:, 1])[mask[:, 2]], (raw[:, 2] - raw[:, 1])[mask[:, 2]]
+    )
+    unanchored = make_method(tiny_policy, char_tokenizer, handover="off", value_anchor="none")
+    unanchored.load_state_dict(method.state_dict())
+    assert torch.equal(unanchored.segment_values(mixed_batch)[0], raw)
+
+
+def test_anchored_reliability_is_skill_beyond_the_group_mean(
+    tiny_policy, char_tokenizer, arithmetic_task
+):
+    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.0, segmenter="tokens:4")
+    torch.nn.init.normal_(method.head.fc2.weight, std=4.0)
+    batch = make_rollout_batch(
+        tiny_policy, char_tokenizer, arithmetic_task, num_generations=6, segmenter="tokens:4"
+    )
+    raw, mask = method.head_values(batch)
+    n = mask.sum(1) - 1
+    assert int((n >= 2).sum()) >= len(n) - 2  # increments before the last segment exist
+    rows = torch.arange(len(n))
+    increment = raw[rows, n - 1] - raw[:, 0]
+    # Outcomes that follow the head's increments inside every group: skill beyond the group mean.
+    batch.rewards = torch.zeros(batch.size)
+    for g in batch.group_ids.unique():
+        idx = (batch.group_ids == g).nonzero().squeeze(1)
+        batch.rewards[idx] = (increment[idx] > increment[idx].median()).float()
+    live = batch.response_mask.sum(-1) > 0
+    group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    anchored = credit.anchor_values(raw, mask, group_mean)
+    expected = explained_variance(anchored[live], mask[live], batch.rewards[live], group_mean[live])
+    stats = method.update(batch)
+    assert stats["value/skill"] == pytest.approx(expected, abs=1e-6)
+    assert method.reliability == pytest.approx(min(max(expected, 0.0), 1.0))
+    # The unanchored skill compares with the batch mean instead, a different number.
+    assert expected != pytest.approx(explained_variance(raw[live], mask[live], batch.rewards[live]))
+
+
 def test_explained_variance():
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
@@ -484,6 +537,10 @@ def test_explained_variance():
     expected = 1 - float(((r - v) ** 2).mean() / ((r - r.mean()) ** 2).mean())
     assert explained_variance(values, mask, rewards) == pytest.approx(expected)
     assert math.isnan(explained_variance(values, mask, torch.ones(4)))
+    baseline = torch.tensor([0.8, 0.1, 0.8, 0.3])  # rows 0-2 around their own baseline
+    expected = 1 - float(((r - v) ** 2).mean() / ((r - baseline[:3]) ** 2).mean())
+    assert explained_variance(values, mask, rewards, baseline) == pytest.approx(expected)
+    assert math.isnan(explained_variance(values, mask, rewards, rewards))  # an exact baseline
 
 
 def test_reliability_grows_for_a_head_that_predicts_well():

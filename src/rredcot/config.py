@@ -104,6 +104,12 @@ class CreditConfig:
         "extra cost; the hidden state alone barely shows a wrong step on small models.",
         default=True,
     )
+    value_anchor: str = _help(
+        "'group': shift the head's values so V(s_0) is the group's mean reward, so every trace "
+        "gets GRPO's total credit and the head only moves it between the trace's segments (its "
+        "errors about a prompt's difficulty cancel); 'none': the head's own V(s_0).",
+        default="group",
+    )
     value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
     value_td_lambda: float = _help(
         "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
@@ -150,6 +156,8 @@ class CreditConfig:
             raise ValueError("credit.value_loss must be bce or mse")
         if self.value_output not in ("sigmoid", "linear"):
             raise ValueError("credit.value_output must be sigmoid or linear")
+        if self.value_anchor not in ("group", "none"):
+            raise ValueError("credit.value_anchor must be 'group' or 'none'")
         if self.handover not in ("reliability", "off"):
             raise ValueError("credit.handover must be 'reliability' or 'off'")
         if not 0.0 <= self.handover_smoothing < 1.0:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "anchor_values",
     "boundaries_to_segment_ids",
     "get_normalizer",
     "group_mean_std",
@@ -140,6 +141,30 @@ def redistribute(values: Tensor, value_mask: Tensor, rewards: Tensor) -> tuple[T
     diffs = full[:, 1:] - full[:, :-1]
     segment_rewards = torch.where(segment_mask, diffs, torch.zeros_like(diffs))
     return segment_rewards, segment_mask
+
+
+def anchor_values(values: Tensor, value_mask: Tensor, baseline: Tensor) -> Tensor:
+    """Shift every row's values so that ``V(s_0)`` is ``baseline``:
+    ``V'(s_k) = V(s_k) - V(s_0) + baseline``.
+
+    With the group's mean reward as the baseline, :func:`redistribute` then gives each trace
+    GRPO's total ``R - mean(R_group)``, and the estimator only moves credit between the
+    segments of the trace by its value increments. Whatever it gets wrong about how hard the
+    prompt is (the same error at every boundary of a row) cancels.
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; baseline: ``(B,)``.
+
+    Returns:
+        anchored values ``(B, S+1)``, 0 on padding.
+    """
+    _check_ndim(values, 2, "values", "(B, S+1)")
+    _check_shape(value_mask, tuple(values.shape), "value_mask", "(B, S+1)")
+    _check_shape(baseline, (values.shape[0],), "baseline", "(B,)")
+    values = _as_float(values)
+    value_mask = _as_bool(value_mask)
+    shifted = values - values[:, :1] + _as_float(baseline, like=values)[:, None]
+    return torch.where(value_mask, shifted, torch.zeros_like(shifted))
 
 
 def segment_gae(segment_rewards: Tensor, segment_mask: Tensor, lam: float) -> Tensor:

@@ -22,10 +22,16 @@ Per RL step the trainer calls, in this order:
    its outcomes, fold that into the reliability EMA, then train the head by TD(lambda_v) over
    segment boundaries, with replay of recent batches.
 
-Reliability is the share of the outcome variance that ``V(s_{n-1})`` explains on the fresh batch,
-``1 - mean((R - V(s_{n-1}))^2) / var(R)``, clipped to [0, 1] and smoothed across steps. It asks
-what section 7 of DESIGN.md says goes wrong: a head that cannot see an error before the last
-segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary values
+By default (``credit.value_anchor="group"``) the values are anchored on the group's mean reward
+ḡ: ``V'(s_k) = V(s_k) - V(s_0) + ḡ``. Every trace then gets GRPO's total credit ``R - ḡ``, and
+the head only decides how it is spread over the trace's segments; its errors about how hard a
+prompt is (the same at every boundary) cancel.
+
+Reliability is the share of the outcome variance that ``V'(s_{n-1})`` explains on the fresh batch
+beyond the baseline that uniform credit already has (ḡ when anchored, the batch mean if not),
+``1 - mean((R - V'(s_{n-1}))^2) / mean((R - baseline)^2)``, clipped to [0, 1] and smoothed
+across steps. It asks what section 7 of DESIGN.md says goes wrong: a head that cannot see an
+error before the last segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary values
 against the group mean, reported as ``value/skill_vs_group_mean``, was never positive on the CPU
 testbed, even for a head that blamed the first wrong step in 80% of wrong traces: the group mean
 knows each prompt's realised success rate, which no prefix value can match at ``s_0``.)
@@ -258,13 +264,17 @@ def monotone_fraction(values: Tensor, value_mask: Tensor, rewards: Tensor) -> fl
     return hits / total if total else float("nan")
 
 
-def explained_variance(values: Tensor, value_mask: Tensor, rewards: Tensor) -> float:
-    """``1 - mean((R - V(s_{n-1}))^2) / var(R)`` over the rows with at least one segment: the
-    share of the outcome variance the last prefix value explains (1 perfect, 0 no better than
-    the batch mean, negative worse). NaN when the outcomes all agree or no row has a segment.
+def explained_variance(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
+) -> float:
+    """``1 - mean((R - V(s_{n-1}))^2) / mean((R - baseline)^2)`` over the rows with at least one
+    segment: the share of the outcome variance around ``baseline`` (default: the batch mean, so
+    the denominator is ``var(R)``) that the last prefix value explains (1 perfect, 0 no better
+    than the baseline, negative worse). NaN when the baseline is exact or no row has a segment.
 
     Args:
-        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``.
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
+        baseline: ``(B,)`` or None.
     """
     n = value_mask.bool().sum(dim=1) - 1
     rows = n >= 1
@@ -272,7 +282,8 @@ def explained_variance(values: Tensor, value_mask: Tensor, rewards: Tensor) -> f
         return float("nan")
     last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).float()
     r = rewards[rows].float().to(last.device)
-    var = ((r - r.mean()) ** 2).mean()
+    base = r.mean() if baseline is None else baseline[rows].float().to(last.device)
+    var = ((r - base) ** 2).mean()
     if float(var) < 1e-8:
         return float("nan")
     return float(1.0 - ((r - last) ** 2).mean() / var)
@@ -419,12 +430,24 @@ class ValueHeadCredit(CreditMethod):
         return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
 
     @torch.no_grad()
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """``(values (B, S+1), mask (B, S+1))`` from the head as it stands (before this batch's
-        update); 0 on padding."""
+    def head_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """``(values (B, S+1), mask (B, S+1))``: the head's own predictions as it stands (before
+        this batch's update), not anchored; 0 on padding."""
         feats, mask = self.boundary_features(batch)
         values = self._predict(self.head, feats)
         return torch.where(mask, values, torch.zeros_like(values)), mask
+
+    def _anchor(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
+        if self.config.value_anchor == "none":
+            return values
+        return credit.anchor_values(values, mask, group_mean.to(values.device))
+
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """The values credit uses: :meth:`head_values`, anchored on the group mean reward
+        (``credit.value_anchor``)."""
+        values, mask = self.head_values(batch)
+        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        return self._anchor(values, mask, group_mean), mask
 
     # -- credit ---------------------------------------------------------------------------------
     @property
@@ -433,8 +456,10 @@ class ValueHeadCredit(CreditMethod):
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        values, mask = self.segment_values(batch)
-        rewards = batch.rewards.to(values.device)
+        raw, mask = self.head_values(batch)
+        rewards = batch.rewards.to(raw.device)
+        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        values = self._anchor(raw, mask, group_mean)
         out = self._from_values(batch, values, mask)  # pure value credit
         w = self.blend
         if w < 1.0:
@@ -445,7 +470,7 @@ class ValueHeadCredit(CreditMethod):
             seg_adv = w * out.segment_advantages + (1.0 - w) * uniform_adv
             out.segment_advantages = seg_adv
             out.advantages = self._to_tokens(batch, seg_adv)
-        out.metrics.update(self._fresh_diagnostics(values, mask, rewards, batch))
+        out.metrics.update(self._fresh_diagnostics(raw, mask, rewards, batch))
         out.metrics.update(
             {
                 "value/reliability": float(self.reliability),
@@ -459,7 +484,7 @@ class ValueHeadCredit(CreditMethod):
     def _fresh_diagnostics(
         self, values: Tensor, mask: Tensor, rewards: Tensor, batch: RolloutBatch
     ) -> dict[str, float]:
-        """Calibration and shape of the pre-update values on the batch's own outcomes."""
+        """Calibration and shape of the head's own pre-update values on the batch's outcomes."""
         live = (batch.response_mask.sum(-1) > 0).to(values.device)
         _, target_mask = td_lambda_targets(values, mask, rewards, 1.0)
         target_mask = target_mask & live.unsqueeze(1)
@@ -509,21 +534,25 @@ class ValueHeadCredit(CreditMethod):
 
     def _measure_reliability(self, entry: dict[str, Tensor], batch: RolloutBatch) -> dict:
         """Score the head on the fresh batch (before it trains on it) and fold the explained
-        variance, clipped to [0, 1], into the reliability EMA. Undefined scores (all outcomes
-        equal) leave the EMA as it is."""
+        variance beyond uniform credit's baseline, clipped to [0, 1], into the reliability EMA.
+        Undefined scores (every outcome equal to its baseline) leave the EMA as it is."""
+        live = batch.response_mask.sum(-1) > 0
+        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        group_mean = group_mean[live].to(self.device, torch.float32)
         with torch.no_grad():
             values = self._predict(self.head, entry["features"])
-        skill = explained_variance(values, entry["mask"], entry["rewards"])
+        if self.config.value_anchor == "none":
+            skill = explained_variance(values, entry["mask"], entry["rewards"])
+        else:
+            anchored = self._anchor(values, entry["mask"], group_mean)
+            skill = explained_variance(anchored, entry["mask"], entry["rewards"], group_mean)
         if skill == skill:  # not NaN
             decay = self.config.handover_smoothing
             clipped = min(max(skill, 0.0), 1.0)
             self.reliability = decay * self.reliability + (1.0 - decay) * clipped
-        live = batch.response_mask.sum(-1) > 0
-        group_mean, _ = self._uniform.segment_values(batch)
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
-        vs_group = brier_skill(
-            values, group_mean[live].to(values.device), target_mask, entry["rewards"]
-        )
+        baseline = group_mean.unsqueeze(1).expand_as(values)
+        vs_group = brier_skill(values, baseline, target_mask, entry["rewards"])
         return {"value/skill": skill, "value/skill_vs_group_mean": vs_group}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -579,7 +608,7 @@ class ValueHeadCredit(CreditMethod):
         last: dict[str, float] = {}
         for _ in range(steps):
             batch = sample_batch()
-            values, mask = self.segment_values(batch)
+            values, mask = self.head_values(batch)
             diag = self._fresh_diagnostics(values, mask, batch.rewards.to(values.device), batch)
             last = {**diag, **self.update(batch)}
             fresh.append(last.get("value/loss_fresh", float("nan")))
