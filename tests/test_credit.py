@@ -492,10 +492,33 @@ def test_group_std_blows_up_value_credit_without_floor():
         normalize_advantages(adv, mask, rewards, None, "group_std")
 
 
+def test_group_or_batch_std_is_grpo_where_safe():
+    """Groups with spread-out rewards are scaled by their own std (as GRPO), groups whose rewards
+    agree by the batch's std, never by eps."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    group_ids = torch.tensor([0, 0, 1, 1])
+    adv = torch.tensor([[0.2, 0.1], [-0.3, 0.0], [0.5, 0.5], [-0.5, -0.5]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    out = normalize_advantages(adv, mask, rewards, group_ids, "group_or_batch_std")
+    batch_std = float(rewards.std())
+    grpo = normalize_advantages(adv, mask, rewards, group_ids, "group_std")
+    torch.testing.assert_close(out[2:], grpo[2:])  # group 1 (std 0.707): GRPO's scaling
+    torch.testing.assert_close(out[:2], adv[:2] * mask[:2] / (batch_std + 1e-4))
+    same = torch.ones(4)  # every reward equal: the batch std is 0, floored at 0.1
+    torch.testing.assert_close(
+        normalize_advantages(adv, mask, same, group_ids, "group_or_batch_std"),
+        adv * mask / (0.1 + 1e-4),
+    )
+    with pytest.raises(ValueError, match="group_ids"):
+        normalize_advantages(adv, mask, rewards, None, "group_or_batch_std")
+
+
 def test_normalizer_registry():
-    with pytest.raises(ValueError, match="batch_std.*group_std.*none.*whiten"):
+    with pytest.raises(ValueError, match="batch_std.*group_or_batch_std.*group_std.*none.*whiten"):
         get_normalizer("batch-std")
-    with pytest.raises(ValueError, match="valid: batch_std, group_std, none, whiten"):
+    with pytest.raises(
+        ValueError, match="valid: batch_std, group_or_batch_std, group_std, none, whiten"
+    ):
         normalize_advantages(torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1), None, "std")
     with pytest.raises(ValueError, match="already registered"):
         register_normalizer("whiten")(lambda *a, **k: a[0])

@@ -23,6 +23,7 @@ from rredcot.methods.value_head import (
     gather_boundary_features,
     logprob_features,
     monotone_fraction,
+    prediction_slope,
     td_lambda_targets,
 )
 from rredcot.rollout import fill_forward
@@ -452,7 +453,13 @@ def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mix
 
 
 def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5, value_anchor="none")
+    method = make_method(
+        tiny_policy,
+        char_tokenizer,
+        handover_smoothing=0.5,
+        value_anchor="none",
+        handover_score="explained_variance",
+    )
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)  # confident, spread-out values
     values, mask = method.segment_values(mixed_batch)  # before the head sees the outcomes
     # Outcomes that the head's last prefix values predict well: a positive explained variance.
@@ -502,7 +509,13 @@ def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenize
 def test_anchored_reliability_is_skill_beyond_the_group_mean(
     tiny_policy, char_tokenizer, arithmetic_task
 ):
-    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.0, segmenter="tokens:4")
+    method = make_method(
+        tiny_policy,
+        char_tokenizer,
+        handover_smoothing=0.0,
+        segmenter="tokens:4",
+        handover_score="explained_variance",
+    )
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)
     batch = make_rollout_batch(
         tiny_policy, char_tokenizer, arithmetic_task, num_generations=6, segmenter="tokens:4"
@@ -526,6 +539,37 @@ def test_anchored_reliability_is_skill_beyond_the_group_mean(
     assert method.reliability == pytest.approx(min(max(expected, 0.0), 1.0))
     # The unanchored skill compares with the batch mean instead, a different number.
     assert expected != pytest.approx(explained_variance(raw[live], mask[live], batch.rewards[live]))
+
+
+def test_prediction_slope():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    values = torch.tensor([[0.5, 0.9, 0.0], [0.5, 0.2, 0.0], [0.5, 0.6, 0.0], [0.5, 0.0, 0.0]])
+    r, v = [1.0, 0.0, 1.0], [0.9, 0.5, 0.6]  # row 3 has no segment
+    b = sum(r) / 3
+    expected = sum((ri - b) * (vi - b) for ri, vi in zip(r, v)) / sum((vi - b) ** 2 for vi in v)
+    assert prediction_slope(values, mask, rewards) == pytest.approx(expected)
+    baseline = torch.full((4,), 0.5)
+    # departures from 0.5: +0.4, 0, +0.1 against outcomes +0.5, -0.5, +0.5
+    assert prediction_slope(values, mask, rewards, baseline) == pytest.approx(0.25 / 0.17)
+    # an over-confident head that points the right way: slope in (0, 1), explained variance < 0
+    loud = torch.tensor([[0.5, 2.0, 0], [0.5, -1.0, 0], [0.5, 2.0, 0], [0.5, -1.0, 0]])
+    full = torch.ones(4, 3, dtype=torch.bool)
+    assert prediction_slope(loud, full, rewards, baseline) == pytest.approx(1 / 3)
+    assert explained_variance(loud, full, rewards, baseline) < 0
+    assert math.isnan(prediction_slope(torch.full((4, 3), 0.5), full, rewards, baseline))
+
+
+def test_slope_sets_the_handover_weight(tiny_policy, char_tokenizer, mixed_batch):
+    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5)
+    torch.nn.init.normal_(method.head.fc2.weight, std=4.0)
+    values, mask = method.segment_values(mixed_batch)  # anchored on the group mean
+    group_mean, _ = credit.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
+    live = mixed_batch.response_mask.sum(-1) > 0
+    slope = prediction_slope(values[live], mask[live], mixed_batch.rewards[live], group_mean[live])
+    stats = method.update(mixed_batch)
+    assert stats["value/slope"] == pytest.approx(slope, abs=1e-6)
+    assert method.reliability == pytest.approx(0.5 * min(max(slope, 0.0), 1.0))
 
 
 def test_explained_variance():

@@ -133,6 +133,13 @@ class CreditConfig:
         "'off' (always use the method's credit).",
         default="reliability",
     )
+    handover_score: str = _help(
+        "What the hand-over weight tracks, measured on each fresh batch before the head trains on "
+        "it: 'slope' (the least-squares weight w in R - b = w (V(s_n-1) - b), b the baseline of "
+        "uniform credit: how much of the head's prediction to trust) or 'explained_variance' "
+        "(1 - MSE(V(s_n-1), R) / MSE(b, R)). Clipped to [0, 1].",
+        default="slope",
+    )
     handover_smoothing: float = _help(
         "EMA decay of the value head's measured reliability (the hand-over weight); starting "
         "from 0, it also sets how slowly trust is earned.",
@@ -160,6 +167,8 @@ class CreditConfig:
             raise ValueError("credit.value_anchor must be 'group' or 'none'")
         if self.handover not in ("reliability", "off"):
             raise ValueError("credit.handover must be 'reliability' or 'off'")
+        if self.handover_score not in ("slope", "explained_variance"):
+            raise ValueError("credit.handover_score must be 'slope' or 'explained_variance'")
         if not 0.0 <= self.handover_smoothing < 1.0:
             raise ValueError(
                 f"credit.handover_smoothing={self.handover_smoothing} must be in [0, 1) "

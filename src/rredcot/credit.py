@@ -612,6 +612,34 @@ def _normalize_group_std(
     return torch.where(mask, advantages / (std[:, None] + eps), torch.zeros_like(advantages))
 
 
+@register_normalizer("group_or_batch_std")
+def _normalize_group_or_batch_std(
+    advantages: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor | None,
+    *,
+    eps: float = 1e-4,
+    min_std: float = 0.1,
+) -> Tensor:
+    """GRPO's per-group scaling where it is safe: divide each row by its group's reward std, or,
+    where that std is below ``min_std`` (a group whose rewards agree), by
+    ``max(std of the batch's rewards, min_std)``.
+
+    Uniform credit is then scaled exactly as GRPO scales it (its advantage is 0 in a group whose
+    rewards agree), while value-based credit in such a group, which redistributes within each
+    trace, is never multiplied by ``1 / eps`` (DESIGN.md section 7).
+    """
+    if group_ids is None:
+        raise ValueError("normalization 'group_or_batch_std' needs group_ids (B,)")
+    r = _as_float(rewards, like=advantages)
+    _, std = group_mean_std(r, group_ids)
+    fallback = _batch_std(r).clamp_min(min_std)
+    std = torch.where(std < min_std, fallback, std)
+    mask = _as_bool(response_mask)
+    return torch.where(mask, advantages / (std[:, None] + eps), torch.zeros_like(advantages))
+
+
 def normalize_advantages(
     advantages: Tensor,
     response_mask: Tensor,

@@ -71,6 +71,7 @@ __all__ = [
     "gather_boundary_features",
     "logprob_features",
     "monotone_fraction",
+    "prediction_slope",
     "td_lambda_targets",
 ]
 
@@ -287,6 +288,35 @@ def explained_variance(
     if float(var) < 1e-8:
         return float("nan")
     return float(1.0 - ((r - last) ** 2).mean() / var)
+
+
+def prediction_slope(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
+) -> float:
+    """How much of the last prefix value's departure from the baseline to trust: the least-squares
+    ``w`` in ``R - b ≈ w (V(s_{n-1}) - b)``, ``sum(e d) / sum(d^2)`` over the rows with at least
+    one segment (``b`` = ``baseline``, default the batch mean of R).
+
+    ``w = 1``: the departures are calibrated; ``0 < w < 1``: right in direction but too large;
+    ``w <= 0``: noise. Unlike the explained variance, an over-confident head that still points the
+    right way scores above 0. NaN when no row has a segment or every departure is 0.
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
+        baseline: ``(B,)`` or None.
+    """
+    n = value_mask.bool().sum(dim=1) - 1
+    rows = n >= 1
+    if not bool(rows.any()):
+        return float("nan")
+    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).double()
+    r = rewards[rows].double().to(last.device)
+    base = r.mean() if baseline is None else baseline[rows].double().to(last.device)
+    d, e = last - base, r - base
+    dd = float((d * d).sum())
+    if dd < 1e-12:
+        return float("nan")
+    return float((e * d).sum()) / dd
 
 
 def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: Tensor) -> float:
@@ -542,18 +572,21 @@ class ValueHeadCredit(CreditMethod):
         with torch.no_grad():
             values = self._predict(self.head, entry["features"])
         if self.config.value_anchor == "none":
-            skill = explained_variance(values, entry["mask"], entry["rewards"])
+            scored, baseline = values, None
         else:
-            anchored = self._anchor(values, entry["mask"], group_mean)
-            skill = explained_variance(anchored, entry["mask"], entry["rewards"], group_mean)
-        if skill == skill:  # not NaN
+            scored, baseline = self._anchor(values, entry["mask"], group_mean), group_mean
+        args = (scored, entry["mask"], entry["rewards"], baseline)
+        skill = explained_variance(*args)
+        slope = prediction_slope(*args)
+        score = slope if self.config.handover_score == "slope" else skill
+        if score == score:  # not NaN
             decay = self.config.handover_smoothing
-            clipped = min(max(skill, 0.0), 1.0)
+            clipped = min(max(score, 0.0), 1.0)
             self.reliability = decay * self.reliability + (1.0 - decay) * clipped
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
         baseline = group_mean.unsqueeze(1).expand_as(values)
         vs_group = brier_skill(values, baseline, target_mask, entry["rewards"])
-        return {"value/skill": skill, "value/skill_vs_group_mean": vs_group}
+        return {"value/skill": skill, "value/slope": slope, "value/skill_vs_group_mean": vs_group}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Measure the head on the fresh batch, then train it (TD(lambda_v), replay)."""
