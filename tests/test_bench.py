@@ -337,6 +337,15 @@ def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
     ):
         assert key in summary["uniform"]
     assert summary["mc"]["extra_generated_tokens_mean"] == runs["mc"]["extra_tokens_generated"]
+    # paired against the first variant, seed by seed, on the final and the mean accuracy
+    curves = learn["curves"]
+    acc = {name: curves[name]["0"]["accuracy"] for name in ("uniform", "mc")}
+    paired = summary["mc"]["final_vs_reference"]
+    assert summary["mc"]["reference"] == "uniform"
+    assert paired["per_seed"]["0"] == pytest.approx(acc["mc"][-1] - acc["uniform"][-1])
+    assert summary["uniform"]["final_vs_reference"]["mean"] == 0.0
+    mean_after_start = sum(acc["mc"][1:]) / len(acc["mc"][1:])
+    assert summary["mc"]["training_accuracy"]["0"] == pytest.approx(mean_after_start)
     for png in ("accuracy_vs_tokens.png", "accuracy_vs_wallclock.png", "grad_variance.png"):
         assert (tmp_path / "learn" / png).stat().st_size > 1000
     assert "| uniform" in (tmp_path / "learn" / "learn.md").read_text()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,10 +381,21 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
         if cfg.target_acc is not None
         else f"each seed's warm-start accuracy + {cfg.target_delta:g}"
     )
+
+    def training_mean(c) -> float:  # mean held-out accuracy over the evaluations after step 0
+        after = c["accuracy"][1:]
+        return statistics.fmean(after) if after else float("nan")
+
+    reference = variants[0].name
+    ref_finals = {s: c["accuracy"][-1] for s, c in curves[reference].items() if c["accuracy"]}
+    ref_means = {s: training_mean(c) for s, c in curves[reference].items() if c["accuracy"]}
     summary = []
     for v in variants:
         per = curves[v.name]
         finals = {s: c["accuracy"][-1] for s, c in per.items() if c["accuracy"]}
+        means = {s: training_mean(c) for s, c in per.items() if c["accuracy"]}
+        paired = {s: finals[s] - ref_finals[s] for s in finals if s in ref_finals}
+        paired_means = {s: means[s] - ref_means[s] for s in means if s in ref_means}
         reach = {s: first_reach(c, target_of(c)) for s, c in per.items() if c["accuracy"]}
         reached = [r for r in reach.values() if r is not None]
         below = [
@@ -410,6 +422,7 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
                 "seeds": len(by_seed),
             }
         fm, fs = mean_std(list(finals.values()))
+        mm_, ms_ = mean_std(list(means.values()))
         tm, ts = mean_std([r["tokens"] for r in reached])
         sm, _ = mean_std([r["seconds"] for r in reached])
         pol, _ = mean_std([c["policy_tokens"][-1] for c in per.values() if c["policy_tokens"]])
@@ -428,6 +441,12 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
                 "final_accuracy": {str(s): a for s, a in finals.items()},
                 "final_accuracy_mean": fm,
                 "final_accuracy_std": fs,
+                "training_accuracy": {str(s): a for s, a in means.items()},
+                "training_accuracy_mean": mm_,
+                "training_accuracy_std": ms_,
+                "reference": reference,
+                "final_vs_reference": paired_summary(paired),
+                "training_vs_reference": paired_summary(paired_means),
                 "seeds_below_warm_start": below,
                 "any_below_warm_start": bool(below),
                 "target_reached": f"{len(reached)}/{len(reach)}",
@@ -448,6 +467,19 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
         "target_rule": rule,
         "summary": summary,
         "curves": curves,
+    }
+
+
+def paired_summary(diffs: dict[int, float]) -> dict[str, Any]:
+    """Per-seed differences to the reference variant (same seed: same warm start, prompt stream
+    and held-out set): mean, standard error of the mean, and how many seeds are >= 0."""
+    xs = [d for d in diffs.values() if math.isfinite(d)]
+    m, sd = mean_std(xs)
+    return {
+        "per_seed": {str(s): d for s, d in diffs.items()},
+        "mean": m,
+        "sem": sd / math.sqrt(len(xs)) if xs else float("nan"),
+        "seeds_at_or_above": f"{sum(d >= 0 for d in xs)}/{len(xs)}",
     }
 
 
@@ -500,6 +532,14 @@ def plot_learning(agg: dict[str, Any], out: Path) -> list[str]:
     return files
 
 
+def _fmt_paired(p: dict[str, Any], is_reference: bool) -> str:
+    if is_reference:
+        return "(reference)"
+    if not math.isfinite(p["mean"]):
+        return "–"
+    return f"{p['mean']:+.3f} ± {p['sem']:.3f} ({p['seeds_at_or_above']})"
+
+
 def learn_markdown(report: dict[str, Any]) -> str:
     agg = report
     rows = []
@@ -511,6 +551,9 @@ def learn_markdown(report: dict[str, Any]) -> str:
                 s["variant"],
                 len(s["seeds"]),
                 fmt_mean_std(s["final_accuracy_mean"], s["final_accuracy_std"]),
+                _fmt_paired(s["final_vs_reference"], s["variant"] == s["reference"]),
+                fmt_mean_std(s["training_accuracy_mean"], s["training_accuracy_std"]),
+                _fmt_paired(s["training_vs_reference"], s["variant"] == s["reference"]),
                 fmt(s["any_below_warm_start"]),
                 s["target_reached"],
                 fmt_mean_std(s["tokens_to_target_mean"], s["tokens_to_target_std"], ".0f"),
@@ -523,6 +566,7 @@ def learn_markdown(report: dict[str, Any]) -> str:
             ]
         )
     cfg = agg["config"]
+    ref = agg["summary"][0]["reference"] if agg["summary"] else "-"
     lines = [
         "# Learning under a matched token budget",
         "",
@@ -538,6 +582,9 @@ def learn_markdown(report: dict[str, Any]) -> str:
                 "method",
                 "seeds",
                 "final acc",
+                f"final − {ref} (paired)",
+                "mean acc in training",
+                f"mean acc − {ref} (paired)",
                 "any seed below warm start",
                 "reached target",
                 "tokens to target",
@@ -553,6 +600,10 @@ def learn_markdown(report: dict[str, Any]) -> str:
         "",
         "- final acc: last held-out greedy accuracy, mean ± std over seeds; tokens / s to target: "
         "mean over the seeds that reached it.",
+        "- mean acc in training: mean of each run's held-out accuracies after step 0 (the area "
+        "under its learning curve: speed and level, less noisy than one final evaluation).",
+        f"- paired: per seed (same warm start, prompts and held-out set) minus `{ref}`; mean ± "
+        "standard error over seeds, then how many seeds are at or above it.",
         "- PG var: bootstrap trace of the covariance of a minibatch policy-gradient estimate "
         f"({cfg['variance_minibatch']} prompt groups per minibatch) on a fixed probe batch, at "
         "the start and the end of the budget (see `bench/learn.py`).",
