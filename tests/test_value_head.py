@@ -741,3 +741,16 @@ def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arit
     chance = sum(chances) / len(chances)
     assert wrong >= 1000
     assert hits / wrong >= chance + 0.05, (hits / wrong, chance)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("value_anchor", "prompt", "value_anchor must be 'group' or 'none'"),
+        ("handover_score", "r2", "handover_score must be 'slope' or 'explained_variance'"),
+        ("handover", "on", "handover must be 'reliability' or 'off'"),
+    ],
+)
+def test_config_names_the_valid_choices(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CreditConfig(**{field: value})
