@@ -15,6 +15,7 @@ from verl.trainer.ppo import core_algos
 
 import rredcot.integrations.verl as rv
 from rredcot import credit
+from rredcot.config import CreditConfig
 
 TEXTS = [  # two prompts x three samples; the newline segmenter cuts each into lines
     "2+3=5\n5*4=20\nA:20",
@@ -119,7 +120,7 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     adv, ret = data.batch["advantages"], data.batch["returns"]
     values, mask = data.batch["values"], data.batch["response_mask"].bool()
 
-    lam = 0.5  # CreditConfig's default
+    lam = CreditConfig().lam  # the default
     for row, text in enumerate(TEXTS):
         lines = text.split("\n")
         # newline segments; the answer line merges into the last step (separate_answer=False)
@@ -132,11 +133,15 @@ def test_critic_credit_is_per_segment(char_tokenizer):
             torch.testing.assert_close(adv[row, s : s + n], torch.full((n,), a[k]))
             torch.testing.assert_close(ret[row, s : s + n], torch.full((n,), SCORES[row]))
         assert (adv[row, ~mask[row]] == 0).all()
-    # the default normalisation divides by the std of the batch's outcomes
+    # the default normalisation divides by each prompt group's outcome std, or by the batch's
+    # where a group's outcomes agree
     data2 = make_data(char_tokenizer)
     rv.compute_advantage_for_data(data2, char_tokenizer, cfg)
-    std = torch.tensor(SCORES).std().clamp_min(0.1)
-    torch.testing.assert_close(data2.batch["advantages"], adv / (std + 1e-4))
+    scores = torch.tensor(SCORES)
+    _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
+    _, group_std = credit.group_mean_std(scores, torch.as_tensor(inverse))
+    std = torch.where(group_std < 0.1, scores.std().clamp_min(0.1), group_std)
+    torch.testing.assert_close(data2.batch["advantages"], adv / (std[:, None] + 1e-4))
 
 
 def test_segments_survive_verls_batch_ops(char_tokenizer):

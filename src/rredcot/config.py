@@ -87,10 +87,16 @@ class CreditConfig:
         "all the blame of a wrong trace and can collapse the policy, DESIGN.md section 7).",
         default=False,
     )
-    lam: float = _help("Segment GAE lambda: 0 pure redistribution, 1 R - V(s_k-1).", default=0.5)
+    lam: float = _help(
+        "Segment GAE lambda: 0 pure redistribution, 1 R - V(s_k-1) (chosen by `rredcot bench "
+        "learn`: with the value head's group-mean anchor, 1 is GRPO's advantage minus the head's "
+        "value gain before each segment, unbiased whatever the head predicts).",
+        default=1.0,
+    )
     normalization: str = _help(
-        "Advantage normalisation: auto (group_std for uniform, batch_std otherwise), batch_std, "
-        "whiten, group_std (suits uniform credit only) or none.",
+        "Advantage normalisation: auto (group_std for uniform, group_or_batch_std otherwise), "
+        "group_or_batch_std (the group's reward std, the batch's where a group's rewards agree), "
+        "batch_std, whiten, group_std (suits uniform credit only) or none.",
         default="auto",
     )
     # value head

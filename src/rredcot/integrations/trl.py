@@ -91,7 +91,7 @@ class RREDCoTGRPOConfig(GRPOConfig):
     ``normalization``, ``value_*``, ``handover``, ...), as a dict in Python or a JSON string on
     the command line, e.g. ``--credit '{"segmenter": "sentence", "lam": 0.5}'``. TRL's
     ``scale_rewards`` is not used: ``credit["normalization"]`` decides (``auto``: group std for
-    ``uniform``, as TRL does, batch std for the others).
+    ``uniform``, as TRL does, ``group_or_batch_std`` for the others).
     """
 
     credit_method: str = field(

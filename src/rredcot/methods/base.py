@@ -142,7 +142,9 @@ class CreditMethod:
     @property
     def normalization(self) -> str:
         mode = self.config.normalization
-        return ("group_std" if self.name == "uniform" else "batch_std") if mode == "auto" else mode
+        if mode != "auto":
+            return mode
+        return "group_std" if self.name == "uniform" else "group_or_batch_std"
 
     # -- what subclasses provide ------------------------------------------------------------
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,14 +27,25 @@ By default (``credit.value_anchor="group"``) the values are anchored on the grou
 the head only decides how it is spread over the trace's segments; its errors about how hard a
 prompt is (the same at every boundary) cancel.
 
-Reliability is the share of the outcome variance that ``V'(s_{n-1})`` explains on the fresh batch
-beyond the baseline that uniform credit already has (ḡ when anchored, the batch mean if not),
-``1 - mean((R - V'(s_{n-1}))^2) / mean((R - baseline)^2)``, clipped to [0, 1] and smoothed
-across steps. It asks what section 7 of DESIGN.md says goes wrong: a head that cannot see an
-error before the last segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary values
-against the group mean, reported as ``value/skill_vs_group_mean``, was never positive on the CPU
-testbed, even for a head that blamed the first wrong step in 80% of wrong traces: the group mean
-knows each prompt's realised success rate, which no prefix value can match at ``s_0``.)
+The hand-over weight tracks how far the head's prediction can be trusted on fresh traces, measured
+before it trains on them, against the baseline uniform credit already has (b = ḡ when anchored,
+the batch mean if not). By default (``credit.handover_score="slope"``) it is the least-squares
+weight ``w`` in ``R - b ≈ w (V'(s_{n-1}) - b)``, clipped to [0, 1] and smoothed across steps:
+``A = A_uniform + w (A_value - A_uniform)`` then shrinks the head's departures from uniform
+credit by exactly the factor that best predicts the outcomes, which is also the control-variate
+coefficient that minimises the variance of ``R - b - w d`` (``d = V'(s_{n-1}) - b``). With
+``lam = 1`` and anchoring this makes the credit GRPO's advantage minus ``w`` times the head's
+value gain before each segment: unbiased for any head, GRPO itself while ``w = 0``.
+``handover_score="explained_variance"`` uses ``1 - MSE(V'(s_{n-1}), R) / MSE(b, R)`` instead, which
+stays at 0 for a head that points the right way but over-shoots (on the CPU testbed: a blend of
+~0.05 after 60 steps where the slope gave ~0.45).
+
+Both ask what section 7 of DESIGN.md says goes wrong: a head that cannot see an error before the
+last segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary
+values against the group mean, reported as ``value/skill_vs_group_mean``, was never positive on
+the CPU testbed, even for a head that blamed the first wrong step in 80% of wrong traces: the
+group mean knows each prompt's realised success rate, which no prefix value can match at
+``s_0``; anchoring removes that comparison from the credit.)
 
 The pure tensor helpers (``gather_boundary_features``, ``td_lambda_targets``, ...) are public so
 that tests and benchmarks can check them against plain loops.
