@@ -754,3 +754,21 @@ def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arit
 def test_config_names_the_valid_choices(field, value, message):
     with pytest.raises(ValueError, match=message):
         CreditConfig(**{field: value})
+
+
+def test_defaults_are_grpo_until_the_head_earns_trust(tiny_policy, char_tokenizer, mixed_batch):
+    """With the default config a head whose hand-over weight is 0 gives GRPO's advantages, and a
+    trusted head keeps each trace's GRPO total at lam = 1 on its first segment."""
+    ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
+    method = build_credit("value_head", CreditConfig(), ctx)
+    torch.nn.init.normal_(method.head.fc2.weight, std=2.0)
+    grpo = credit.grpo_advantages(
+        mixed_batch.rewards, mixed_batch.group_ids, mixed_batch.response_mask
+    )
+    assert method.reliability == 0.0
+    torch.testing.assert_close(method.compute(mixed_batch).advantages, grpo)
+    method.reliability = 1.0
+    trusted = method.compute(mixed_batch)
+    assert not torch.allclose(trusted.advantages, grpo)
+    first = mixed_batch.segment_ids == 0
+    torch.testing.assert_close(trusted.advantages[first], grpo[first])
