@@ -375,6 +375,9 @@ def test_value_head_is_pretrained_on_warm_start_samples(init_dir, tmp_path):
     assert any(not torch.equal(head_before[k], after[k]) for k in head_before)
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "value/reliability" in rec and "credit/blend" in rec
+    # the pretraining samples are paid from the token budget, as generations of the method
+    assert rec["extra_tokens_generated"] > 0
+    assert rec["extra_tokens_generated"] + rec["tokens_generated"] > rec["rollout/tokens"]
 
 
 def test_value_pretrain_with_a_method_that_learns_nothing_is_an_error(init_dir, tmp_path):

@@ -130,7 +130,8 @@ class CreditConfig:
         "EMA decay of the TD target network (0: plain stop-gradient).", default=0.0
     )
     value_pretrain_steps: int = _help(
-        "Rollout batches the head is fitted on before RL starts (warm-start policy's samples).",
+        "Rollout batches the head is fitted on before RL starts (warm-start policy's samples; "
+        "their tokens count as the method's generated tokens against max_tokens_generated).",
         default=0,
     )
     # hand-over from uniform to value-based credit

@@ -448,7 +448,10 @@ class Trainer:
             # Negative "steps": a prompt and sampling stream disjoint from the RL steps'.
             problems = self.prompts_for_step(-i)[self.rank :: self.world]
             seed_everything(step_seed(cfg.seed, -i, salt=self.rank))
-            return self.rollout(problems)[0]
+            batch, stats = self.rollout(problems)
+            # Samples drawn for the credit method, not the policy: paid from the token budget.
+            self.extra_tokens_generated += int(stats["rollout/tokens"])
+            return batch
 
         stats = pretrain(sample_batch, cfg.credit.value_pretrain_steps)
         self.log(
