@@ -61,7 +61,7 @@ def main() -> None:
     parser.set_defaults(
         output_dir="runs/trl_gsm8k_value_head",
         credit_method="value_head",
-        credit='{"segmenter": "newline", "lam": 0.5, "normalization": "batch_std"}',
+        credit='{"segmenter": "newline"}',  # the other CreditConfig fields keep their defaults
         task="gsm8k",
         learning_rate=1e-6,
         per_device_train_batch_size=8,
