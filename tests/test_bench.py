@@ -103,6 +103,9 @@ def test_sign_agreement_counts_zero_predictions_half():
     truth = torch.tensor([1.0, 1.0, 1.0, 0.0])  # the last one is left out
     assert sign_agreement(pred, truth) == pytest.approx(1.5 / 3)
     assert math.isnan(sign_agreement(pred, torch.zeros(4)))
+    # a prediction within the tolerance of 0 counts one half, whatever its sign
+    tiny = torch.tensor([1e-12, -1e-12, 2.0])
+    assert sign_agreement(tiny, torch.tensor([1.0, 1.0, 1.0])) == pytest.approx(2.0 / 3)
 
 
 def test_per_trace_spearman_skips_constant_truth_and_scores_constant_credit_zero():

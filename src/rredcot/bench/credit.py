@@ -114,7 +114,7 @@ def sign_agreement(pred: torch.Tensor, truth: torch.Tensor, tol: float = 1e-9) -
     if not bool(keep.any()):
         return float("nan")
     p, t = pred[keep], truth[keep]
-    score = ((p * t) > 0).double() + 0.5 * (p.abs() <= tol).double()
+    score = torch.where(p.abs() <= tol, 0.5, ((p * t) > 0).double())
     return float(score.mean())
 
 
