@@ -533,6 +533,12 @@ def get_normalizer(name: str) -> Normalizer:
         raise ValueError(f"unknown advantage normalization {name!r}; valid: {valid}") from None
 
 
+def _divide(advantages: Tensor, response_mask: Tensor, std: Tensor, eps: float) -> Tensor:
+    """``advantages / (std + eps)`` on response tokens, 0 elsewhere (std: scalar or ``(B, 1)``)."""
+    mask = _as_bool(response_mask)
+    return torch.where(mask, advantages / (std + eps), torch.zeros_like(advantages))
+
+
 @register_normalizer("none")
 def _normalize_none(
     advantages: Tensor,
@@ -565,8 +571,7 @@ def _normalize_batch_std(
     (std 0) from multiplying value-based credit by ``1 / eps``: at most ``x 1/min_std``.
     """
     std = _batch_std(_as_float(rewards, like=advantages)).clamp_min(min_std)
-    mask = _as_bool(response_mask)
-    return torch.where(mask, advantages / (std + eps), torch.zeros_like(advantages))
+    return _divide(advantages, response_mask, std, eps)
 
 
 @register_normalizer("whiten")
@@ -608,8 +613,7 @@ def _normalize_group_std(
         raise ValueError("normalization 'group_std' needs group_ids (B,)")
     _, std = group_mean_std(_as_float(rewards, like=advantages), group_ids)
     std = std.clamp_min(min_std)
-    mask = _as_bool(response_mask)
-    return torch.where(mask, advantages / (std[:, None] + eps), torch.zeros_like(advantages))
+    return _divide(advantages, response_mask, std[:, None], eps)
 
 
 @register_normalizer("group_or_batch_std")
@@ -636,8 +640,7 @@ def _normalize_group_or_batch_std(
     _, std = group_mean_std(r, group_ids)
     fallback = _batch_std(r).clamp_min(min_std)
     std = torch.where(std < min_std, fallback, std)
-    mask = _as_bool(response_mask)
-    return torch.where(mask, advantages / (std[:, None] + eps), torch.zeros_like(advantages))
+    return _divide(advantages, response_mask, std[:, None], eps)
 
 
 def normalize_advantages(

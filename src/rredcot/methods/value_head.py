@@ -276,6 +276,21 @@ def monotone_fraction(values: Tensor, value_mask: Tensor, rewards: Tensor) -> fl
     return hits / total if total else float("nan")
 
 
+def _last_prefix_value(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(V(s_{n-1}), R, baseline)`` in float64 over the rows with at least one segment (the
+    baseline defaults to the batch mean of those R); None when no row has a segment."""
+    n = value_mask.bool().sum(dim=1) - 1
+    rows = n >= 1
+    if not bool(rows.any()):
+        return None
+    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).double()
+    r = rewards[rows].double().to(last.device)
+    base = r.mean() if baseline is None else baseline[rows].double().to(last.device)
+    return last, r, base
+
+
 def explained_variance(
     values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
 ) -> float:
@@ -288,13 +303,10 @@ def explained_variance(
         values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
         baseline: ``(B,)`` or None.
     """
-    n = value_mask.bool().sum(dim=1) - 1
-    rows = n >= 1
-    if not bool(rows.any()):
+    picked = _last_prefix_value(values, value_mask, rewards, baseline)
+    if picked is None:
         return float("nan")
-    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).float()
-    r = rewards[rows].float().to(last.device)
-    base = r.mean() if baseline is None else baseline[rows].float().to(last.device)
+    last, r, base = picked
     var = ((r - base) ** 2).mean()
     if float(var) < 1e-8:
         return float("nan")
@@ -316,13 +328,10 @@ def prediction_slope(
         values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
         baseline: ``(B,)`` or None.
     """
-    n = value_mask.bool().sum(dim=1) - 1
-    rows = n >= 1
-    if not bool(rows.any()):
+    picked = _last_prefix_value(values, value_mask, rewards, baseline)
+    if picked is None:
         return float("nan")
-    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).double()
-    r = rewards[rows].double().to(last.device)
-    base = r.mean() if baseline is None else baseline[rows].double().to(last.device)
+    last, r, base = picked
     d, e = last - base, r - base
     dd = float((d * d).sum())
     if dd < 1e-12:
