@@ -38,7 +38,7 @@ coefficient that minimises the variance of ``R - b - w d`` (``d = V'(s_{n-1}) - 
 value gain before each segment: unbiased for any head, GRPO itself while ``w = 0``.
 ``handover_score="explained_variance"`` uses ``1 - MSE(V'(s_{n-1}), R) / MSE(b, R)`` instead, which
 stays at 0 for a head that points the right way but over-shoots (on the CPU testbed: a blend of
-~0.05 after 60 steps where the slope gave ~0.45).
+~0.06 after 60 steps where the slope gave 0.43-0.54; benchmarks/results/learn_pilots).
 
 Both ask what section 7 of DESIGN.md says goes wrong: a head that cannot see an error before the
 last segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary
@@ -492,12 +492,17 @@ class ValueHeadCredit(CreditMethod):
             return values
         return credit.anchor_values(values, mask, group_mean.to(values.device))
 
+    def _raw_and_anchored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """``(head values, the values credit uses, mask)``, all ``(B, S+1)``."""
+        raw, mask = self.head_values(batch)
+        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        return raw, self._anchor(raw, mask, group_mean), mask
+
     def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """The values credit uses: :meth:`head_values`, anchored on the group mean reward
         (``credit.value_anchor``)."""
-        values, mask = self.head_values(batch)
-        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
-        return self._anchor(values, mask, group_mean), mask
+        _, values, mask = self._raw_and_anchored(batch)
+        return values, mask
 
     # -- credit ---------------------------------------------------------------------------------
     @property
@@ -506,10 +511,8 @@ class ValueHeadCredit(CreditMethod):
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        raw, mask = self.head_values(batch)
+        raw, values, mask = self._raw_and_anchored(batch)
         rewards = batch.rewards.to(raw.device)
-        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
-        values = self._anchor(raw, mask, group_mean)
         out = self._from_values(batch, values, mask)  # pure value credit
         w = self.blend
         if w < 1.0:
@@ -583,9 +586,9 @@ class ValueHeadCredit(CreditMethod):
         return bool((entry["mask"].sum(dim=1) > 1).any())
 
     def _measure_reliability(self, entry: dict[str, Tensor], batch: RolloutBatch) -> dict:
-        """Score the head on the fresh batch (before it trains on it) and fold the explained
-        variance beyond uniform credit's baseline, clipped to [0, 1], into the reliability EMA.
-        Undefined scores (every outcome equal to its baseline) leave the EMA as it is."""
+        """Score the head on the fresh batch (before it trains on it) against uniform credit's
+        baseline and fold the ``handover_score`` (slope or explained variance), clipped to [0, 1],
+        into the reliability EMA. Undefined scores leave the EMA as it is."""
         live = batch.response_mask.sum(-1) > 0
         group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
         group_mean = group_mean[live].to(self.device, torch.float32)
