@@ -205,6 +205,10 @@ class ArithmeticTask(Task):
         u = _mix("split", self.params.seed, prompt) / 2.0**64
         return u < self.params.eval_fraction
 
+    def suggested_max_new_tokens(self) -> int:
+        """Character tokens: a step line is at most ``len("99*99=99\n")``; 64 at 4 steps or fewer."""
+        return max(64, 10 * self.params.num_steps + 16)
+
     def _problem(self, operands: list[int], ops: list[str], split: str) -> Problem:
         results = chain_results(operands, ops)
         return Problem(

@@ -118,6 +118,14 @@ class Task:
         """The text that, appended after a prefix, states `answer` as the final answer."""
         return f"{self.answer_cue}{answer}"
 
+    def suggested_max_new_tokens(self) -> int | None:
+        """A completion length that fits a gold trace with room to spare (`None`: no opinion).
+
+        Benchmarks and the warm-start use it when the user sets no length, so that long tasks
+        (12-step chains) are not truncated by a default sized for short ones.
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.params})"
 
