@@ -57,9 +57,19 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     num_generations: int = _help("Completions sampled per prompt (the group size G).", default=8)
-    temperature: float = _help("Sampling temperature.", default=1.0)
+    temperature: float = _help(
+        "Sampling temperature. The old log-probs, the loss and the KL reference score the "
+        "completions at this temperature too (logits / T), so the update stays on-policy.",
+        default=1.0,
+    )
     top_p: float = _help("Nucleus sampling threshold.", default=1.0)
     max_new_tokens: int = _help("Longest completion; longer ones are truncated.", default=64)
+    use_model_generation_config: bool = _help(
+        "Also apply the model's own generation_config (repetition penalty, top-k, min-p, ...). "
+        "Off by default: those settings change the sampling distribution away from the one the "
+        "loss scores (plain temperature / top-p), making the update silently off-policy.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -225,8 +235,16 @@ class TrainConfig:
     lr_schedule: str = _help("constant, linear or cosine (after warm-up).", default="constant")
     warmup_steps: int = _help("Linear LR warm-up steps.", default=0)
     weight_decay: float = _help("AdamW weight decay.", default=0.0)
-    epochs_per_batch: int = _help("Optimisation passes over each rollout batch.", default=1)
-    minibatches: int = _help("Minibatches per pass (one optimiser step each).", default=1)
+    epochs_per_batch: int = _help(
+        "Optimisation passes over each rollout batch. With 1 epoch and 1 minibatch (the "
+        "defaults) the update is on-policy: the PPO ratio is exactly 1 and clipping never acts.",
+        default=1,
+    )
+    minibatches: int = _help(
+        "Minibatches per pass (one optimiser step each); more than 1 makes later minibatches "
+        "off-policy, where the PPO clip acts.",
+        default=1,
+    )
     grad_accumulation: int = _help("Micro-batches accumulated into each minibatch.", default=1)
     max_grad_norm: float = _help("Gradient clipping norm (0: off).", default=1.0)
     clip_eps_low: float = _help("PPO ratio clip below 1.", default=0.2)

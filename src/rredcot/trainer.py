@@ -33,6 +33,7 @@ from rredcot.rollout import (
     policy_forward,
     prompt_special_tokens,
     render_prompt,
+    train_mode_without_dropout,
 )
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
@@ -88,6 +89,7 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped  # the clipped branch won: this token's gradient is cut
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
         delta = ref_logprobs - logprobs
@@ -106,7 +108,7 @@ def policy_loss(
     with torch.no_grad():
         n = mask.sum().clamp_min(1.0)
         stats = {
-            "clip_fraction": float(((per_token != unclipped).float() * mask).sum() / n),
+            "clip_fraction": float((was_clipped.float() * mask).sum() / n),
             "kl": float((kl * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
         }
@@ -296,6 +298,7 @@ class Trainer:
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
+            use_model_generation_config=s.use_model_generation_config,
         )
         if forward:
             self._fill_forward(batch)
@@ -303,7 +306,9 @@ class Trainer:
 
     def _fill_forward(self, batch: RolloutBatch) -> None:
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        fill_forward(self.policy, batch, hidden_layers=layers)
+        fill_forward(
+            self.policy, batch, hidden_layers=layers, temperature=self.cfg.sampling.temperature
+        )
 
     # -- one RL step ------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -312,13 +317,22 @@ class Trainer:
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         seed_everything(step_seed(cfg.seed, step, salt=self.rank))
         batch, stats = self.rollout(problems, forward=False)
+        if batch.size == 0:
+            raise RuntimeError(
+                f"step {step}: the verifier rejected every sample (errors or non-finite rewards); "
+                "fix the task's verify() so that it returns a finite reward for model output"
+            )
         t_rollout = time.perf_counter()
         self._fill_forward(batch)
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs = policy_forward(
-                    self.reference, batch.input_ids, batch.attention_mask, batch.prompt_len
+                    self.reference,
+                    batch.input_ids,
+                    batch.attention_mask,
+                    batch.prompt_len,
+                    temperature=cfg.sampling.temperature,
                 ).logprobs
         t_old = time.perf_counter()
         credit_out = self.method.compute(batch)
@@ -368,7 +382,7 @@ class Trainer:
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs
     ) -> dict[str, float]:
         cfg = self.cfg
-        self.model.train()
+        train_mode_without_dropout(self.model)
         B = batch.size
         T_max = cfg.sampling.max_new_tokens
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -392,6 +406,7 @@ class Trainer:
                             batch.attention_mask[micro],
                             batch.prompt_len,
                             with_entropy=True,
+                            temperature=cfg.sampling.temperature,
                         )
                         rmask = batch.response_mask[micro]
                         loss, st = policy_loss(

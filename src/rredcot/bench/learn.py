@@ -142,7 +142,11 @@ def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.
         idx = torch.tensor(rows, device=batch.input_ids.device)
         mask = batch.response_mask[idx]
         fwd = policy_forward(
-            trainer.policy, batch.input_ids[idx], batch.attention_mask[idx], batch.prompt_len
+            trainer.policy,
+            batch.input_ids[idx],
+            batch.attention_mask[idx],
+            batch.prompt_len,
+            temperature=cfg.sampling.temperature,
         )
         loss, _ = policy_loss(
             fwd.logprobs,
