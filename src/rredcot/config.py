@@ -63,7 +63,11 @@ class SamplingConfig:
         default=1.0,
     )
     top_p: float = _help("Nucleus sampling threshold.", default=1.0)
-    max_new_tokens: int = _help("Longest completion; longer ones are truncated.", default=64)
+    max_new_tokens: int = _help(
+        "Longest completion; longer ones are truncated. 0: the task's suggestion (room for a "
+        "gold trace: 64 for 4-step arithmetic, 136 for 12 steps), else 64.",
+        default=0,
+    )
     use_model_generation_config: bool = _help(
         "Also apply the model's own generation_config (repetition penalty, top-k, min-p, ...). "
         "Off by default: those settings change the sampling distribution away from the one the "
@@ -78,8 +82,8 @@ class SamplingConfig:
             raise ValueError("sampling.temperature must be > 0 (sampling is required for RL)")
         if not 0 < self.top_p <= 1:
             raise ValueError("sampling.top_p must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError("sampling.max_new_tokens must be >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError("sampling.max_new_tokens must be >= 1 (0: the task's suggestion)")
 
 
 @dataclass

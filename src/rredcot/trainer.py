@@ -53,6 +53,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def resolve_max_new_tokens(cfg: TrainConfig, task) -> None:
+    """Fill ``sampling.max_new_tokens = 0`` (auto) from the task's suggestion, in place."""
+    if cfg.sampling.max_new_tokens == 0:
+        cfg.sampling.max_new_tokens = task.suggested_max_new_tokens() or DEFAULT_MAX_NEW_TOKENS
+
+
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     """A seed for one step's randomness, so that a resumed run samples what the original did."""
     return (seed * 1_000_003 + step * 9_973 + salt) % 2**31
@@ -152,6 +161,7 @@ class Trainer:
         seed_everything(cfg.seed)
 
         self.task = get_task(cfg.task, **cfg.task_args)
+        resolve_max_new_tokens(cfg, self.task)
         self.policy, self.tokenizer = self._load_policy()
         if not cfg.threads and self.device.type == "cpu" and _num_params(self.policy) < 20_000_000:
             torch.set_num_threads(1)  # tiny models: more threads only add contention

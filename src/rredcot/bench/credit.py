@@ -68,30 +68,14 @@ from rredcot.methods.base import RolloutBatch
 # statistics
 
 
-def rankdata(x: torch.Tensor) -> torch.Tensor:
-    """1-based ranks of a 1-D tensor; tied entries share the average of their ranks.
-
-    ``rankdata([10, 20, 20, 30]) = [1, 2.5, 2.5, 4]``.
-    """
-    x = x.detach().flatten().double().cpu()
-    n = x.numel()
-    if n == 0:
-        return torch.zeros(0, dtype=torch.float64)
-    order = torch.argsort(x, stable=True)
-    _, counts = torch.unique_consecutive(x[order], return_counts=True)
-    ends = counts.cumsum(0).double()  # rank of the last member of each tie group
-    avg = ends - (counts.double() - 1) / 2  # average rank of each tie group
-    ranks = torch.empty(n, dtype=torch.float64)
-    ranks[order] = torch.repeat_interleave(avg, counts)
-    return ranks
-
-
 def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> float:
-    """Spearman rank correlation: Pearson's r of the average ranks (ties handled).
+    """Spearman rank correlation (``scipy.stats.spearmanr``: average ranks for ties).
 
     ``decimals`` rounds both inputs first so that float noise (``0.1 + 0.2`` vs ``0.3``) ties.
     NaN when fewer than two entries or either side is constant.
     """
+    from scipy.stats import spearmanr
+
     x = x.detach().flatten().double().cpu()
     y = y.detach().flatten().double().cpu()
     if x.numel() != y.numel():
@@ -100,10 +84,9 @@ def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> floa
         return float("nan")
     if decimals is not None:
         x, y = torch.round(x, decimals=decimals), torch.round(y, decimals=decimals)
-    rx, ry = rankdata(x), rankdata(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denom = math.sqrt(float((rx * rx).sum()) * float((ry * ry).sum()))
-    return float((rx * ry).sum()) / denom if denom > 0 else float("nan")
+    if bool((x == x[0]).all()) or bool((y == y[0]).all()):
+        return float("nan")
+    return float(spearmanr(x.numpy(), y.numpy()).statistic)
 
 
 def sign_agreement(pred: torch.Tensor, truth: torch.Tensor, tol: float = 1e-9) -> float:
@@ -532,7 +515,9 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         raise FileNotFoundError(f"--run {cfg.run!r}: no config.yaml there; is it a run directory?")
     if cfg.max_new_tokens is None:
         own = run_credit_config(resolved.run_dir)
-        cfg.max_new_tokens = own[2].max_new_tokens if own else 64
+        cfg.max_new_tokens = (own[2].max_new_tokens if own else 0) or (
+            task.suggested_max_new_tokens() or 64
+        )
     device = resolve_device(cfg.device)
     policy, tokenizer = load_policy(str(resolved.policy_dir))
     policy.to(device).eval()
