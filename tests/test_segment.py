@@ -265,8 +265,9 @@ GSM8K = "Janet sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18.\n#### 18"
         "A: 18",
         "Answer: 18",
         "**Final answer:** 18",
-        "The answer is 18.",
+        "<answer>18</answer>",
         "So $\\boxed{18}$",
+        "The final answer is \\boxed{18}.",
     ],
 )
 def test_answer_line_merged_by_default_separate_on_request(answer):
@@ -280,11 +281,11 @@ def test_answer_line_merged_by_default_separate_on_request(answer):
 
 
 def test_answer_inside_the_last_line_uses_the_strategy_cut():
-    text = "We get 18. So the answer is 18."
+    text = "We get 18. So the answer is $\\boxed{18}$."
     assert spans_text(text, split_text(text, "sentence")) == [text]
     assert spans_text(text, split_text(text, "sentence", separate_answer=True)) == [
         "We get 18. ",
-        "So the answer is 18.",
+        "So the answer is $\\boxed{18}$.",
     ]
     # paragraph: the answer is carved out of the last paragraph only when asked
     para = "p1\n\nline a\n#### 5"
@@ -294,6 +295,53 @@ def test_answer_inside_the_last_line_uses_the_strategy_cut():
         "line a\n",
         "#### 5",
     ]
+
+
+# Held-out style traces: merging touches only the task's own answer line.
+
+
+def test_numbers_with_separators_do_not_block_a_sentence_split():
+    text = "The answer is 1,234.56 dollars in total. We are done with this problem."
+    assert spans_text(text, split_text(text, "sentence")) == [
+        "The answer is 1,234.56 dollars in total. ",
+        "We are done with this problem.",
+    ]
+    money = "It costs $1,234.56. Then half of it is 617.28! So 3,000.5 is left over."
+    assert spans_text(money, split_text(money, "sentence")) == [
+        "It costs $1,234.56. ",
+        "Then half of it is 617.28! ",
+        "So 3,000.5 is left over.",
+    ]
+
+
+def test_a_step_that_mentions_the_answer_is_not_an_answer_line():
+    steps = (
+        "Step 1: add 2 and 3 to get 5.\n"
+        "Step 2: multiply by 4 to get 20.\n"
+        "Step 3: so the answer is 20.\n"
+    )
+    assert spans_text(steps, split_text(steps, "step")) == steps.splitlines(keepends=True)
+    assert Segmenter("step").find_answer(steps) is None
+    prose = "We add 2 and 3 to get 5. Then we multiply by 4. So the answer is 20."
+    assert spans_text(prose, split_text(prose, "keywords")) == [
+        "We add 2 and 3 to get 5. Then we multiply by 4. ",
+        "So the answer is 20.",
+    ]
+    # the arithmetic cue is case-sensitive: "a:" opens prose, not an answer
+    assert len(split_text("x = 1\na: fine", "newline")) == 2
+
+
+def test_task_answer_lines_still_merge(arithmetic_task):
+    problem = arithmetic_task.eval_problems(1, seed=0)[0]
+    gold = arithmetic_task.gold_completion(problem)  # "8-1=7\n7*8=56\n56-8=48\nA:48"
+    lines = gold.splitlines(keepends=True)
+    assert lines[-1].startswith("A:")
+    assert spans_text(gold, split_text(gold, "newline")) == [*lines[:-2], lines[-2] + lines[-1]]
+    assert Segmenter("newline").find_answer(gold) == len(gold) - len(lines[-1])
+    assert split_text(gold, "newline", separate_answer=True)[-1] == (len(gold) - 4, len(gold))
+    # an empty pattern finds no answer line: the strategy's cuts are kept as they are
+    assert Segmenter("newline", answer_pattern="").find_answer(gold) is None
+    assert spans_text(gold, split_text(gold, "newline", answer_pattern="")) == lines
 
 
 def test_answer_options_without_an_answer_line():
@@ -729,3 +777,26 @@ def test_cli_segment_tokens_and_errors(tmp_path, capsys, seg_bpe):
     assert run_segment(_cli_args([str(tmp_path / "missing.txt")])) == 2
     assert "missing.txt" in capsys.readouterr().err
     assert _cli_args([]).answer_pattern == DEFAULT_ANSWER_PATTERN
+
+
+def test_cli_segment_says_whether_it_merged_the_answer(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text(GSM8K, encoding="utf-8")
+    assert run_segment(_cli_args([str(trace)])) == 0
+    out, err = capsys.readouterr()
+    records = _records(out)
+    assert [r["text"] for r in records] == [
+        "Janet sells 16 - 3 - 4 = 9 eggs.\n",
+        "She makes 9 * 2 = $18.\n#### 18",
+    ]
+    assert all(set(r) == {"index", "start", "end", "text"} for r in records)  # stable format
+    assert "final answer line (from character 56) merged into segment 1" in err
+    assert "--no-merge-answer" in err
+    assert run_segment(_cli_args(["--no-merge-answer", str(trace)])) == 0
+    out, err = capsys.readouterr()
+    assert [r["text"] for r in _records(out)][-1] == "#### 18"
+    assert "is segment 2, not merged" in err
+    trace.write_text("Step 1: 2 + 3 = 5.\nStep 2: the answer is 5.\n", encoding="utf-8")
+    assert run_segment(_cli_args(["--strategy", "step", str(trace)])) == 0
+    out, err = capsys.readouterr()
+    assert len(_records(out)) == 2 and "no final answer line found" in err
