@@ -25,6 +25,7 @@ from rredcot.cli_segment import add_segment_parser, run_segment
 from rredcot.segment import (
     DEFAULT_ANSWER_PATTERN,
     Segmenter,
+    cut_entropies,
     decode_with_offsets,
     get_segmenter,
     list_segmenters,
@@ -32,6 +33,7 @@ from rredcot.segment import (
     spans_to_boundaries,
     split_text,
     token_offsets,
+    token_positions,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -691,6 +693,195 @@ def test_property_byte_level_bpe_boundaries(seg_bpe, text, strategy, options):
     spans = segmenter.split(text, offsets)
     _check_spans(text, spans, strategy, options)
     _check_boundaries(text, spans, offsets, segmenter.boundaries(text, offsets))
+
+
+# --------------------------------------------------------------------------------------------
+# Entropy strategies
+# --------------------------------------------------------------------------------------------
+
+
+def _char_offsets(text):
+    return [(i, i + 1) for i in range(len(text))]
+
+
+def _entropy_split(text, strategy, entropies, **options):
+    spans = split_text(text, strategy, offsets=_char_offsets(text), entropies=entropies, **options)
+    return spans_text(text, spans)
+
+
+def test_entropy_cuts_at_the_peaks_with_min_and_max_lengths():
+    text = "aaaa bbbb cccc dddd"
+    h = [0.0] * len(text)
+    h[5], h[7], h[10], h[15] = 2.0, 1.9, 1.5, 3.0
+    # peaks >= 1.0, highest first; 7 is dropped: 2 tokens after the cut at 5 < min=4
+    assert _entropy_split(text, "entropy:threshold=1.0,min=4", h) == [
+        "aaaa ",
+        "bbbb ",
+        "cccc ",
+        "dddd",
+    ]
+    # the top 10% of 19 tokens: the 2 highest entropies (the default)
+    expected = ["aaaa ", "bbbb cccc ", "dddd"]
+    assert _entropy_split(text, "entropy", h) == expected
+    assert _entropy_split(text, "entropy:threshold=1.95", h) == expected
+    assert _entropy_split(text, "entropy:top=0.2,min=2", h) == [
+        "aaaa ",
+        "bb",
+        "bb ",
+        "cccc ",
+        "dddd",
+    ]
+    # no peak reaches 9 nats: max=8 cuts each longer part at its highest entropy (15, 5, 7)
+    assert _entropy_split(text, "entropy:threshold=9,min=2,max=8", h) == [
+        "aaaa ",
+        "bb",
+        "bb cccc ",
+        "dddd",
+    ]
+    assert Segmenter("entropy").boundaries(text, _char_offsets(text), h) == [0, 5, 15, 19]
+
+
+def test_entropy_at_whitespace_opens_the_next_word():
+    text = "aaaa bbbb cccc dddd"
+    h = [0.0] * len(text)
+    h[4] = 5.0  # the space before "bbbb": whitespace stays with the segment before
+    assert _entropy_split(text, "entropy:top=0.05", h) == ["aaaa ", "bbbb cccc dddd"]
+    at_cut = cut_entropies(text, _char_offsets(text), h)
+    assert at_cut[:7] == [None, 0.0, 0.0, 0.0, None, 5.0, 0.0]
+
+
+def test_entropy_on_byte_level_bpe_snaps_to_characters_and_words(seg_bpe):
+    text = "We get 5.\nThen 日本 is next."
+    ids = seg_bpe.encode(text)
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    assert decoded == text
+    positions = token_positions(offsets, text)
+    kanji = text.index("日")
+    pieces = [i for i, p in enumerate(positions) if p == kanji]
+    assert len(pieces) >= 2  # "日" is split into byte pieces by this small BPE
+    newline = next(i for i, (s, e) in enumerate(offsets) if text[s:e] == "\n")
+    segmenter = Segmenter("entropy:top=0.01,min=1")
+    # a peak on a later piece of "日" cuts before the character, not inside it
+    h = [0.0] * len(ids)
+    h[pieces[-1]] = 4.0
+    assert segmenter.split(text, offsets, h) == [(0, kanji), (kanji, len(text))]
+    assert segmenter.boundaries(text, offsets, h) == [0, pieces[0], len(ids)]
+    assert cut_entropies(text, offsets, h)[pieces[0]] == 4.0
+    # a peak on the newline token opens the next line
+    h = [0.0] * len(ids)
+    h[newline] = 4.0
+    then = text.index("Then")
+    assert segmenter.split(text, offsets, h) == [(0, then), (then, len(text))]
+    assert seg_bpe.decode(ids[: segmenter.boundaries(text, offsets, h)[1]]) == "We get 5.\n"
+
+
+def test_keywords_entropy_cuts_long_stretches_at_their_peaks():
+    text = "aaaa bbbb cccc dddd eeee. So ffff. Wait, g."
+    h = [0.0] * len(text)
+    h[text.index("cccc")] = 3.0
+    h[text.index("ffff")] = 5.0  # inside a stretch of 9 tokens, not longer than max: kept whole
+    assert _entropy_split(text, "keywords", h) == [
+        "aaaa bbbb cccc dddd eeee. ",
+        "So ffff. ",
+        "Wait, g.",
+    ]
+    # the 26-token stretch before "So": its peak (cccc), then [10, 26) down to 12 tokens at its
+    # highest (all equal: the earliest that leaves 4 tokens on each side, dddd)
+    assert _entropy_split(text, "keywords+entropy:threshold=1,min=4,max=12", h) == [
+        "aaaa bbbb ",
+        "cccc ",
+        "dddd eeee. ",
+        "So ffff. ",
+        "Wait, g.",
+    ]
+    assert _entropy_split(text, "keywords+entropy:words=wait,threshold=1,max=40", h) == [
+        "aaaa bbbb cccc dddd eeee. So ffff. ",
+        "Wait, g.",
+    ]
+
+
+def test_entropy_strategies_keep_the_answer_line_merged():
+    text = "x = 12 + 30 = 42\n#### 42"
+    h = [0.0] * len(text)
+    h[text.index("##")] = h[text.index("42", 20)] = 9.0
+    assert _entropy_split(text, "entropy:threshold=1,min=1", h) == [text]
+    assert _entropy_split(text, "entropy:threshold=1,min=1", h, separate_answer=True) == [
+        "x = 12 + 30 = 42\n",
+        "#### 42",
+    ]
+
+
+def test_entropy_strategies_need_entropies_and_check_them():
+    text = "abcd efgh"
+    offsets = _char_offsets(text)
+    segmenter = Segmenter("entropy")
+    assert segmenter.uses_entropy and segmenter.uses_tokens
+    assert not Segmenter("tokens:2").uses_entropy
+    with pytest.raises(ValueError, match="pass token offsets and entropies"):
+        segmenter.boundaries(text, offsets)
+    with pytest.raises(ValueError, match="pass token offsets and entropies"):
+        split_text(text, "keywords+entropy")
+    with pytest.raises(ValueError, match="entropies has 3 values but there are 9 tokens"):
+        segmenter.boundaries(text, offsets, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"entropies\[2\] is nan"):
+        segmenter.boundaries(text, offsets, [0.0, 0.0, float("nan")] + [0.0] * 6)
+    with pytest.raises(ValueError, match="1-D sequence of floats"):
+        segmenter.boundaries(text, offsets, [[0.0]] * 9)
+    # a tensor (what the scoring pass returns) is accepted; text strategies ignore entropies
+    h = torch.tensor([0.0] * 5 + [2.0] + [0.0] * 3)
+    assert segmenter.boundaries(text, offsets, h) == [0, 5, 9]
+    assert Segmenter("newline").boundaries(text, offsets, h) == [0, 9]
+    assert segmenter.split("", [], []) == []
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        ("entropy:top=0", r"top must be a fraction in \(0, 1\]"),
+        ("entropy:top=1.5", r"top must be a fraction"),
+        ("entropy:top=0.1,threshold=2", "not both"),
+        ("entropy:threshold=x", "threshold must be a float"),
+        ("entropy:min=0", "min must be >= 1"),
+        ("entropy:min=4,max=6", "max=6 must be at least 2\\*min-1 = 7"),
+        ("entropy:words=So", "bad option 'words=So'"),
+        ("entropy:top", "bad option 'top'"),
+        ("entropy:top=0.1,top=0.2", "each KEY at most once"),
+        ("keywords+entropy:max=none", "max must be a number of tokens"),
+        ("keywords+entropy:words=So||Wait", "non-empty words"),
+    ],
+)
+def test_entropy_options_are_checked(strategy, message):
+    with pytest.raises(ValueError, match=message):
+        get_segmenter(strategy)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.text(alphabet="ab \n.", max_size=40),
+    seed=st.integers(0, 10_000),
+    strategy=st.sampled_from(["entropy:top=0.3,min=3,max=8", "keywords+entropy:min=2,max=6"]),
+)
+def test_property_entropy_segments_respect_min_and_max(seg_bpe, text, seed, strategy):
+    import random
+
+    ids = seg_bpe.encode(text) + [seg_bpe.eos_token_id]
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    rng = random.Random(seed)
+    h = [rng.choice([0.0, 0.5, 1.0, 2.0]) for _ in ids]
+    segmenter = Segmenter(strategy, answer_pattern="")
+    spans = segmenter.split(decoded, offsets, h)
+    _check_spans(decoded, spans, "keywords", {"max_segments": None, "min_chars": 0})
+    bounds = segmenter.boundaries(decoded, offsets, h)
+    _check_boundaries(decoded, spans, offsets, bounds)
+    at_cut = cut_entropies(decoded, offsets, h)
+    arg = segmenter._arg
+    for a, b in zip(bounds, bounds[1:]):
+        # a segment longer than max has no possible cut that leaves min tokens on both sides
+        if b - a > arg.max_tokens:
+            inner = range(a + arg.min_tokens, b - arg.min_tokens + 1)
+            assert all(at_cut[i] is None for i in inner)
+    if strategy.startswith("entropy") and len(bounds) > 2:  # only entropy cuts: min holds
+        assert all(b - a >= arg.min_tokens for a, b in zip(bounds, bounds[1:]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -424,8 +424,8 @@ def _entropy_cuts(
     A cut at token ``i >= 1`` goes before the first piece of its character (byte-level pieces
     share a position) and past whitespace (a whitespace-only token's cut opens the next word), so
     it lands at character ``char``, before token ``b`` (the first token at or after ``char``).
-    Where several tokens land on one cut it keeps the highest entropy. No cut lands on token 0
-    or at the end of the text.
+    Where several tokens land on one cut it keeps the highest entropy. A cut needs content
+    before it and after it: none lands in leading whitespace or at the end of the text.
     """
     length = len(text)
     content = [length] * (length + 1)  # content[c]: the first non-whitespace index >= c
@@ -435,7 +435,7 @@ def _entropy_cuts(
     for i in range(1, len(positions)):
         char = content[positions[i]]
         b = bisect_left(positions, char)
-        if char < length and b > 0 and (b not in cuts or entropies[i] > cuts[b][0]):
+        if content[0] < char < length and (b not in cuts or entropies[i] > cuts[b][0]):
             cuts[b] = (entropies[i], char)
     return cuts
 
@@ -457,8 +457,9 @@ def _entropy_stretch(
 
     First the peaks: cuts at entropy >= ``threshold``, highest first (ties: the earlier), each
     kept when it leaves at least ``min_tokens`` to ``lo``, ``hi`` and every peak already kept.
-    Then, with ``max_tokens``, each part still longer is cut at its highest entropy (keeping both
-    sides at least ``min_tokens`` where it can) until none is longer or no cut is left in it.
+    Then, with ``max_tokens``, each part still longer is cut at its highest entropy among the cuts
+    that leave at least ``min_tokens`` on both sides, until none is longer or has such a cut
+    (``min_tokens`` wins where the two conflict).
     """
     inside = sorted(b for b in cuts if lo < b < hi)
     chosen: list[int] = []  # sorted
@@ -477,10 +478,12 @@ def _entropy_stretch(
     while parts:
         a, z = parts.pop()
         options = inside[bisect_right(inside, a) : bisect_left(inside, z)]
-        if z - a <= arg.max_tokens or not options:
+        if z - a <= arg.max_tokens:
             continue
         roomy = [b for b in options if min(b - a, z - b) >= arg.min_tokens]
-        b = max(roomy or options, key=lambda b: (cuts[b][0], -b))
+        if not roomy:
+            continue
+        b = max(roomy, key=lambda b: (cuts[b][0], -b))
         chosen.append(b)
         parts += [(a, b), (b, z)]
     return chosen
