@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -991,3 +992,102 @@ def test_cli_segment_says_whether_it_merged_the_answer(tmp_path, capsys):
     assert run_segment(_cli_args(["--strategy", "step", str(trace)])) == 0
     out, err = capsys.readouterr()
     assert len(_records(out)) == 2 and "no final answer line found" in err
+
+
+def _save_tiny_llama(tokenizer, path):
+    from rredcot.models import build_tiny_llama
+
+    model = build_tiny_llama(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def _entropies_by_hand(model, context_ids, ids):
+    """Entropy of each token's distribution, from the logits of one plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context_ids + ids])).logits[0, len(context_ids) - 1 : -1]
+    return torch.distributions.Categorical(logits=logits.float()).entropy().tolist()
+
+
+def test_cli_segment_entropy_with_a_tiny_llama(tmp_path, capsys, char_tokenizer, arithmetic_task):
+    model = _save_tiny_llama(char_tokenizer, tmp_path / "policy")
+    problem = arithmetic_task.eval_problems(1, seed=0)[0]
+    gold = arithmetic_task.gold_completion(problem)  # "8-1=7\n7*8=56\n56-8=48\nA:48"
+    trace = tmp_path / "trace.txt"
+    trace.write_text(gold, encoding="utf-8")
+    strategy = "entropy:top=0.2,min=3"
+    argv = ["--strategy", strategy, "--checkpoint", str(tmp_path / "policy")]
+    assert run_segment(_cli_args([*argv, "--prompt", problem.prompt, str(trace)])) == 0
+    out, err = capsys.readouterr()
+    records = _records(out)
+
+    context = char_tokenizer(problem.prompt)["input_ids"]  # <bos> + prompt characters
+    assert context[0] == char_tokenizer.bos_token_id
+    ids = char_tokenizer(gold, add_special_tokens=False)["input_ids"]
+    h = _entropies_by_hand(model, context, ids)
+    offsets = _char_offsets(gold)
+    assert [(r["start"], r["end"]) for r in records] == Segmenter(strategy).split(gold, offsets, h)
+    assert "".join(r["text"] for r in records) == gold and len(records) > 1
+    assert [r["tokens"] for r in records] == [[r["start"], r["end"]] for r in records]
+    threshold = sorted(h, reverse=True)[math.ceil(0.2 * len(h)) - 1]
+    at_cut = cut_entropies(gold, offsets, h)
+    assert records[0]["entropy"] is None
+    for r in records[1:]:  # every cut is at one of the top 20% entropies
+        assert r["entropy"] == pytest.approx(at_cut[r["start"]], abs=1e-5)
+        assert r["entropy"] >= threshold - 1e-5
+    assert "merged into segment" in err  # the A: line went with the last step
+    # without a prompt the trace is scored after <bos> alone
+    assert run_segment(_cli_args([*argv, str(trace)])) == 0
+    records = _records(capsys.readouterr().out)
+    h = _entropies_by_hand(model, [char_tokenizer.bos_token_id], ids)
+    assert [(r["start"], r["end"]) for r in records] == Segmenter(strategy).split(gold, offsets, h)
+
+
+def test_cli_segment_keywords_entropy_on_byte_level_bpe(tmp_path, capsys, seg_bpe):
+    eos = seg_bpe.eos_token  # GPT-2 style: one <|endoftext|> for bos, eos and pad, no bos added
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=seg_bpe.backend_tokenizer, bos_token=eos, eos_token=eos, pad_token=eos
+    )
+    model = _save_tiny_llama(tokenizer, tmp_path / "policy")
+    text = (
+        "She sells 16 - 3 - 4 = 9 eggs a day at the farmers' market for $2 each, so she "
+        "makes 9 * 2 = $18 every day. Wait, that is per day.\n#### 18"
+    )
+    trace = tmp_path / "trace.txt"
+    trace.write_text(text, encoding="utf-8")
+    strategy = "keywords+entropy:threshold=0,min=3,max=12"  # every token is a peak
+    argv = ["--strategy", strategy, "--checkpoint", str(tmp_path / "policy"), str(trace)]
+    assert run_segment(_cli_args(argv)) == 0
+    out, err = capsys.readouterr()
+    records = _records(out)
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    h = _entropies_by_hand(model, [tokenizer.bos_token_id], ids)  # empty prompt: after bos
+    segmenter = Segmenter(strategy)
+    spans = segmenter.split(text, offsets, h)
+    assert [(r["start"], r["end"]) for r in records] == spans
+    assert "".join(r["text"] for r in records) == text
+    bounds = segmenter.boundaries(text, offsets, h)
+    assert [r["tokens"] for r in records] == [list(p) for p in zip(bounds, bounds[1:])]
+    # the keyword cut is kept; the long stretch before it is cut at most every 12 tokens
+    wait = text.index("Wait")
+    assert wait in [r["start"] for r in records]
+    for r in records:
+        a, b = r["tokens"]
+        if r["end"] <= wait:
+            assert 3 <= b - a <= 12
+    assert records[-1]["text"].endswith(".\n#### 18")  # the answer line merged
+    assert "merged into segment" in err
+
+
+def test_cli_segment_entropy_errors(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("one. two.", encoding="utf-8")
+    assert run_segment(_cli_args(["--strategy", "entropy", str(trace)])) == 2
+    assert "pass --checkpoint DIR" in capsys.readouterr().err
+    missing = tmp_path / "nothing-here"
+    argv = ["--strategy", "entropy", "--checkpoint", str(missing), str(trace)]
+    assert run_segment(_cli_args(argv)) == 2
+    assert "no model directory" in capsys.readouterr().err
