@@ -386,7 +386,8 @@ def _parse_entropy(name: str, arg: str | None) -> _EntropyArgs:
         except ValueError:
             value = None
         if value is None or not math.isfinite(value):
-            raise ValueError(f"{name}: {key} must be a {kind.__name__}, got {text!r}")
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"{name}: {key} must be {what}, got {text!r}")
         return value
 
     top = threshold = None
