@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+# yaml is imported where a file is read or written: building the CLI's flags needs none of it.
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -343,12 +343,16 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
+    import yaml
+
     with open(path, encoding="utf-8") as fh:
         data = yaml.safe_load(fh) or {}
     return from_dict(cls, data)
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
+    import yaml
+
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
 
@@ -404,7 +408,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
             dest=f"{prefix}{f.name}",
             default=argparse.SUPPRESS,
             metavar=_metavar(hint),
-            help=f"{f.metadata.get('help', '')} (default: {default})",
+            help=f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%"),
         )
 
 
@@ -455,6 +459,8 @@ def resolve_config(
     """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config."""
     base: dict = {}
     if yaml_path:
+        import yaml
+
         with open(yaml_path, encoding="utf-8") as fh:
             base = yaml.safe_load(fh) or {}
     merged = merge_overrides(base, overrides)

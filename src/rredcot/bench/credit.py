@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from rredcot import credit as credit_algebra
+from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
@@ -201,42 +202,6 @@ def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # the benchmark
-
-
-@dataclass
-class CreditBenchConfig:
-    checkpoint: str
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo,gradient,attention,first_last"
-    segmenters: str = "newline"
-    task: str | None = None  # default: the checkpoint's task, else arithmetic
-    task_args: dict = field(default_factory=dict)
-    prompts: int = 32
-    samples: int = 8
-    mc_k: int = 32
-    lam: float = 0.0
-    out: str = "bench/credit"
-    seed: int = 0
-    value_fit_batches: int = 20
-    value_fit_prompts: int = 16
-    run: str | None = None  # load learned method states from this training run instead
-    max_new_tokens: int | None = None  # default: the run's sampling.max_new_tokens, else 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    blame_threshold: float = 0.0
-    chunk_prompts: int = 16
-    examples: int = 2
-    overrides: dict = field(default_factory=dict)  # dotted credit.* defaults for every variant
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("prompts", "samples", "mc_k", "chunk_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
-        for name in ("value_fit_batches", "value_fit_prompts", "examples"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 0")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam={self.lam} must be in [0, 1]")
 
 
 @dataclass

@@ -35,12 +35,12 @@ import dataclasses
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rredcot.bench.configs import LearnBenchConfig
 from rredcot.bench.report import (
     fmt,
     fmt_mean_std,
@@ -58,42 +58,6 @@ from rredcot.trainer import Trainer
 PROBE_SEED = 987_654  # problems and sampling of the variance probe batch
 RESULT = "result.json"
 VARIANCE = "variance.jsonl"
-
-
-@dataclass
-class LearnBenchConfig:
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
-    seeds: int = 3
-    first_seed: int = 0
-    budget_tokens: int = 200_000
-    init: str | None = None  # default: the train config's init, else the default warm-start
-    out: str = "bench/learn"
-    steps_max: int = 1000
-    eval_every: int | None = None  # default: the train config's
-    eval_size: int | None = None
-    target_acc: float | None = None  # default: mean warm-start accuracy + target_delta
-    target_delta: float = 0.1
-    config: str | None = None  # YAML TrainConfig every run starts from
-    overrides: dict = field(default_factory=dict)  # dotted TrainConfig overrides (--set)
-    task: str | None = None
-    task_args: dict = field(default_factory=dict)
-    variance_probes: int = 3
-    variance_prompts: int = 8
-    variance_minibatch: int = 2
-    variance_bootstrap: int = 200
-    progress: bool = False
-
-    def __post_init__(self) -> None:
-        if self.seeds < 1:
-            raise ValueError("--seeds must be >= 1")
-        if self.budget_tokens < 1:
-            raise ValueError("--budget-tokens must be >= 1 (sampled tokens per run)")
-        if self.steps_max < 1:
-            raise ValueError("--steps-max must be >= 1")
-        if self.variance_probes < 0 or self.variance_prompts < 1:
-            raise ValueError("--variance-probes must be >= 0 and --variance-prompts >= 1")
-        if self.variance_minibatch < 1 or self.variance_bootstrap < 1:
-            raise ValueError("--variance-minibatch and --variance-bootstrap must be >= 1")
 
 
 # ---------------------------------------------------------------------------------------------
