@@ -33,7 +33,7 @@ def imported_modules(
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=600,
     )
     names = {
         line.rsplit("|", 1)[1].strip().split(".")[0]
