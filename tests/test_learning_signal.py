@@ -303,3 +303,52 @@ def test_sampling_ignores_the_model_generation_config_unless_asked(tiny_policy, 
     assert torch.equal(draw(), plain)
     assert tiny_policy.generation_config.top_k == 1  # restored after sampling
     assert not torch.equal(draw(use_model_generation_config=True), plain)
+
+
+@pytest.mark.parametrize("method", ["uniform", "value_head"])
+def test_single_forward_step_equals_the_two_pass_step(random_init, tmp_path, method):
+    """On-policy, the loss forward alone gives the loss and gradients of scoring pass + loss."""
+    grads, records = {}, {}
+    for single in (True, False):
+        cfg = _config(random_init, tmp_path / f"run{single}", credit_method=method, steps=1)
+        cfg.single_forward = single
+        cfg.credit.handover = "off"
+        cfg.credit.lam = 0.5
+        cfg.credit.segmenter = "tokens:2"
+        cfg.sampling.max_new_tokens = 8
+        trainer = Trainer(cfg, log=lambda *_: None)
+        assert trainer.single_pass() is single
+        step = trainer.optimizer.step
+        seen = []
+
+        def capture(*args, _step=step, _seen=seen, _trainer=trainer, **kwargs):
+            _seen.append([p.grad.clone() for p in _trainer.policy.parameters()])
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = capture
+        trainer.step = 1
+        records[single] = trainer.train_step(1)
+        grads[single] = seen[0]
+    assert records[True]["forward/scoring_pass"] == 0.0
+    assert records[False]["forward/scoring_pass"] == 1.0
+    assert records[True]["policy_loss"] == pytest.approx(records[False]["policy_loss"], abs=1e-6)
+    assert records[True]["advantage_abs_mean"] == pytest.approx(
+        records[False]["advantage_abs_mean"], abs=1e-6
+    )
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in grads[True])
+
+
+def test_entropy_segmentation_runs_inside_training_from_the_loss_forward(random_init, tmp_path):
+    for single in (True, False):
+        cfg = _config(random_init, tmp_path / f"run{single}", steps=1)
+        cfg.single_forward = single
+        cfg.credit.segmenter = "entropy:top=0.3,min=1"
+        cfg.sampling.max_new_tokens = 8
+        trainer = Trainer(cfg, log=lambda *_: None)
+        batch, _ = trainer.rollout(trainer.prompts_for_step(1))  # scoring pass: segmented
+        assert max(len(b) - 1 for b in batch.boundaries) > 1
+        record = trainer.train_step(1)
+        assert record["rollout/mean_segments"] > 1.0  # cut at entropy peaks inside the step
+        assert math.isfinite(record["policy_loss"])

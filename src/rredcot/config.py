@@ -250,6 +250,13 @@ class TrainConfig:
         default=1,
     )
     grad_accumulation: int = _help("Micro-batches accumulated into each minibatch.", default=1)
+    single_forward: bool = _help(
+        "On-policy updates (1 epoch, 1 minibatch, no accumulation) run ONE policy forward per "
+        "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
+        "credit before the loss is formed. False: a separate no-grad scoring pass as well "
+        "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        default=True,
+    )
     max_grad_norm: float = _help("Gradient clipping norm (0: off).", default=1.0)
     clip_eps_low: float = _help("PPO ratio clip below 1.", default=0.2)
     clip_eps_high: float = _help("PPO ratio clip above 1 (DAPO's clip-higher).", default=0.28)

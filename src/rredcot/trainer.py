@@ -33,6 +33,7 @@ from rredcot.rollout import (
     policy_forward,
     prompt_special_tokens,
     render_prompt,
+    segment_batch,
     train_mode_without_dropout,
 )
 from rredcot.segment import get_segmenter
@@ -315,13 +316,45 @@ class Trainer:
         return batch, stats
 
     def _fill_forward(self, batch: RolloutBatch) -> None:
+        """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
         fill_forward(
-            self.policy, batch, hidden_layers=layers, temperature=self.cfg.sampling.temperature
+            self.policy,
+            batch,
+            hidden_layers=layers,
+            temperature=self.cfg.sampling.temperature,
+            with_entropy=self.segmenter.uses_entropy,
         )
+        if self.segmenter.uses_entropy:
+            segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
 
     # -- one RL step ------------------------------------------------------------------------
+    def single_pass(self) -> bool:
+        """Whether the loss forward is the step's only policy forward: an on-policy update (one
+        epoch, one minibatch, no accumulation), where the old log-probs are the new ones
+        detached and the hidden states and entropies the credit reads come from the same pass."""
+        c = self.cfg
+        return (
+            c.single_forward
+            and c.epochs_per_batch == 1
+            and c.minibatches == 1
+            and c.grad_accumulation == 1
+        )
+
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return policy_forward(
+                self.reference,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.prompt_len,
+                temperature=self.cfg.sampling.temperature,
+            ).logprobs
+
     def train_step(self, step: int) -> dict[str, Any]:
+        """rollout -> (scoring pass) -> credit -> loss -> update -> the method's own update."""
         cfg = self.cfg
         t0 = time.perf_counter()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
@@ -333,22 +366,30 @@ class Trainer:
                 "fix the task's verify() so that it returns a finite reward for model output"
             )
         t_rollout = time.perf_counter()
-        self._fill_forward(batch)
-        ref_logprobs = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logprobs = policy_forward(
-                    self.reference,
-                    batch.input_ids,
-                    batch.attention_mask,
-                    batch.prompt_len,
-                    temperature=cfg.sampling.temperature,
-                ).logprobs
-        t_old = time.perf_counter()
-        credit_out = self.method.compute(batch)
-        t_credit = time.perf_counter()
+        ref_logprobs = self._reference_logprobs(batch)
+        loss_forward = None
+        t_forward = 0.0
+        if self.single_pass():
+            # Methods that read the forward (value head, entropy cuts) get it before the loss is
+            # formed; the others compute their credit first (they run their own passes, if any).
+            forward_first = self.method.needs_hidden_states or self.segmenter.uses_entropy
+            t_old = time.perf_counter()
+            if forward_first:
+                loss_forward = self._loss_forward(batch)
+                t_forward = time.perf_counter() - t_old
+                t_old = time.perf_counter()
+            credit_out = self.method.compute(batch)
+            t_credit = time.perf_counter()
+            if loss_forward is None:
+                loss_forward = self._loss_forward(batch)
+        else:
+            self._fill_forward(batch)
+            t_old = time.perf_counter()
+            credit_out = self.method.compute(batch)
+            t_credit = time.perf_counter()
         advantages = credit_out.advantages.detach()
-        update_stats = self._optimise(batch, advantages, ref_logprobs)
+        stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / batch.size
+        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
         t_update = time.perf_counter()
         value_stats = self.method.update(batch)
         t_end = time.perf_counter()
@@ -379,18 +420,41 @@ class Trainer:
             **stats,
             **credit_out.metrics,
             **value_stats,
+            "forward/scoring_pass": 0.0 if loss_forward is not None else 1.0,
             "time/rollout": t_rollout - t0,
-            "time/old_logprobs": t_old - t_rollout,
+            "time/old_logprobs": 0.0 if loss_forward is not None else t_old - t_rollout,
             "time/credit": t_credit - t_old,
-            "time/update": t_update - t_credit,
+            "time/update": t_update - t_credit + t_forward,
             "time/value_update": t_end - t_update,
             "step_seconds": t_end - t0,
         }
         return record
 
+    def _loss_forward(self, batch: RolloutBatch):
+        """The single pass: the loss forward over the whole batch (with grad), whose detached
+        log-probs, hidden states and entropies fill the batch for the credit method."""
+        train_mode_without_dropout(self.model)
+        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
+        fwd = policy_forward(
+            self.model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            with_entropy=True,
+            hidden_layers=layers,
+            temperature=self.cfg.sampling.temperature,
+        )
+        batch.old_logprobs = fwd.logprobs.detach()
+        batch.hidden_states = None if fwd.hidden_states is None else fwd.hidden_states.detach()
+        if self.segmenter.uses_entropy:
+            segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
+        return fwd
+
     def _optimise(
-        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs
+        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
     ) -> dict[str, float]:
+        """Epochs x minibatches x micro-batches of the clipped PG loss. With ``loss_forward`` (the
+        single pass, :meth:`single_pass`) its graph is the one micro-batch's forward."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
         B = batch.size
@@ -400,6 +464,8 @@ class Trainer:
         count = 0
         for _ in range(cfg.epochs_per_batch):
             order = torch.randperm(B, generator=gen)
+            if loss_forward is not None:
+                order = torch.arange(B)  # the forward already ran over the rows in batch order
             for mb in order.chunk(cfg.minibatches):
                 mb = mb.to(self.device)
                 num_tokens = float(batch.response_mask[mb].sum())
@@ -410,13 +476,17 @@ class Trainer:
                     sync = i == len(micros) - 1
                     ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
                     with ctx:
-                        fwd = policy_forward(
-                            self.model,
-                            batch.input_ids[micro],
-                            batch.attention_mask[micro],
-                            batch.prompt_len,
-                            with_entropy=True,
-                            temperature=cfg.sampling.temperature,
+                        fwd = (
+                            loss_forward
+                            if loss_forward is not None
+                            else policy_forward(
+                                self.model,
+                                batch.input_ids[micro],
+                                batch.attention_mask[micro],
+                                batch.prompt_len,
+                                with_entropy=True,
+                                temperature=cfg.sampling.temperature,
+                            )
                         )
                         rmask = batch.response_mask[micro]
                         loss, st = policy_loss(
