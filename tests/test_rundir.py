@@ -295,3 +295,38 @@ def test_out_that_is_a_file_is_refused(init_dir, tmp_path):
     with pytest.raises(UserError, match="is a file, not a directory"):
         Trainer(micro_config(init_dir, path), **QUIET)
     assert path.read_text() == "x"
+
+
+# ---------------------------------------------------------------------------------------------
+# the same refusals on the command line: one line, exit status 2
+
+
+def _cli_error(argv, capsys):
+    from rredcot.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_cli_refusals_are_one_line(run_copy, capsys):
+    run = str(run_copy)
+    err = _cli_error(["train", "--out", run, "--credit", "value_head", "--seed", "5"], capsys)
+    assert "holds a run already" in err
+    err = _cli_error(["train", "--resume", run, "--credit", "value_head", "--seed", "5"], capsys)
+    assert "credit_method='uniform', seed=0" in err and "seed=5" in err
+    err = _cli_error(["train", "--resume", run, "--overwrite"], capsys)
+    assert "give one of them" in err
+    for step in ("step_000002", "step_000004"):
+        _truncate(run_copy / "checkpoints" / step / "policy" / "model.safetensors")
+    err = _cli_error(["train", "--resume", run], capsys)
+    assert "no valid checkpoint left (step_000004: policy/model.safetensors has" in err
+
+
+def test_one_generation_per_prompt_warns_that_nothing_is_learned(init_dir, tmp_path):
+    cfg = micro_config(init_dir, tmp_path / "run")
+    cfg.sampling.num_generations = 1
+    lines = []
+    Trainer(cfg, log=lines.append).release()
+    assert any("num_generations=1" in x and "advantage is 0" in x for x in lines), lines

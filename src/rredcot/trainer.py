@@ -164,6 +164,8 @@ class Trainer:
                 self.run_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite
             )
         try:
+            # a resume that cannot work is refused before minutes of loading
+            self._resume_from = self._resume_checkpoint() if cfg.resume else None
             self._setup()
         except BaseException:
             self.release()
@@ -599,7 +601,7 @@ class Trainer:
     def _resume_checkpoint(self) -> Path | None:
         """The newest valid checkpoint to resume from, saying which newer ones were skipped and
         why; a resume that would restart over recorded steps is refused."""
-        main = self.accelerator.is_main_process
+        main = _is_main_process()
         ckpt, skipped = runio.find_checkpoint(self.run_dir)
         for path, reason in skipped if main else []:
             self.log(f"skipping checkpoint {path.name}: {reason}")
@@ -608,7 +610,8 @@ class Trainer:
                 self.log(f"resuming from the older checkpoint {ckpt.name} instead")
             return ckpt
         if self.cfg.resume:
-            recorded = [r["step"] for r in self.metrics.read() if r.get("step", 0) > 0]
+            metrics = runio.MetricsLog(self.run_dir / runio.METRICS).read()
+            recorded = [r["step"] for r in metrics if r.get("step", 0) > 0]
             if recorded or skipped:
                 why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none was saved"
                 raise UserError(
@@ -624,7 +627,7 @@ class Trainer:
     def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         main = self.accelerator.is_main_process
-        ckpt = self._resume_checkpoint()
+        ckpt = self._resume_from  # chosen (and verified) before the policy was loaded
         if main:
             self._write_config()
         if ckpt is not None:
