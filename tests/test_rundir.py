@@ -322,6 +322,12 @@ def test_cli_refusals_are_one_line(run_copy, capsys):
         _truncate(run_copy / "checkpoints" / step / "policy" / "model.safetensors")
     err = _cli_error(["train", "--resume", run], capsys)
     assert "no valid checkpoint left (step_000004: policy/model.safetensors has" in err
+    ckpt = run_copy / "checkpoints" / "step_000004"
+    err = _cli_error(["explain", "--checkpoint", str(ckpt), "--no-color"], capsys)
+    assert f"checkpoint {ckpt} cannot be used: policy/model.safetensors has" in err
+    out = str(run_copy.parent / "other")
+    err = _cli_error(["train", "--init", str(ckpt / "policy"), "--out", out], capsys)
+    assert "the model does not load" in err
 
 
 def test_one_generation_per_prompt_warns_that_nothing_is_learned(init_dir, tmp_path):

@@ -277,10 +277,13 @@ class Trainer:
             )
         if local.is_file():
             raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
+        from safetensors import SafetensorError
+
         try:
             policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
-        except OSError as err:  # unreadable or incomplete model files: the user's to fix
-            raise UserError(f"{flag} {source}: {str(err).splitlines()[0]}") from err
+        except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UserError(f"{flag} {source}: the model does not load ({first})") from err
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         if cfg.model.lora_r > 0:
