@@ -164,6 +164,7 @@ DEGENERATE_COMPLETIONS = {
     "open braces": lambda n: "{" * n,
     "answer markers": lambda n: "#### answer is A: " * n,
     "numbers and slashes": lambda n: "1 / " * n,
+    "annotations on one line": lambda n: "<<1+1=2>>2 " * (n // 4),
 }
 
 

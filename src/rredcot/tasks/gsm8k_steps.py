@@ -44,6 +44,7 @@ _AFTER_RE = re.compile(r"\s?\$?\s?(-?(?:" + _NUMBER + r")(?:/(?:" + _NUMBER + r"
 _ANSWER_LINE_RE = re.compile(r"^\s*(?:####|A\s*:)")
 _TOKEN_RE = re.compile(r"\s*(?:(" + _NUMBER + r")|(\*\*|//|[-+*/^()%×÷]))")
 _MAX_MAGNITUDE = 1e100  # beyond this an "arithmetic" line is not arithmetic any more
+_AFTER_WINDOW = 200  # characters after an annotation searched for its written value
 
 
 class UnparseableExpression(ValueError):
@@ -271,7 +272,8 @@ def check_lines(solution: str) -> list[LineCheck]:
         line = solution[start:end]
         status, details = "unchecked", []
         for m in ANNOTATION_RE.finditer(line):
-            s, detail = _check_annotation(m.group(1), line[m.end() :])
+            # the value written after `>>` is a number: a bounded window keeps this linear
+            s, detail = _check_annotation(m.group(1), line[m.end() : m.end() + _AFTER_WINDOW])
             if s == "wrong":
                 status, details = "wrong", [detail]
                 break
