@@ -223,8 +223,9 @@ class TrainConfig:
         default="runs/default",
     )
     resume: str | None = _help(
-        "Resume the run in this directory from its newest valid checkpoint. Only the fields in "
-        "RESUMABLE_FIELDS (steps, budget, evaluation, checkpointing, logging, device) may change.",
+        "Resume the run in this directory from its newest valid checkpoint. Only steps, "
+        "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
+        "report_to, progress, threads and device may change.",
         default=None,
     )
     overwrite: bool = _help(

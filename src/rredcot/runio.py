@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from rredcot.config import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
 
 try:
@@ -41,17 +42,6 @@ CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 RUN_FILES = (CONFIG, METRICS, CHECKPOINTS, "plots", "value_pretrain.json", "tensorboard", "wandb")
 """What a run writes into its directory (``--overwrite`` removes these and nothing else)."""
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a file so that readers see either the old or the new content, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:

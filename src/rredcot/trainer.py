@@ -20,10 +20,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from rredcot import credit as credit_algebra
 from rredcot import runio
-from rredcot.config import TrainConfig, resume_config, to_dict, write_text_atomic
+from rredcot.config import (
+    TrainConfig,
+    read_yaml_file,
+    resume_config,
+    to_dict,
+    write_text_atomic,
+)
 from rredcot.errors import UserError
 from rredcot.methods.base import CreditContext, RolloutBatch, build_credit
 from rredcot.rollout import (
@@ -592,11 +599,7 @@ class Trainer:
         record = to_dict(self.cfg)
         record.update(resume=None, overwrite=False)
         if self.cfg.resume and path.exists():
-            from rredcot.config import read_yaml_file
-
             record["out"] = (read_yaml_file(path) or {}).get("out", record["out"])
-        import yaml
-
         text = yaml.safe_dump(record, sort_keys=False)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             write_text_atomic(path, text)
