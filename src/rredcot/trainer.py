@@ -619,7 +619,7 @@ class Trainer:
             metrics = runio.MetricsLog(self.run_dir / runio.METRICS).read()
             recorded = [r["step"] for r in metrics if r.get("step", 0) > 0]
             if recorded or skipped:
-                why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none was saved"
+                why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none found"
                 raise UserError(
                     f"--resume {self.run_dir}: no valid checkpoint left ({why}) but "
                     f"{runio.METRICS} records steps up to {max(recorded, default=0)}; resuming "
