@@ -207,7 +207,11 @@ def test_degenerate_annotations_are_unparseable_steps(line):
     assert first_wrong_line(line + "\n#### 5") == -1
 
 
-@pytest.mark.parametrize("expr", ["5/0", "(-8)**0.5", "(" * 170 + "1" + ")" * 170, "-" * 990 + "1"])
+@pytest.mark.parametrize(
+    "expr",
+    ["5/0", "(-8)**0.5", "(" * 170 + "1" + ")" * 170, "-" * 990 + "1"],
+    ids=["division by zero", "complex", "deep nesting", "many signs"],
+)
 def test_evaluate_raises_only_unparseable(expr):
     with pytest.raises(UnparseableExpression):
         evaluate(expr)
