@@ -108,6 +108,7 @@ class RunLock:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LOCK
         self.fd: int | None = None
+        self.pid = os.getpid()
         if fcntl is None:
             return
         try:
@@ -132,13 +133,14 @@ class RunLock:
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
-        self.fd = fd
+        self.fd, self.pid = fd, os.getpid()
 
     def release(self) -> None:
-        """Give the directory up (idempotent)."""
+        """Give the directory up (idempotent; in a forked child it only closes its copy)."""
         fd, self.fd = self.fd, None
         if fd is not None:
-            os.ftruncate(fd, 0)
+            if self.pid == os.getpid():
+                os.ftruncate(fd, 0)
             os.close(fd)  # closing the last descriptor drops the flock
 
     def __del__(self) -> None:
