@@ -60,6 +60,14 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
         ckpt = p.parent if (p.parent / "trainer_state.pt").exists() else None
         return ResolvedCheckpoint(p, ckpt, run_of(ckpt) if ckpt else None)
     if (p / "policy").is_dir() and (p / "trainer_state.pt").exists():
+        reason = runio.verify_checkpoint(p)
+        if reason is not None:
+            from rredcot.errors import UserError
+
+            raise UserError(
+                f"checkpoint {p} cannot be used: {reason}; pass an older checkpoint, or the run "
+                "directory (its newest valid checkpoint is used)"
+            )
         return ResolvedCheckpoint(p / "policy", p, run_of(p))
     if (p / runio.CHECKPOINTS).is_dir():
         ckpt = runio.latest_checkpoint(p)

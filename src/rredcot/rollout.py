@@ -368,6 +368,7 @@ def build_rollout_batch(
         segment_batch(batch, tokenizer, segmenter)
     stats = {
         "rollout/skipped_samples": float(skipped),
+        "rollout/verify_timeouts": float(sum(v.timed_out for v in verdicts)),
         "rollout/truncated_fraction": truncated / max(B, 1),
         "rollout/mean_length": float(response_mask.sum(-1).mean()) if B else 0.0,
         "rollout/mean_segments": sum(len(b) - 1 for b in batch.boundaries) / max(batch.size, 1),

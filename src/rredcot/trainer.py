@@ -20,10 +20,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from rredcot import credit as credit_algebra
 from rredcot import runio
-from rredcot.config import TrainConfig, save_yaml
+from rredcot.config import (
+    TrainConfig,
+    read_yaml_file,
+    resume_config,
+    to_dict,
+    write_text_atomic,
+)
+from rredcot.errors import UserError
 from rredcot.methods.base import CreditContext, RolloutBatch, build_credit
 from rredcot.rollout import (
     build_rollout_batch,
@@ -47,11 +55,28 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device``; a device this machine does not have is a ``UserError``
+    (training on the CPU instead would be a silent surprise)."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or mps") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(
+                f"--device {name}: no CUDA GPU is visible on this machine "
+                "(torch.cuda.is_available() is False); use --device cpu or auto"
+            )
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s); use cuda:0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu or auto")
+    return device
 
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -151,6 +176,34 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.run_dir = Path(cfg.out)
+        resolve_device(cfg.device)  # refuse a device the machine lacks before anything else
+        self._lock: runio.RunLock | None = None
+        if _is_main_process():  # one writer per run directory, and no silent reuse of a run
+            self._lock = runio.claim_run_dir(
+                self.run_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite
+            )
+        try:
+            # a resume that cannot work is refused before minutes of loading
+            self._resume_from = self._resume_checkpoint() if cfg.resume else None
+            self._setup()
+        except BaseException:
+            self.release()
+            raise
+        if cfg.sampling.num_generations == 1:
+            self.log(
+                "warning: sampling.num_generations=1: each prompt's group is one sample, so its "
+                "mean reward is the sample's own and every uniform (GRPO) advantage is 0: the run "
+                "learns nothing from group baselines; use 2 or more (default 8)"
+            )
+
+    def release(self) -> None:
+        """Give up the run directory's lock (at the end of ``train``; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _setup(self) -> None:
+        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         from accelerate import Accelerator
 
@@ -235,7 +288,22 @@ class Trainer:
         attn = cfg.model.attn_implementation or (
             "eager" if cfg.credit_method == "attention" else None
         )
-        policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
+        flag = "--init" if cfg.init else "--model.name_or_path"
+        local = Path(source).expanduser()
+        if local.is_dir() and not (local / "config.json").exists():
+            raise UserError(
+                f"{flag} {source}: no model there (no config.json); pass a directory written by "
+                "`rredcot sft` or save_pretrained, or a hub model id"
+            )
+        if local.is_file():
+            raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
+        from safetensors import SafetensorError
+
+        try:
+            policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
+        except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UserError(f"{flag} {source}: the model does not load ({first})") from err
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         if cfg.model.lora_r > 0:
@@ -554,7 +622,7 @@ class Trainer:
             + ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in stats.items())
         )
         if self.accelerator.is_main_process:
-            (self.run_dir / "value_pretrain.json").write_text(json.dumps(stats, indent=2))
+            write_text_atomic(self.run_dir / "value_pretrain.json", json.dumps(stats, indent=2))
 
     # -- evaluation, checkpoints, the loop ----------------------------------------------------
     def evaluate(self) -> float:
@@ -612,14 +680,62 @@ class Trainer:
         return float(used) >= budget
 
     def train(self) -> dict[str, Any]:
+        """Run (or, with ``cfg.resume``, resume) the loop; returns start/final accuracy. The run
+        directory's lock is released when it returns or raises."""
+        try:
+            return self._train()
+        finally:
+            self.release()
+
+    def _write_config(self) -> None:
+        """``config.yaml``, written atomically, and only when it changes (a resume with more
+        steps); ``out``/``resume``/``overwrite`` say how a run was started, not what it is."""
+        path = self.run_dir / runio.CONFIG
+        record = to_dict(self.cfg)
+        record.update(resume=None, overwrite=False)
+        if self.cfg.resume and path.exists():
+            record["out"] = (read_yaml_file(path) or {}).get("out", record["out"])
+        text = yaml.safe_dump(record, sort_keys=False)
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            write_text_atomic(path, text)
+
+    def _resume_checkpoint(self) -> Path | None:
+        """The newest valid checkpoint to resume from, saying which newer ones were skipped and
+        why; a resume that would restart over recorded steps is refused."""
+        main = _is_main_process()
+        ckpt, skipped = runio.find_checkpoint(self.run_dir)
+        for path, reason in skipped if main else []:
+            self.log(f"skipping checkpoint {path.name}: {reason}")
+        if ckpt is not None:
+            if skipped and main:
+                self.log(f"resuming from the older checkpoint {ckpt.name} instead")
+            return ckpt
+        if self.cfg.resume:
+            metrics = runio.MetricsLog(self.run_dir / runio.METRICS).read()
+            recorded = [r["step"] for r in metrics if r.get("step", 0) > 0]
+            if recorded or skipped:
+                why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none found"
+                raise UserError(
+                    f"--resume {self.run_dir}: no valid checkpoint left ({why}) but "
+                    f"{runio.METRICS} records steps up to {max(recorded, default=0)}; resuming "
+                    "would restart over that history. Start the run again with --overwrite, or "
+                    "pick another --out"
+                )
+            if main:
+                self.log(f"{self.run_dir}: no checkpoint and no step recorded yet: from step 0")
+        return None
+
+    def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         main = self.accelerator.is_main_process
+        ckpt = self._resume_from  # chosen (and verified) before the policy was loaded
         if main:
-            save_yaml(cfg, self.run_dir / "config.yaml")
-        ckpt = runio.latest_checkpoint(self.run_dir)
+            self._write_config()
         if ckpt is not None:
             self.restore(ckpt)
             self.log(f"resumed from {ckpt} at step {self.step}")
+            if self.step >= cfg.steps:
+                self.log(f"the run is at step {self.step} already (steps={cfg.steps})")
         elif main:
             self.metrics.truncate_after(-1)
         if self.step == 0 and cfg.credit.value_pretrain_steps > 0:
@@ -738,22 +854,20 @@ class _MetricSink:
             (self.writer.close if self.kind == "tensorboard" else self.writer.finish)()
 
 
-def train(cfg: TrainConfig, log=print) -> dict[str, Any]:
-    """Run (or resume) training and return start/final accuracy."""
-    if cfg.resume:
-        resumed = Path(cfg.resume)
-        saved = resumed / "config.yaml"
-        if not saved.exists():
-            raise FileNotFoundError(
-                f"--resume {resumed}: no config.yaml there; is it a run directory?"
-            )
-        from rredcot.config import load_yaml
+def _is_main_process() -> bool:
+    """Rank 0 of an ``accelerate launch`` / ``torchrun`` job (or a plain single process)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
-        steps = cfg.steps
-        cfg = load_yaml(saved)
-        cfg.out = str(resumed)
-        cfg.resume = str(resumed)
-        cfg.steps = max(cfg.steps, steps) if steps != TrainConfig.steps else cfg.steps
+
+def train(cfg: TrainConfig, log=print, given: set[str] | None = None) -> dict[str, Any]:
+    """Run (or resume) training and return start/final accuracy.
+
+    With ``cfg.resume`` the run's own ``config.yaml`` is the config and only the fields named in
+    ``given`` (dotted names set on the command line or in ``--config``; by default the fields where
+    ``cfg`` differs from the defaults) apply over it; a change to a field outside
+    ``config.RESUMABLE_FIELDS`` is refused, every one named (``config.resume_config``)."""
+    if cfg.resume:
+        cfg = resume_config(cfg, given)
     return Trainer(cfg, log=log).train()
 
 

@@ -286,6 +286,13 @@ def run_one(
     if done.exists():
         log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
         return json.loads(done.read_text())
+    if (run_dir / "config.yaml").exists():  # an earlier call left this run unfinished
+        from rredcot import runio
+
+        if runio.latest_checkpoint(run_dir) is not None:
+            tcfg.resume = str(run_dir)
+        else:
+            tcfg.overwrite = True  # nothing to resume from: start it again
     probe = VarianceProbe(cfg, run_dir) if cfg.variance_probes > 0 else None
     log(f"{variant.name} seed {seed}: training in {run_dir}")
     trainer = ProbedTrainer(tcfg, probe, log=log)
