@@ -115,6 +115,9 @@ STRATEGIES = [
     "keywords:So|Then|Wait",
     "tokens:1",
     "tokens:3",
+    "entropy",
+    "entropy:threshold=1.0,min=2,max=8",
+    "keywords+entropy",
 ]
 OPTIONS = st.fixed_dictionaries(
     {
@@ -136,14 +139,20 @@ def _char_offsets(text: str) -> list[tuple[int, int]]:
 
 
 @fuzz(200)
-@given(text=traces(), options=OPTIONS)
-def test_fuzz_segmentation(text, options):
-    """Every strategy on each drawn text (9 segmentations a case)."""
+@given(text=traces(), options=OPTIONS, seed=st.integers(0, 2**16))
+def test_fuzz_segmentation(text, options, seed):
+    """Every strategy on each drawn text (12 segmentations a case; entropy strategies get
+    random per-token entropies)."""
+    import random
+
     offsets = _char_offsets(text)
+    rng = random.Random(seed)
+    entropies = [rng.uniform(0.0, 3.0) for _ in offsets]
     for strategy in STRATEGIES:
         segmenter = Segmenter(strategy, options["min_chars"], options["max_segments"],
                               options["separate_answer"])  # fmt: skip
-        spans = segmenter.split(text, offsets if segmenter.uses_tokens else None)
+        ent = entropies if segmenter.uses_entropy else None
+        spans = segmenter.split(text, offsets if segmenter.uses_tokens else None, entropies=ent)
         if not text:
             assert spans == []
             continue
@@ -155,7 +164,7 @@ def test_fuzz_segmentation(text, options):
         bounds = spans_to_boundaries(spans, offsets)
         assert bounds[0] == 0 and bounds[-1] == len(offsets)
         assert all(a < b for a, b in zip(bounds, bounds[1:]))
-        assert segmenter.boundaries(text, offsets) == bounds
+        assert segmenter.boundaries(text, offsets, entropies=ent) == bounds
 
 
 # ---------------------------------------------------------------------------------------------
