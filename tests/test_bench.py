@@ -59,18 +59,6 @@ register_task("bench_first_char")(_FirstCharTask)
 QUIET = dict(log=lambda *_: None)
 
 
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory):
-    from rredcot.models import build_char_tokenizer, build_tiny_llama
-
-    tok = build_char_tokenizer()
-    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path_factory.mktemp("bench") / "init"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # statistics
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import micro_config as shared_micro_config
 from rredcot import runio
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
@@ -20,36 +21,8 @@ from rredcot.trainer import Trainer, train
 QUIET = {"log": lambda *_: None}
 
 
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory):
-    from rredcot.models import build_char_tokenizer, build_tiny_llama
-
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path_factory.mktemp("init") / "init"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 def micro_config(init_dir, out, **overrides) -> TrainConfig:
-    cfg = dict(
-        init=str(init_dir),
-        out=str(out),
-        task_args={"num_steps": 2},
-        credit_method="uniform",
-        steps=4,
-        prompts_per_step=2,
-        eval_size=4,
-        eval_every=2,
-        checkpoint_every=2,
-        progress=False,
-    )
-    cfg.update(overrides)
-    trainer_cfg = TrainConfig(**cfg)
-    trainer_cfg.sampling.num_generations = 4
-    trainer_cfg.sampling.max_new_tokens = 16
-    return trainer_cfg
+    return shared_micro_config(init_dir, out, **{"steps": 4, "checkpoint_every": 2, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -12,42 +12,11 @@ import sys
 import pytest
 import torch
 
+from conftest import micro_config
 from rredcot.config import TrainConfig
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
 from rredcot.trainer import Trainer, policy_loss
-
-
-@pytest.fixture
-def init_dir(tmp_path, char_tokenizer):
-    from rredcot.models import build_tiny_llama
-
-    model = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path / "init"
-    model.save_pretrained(out)
-    char_tokenizer.save_pretrained(out)
-    return out
-
-
-def micro_config(init_dir, out, **overrides) -> TrainConfig:
-    cfg = dict(
-        init=str(init_dir),
-        out=str(out),
-        task_args={"num_steps": 2},
-        credit_method="uniform",
-        steps=3,
-        prompts_per_step=2,
-        eval_size=4,
-        eval_every=2,
-        checkpoint_every=1,
-        progress=False,
-    )
-    cfg.update(overrides)
-    trainer_cfg = TrainConfig(**cfg)
-    trainer_cfg.sampling.num_generations = 4
-    trainer_cfg.sampling.max_new_tokens = 16
-    return trainer_cfg
-
 
 # ---------------------------------------------------------------------------------------------
 # the loss
