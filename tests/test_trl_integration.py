@@ -48,7 +48,8 @@ def digit_share(completions, **kwargs) -> list[float]:
 
 
 class SpyTrainer(RREDCoTGRPOTrainer):
-    """Records TRL's own advantages next to rredcot's for every generation batch."""
+    """Records TRL's own advantages next to rredcot's for every generation batch (rredcot's as
+    the loss receives them: written in the loss forward when the credit waits for it)."""
 
     def _apply_credit(self, inputs, output):
         trl_advantages = output["advantages"].clone()
@@ -61,9 +62,17 @@ class SpyTrainer(RREDCoTGRPOTrainer):
                 "ours": output["advantages"].clone(),
                 "mask": output["completion_mask"].clone(),
                 "batch": self.last_batch,
+                "deferred": "rredcot_row" in output,
             }
         )
         return output
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if "rredcot_row" in inputs and self.model.training:
+            rec = self.records[-1]
+            rec["ours"][inputs["rredcot_row"]] = inputs["advantages"].detach()
+        return loss
 
 
 def make_trainer(model_dir, dataset, out_dir, method="value_head", cls=SpyTrainer, **overrides):
@@ -125,9 +134,11 @@ def test_value_head_gives_segment_credit_and_learns(tiny_model_dir, arithmetic_d
     after = head.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the head did not train"
     assert trainer.credit_method.num_updates == 2
-    # TRL skips its old-log-prob pass here, so the hidden states cost one forward of our own.
+    # TRL skips its old-log-prob pass here (its defaults): the hidden states come from the loss
+    # forward itself, so no extra forward.
+    assert all(rec["deferred"] for rec in trainer.records)
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
-    assert [h["rredcot/extra_forward"] for h in history] == [1.0, 1.0]
+    assert [h["rredcot/extra_forward"] for h in history] == [0.0, 0.0]
     assert all("value/loss" in h for h in history)
 
 
