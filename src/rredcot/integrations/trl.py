@@ -30,10 +30,10 @@ checkpoint and the final model, and read back on ``train(resume_from_checkpoint=
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import warnings
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -341,7 +341,11 @@ def _compact_from(
     counts = counts.to("cpu").long()
     B = counts.shape[0]
     if width is None:
-        width = feats.shape[1] if feats is not None else (int(counts.max()) if counts.numel() else 0) + 1
+        width = (
+            feats.shape[1]
+            if feats is not None
+            else (int(counts.max()) if counts.numel() else 0) + 1
+        )
     device = feats.device if feats is not None else rewards.device
     boundaries = [list(range(int(n) + 1)) if int(n) > 0 else [0] for n in counts]
     cols = torch.arange(max(width - 1, 0)).unsqueeze(0)
