@@ -104,7 +104,7 @@ def test_one_token_segments_reproduce_verls_gae():
     expected_adv, expected_ret = core_algos.compute_gae_advantage_return(
         rewards, values, mask, gamma=1.0, lam=lam
     )
-    cfg = algo_config(lam=lam, normalization="whiten", value_td_lambda=lam)
+    cfg = algo_config(lam=lam, normalization="whiten", value_td_lambda=lam, value_anchor="none")
     adv, ret = rv.compute_rredcot_advantage(
         rewards, mask, index=np.arange(B), config=cfg, segment_ids=segment_ids, values=values
     )
@@ -115,8 +115,8 @@ def test_one_token_segments_reproduce_verls_gae():
 
 def test_critic_credit_is_per_segment(char_tokenizer):
     data = make_data(char_tokenizer)
-    cfg = AlgoConfig(adv_estimator=rv.ESTIMATOR)  # verl's own config type: defaults apply
-    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": {"normalization": "none"}})
+    raw = {"rredcot": {"normalization": "none", "value_anchor": "none"}}  # the critic as it is
+    rv.compute_advantage_for_data(data, char_tokenizer, raw)
     adv, ret = data.batch["advantages"], data.batch["returns"]
     values, mask = data.batch["values"], data.batch["response_mask"].bool()
 
@@ -136,12 +136,20 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     # the default normalisation divides by each prompt group's outcome std, or by the batch's
     # where a group's outcomes agree
     data2 = make_data(char_tokenizer)
-    rv.compute_advantage_for_data(data2, char_tokenizer, cfg)
+    rv.compute_advantage_for_data(data2, char_tokenizer, {"rredcot": {"value_anchor": "none"}})
     scores = torch.tensor(SCORES)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
     _, group_std = credit.group_mean_std(scores, torch.as_tensor(inverse))
     std = torch.where(group_std < 0.1, scores.std().clamp_min(0.1), group_std)
     torch.testing.assert_close(data2.batch["advantages"], adv / (std[:, None] + 1e-4))
+    # by default the critic's values are anchored on the group's mean reward, like the value
+    # head's: every trace gets GRPO's total credit R - mean R_group (lam = 1: on segment 1)
+    data3 = make_data(char_tokenizer)
+    rv.compute_advantage_for_data(
+        data3, char_tokenizer, {"rredcot": {"normalization": "none", "lam": 1.0}}
+    )
+    mean, _ = credit.group_mean_std(scores, torch.as_tensor(inverse))
+    torch.testing.assert_close(data3.batch["advantages"][:, 0], scores - mean)
 
 
 def test_segments_survive_verls_batch_ops(char_tokenizer):

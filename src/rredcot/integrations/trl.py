@@ -30,11 +30,9 @@ checkpoint and the final model, and read back on ``train(resume_from_checkpoint=
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +42,10 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict
+from rredcot.integrations._batch import overridden_method as _overridden
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import (
     CreditContext,
-    CreditMethod,
     RolloutBatch,
     build_credit,
     get_credit,
@@ -362,27 +360,6 @@ def _compact_from(
         segment_ids=credit.boundaries_to_segment_ids(boundaries, width - 1, device=device),
         hidden_states=feats,
     )
-
-
-@contextlib.contextmanager
-def _overridden(
-    method: CreditMethod,
-    values: tuple[Tensor, Tensor] | None = None,
-    normalization: str | None = None,
-) -> Iterator[CreditMethod]:
-    """While active, ``method.segment_values`` returns the given ``(values, mask)`` (computed
-    elsewhere: on the local rows, by a PRM, ...) and/or ``method.normalization`` is replaced, so
-    that the method's own ``compute`` (anchor, hand-over, GAE, normalisation) runs on them."""
-    saved_config = method.config
-    if normalization is not None:
-        method.config = dataclasses.replace(saved_config, normalization=normalization)
-    if values is not None:
-        method.segment_values = lambda batch: values  # type: ignore[method-assign]
-    try:
-        yield method
-    finally:
-        method.config = saved_config
-        method.__dict__.pop("segment_values", None)
 
 
 class _Collective:

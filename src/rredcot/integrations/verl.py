@@ -47,7 +47,12 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict
-from rredcot.integrations._batch import group_ids_from_keys, segment_completions
+from rredcot.integrations._batch import (
+    group_ids_from_keys,
+    overridden_method,
+    segment_completions,
+    span_mask,
+)
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
@@ -55,6 +60,7 @@ from rredcot.methods.base import (
     UniformCredit,
 )
 from rredcot.segment import Segmenter, get_segmenter
+from rredcot.tasks import get_task
 
 try:
     from verl.trainer.ppo import core_algos
@@ -79,33 +85,51 @@ logger = logging.getLogger(__name__)
 
 ESTIMATOR = "rredcot"
 TRAINER_MODE = "rredcot_sync"
-METHODS = ("critic", "uniform")
+METHODS = ("critic", "uniform", "answer_likelihood")
 
 
 # ---------------------------------------------------------------------------------------------
 # settings
 
 
-def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
-    """``(credit_method, CreditConfig)`` from verl's algorithm config (``algorithm.rredcot``).
-
-    ``config`` is verl's ``AlgoConfig``/``DictConfig`` (or a plain dict); its ``rredcot`` entry,
-    if any, maps ``credit_method`` (``critic`` by default) and :class:`CreditConfig` fields.
-    """
+def _settings_fields(config: Any) -> dict[str, Any]:
     raw = config.get("rredcot", None) if config is not None else None
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raw = dict(raw)  # an OmegaConf DictConfig
-    fields = {str(k): v for k, v in raw.items()}
+    return {str(k): v for k, v in raw.items()}
+
+
+def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
+    """``(credit_method, CreditConfig)`` from verl's algorithm config (``algorithm.rredcot``).
+
+    ``config`` is verl's ``AlgoConfig``/``DictConfig`` (or a plain dict); its ``rredcot`` entry,
+    if any, maps ``credit_method`` (``critic`` by default), ``task``/``task_args`` (for
+    ``answer_likelihood``, :func:`task_settings`) and :class:`CreditConfig` fields.
+    """
+    fields = _settings_fields(config)
     method = str(fields.pop("credit_method", "critic"))
+    fields.pop("task", None)
+    fields.pop("task_args", None)
     if method not in METHODS:
         raise ValueError(
             f"algorithm.rredcot.credit_method={method!r}; valid in verl: {', '.join(METHODS)} "
-            "(the value head and answer likelihood need the policy, which verl's driver does "
-            "not hold: use verl's critic as the value estimate)"
+            "(the value head needs the policy's hidden states, which verl's actor does not "
+            "return: see docs/scaling.md)"
         )
     return method, from_dict(CreditConfig, fields, where="algorithm.rredcot.")
+
+
+def task_settings(config: Any = None):
+    """The rredcot task named by ``algorithm.rredcot.task`` (with ``task_args``), or None. The
+    answer-likelihood probes are written by its ``render_answer``."""
+    fields = _settings_fields(config)
+    name = fields.get("task")
+    if not name:
+        return None
+    args = fields.get("task_args") or {}
+    return get_task(str(name), **{str(k): v for k, v in dict(args).items()})
 
 
 def make_segmenter(cfg: CreditConfig) -> Segmenter:
@@ -130,23 +154,46 @@ def segment_responses(
 ) -> Tensor:
     """``(B, T)`` long segment ids of verl's response tokens (``-1`` on padding).
 
+    A multi-turn response whose mask has holes (tool outputs between the policy's turns) is
+    segmented as the one text it is, up to its last real token; the hole tokens get ``-1`` (no
+    advantage, as verl's mask says) and stay inside the states ``s_k``.
+
     Args:
         responses: ``(B, T)`` response ids (``data.batch["responses"]``).
-        response_mask: ``(B, T)`` 1 on real tokens.
+        response_mask: ``(B, T)`` 1 on the policy's tokens.
         tokenizer: the policy's tokenizer; segmenter: how to cut the decoded text.
     """
-    boundaries, _, _ = segment_completions(
-        responses, response_mask, tokenizer, segmenter, eos_token_ids
-    )
-    return credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
+    span = span_mask(response_mask)
+    boundaries, _, _ = segment_completions(responses, span, tokenizer, segmenter, eos_token_ids)
+    ids = credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
+    return torch.where(response_mask.bool(), ids, torch.full_like(ids, -1))
+
+
+def _filled_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """Segment ids with the holes inside each row's span (``-1`` before its last real token)
+    given the id of the segment they sit in (the one before; 0 at the start); -1 after."""
+    ids = segment_ids.long().clone()
+    valid = ids >= 0
+    T = ids.shape[1]
+    cols = torch.arange(T, device=ids.device).unsqueeze(0).expand_as(ids)
+    last_valid = torch.where(valid, cols, torch.full_like(cols, -1)).cummax(dim=1).values
+    prev = ids.gather(1, last_valid.clamp(min=0))
+    prev = torch.where(last_valid >= 0, prev, torch.zeros_like(prev))
+    span = span_mask(valid.long()).bool()
+    return torch.where(span, torch.where(valid, ids, prev), torch.full_like(ids, -1))
 
 
 def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> list[list[int]]:
-    """Per row ``[0, b_1, ..., n_tokens]`` from segment ids (contiguous ``0, 0, 1, 1, 2, ...``
-    over the masked tokens, which must be a prefix of the row)."""
+    """Per row ``[0, b_1, ..., n_tokens]`` from segment ids (``0, 0, 1, 1, 2, ...`` over the
+    row's span, up to its last real token). Holes (``-1`` inside the span, e.g. multi-turn tool
+    outputs) belong to the segment they sit in."""
+    segment_ids = torch.where(
+        response_mask.bool(), segment_ids.long(), torch.full_like(segment_ids.long(), -1)
+    )
+    filled = _filled_segment_ids(segment_ids, response_mask)
     out = []
-    lengths = response_mask.bool().sum(-1).tolist()
-    rows = segment_ids.tolist()
+    lengths = (filled >= 0).sum(-1).tolist()
+    rows = filled.tolist()
     for row, n in enumerate(lengths):
         ids = rows[row][:n]
         if not ids:
@@ -156,7 +203,8 @@ def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> l
         if ids[0] != 0 or any(s not in (0, 1) for s in steps):
             raise ValueError(
                 f"segment_ids row {row} must count segments 0, 1, 2, ... over its response "
-                f"tokens; got {ids[:12]}{'...' if len(ids) > 12 else ''}"
+                f"tokens (-1 only on padding and masked holes); got "
+                f"{ids[:12]}{'...' if len(ids) > 12 else ''}"
             )
         out.append([0, *(t for t in range(1, n) if ids[t] != ids[t - 1]), n])
     return out
@@ -166,6 +214,7 @@ def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> l
 class _Segments:
     segment_ids: Tensor  # (B, T)
     values: Tensor | None  # (B, T) critic values, or None
+    boundary_values: Tensor | None = None  # (B, S+1) V(s_k) from the driver (probes), or None
 
 
 _ACTIVE: contextvars.ContextVar[_Segments | None] = contextvars.ContextVar(
@@ -174,10 +223,13 @@ _ACTIVE: contextvars.ContextVar[_Segments | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def rredcot_segments(segment_ids: Tensor, values: Tensor | None = None) -> Iterator[None]:
-    """Make one batch's segment ids (and critic values) visible to the ``rredcot`` estimator
-    while verl's ``compute_advantage`` runs (verl passes it neither)."""
-    token = _ACTIVE.set(_Segments(segment_ids, values))
+def rredcot_segments(
+    segment_ids: Tensor, values: Tensor | None = None, boundary_values: Tensor | None = None
+) -> Iterator[None]:
+    """Make one batch's segment ids (and the critic's token values, or boundary values
+    ``V(s_k)`` computed on the driver, e.g. :func:`probe_values`) visible to the ``rredcot``
+    estimator while verl's ``compute_advantage`` runs (verl passes it neither)."""
+    token = _ACTIVE.set(_Segments(segment_ids, values, boundary_values))
     try:
         yield
     finally:
@@ -189,7 +241,9 @@ def rredcot_segments(segment_ids: Tensor, values: Tensor | None = None) -> Itera
 
 
 class _CriticValues(CreditMethod):
-    """Segment values read off verl's critic at the segment starts (``V(s_k) = values[:, b_k]``)."""
+    """Segment values read off verl's critic at the segment starts (``V(s_k) = values[:, b_k]``),
+    anchored on the group's mean reward like every rredcot value source
+    (``credit.value_anchor``)."""
 
     name = "critic"
 
@@ -197,7 +251,7 @@ class _CriticValues(CreditMethod):
         super().__init__(config, CreditContext(policy=None, tokenizer=None))
         self.token_values = token_values
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    def raw_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """``values (B, S+1)`` with column ``k`` = the critic's value at token ``b_k`` (column
         ``n`` is replaced by ``R`` in the algebra); ``mask (B, S+1)``."""
         n = batch.num_segments
@@ -211,12 +265,84 @@ class _CriticValues(CreditMethod):
         mask = mask.to(values.device)
         return torch.where(mask, values, torch.zeros_like(values)), mask
 
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        values, mask = self.raw_values(batch)
+        if self.config.value_anchor == "group":
+            mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+            values = credit.anchor_values(values, mask, mean.to(values.device))
+        return values, mask
+
 
 def _fit_width(t: Tensor, width: int, fill: float) -> Tensor:
     if t.shape[1] >= width:
         return t[:, :width]
     pad = t.new_full((t.shape[0], width - t.shape[1]), fill)
     return torch.cat([t, pad], dim=1)
+
+
+def dense_prefix_rewards(
+    token_level_rewards: Tensor, filled_segment_ids: Tensor, num_segments: Tensor
+) -> Tensor:
+    """``(B, S+1)`` reward already received in ``s_k``: column ``k`` sums the token rewards of
+    segments ``1..k`` other than the outcome on the row's last token (process rewards, a
+    per-token KL penalty, tool rewards). Column 0 is 0.
+
+    Adding it to ``V(s_k)`` keeps dense rewards in the credit: with ``V(s_n) := R`` (their sum
+    with the outcome), segment ``k`` gets ``V(s_k) - V(s_{k-1})`` plus the dense rewards inside
+    it, and the total still telescopes to ``R - V(s_0)``."""
+    B, T = token_level_rewards.shape
+    S = int(num_segments.max()) if B else 0
+    dense = token_level_rewards.float().clone()
+    valid = filled_segment_ids >= 0
+    cols = torch.arange(T, device=dense.device).unsqueeze(0)
+    last = torch.where(valid, cols, torch.full_like(cols, -1)).max(dim=1).values
+    rows = torch.arange(B, device=dense.device)
+    has = last >= 0
+    dense[rows[has], last[has]] = 0.0  # the outcome: V(s_n) := R covers it
+    dense = torch.where(valid, dense, torch.zeros_like(dense))
+    per_segment = torch.zeros(B, max(S, 1), device=dense.device)
+    per_segment.scatter_add_(1, filled_segment_ids.clamp(min=0), dense)
+    prefix = torch.zeros(B, S + 1, device=dense.device)
+    prefix[:, 1:] = per_segment[:, :S].cumsum(dim=1)
+    return prefix
+
+
+def _with_dense_rewards(
+    method: CreditMethod, batch: RolloutBatch, prefix: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """The method's own values plus the dense rewards received so far (None if there are none)."""
+    if not bool((prefix != 0).any()):
+        return None
+    values, mask = method.segment_values(batch)
+    shifted = values + prefix[:, : values.shape[1]].to(values.device)
+    return torch.where(mask, shifted, values), mask
+
+
+_METHOD_CACHE: dict[tuple, CreditMethod] = {}
+
+
+def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
+    """The credit method instance for these settings, kept across steps on the driver (state
+    such as a hand-over's reliability persists)."""
+    key = (name, repr(cfg))
+    if key not in _METHOD_CACHE:
+        if name == "uniform":
+            _METHOD_CACHE[key] = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None))
+        elif name == "answer_likelihood":
+            from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit
+
+            task = task_settings(config)
+            if task is None:
+                raise ValueError(
+                    "algorithm.rredcot.credit_method=answer_likelihood needs "
+                    "+algorithm.rredcot.task=NAME (e.g. gsm8k): its render_answer writes the probes"
+                )
+            _METHOD_CACHE[key] = AnswerLikelihoodCredit(
+                cfg, CreditContext(policy=None, tokenizer=None, task=task)
+            )
+        else:
+            raise ValueError(f"no cached method for {name!r}")
+    return _METHOD_CACHE[key]
 
 
 def compute_rredcot_advantage(
@@ -226,29 +352,36 @@ def compute_rredcot_advantage(
     config: Any = None,
     segment_ids: Tensor | None = None,
     values: Tensor | None = None,
+    boundary_values: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Segment-level credit for verl (registered as ``rredcot``).
 
     Args:
-        token_level_rewards: ``(B, T)``; the outcome is its row sum ``R``.
-        response_mask: ``(B, T)``.
-        index: ``(B,)`` prompt ids (verl's ``uid``): the groups of ``uniform`` credit and of
-            ``group_std`` normalisation.
+        token_level_rewards: ``(B, T)``; the outcome ``R`` is its row sum. Rewards before the
+            row's last real token (process rewards, verl's KL-in-reward penalty) are kept in the
+            segments they fall in (:func:`dense_prefix_rewards`).
+        response_mask: ``(B, T)``; holes (multi-turn tool outputs) get no advantage.
+        index: ``(B,)`` prompt ids (verl's ``uid``): the groups of ``uniform`` credit, of the
+            group-mean anchor and of ``group_std`` normalisation.
         config: verl's algorithm config; ``config.rredcot`` holds the settings
             (:func:`credit_settings`).
         segment_ids: ``(B, T)`` segment of each response token (:func:`segment_responses`);
             default: the ones made visible by :func:`rredcot_segments`.
-        values: ``(B, T)`` critic values ``V(prompt + response[:t])``; default: likewise.
+        values: ``(B, T)`` critic values ``V(prompt + response[:t])`` (``critic``); default:
+            likewise.
+        boundary_values: ``(B, S+1)`` ``V(s_k)`` computed by the driver (``answer_likelihood``:
+            :func:`probe_values`); default: likewise.
 
     Returns:
-        advantages ``(B, T)`` (0 on padding) and returns ``(B, T)``: the critic's TD targets
-        for ``critic``, the advantages for ``uniform`` (as verl's GRPO).
+        advantages ``(B, T)`` (0 on padding and holes) and returns ``(B, T)``: the critic's TD
+        targets for ``critic``, the advantages otherwise (as verl's GRPO).
     """
     active = _ACTIVE.get()
     if segment_ids is None and active is not None:
         segment_ids = active.segment_ids
         values = active.values if values is None else values
+        boundary_values = active.boundary_values if boundary_values is None else boundary_values
     if segment_ids is None:
         raise ValueError(
             "the rredcot estimator needs each response's segments, which verl's "
@@ -263,6 +396,7 @@ def compute_rredcot_advantage(
     segment_ids = _fit_width(segment_ids.to(mask.device).long(), T, -1)
     segment_ids = torch.where(mask, segment_ids, torch.full_like(segment_ids, -1))
     boundaries = boundaries_from_segment_ids(segment_ids, mask)
+    filled = _filled_segment_ids(segment_ids, mask)
     if index is None:
         group_ids = torch.arange(B)
     else:
@@ -278,10 +412,31 @@ def compute_rredcot_advantage(
         boundaries=boundaries,
         segment_ids=segment_ids,
     )
-    if method_name == "uniform":
-        if index is None:
+    prefix = dense_prefix_rewards(token_level_rewards, filled, batch.num_segments)
+    if method_name in ("uniform", "answer_likelihood"):
+        if method_name == "uniform" and index is None:
             raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
-        out = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None)).compute(batch)
+        method = _method_for(method_name, cfg, config)
+        given = None
+        if method_name == "answer_likelihood":
+            if boundary_values is None:
+                raise ValueError(
+                    "algorithm.rredcot.credit_method=answer_likelihood needs the probe values: "
+                    "build the probes with build_probe_data(data, tokenizer, task), run them "
+                    "through actor_rollout_wg.compute_log_prob, turn the log-probs into values "
+                    "with probe_values(...) and pass them as boundary_values (or through "
+                    "rredcot_segments(segment_ids, boundary_values=...))"
+                )
+            S1 = int(batch.num_segments.max()) + 1 if B else 1
+            given = (
+                _fit_width(boundary_values.to(mask.device).float(), S1, 0.0),
+                torch.arange(S1, device=mask.device).unsqueeze(0)
+                <= batch.num_segments.to(mask.device).unsqueeze(1),
+            )
+        with overridden_method(method, given):
+            shifted = _with_dense_rewards(method, batch, prefix)
+        with overridden_method(method, shifted or given):
+            out = method.compute(batch)
         return out.advantages, out.advantages
     if values is None:
         raise ValueError(
@@ -290,9 +445,13 @@ def compute_rredcot_advantage(
         )
     values = _fit_width(values.to(mask.device).float(), T, 0.0)
     method = _CriticValues(cfg, values)
-    out = method.compute(batch)
-    returns = _critic_returns(out.values, out.value_mask, rewards, batch, cfg.value_td_lambda)
-    return out.advantages, returns
+    with overridden_method(method, _with_dense_rewards(method, batch, prefix)):
+        out = method.compute(batch)
+    raw, raw_mask = method.raw_values(batch)
+    # The critic predicts the return still to come: its targets exclude rewards already received.
+    returns = _critic_returns(raw + prefix, raw_mask, rewards, batch, cfg.value_td_lambda)
+    received = credit.segments_to_tokens(prefix[:, :-1], batch.segment_ids, batch.response_mask)
+    return out.advantages, torch.where(mask, returns - received, torch.zeros_like(returns))
 
 
 def _critic_returns(
