@@ -50,6 +50,7 @@ from rredcot.config import CreditConfig, from_dict
 from rredcot.integrations._batch import (
     group_ids_from_keys,
     overridden_method,
+    rollout_batch_from_tensors,
     segment_completions,
     span_mask,
 )
@@ -61,6 +62,7 @@ from rredcot.methods.base import (
 )
 from rredcot.segment import Segmenter, get_segmenter
 from rredcot.tasks import get_task
+from rredcot.tasks.base import Problem
 
 try:
     from verl.trainer.ppo import core_algos
@@ -78,7 +80,12 @@ __all__ = [
     "compute_rredcot_advantage",
     "credit_settings",
     "rredcot_segments",
+    "build_probe_data",
+    "dense_prefix_rewards",
+    "num_segments_of",
+    "probe_values",
     "segment_responses",
+    "task_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,8 +162,9 @@ def segment_responses(
     """``(B, T)`` long segment ids of verl's response tokens (``-1`` on padding).
 
     A multi-turn response whose mask has holes (tool outputs between the policy's turns) is
-    segmented as the one text it is, up to its last real token; the hole tokens get ``-1`` (no
-    advantage, as verl's mask says) and stay inside the states ``s_k``.
+    segmented as the one text it is, up to its last real token: hole tokens keep the id of the
+    segment they fall in (they stay inside the states ``s_k``; the estimator gives them no
+    advantage, as verl's mask says). ``-1`` after the last real token.
 
     Args:
         responses: ``(B, T)`` response ids (``data.batch["responses"]``).
@@ -165,8 +173,7 @@ def segment_responses(
     """
     span = span_mask(response_mask)
     boundaries, _, _ = segment_completions(responses, span, tokenizer, segmenter, eos_token_ids)
-    ids = credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
-    return torch.where(response_mask.bool(), ids, torch.full_like(ids, -1))
+    return credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
 
 
 def _filled_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> Tensor:
@@ -187,9 +194,8 @@ def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> l
     """Per row ``[0, b_1, ..., n_tokens]`` from segment ids (``0, 0, 1, 1, 2, ...`` over the
     row's span, up to its last real token). Holes (``-1`` inside the span, e.g. multi-turn tool
     outputs) belong to the segment they sit in."""
-    segment_ids = torch.where(
-        response_mask.bool(), segment_ids.long(), torch.full_like(segment_ids.long(), -1)
-    )
+    span = span_mask(response_mask).bool()
+    segment_ids = torch.where(span, segment_ids.long(), torch.full_like(segment_ids.long(), -1))
     filled = _filled_segment_ids(segment_ids, response_mask)
     out = []
     lengths = (filled >= 0).sum(-1).tolist()
@@ -393,10 +399,12 @@ def compute_rredcot_advantage(
     method_name, cfg = credit_settings(config)
     B, T = response_mask.shape
     mask = response_mask.bool()
+    span = span_mask(mask.long()).bool()
     segment_ids = _fit_width(segment_ids.to(mask.device).long(), T, -1)
-    segment_ids = torch.where(mask, segment_ids, torch.full_like(segment_ids, -1))
+    segment_ids = torch.where(span, segment_ids, torch.full_like(segment_ids, -1))
     boundaries = boundaries_from_segment_ids(segment_ids, mask)
     filled = _filled_segment_ids(segment_ids, mask)
+    segment_ids = torch.where(mask, filled, torch.full_like(filled, -1))  # holes: no advantage
     if index is None:
         group_ids = torch.arange(B)
     else:
@@ -473,11 +481,14 @@ core_algos.register_adv_est(ESTIMATOR)(compute_rredcot_advantage)
 # trainer side
 
 
-def compute_advantage_for_data(data, tokenizer, config: Any = None):
+def compute_advantage_for_data(
+    data, tokenizer, config: Any = None, boundary_values: Tensor | None = None
+):
     """rredcot advantages for a full verl ``DataProto``, written to ``data.batch["advantages"]``
     and ``["returns"]``: segments ``responses``, reads the critic's ``values`` if present and calls
     the estimator through verl's registry. For the legacy ``RayPPOTrainer`` and custom loops (the
-    v1 trainer uses the ``rredcot_sync`` trainer mode instead)."""
+    v1 trainer uses the ``rredcot_sync`` trainer mode instead). ``boundary_values (B, S+1)``:
+    the answer-likelihood values from :func:`probe_values`."""
     _, cfg = credit_settings(config)
     batch = data.batch
     if "response_mask" not in batch.keys():  # noqa: SIM118 - TensorDict has no `in`
@@ -487,7 +498,7 @@ def compute_advantage_for_data(data, tokenizer, config: Any = None):
     )
     values = batch["values"] if "values" in batch.keys() else None  # noqa: SIM118
     estimator = core_algos.get_adv_estimator_fn(ESTIMATOR)
-    with rredcot_segments(segment_ids, values):
+    with rredcot_segments(segment_ids, values, boundary_values):
         advantages, returns = estimator(
             token_level_rewards=batch["token_level_rewards"],
             response_mask=batch["response_mask"],
@@ -497,6 +508,151 @@ def compute_advantage_for_data(data, tokenizer, config: Any = None):
     batch["advantages"] = advantages
     batch["returns"] = returns
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# answer likelihood through the actor's own log-prob computation
+
+
+def _reference_answers(data, answer_key: str) -> list[str]:
+    """Each row's reference answer from ``data.non_tensor_batch``: ``answer_key`` if present,
+    else verl's ``reward_model["ground_truth"]``."""
+    nt = data.non_tensor_batch
+    if answer_key in nt:
+        return [str(a) for a in nt[answer_key]]
+    if "reward_model" in nt:
+        return [str(dict(r).get("ground_truth", "")) for r in nt["reward_model"]]
+    raise ValueError(
+        f"the reference answers are in neither data.non_tensor_batch[{answer_key!r}] nor "
+        "reward_model['ground_truth']; pass answer_key=... naming the column"
+    )
+
+
+def build_probe_data(
+    data,
+    tokenizer,
+    task,
+    segmenter: Segmenter,
+    *,
+    divisor: int = 1,
+    answer_key: str = "answer",
+    eos_token_ids: Any = None,
+):
+    """The answer-likelihood probes of a verl batch as a ``DataProto`` for the actor's
+    ``compute_log_prob`` (the driver builds it; the workers score it like any rollout).
+
+    For each trace, each boundary ``k < n`` and each reference answer, one row: prompt =
+    ``prompt + response[:b_k]`` (left-padded), response = the probe ``render_answer(a) + EOS``
+    (right-padded), with ``attention_mask``, ``position_ids`` and ``response_mask``; the probe
+    text and layout are the core's (:func:`rredcot.methods.answer_likelihood.build_probes`).
+    Rows are padded to a multiple of ``divisor`` (the actor's data-parallel size) with copies of
+    row 0, so verl splits them evenly and every rank runs the same number of forwards.
+    ``non_tensor_batch["rredcot_probe"]`` holds ``(row, k)`` (``(-1, -1)`` on padding rows).
+
+    Args:
+        data: verl ``DataProto`` with ``prompts`` (left-padded), ``responses``,
+            ``attention_mask`` (over prompt + response) and, optionally, ``response_mask``.
+        tokenizer, task: the policy's tokenizer; the rredcot task whose ``render_answer`` writes
+            the answer line. segmenter: the segmenter of the estimator.
+        answer_key: non-tensor column with the reference answers (default ``answer``, else
+            ``reward_model["ground_truth"]``).
+    """
+    from verl import DataProto
+
+    from rredcot.methods.answer_likelihood import build_probes
+
+    b = data.batch
+    prompts, responses = b["prompts"], b["responses"]
+    P = prompts.shape[1]
+    attention = b["attention_mask"]
+    response_mask = b["response_mask"] if "response_mask" in b.keys() else attention[:, P:]  # noqa: SIM118
+    B = responses.shape[0]
+    answers = _reference_answers(data, answer_key)
+    batch = rollout_batch_from_tensors(
+        prompt_ids=prompts,
+        prompt_mask=attention[:, :P],
+        completion_ids=responses,
+        completion_mask=span_mask(response_mask),
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        tokenizer=tokenizer,
+        segmenter=segmenter,
+        eos_token_ids=eos_token_ids,
+        problems=[Problem("", a) for a in answers],
+    )
+    probes, _ = build_probes(batch, tokenizer, task, [[a] if a else [] for a in answers])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prefixes, probe_ids, keys = [], [], []
+    for p in probes:
+        keep = batch.attention_mask[p.row, :P].bool()
+        prefix = batch.input_ids[p.row, :P][keep].tolist() + responses[p.row, : p.b].tolist()
+        prefixes.append(prefix)
+        probe_ids.append(list(p.ids))
+        keys.append((p.row, p.k))
+    if not probes:  # nothing to probe: one dummy row keeps every rank's work equal
+        prefixes, probe_ids, keys = [[pad_id]], [[pad_id]], [(-1, -1)]
+    while len(prefixes) % max(divisor, 1):
+        prefixes.append(prefixes[0])
+        probe_ids.append(probe_ids[0])
+        keys.append((-1, -1))
+    N = len(prefixes)
+    Lp = max(len(x) for x in prefixes)
+    Lr = max(len(x) for x in probe_ids)
+    prompt_t = torch.full((N, Lp), pad_id, dtype=torch.long)
+    resp_t = torch.full((N, Lr), pad_id, dtype=torch.long)
+    attn = torch.zeros(N, Lp + Lr, dtype=torch.long)
+    for i, (pre, ids) in enumerate(zip(prefixes, probe_ids)):
+        prompt_t[i, Lp - len(pre) :] = torch.tensor(pre)
+        resp_t[i, : len(ids)] = torch.tensor(ids)
+        attn[i, Lp - len(pre) : Lp + len(ids)] = 1
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    probe_keys = np.empty(N, dtype=object)
+    probe_keys[:] = keys
+    return DataProto.from_dict(
+        tensors={
+            "prompts": prompt_t,
+            "responses": resp_t,
+            "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+            "attention_mask": attn,
+            "position_ids": position_ids,
+            "response_mask": attn[:, Lp:],
+        },
+        non_tensors={"rredcot_probe": probe_keys},
+        meta_info={"rredcot_rows": B},
+    )
+
+
+def probe_values(probe_data, log_probs: Tensor, num_segments: Tensor) -> Tensor:
+    """``(B, S+1)`` values ``V(s_k) = min(1, sum_a exp(sum log pi(probe_a | s_k)))`` from the
+    actor's log-probs of the probe rows (``compute_log_prob(probe_data)``'s ``old_log_probs``,
+    ``(N, R)``). Column ``n_b`` (the outcome, set by the algebra) and padding are 0.
+
+    Args:
+        probe_data: what :func:`build_probe_data` returned.
+        log_probs: ``(N, R)`` per-token log-probs of its ``responses``.
+        num_segments: ``(B,)`` segments per trace (``segment_ids.max(1) + 1``).
+    """
+    mask = probe_data.batch["response_mask"].bool()
+    if log_probs.shape != mask.shape:
+        raise ValueError(
+            f"log_probs must be (N, R) = {tuple(mask.shape)} like the probes' responses; got "
+            f"{tuple(log_probs.shape)}"
+        )
+    B = int(probe_data.meta_info["rredcot_rows"])
+    S = int(num_segments.max()) if len(num_segments) else 0
+    values = torch.zeros(B, S + 1)
+    totals = torch.where(mask, log_probs.float().cpu(), torch.zeros_like(log_probs.float().cpu()))
+    for (row, k), lp in zip(probe_data.non_tensor_batch["rredcot_probe"], totals.sum(dim=1)):
+        if row >= 0 and k < S + 1:
+            values[row, k] += float(lp.exp())
+    return values.clamp(max=1.0)
+
+
+def num_segments_of(segment_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """``(B,)`` segments per row from verl-layout segment ids (holes allowed)."""
+    return torch.tensor(
+        [len(b) - 1 for b in boundaries_from_segment_ids(segment_ids, response_mask)]
+    )
 
 
 def _register_trainer() -> type | None:
