@@ -8,20 +8,23 @@ unchanged, then replaces ``output["advantages"]`` with rredcot's ``(B, T)`` toke
 ``_compute_loss`` takes ``(B, T)`` advantages as they are (it unsqueezes only 1-D ones), so the loss
 is not overridden.
 
-Per generation batch, on each process (the local rows):
+Per generation batch:
 
-1. the outcome reward ``R`` of each completion is the weighted sum of TRL's reward functions (as
-   ``multi_objective_aggregation="sum_then_normalize"`` computes it, before normalisation);
-2. completions are decoded with token offsets and segmented (``rredcot.integrations._batch``);
-3. credit methods that read hidden states (the value head) get them from TRL's own no-grad
-   old-log-prob pass when TRL runs one (``steps_per_generation > gradient_accumulation_steps``,
-   ``num_iterations > 1``, or vLLM with importance-sampling correction): a forward hook on the
-   decoder keeps them, so values cost no extra forward. Otherwise TRL skips that pass (its loss
-   uses the live log-probs) and the adapter runs one no-grad forward itself (metric
-   ``rredcot/extra_forward`` = 1);
-4. ``method.compute(batch)`` gives the advantages; then, in training only, the method learns
-   (``update``; the value head trains here, after the credit of the step, on the boundary features
-   gathered from every process, so every process holds the same head).
+1. the outcome reward ``R`` of every process's completions is the weighted sum of TRL's reward
+   functions (TRL gathers them; ``multi_objective_aggregation="sum_then_normalize"``, before
+   normalisation);
+2. each process decodes its completions with token offsets and segments them
+   (``rredcot.integrations._batch``);
+3. the credit method runs on one compact row per completion of every process (gathered boundary
+   hidden states, or values computed on each process), so groups may span processes as in TRL;
+   each process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto
+   the normalisation (:func:`normalization_for_scale_rewards`);
+4. the value head's hidden states come from TRL's no-grad old-log-prob pass when TRL runs one,
+   else from the training (loss) forward of each micro-batch: detached, read by a hook, and the
+   advantages written into the micro-batch before the loss is formed. No extra forward either
+   way (``rredcot/extra_forward`` = 0; 1 only with the Liger loss);
+5. in training only, the method learns (``update``; the value head trains after the credit of the
+   step, on the gathered boundary features, so every process holds the same head).
 
 The credit method's state (the value head) is written as ``value_head.pt`` next to every
 checkpoint and the final model, and read back on ``train(resume_from_checkpoint=...)``.
@@ -61,6 +64,7 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
 
 __all__ = [
     "CREDIT_STATE_FILE",
+    "normalization_for_scale_rewards",
     "TRL_METHODS",
     "RREDCoTGRPOConfig",
     "RREDCoTGRPOTrainer",
@@ -96,9 +100,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
 
     ``credit`` holds fields of :class:`rredcot.config.CreditConfig` (``segmenter``, ``lam``,
     ``normalization``, ``value_*``, ``handover``, ...), as a dict in Python or a JSON string on
-    the command line, e.g. ``--credit '{"segmenter": "sentence", "lam": 0.5}'``. TRL's
-    ``scale_rewards`` is not used: ``credit["normalization"]`` decides (``auto``: group std for
-    ``uniform``, as TRL does, ``group_or_batch_std`` for the others).
+    the command line, e.g. ``--credit '{"segmenter": "sentence", "lam": 0.5}'``. With
+    ``credit["normalization"]`` unset (``auto``) TRL's ``scale_rewards`` decides
+    (:func:`normalization_for_scale_rewards`); an explicit one wins, with a warning if it
+    disagrees with a non-default ``scale_rewards``.
     """
 
     credit_method: str = field(
