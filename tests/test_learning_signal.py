@@ -99,9 +99,9 @@ def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(ini
     seen: list[tuple] = []
     original = trainer._optimise
 
-    def spy(batch, advantages, ref_logprobs):
+    def spy(batch, advantages, *rest):
         seen.append((batch, advantages.clone(), copy.deepcopy(method.state_dict())))
-        return original(batch, advantages, ref_logprobs)
+        return original(batch, advantages, *rest)
 
     trainer._optimise = spy
     for step in (1, 2, 3):
