@@ -85,6 +85,14 @@ def test_segmentation_through_bpe_offsets_on_chat_template_output(real_model, ta
         for (a, b), (s, e) in zip(zip(bounds[:-1], bounds[1:]), spans):
             assert tokenizer.decode(ids[a:b]).strip() == NON_ASCII[s:e].strip()
 
+    # a task's system turn replaces the template's default one
+    shown = get_task("word_problems", example=True).train_problems(1, seed=0)[0]
+    text = render_prompt(shown, tokenizer)
+    assert text.startswith("<|im_start|>system\nSolve the problem one step per line")
+    assert "SmolLM" not in text and text.endswith(
+        f"{shown.prompt}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
     # and through a RolloutBatch (the answer line merged into the last step by default)
     batch = batch_from_texts(tokenizer, task, [problem], [NON_ASCII])
     assert [len(b) - 1 for b in batch.boundaries] == [2]
