@@ -171,3 +171,25 @@ def test_explain_demo_html(tmp_path, capsys):
     assert main(["explain", "--demo", "--no-color", "--html", str(page)]) == 0
     assert "sum of r_k" in capsys.readouterr().out
     assert "Where the credit went" in page.read_text()
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+def test_explain_values_match_the_credit_algebra(lam):
+    """The demo's plain-Python credit is credit.segment_advantages_from_values, exactly."""
+    from rredcot.credit import segment_advantages_from_values
+    from rredcot.explain import explain_values
+
+    text = "a=1\nb=2\nc=3\nA:3"  # three segments: the A: line merges into the last step
+    values = [0.5, 0.7, 0.2]
+    segments = explain_values(text, values, reward=0.0, lam=lam)
+    v = torch.tensor([values + [0.0]], dtype=torch.float64)
+    adv, _, rewards = segment_advantages_from_values(
+        v, torch.ones_like(v, dtype=torch.bool), torch.tensor([0.0], dtype=torch.float64), lam
+    )
+    assert [s.text for s in segments] == ["a=1\n", "b=2\n", "c=3\nA:3"]
+    assert [s.reward for s in segments] == rewards[0].tolist()
+    assert [s.advantage for s in segments] == adv[0].tolist()
+    assert [s.value_before for s in segments] == values
+    assert [s.value_after for s in segments] == [0.7, 0.2, 0.0]
+    with pytest.raises(ValueError, match=r"lam must be a float in \[0, 1\]"):
+        explain_values(text, values, reward=0.0, lam=1.5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from rredcot.cli_segment import add_segment_parser, run_segment
 from rredcot.segment import (
     DEFAULT_ANSWER_PATTERN,
     Segmenter,
+    cut_entropies,
     decode_with_offsets,
     get_segmenter,
     list_segmenters,
@@ -32,6 +34,7 @@ from rredcot.segment import (
     spans_to_boundaries,
     split_text,
     token_offsets,
+    token_positions,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -265,8 +268,9 @@ GSM8K = "Janet sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18.\n#### 18"
         "A: 18",
         "Answer: 18",
         "**Final answer:** 18",
-        "The answer is 18.",
+        "<answer>18</answer>",
         "So $\\boxed{18}$",
+        "The final answer is \\boxed{18}.",
     ],
 )
 def test_answer_line_merged_by_default_separate_on_request(answer):
@@ -280,11 +284,11 @@ def test_answer_line_merged_by_default_separate_on_request(answer):
 
 
 def test_answer_inside_the_last_line_uses_the_strategy_cut():
-    text = "We get 18. So the answer is 18."
+    text = "We get 18. So the answer is $\\boxed{18}$."
     assert spans_text(text, split_text(text, "sentence")) == [text]
     assert spans_text(text, split_text(text, "sentence", separate_answer=True)) == [
         "We get 18. ",
-        "So the answer is 18.",
+        "So the answer is $\\boxed{18}$.",
     ]
     # paragraph: the answer is carved out of the last paragraph only when asked
     para = "p1\n\nline a\n#### 5"
@@ -294,6 +298,53 @@ def test_answer_inside_the_last_line_uses_the_strategy_cut():
         "line a\n",
         "#### 5",
     ]
+
+
+# Held-out style traces: merging touches only the task's own answer line.
+
+
+def test_numbers_with_separators_do_not_block_a_sentence_split():
+    text = "The answer is 1,234.56 dollars in total. We are done with this problem."
+    assert spans_text(text, split_text(text, "sentence")) == [
+        "The answer is 1,234.56 dollars in total. ",
+        "We are done with this problem.",
+    ]
+    money = "It costs $1,234.56. Then half of it is 617.28! So 3,000.5 is left over."
+    assert spans_text(money, split_text(money, "sentence")) == [
+        "It costs $1,234.56. ",
+        "Then half of it is 617.28! ",
+        "So 3,000.5 is left over.",
+    ]
+
+
+def test_a_step_that_mentions_the_answer_is_not_an_answer_line():
+    steps = (
+        "Step 1: add 2 and 3 to get 5.\n"
+        "Step 2: multiply by 4 to get 20.\n"
+        "Step 3: so the answer is 20.\n"
+    )
+    assert spans_text(steps, split_text(steps, "step")) == steps.splitlines(keepends=True)
+    assert Segmenter("step").find_answer(steps) is None
+    prose = "We add 2 and 3 to get 5. Then we multiply by 4. So the answer is 20."
+    assert spans_text(prose, split_text(prose, "keywords")) == [
+        "We add 2 and 3 to get 5. Then we multiply by 4. ",
+        "So the answer is 20.",
+    ]
+    # the arithmetic cue is case-sensitive: "a:" opens prose, not an answer
+    assert len(split_text("x = 1\na: fine", "newline")) == 2
+
+
+def test_task_answer_lines_still_merge(arithmetic_task):
+    problem = arithmetic_task.eval_problems(1, seed=0)[0]
+    gold = arithmetic_task.gold_completion(problem)  # "8-1=7\n7*8=56\n56-8=48\nA:48"
+    lines = gold.splitlines(keepends=True)
+    assert lines[-1].startswith("A:")
+    assert spans_text(gold, split_text(gold, "newline")) == [*lines[:-2], lines[-2] + lines[-1]]
+    assert Segmenter("newline").find_answer(gold) == len(gold) - len(lines[-1])
+    assert split_text(gold, "newline", separate_answer=True)[-1] == (len(gold) - 4, len(gold))
+    # an empty pattern finds no answer line: the strategy's cuts are kept as they are
+    assert Segmenter("newline", answer_pattern="").find_answer(gold) is None
+    assert spans_text(gold, split_text(gold, "newline", answer_pattern="")) == lines
 
 
 def test_answer_options_without_an_answer_line():
@@ -646,6 +697,196 @@ def test_property_byte_level_bpe_boundaries(seg_bpe, text, strategy, options):
 
 
 # --------------------------------------------------------------------------------------------
+# Entropy strategies
+# --------------------------------------------------------------------------------------------
+
+
+def _char_offsets(text):
+    return [(i, i + 1) for i in range(len(text))]
+
+
+def _entropy_split(text, strategy, entropies, **options):
+    spans = split_text(text, strategy, offsets=_char_offsets(text), entropies=entropies, **options)
+    return spans_text(text, spans)
+
+
+def test_entropy_cuts_at_the_peaks_with_min_and_max_lengths():
+    text = "aaaa bbbb cccc dddd"
+    h = [0.0] * len(text)
+    h[5], h[7], h[10], h[15] = 2.0, 1.9, 1.5, 3.0
+    # peaks >= 1.0, highest first; 7 is dropped: 2 tokens after the cut at 5 < min=4
+    assert _entropy_split(text, "entropy:threshold=1.0,min=4", h) == [
+        "aaaa ",
+        "bbbb ",
+        "cccc ",
+        "dddd",
+    ]
+    # the top 10% of 19 tokens: the 2 highest entropies (the default)
+    expected = ["aaaa ", "bbbb cccc ", "dddd"]
+    assert _entropy_split(text, "entropy", h) == expected
+    assert _entropy_split(text, "entropy:threshold=1.95", h) == expected
+    assert _entropy_split(text, "entropy:top=0.2,min=2", h) == [
+        "aaaa ",
+        "bb",
+        "bb ",
+        "cccc ",
+        "dddd",
+    ]
+    # no peak reaches 9 nats: max=8 cuts each longer part at its highest entropy (15, 5, 7)
+    assert _entropy_split(text, "entropy:threshold=9,min=2,max=8", h) == [
+        "aaaa ",
+        "bb",
+        "bb cccc ",
+        "dddd",
+    ]
+    assert Segmenter("entropy").boundaries(text, _char_offsets(text), h) == [0, 5, 15, 19]
+
+
+def test_entropy_at_whitespace_opens_the_next_word():
+    text = "aaaa bbbb cccc dddd"
+    h = [0.0] * len(text)
+    h[4] = 5.0  # the space before "bbbb": whitespace stays with the segment before
+    assert _entropy_split(text, "entropy:top=0.05", h) == ["aaaa ", "bbbb cccc dddd"]
+    at_cut = cut_entropies(text, _char_offsets(text), h)
+    assert at_cut[:7] == [None, 0.0, 0.0, 0.0, None, 5.0, 0.0]
+
+
+def test_entropy_on_byte_level_bpe_snaps_to_characters_and_words(seg_bpe):
+    text = "We get 5.\nThen 日本 is next."
+    ids = seg_bpe.encode(text)
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    assert decoded == text
+    positions = token_positions(offsets, text)
+    kanji = text.index("日")
+    pieces = [i for i, p in enumerate(positions) if p == kanji]
+    assert len(pieces) >= 2  # "日" is split into byte pieces by this small BPE
+    newline = next(i for i, (s, e) in enumerate(offsets) if text[s:e] == "\n")
+    segmenter = Segmenter("entropy:top=0.01,min=1")
+    # a peak on a later piece of "日" cuts before the character, not inside it
+    h = [0.0] * len(ids)
+    h[pieces[-1]] = 4.0
+    assert segmenter.split(text, offsets, h) == [(0, kanji), (kanji, len(text))]
+    assert segmenter.boundaries(text, offsets, h) == [0, pieces[0], len(ids)]
+    assert cut_entropies(text, offsets, h)[pieces[0]] == 4.0
+    # a peak on the newline token opens the next line
+    h = [0.0] * len(ids)
+    h[newline] = 4.0
+    then = text.index("Then")
+    assert segmenter.split(text, offsets, h) == [(0, then), (then, len(text))]
+    assert seg_bpe.decode(ids[: segmenter.boundaries(text, offsets, h)[1]]) == "We get 5.\n"
+
+
+def test_keywords_entropy_cuts_long_stretches_at_their_peaks():
+    text = "aaaa bbbb cccc dddd eeee. So ffff. Wait, g."
+    h = [0.0] * len(text)
+    h[text.index("cccc")] = 3.0
+    h[text.index("ffff")] = 5.0  # inside a stretch of 9 tokens, not longer than max: kept whole
+    assert _entropy_split(text, "keywords", h) == [
+        "aaaa bbbb cccc dddd eeee. ",
+        "So ffff. ",
+        "Wait, g.",
+    ]
+    # the 26-token stretch before "So": its peak (cccc), then [10, 26) down to 12 tokens at its
+    # highest (all equal: the earliest that leaves 4 tokens on each side, dddd)
+    assert _entropy_split(text, "keywords+entropy:threshold=1,min=4,max=12", h) == [
+        "aaaa bbbb ",
+        "cccc ",
+        "dddd eeee. ",
+        "So ffff. ",
+        "Wait, g.",
+    ]
+    assert _entropy_split(text, "keywords+entropy:words=wait,threshold=1,max=40", h) == [
+        "aaaa bbbb cccc dddd eeee. So ffff. ",
+        "Wait, g.",
+    ]
+
+
+def test_entropy_strategies_keep_the_answer_line_merged():
+    text = "x = 12 + 30 = 42\n#### 42"
+    h = [0.0] * len(text)
+    h[text.index("##")] = h[text.index("42", 20)] = 9.0
+    assert _entropy_split(text, "entropy:threshold=1,min=1", h) == [text]
+    assert _entropy_split(text, "entropy:threshold=1,min=1", h, separate_answer=True) == [
+        "x = 12 + 30 = 42\n",
+        "#### 42",
+    ]
+
+
+def test_entropy_strategies_need_entropies_and_check_them():
+    text = "abcd efgh"
+    offsets = _char_offsets(text)
+    segmenter = Segmenter("entropy")
+    assert segmenter.uses_entropy and segmenter.uses_tokens
+    assert not Segmenter("tokens:2").uses_entropy
+    with pytest.raises(ValueError, match="pass token offsets and entropies"):
+        segmenter.boundaries(text, offsets)
+    with pytest.raises(ValueError, match="pass token offsets and entropies"):
+        split_text(text, "keywords+entropy")
+    with pytest.raises(ValueError, match="entropies has 3 values but there are 9 tokens"):
+        segmenter.boundaries(text, offsets, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"entropies\[2\] is nan"):
+        segmenter.boundaries(text, offsets, [0.0, 0.0, float("nan")] + [0.0] * 6)
+    with pytest.raises(ValueError, match="1-D sequence of floats"):
+        segmenter.boundaries(text, offsets, [[0.0]] * 9)
+    # a tensor (what the scoring pass returns) is accepted; text strategies ignore entropies
+    h = torch.tensor([0.0] * 5 + [2.0] + [0.0] * 3)
+    assert segmenter.boundaries(text, offsets, h) == [0, 5, 9]
+    assert Segmenter("newline").boundaries(text, offsets, h) == [0, 9]
+    assert segmenter.split("", [], []) == []
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        ("entropy:top=0", r"top must be a fraction in \(0, 1\]"),
+        ("entropy:top=1.5", r"top must be a fraction"),
+        ("entropy:top=0.1,threshold=2", "not both"),
+        ("entropy:threshold=x", "threshold must be a number, got 'x'"),
+        ("entropy:min=2.5", "min must be an integer"),
+        ("entropy:min=0", "min must be >= 1"),
+        ("entropy:min=4,max=6", "max=6 must be at least 2\\*min-1 = 7"),
+        ("entropy:words=So", "bad option 'words=So'"),
+        ("entropy:top", "bad option 'top'"),
+        ("entropy:top=0.1,top=0.2", "each KEY at most once"),
+        ("keywords+entropy:max=none", "max must be a number of tokens"),
+        ("keywords+entropy:words=So||Wait", "non-empty words"),
+    ],
+)
+def test_entropy_options_are_checked(strategy, message):
+    with pytest.raises(ValueError, match=message):
+        get_segmenter(strategy)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.text(alphabet="ab \n.", max_size=40),
+    seed=st.integers(0, 10_000),
+    strategy=st.sampled_from(["entropy:top=0.3,min=3,max=8", "keywords+entropy:min=2,max=6"]),
+)
+def test_property_entropy_segments_respect_min_and_max(seg_bpe, text, seed, strategy):
+    import random
+
+    ids = seg_bpe.encode(text) + [seg_bpe.eos_token_id]
+    decoded, offsets = decode_with_offsets(seg_bpe, ids)
+    rng = random.Random(seed)
+    h = [rng.choice([0.0, 0.5, 1.0, 2.0]) for _ in ids]
+    segmenter = Segmenter(strategy, answer_pattern="")
+    spans = segmenter.split(decoded, offsets, h)
+    _check_spans(decoded, spans, "keywords", {"max_segments": None, "min_chars": 0})
+    bounds = segmenter.boundaries(decoded, offsets, h)
+    _check_boundaries(decoded, spans, offsets, bounds)
+    at_cut = cut_entropies(decoded, offsets, h)
+    arg = segmenter._arg
+    for a, b in zip(bounds, bounds[1:]):
+        # a segment longer than max has no possible cut that leaves min tokens on both sides
+        if b - a > arg.max_tokens:
+            inner = range(a + arg.min_tokens, b - arg.min_tokens + 1)
+            assert all(at_cut[i] is None for i in inner)
+    if strategy.startswith("entropy") and len(bounds) > 2:  # only entropy cuts: min holds
+        assert all(b - a >= arg.min_tokens for a, b in zip(bounds, bounds[1:]))
+
+
+# --------------------------------------------------------------------------------------------
 # Done criterion: every GSM8K test solution, newline and sentence, with the trained BPE
 # --------------------------------------------------------------------------------------------
 
@@ -729,3 +970,125 @@ def test_cli_segment_tokens_and_errors(tmp_path, capsys, seg_bpe):
     assert run_segment(_cli_args([str(tmp_path / "missing.txt")])) == 2
     assert "missing.txt" in capsys.readouterr().err
     assert _cli_args([]).answer_pattern == DEFAULT_ANSWER_PATTERN
+
+
+def test_cli_segment_says_whether_it_merged_the_answer(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text(GSM8K, encoding="utf-8")
+    assert run_segment(_cli_args([str(trace)])) == 0
+    out, err = capsys.readouterr()
+    records = _records(out)
+    assert [r["text"] for r in records] == [
+        "Janet sells 16 - 3 - 4 = 9 eggs.\n",
+        "She makes 9 * 2 = $18.\n#### 18",
+    ]
+    assert all(set(r) == {"index", "start", "end", "text"} for r in records)  # stable format
+    assert "final answer line (from character 56) merged into segment 1" in err
+    assert "--no-merge-answer" in err
+    assert run_segment(_cli_args(["--no-merge-answer", str(trace)])) == 0
+    out, err = capsys.readouterr()
+    assert [r["text"] for r in _records(out)][-1] == "#### 18"
+    assert "is segment 2, not merged" in err
+    trace.write_text("Step 1: 2 + 3 = 5.\nStep 2: the answer is 5.\n", encoding="utf-8")
+    assert run_segment(_cli_args(["--strategy", "step", str(trace)])) == 0
+    out, err = capsys.readouterr()
+    assert len(_records(out)) == 2 and "no final answer line found" in err
+
+
+def _save_tiny_llama(tokenizer, path):
+    from rredcot.models import build_tiny_llama
+
+    model = build_tiny_llama(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def _entropies_by_hand(model, context_ids, ids):
+    """Entropy of each token's distribution, from the logits of one plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context_ids + ids])).logits[0, len(context_ids) - 1 : -1]
+    return torch.distributions.Categorical(logits=logits.float()).entropy().tolist()
+
+
+def test_cli_segment_entropy_with_a_tiny_llama(tmp_path, capsys, char_tokenizer, arithmetic_task):
+    model = _save_tiny_llama(char_tokenizer, tmp_path / "policy")
+    problem = arithmetic_task.eval_problems(1, seed=0)[0]
+    gold = arithmetic_task.gold_completion(problem)  # "8-1=7\n7*8=56\n56-8=48\nA:48"
+    trace = tmp_path / "trace.txt"
+    trace.write_text(gold, encoding="utf-8")
+    strategy = "entropy:top=0.2,min=3"
+    argv = ["--strategy", strategy, "--checkpoint", str(tmp_path / "policy")]
+    assert run_segment(_cli_args([*argv, "--prompt", problem.prompt, str(trace)])) == 0
+    out, err = capsys.readouterr()
+    records = _records(out)
+
+    context = char_tokenizer(problem.prompt)["input_ids"]  # <bos> + prompt characters
+    assert context[0] == char_tokenizer.bos_token_id
+    ids = char_tokenizer(gold, add_special_tokens=False)["input_ids"]
+    h = _entropies_by_hand(model, context, ids)
+    offsets = _char_offsets(gold)
+    assert [(r["start"], r["end"]) for r in records] == Segmenter(strategy).split(gold, offsets, h)
+    assert "".join(r["text"] for r in records) == gold and len(records) > 1
+    assert [r["tokens"] for r in records] == [[r["start"], r["end"]] for r in records]
+    threshold = sorted(h, reverse=True)[math.ceil(0.2 * len(h)) - 1]
+    at_cut = cut_entropies(gold, offsets, h)
+    assert records[0]["entropy"] is None
+    for r in records[1:]:  # every cut is at one of the top 20% entropies
+        assert r["entropy"] == pytest.approx(at_cut[r["start"]], abs=1e-5)
+        assert r["entropy"] >= threshold - 1e-5
+    assert "merged into segment" in err  # the A: line went with the last step
+    # without a prompt the trace is scored after <bos> alone
+    assert run_segment(_cli_args([*argv, str(trace)])) == 0
+    records = _records(capsys.readouterr().out)
+    h = _entropies_by_hand(model, [char_tokenizer.bos_token_id], ids)
+    assert [(r["start"], r["end"]) for r in records] == Segmenter(strategy).split(gold, offsets, h)
+
+
+def test_cli_segment_keywords_entropy_on_byte_level_bpe(tmp_path, capsys, seg_bpe):
+    eos = seg_bpe.eos_token  # GPT-2 style: one <|endoftext|> for bos, eos and pad, no bos added
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=seg_bpe.backend_tokenizer, bos_token=eos, eos_token=eos, pad_token=eos
+    )
+    model = _save_tiny_llama(tokenizer, tmp_path / "policy")
+    text = (
+        "She sells 16 - 3 - 4 = 9 eggs a day at the farmers' market for $2 each, so she "
+        "makes 9 * 2 = $18 every day. Wait, that is per day.\n#### 18"
+    )
+    trace = tmp_path / "trace.txt"
+    trace.write_text(text, encoding="utf-8")
+    strategy = "keywords+entropy:threshold=0,min=3,max=12"  # every token is a peak
+    argv = ["--strategy", strategy, "--checkpoint", str(tmp_path / "policy"), str(trace)]
+    assert run_segment(_cli_args(argv)) == 0
+    out, err = capsys.readouterr()
+    records = _records(out)
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    h = _entropies_by_hand(model, [tokenizer.bos_token_id], ids)  # empty prompt: after bos
+    segmenter = Segmenter(strategy)
+    spans = segmenter.split(text, offsets, h)
+    assert [(r["start"], r["end"]) for r in records] == spans
+    assert "".join(r["text"] for r in records) == text
+    bounds = segmenter.boundaries(text, offsets, h)
+    assert [r["tokens"] for r in records] == [list(p) for p in zip(bounds, bounds[1:])]
+    # the keyword cut is kept; the long stretch before it is cut at most every 12 tokens
+    wait = text.index("Wait")
+    assert wait in [r["start"] for r in records]
+    for r in records:
+        a, b = r["tokens"]
+        if r["end"] <= wait:
+            assert 3 <= b - a <= 12
+    assert records[-1]["text"].endswith(".\n#### 18")  # the answer line merged
+    assert "merged into segment" in err
+
+
+def test_cli_segment_entropy_errors(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("one. two.", encoding="utf-8")
+    assert run_segment(_cli_args(["--strategy", "entropy", str(trace)])) == 2
+    assert "pass --checkpoint DIR" in capsys.readouterr().err
+    missing = tmp_path / "nothing-here"
+    argv = ["--strategy", "entropy", "--checkpoint", str(missing), str(trace)]
+    assert run_segment(_cli_args(argv)) == 2
+    assert "no model directory" in capsys.readouterr().err

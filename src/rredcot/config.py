@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+# yaml is imported where a file is read or written: building the CLI's flags needs none of it.
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -59,9 +59,23 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     num_generations: int = _help("Completions sampled per prompt (the group size G).", default=8)
-    temperature: float = _help("Sampling temperature.", default=1.0)
+    temperature: float = _help(
+        "Sampling temperature. The old log-probs, the loss and the KL reference score the "
+        "completions at this temperature too (logits / T), so the update stays on-policy.",
+        default=1.0,
+    )
     top_p: float = _help("Nucleus sampling threshold.", default=1.0)
-    max_new_tokens: int = _help("Longest completion; longer ones are truncated.", default=64)
+    max_new_tokens: int = _help(
+        "Longest completion; longer ones are truncated. 0: the task's suggestion (room for a "
+        "gold trace: 64 for 4-step arithmetic, 136 for 12 steps), else 64.",
+        default=0,
+    )
+    use_model_generation_config: bool = _help(
+        "Also apply the model's own generation_config (repetition penalty, top-k, min-p, ...). "
+        "Off by default: those settings change the sampling distribution away from the one the "
+        "loss scores (plain temperature / top-p), making the update silently off-policy.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -70,8 +84,8 @@ class SamplingConfig:
             raise ValueError("sampling.temperature must be > 0 (sampling is required for RL)")
         if not 0 < self.top_p <= 1:
             raise ValueError("sampling.top_p must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError("sampling.max_new_tokens must be >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError("sampling.max_new_tokens must be >= 1 (0: the task's suggestion)")
 
 
 @dataclass
@@ -227,8 +241,16 @@ class TrainConfig:
     lr_schedule: str = _help("constant, linear or cosine (after warm-up).", default="constant")
     warmup_steps: int = _help("Linear LR warm-up steps.", default=0)
     weight_decay: float = _help("AdamW weight decay.", default=0.0)
-    epochs_per_batch: int = _help("Optimisation passes over each rollout batch.", default=1)
-    minibatches: int = _help("Minibatches per pass (one optimiser step each).", default=1)
+    epochs_per_batch: int = _help(
+        "Optimisation passes over each rollout batch. With 1 epoch and 1 minibatch (the "
+        "defaults) the update is on-policy: the PPO ratio is exactly 1 and clipping never acts.",
+        default=1,
+    )
+    minibatches: int = _help(
+        "Minibatches per pass (one optimiser step each); more than 1 makes later minibatches "
+        "off-policy, where the PPO clip acts.",
+        default=1,
+    )
     grad_accumulation: int = _help("Micro-batches accumulated into each minibatch.", default=1)
     max_grad_norm: float = _help("Gradient clipping norm (0: off).", default=1.0)
     clip_eps_low: float = _help("PPO ratio clip below 1.", default=0.2)
@@ -323,12 +345,16 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
+    import yaml
+
     with open(path, encoding="utf-8") as fh:
         data = yaml.safe_load(fh) or {}
     return from_dict(cls, data)
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
+    import yaml
+
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
 
@@ -384,7 +410,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
             dest=f"{prefix}{f.name}",
             default=argparse.SUPPRESS,
             metavar=_metavar(hint),
-            help=f"{f.metadata.get('help', '')} (default: {default})",
+            help=f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%"),
         )
 
 
@@ -435,6 +461,8 @@ def resolve_config(
     """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config."""
     base: dict = {}
     if yaml_path:
+        import yaml
+
         with open(yaml_path, encoding="utf-8") as fh:
             base = yaml.safe_load(fh) or {}
     merged = merge_overrides(base, overrides)

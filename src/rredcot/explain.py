@@ -15,9 +15,6 @@ import os
 import sys
 from dataclasses import dataclass
 
-import torch
-
-from rredcot import credit
 from rredcot.segment import get_segmenter
 
 
@@ -33,22 +30,28 @@ class SegmentCredit:
 def explain_values(
     text: str, values: list[float], reward: float, lam: float = 0.0, strategy: str = "newline"
 ) -> list[SegmentCredit]:
-    """Segment ``text`` and turn the values ``V(s_0..s_{n-1})`` into per-segment credit."""
+    """Segment ``text`` and turn the values ``V(s_0..s_{n-1})`` into per-segment credit.
+
+    The algebra of :func:`rredcot.credit.segment_advantages_from_values` for one trace, in plain
+    Python so that the demo starts without torch: ``V(s_n) = R``, ``r_k = V(s_k) - V(s_{k-1})``,
+    ``A_k = sum_{j >= k} lam^(j-k) r_j``.
+    """
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be a float in [0, 1], got {lam!r}")
     spans = get_segmenter(strategy).split(text)
     n = len(spans)
     if len(values) < n:
         raise ValueError(
             f"need {n} values V(s_0)..V(s_{n - 1}) for {n} segments, got {len(values)}"
         )
-    v = torch.tensor([values[:n] + [reward]], dtype=torch.float64)
-    mask = torch.ones_like(v, dtype=torch.bool)
-    adv, _, rewards = credit.segment_advantages_from_values(
-        v, mask, torch.tensor([reward], dtype=torch.float64), lam
-    )
+    v = [float(x) for x in values[:n]] + [float(reward)]
+    rewards = [v[k + 1] - v[k] for k in range(n)]
+    advantages, running = [0.0] * n, 0.0
+    for k in reversed(range(n)):
+        running = rewards[k] + lam * running
+        advantages[k] = running
     return [
-        SegmentCredit(
-            text[a:b], float(v[0, k]), float(v[0, k + 1]), float(rewards[0, k]), float(adv[0, k])
-        )
+        SegmentCredit(text[a:b], v[k], v[k + 1], rewards[k], advantages[k])
         for k, (a, b) in enumerate(spans)
     ]
 

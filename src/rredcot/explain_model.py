@@ -289,7 +289,7 @@ def explain_checkpoint(
         [problem],
         segmenter,
         num_generations=args.samples,
-        max_new_tokens=sampling.max_new_tokens,
+        max_new_tokens=sampling.max_new_tokens or task.suggested_max_new_tokens() or 64,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
     )

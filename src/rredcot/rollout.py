@@ -74,6 +74,16 @@ def eval_mode(policy):
         policy.train(was_training)
 
 
+def train_mode_without_dropout(model) -> None:
+    """Training mode with every dropout off (hidden, attention and LoRA dropout), so the loss
+    pass scores the same distribution as the no-grad scoring pass and the PPO ratio is exactly 1
+    on-policy. Training mode itself stays on, which gradient checkpointing needs."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) or hasattr(module, "attention_dropout"):
+            module.eval()
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as ``generate`` computes them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -127,6 +137,26 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | None)
     return (~after_eos).float()
 
 
+@contextlib.contextmanager
+def plain_generation_config(policy):
+    """Swap the model's ``generation_config`` for a neutral one (its special token ids only) while
+    a block runs. ``generate`` fills every setting the caller leaves unset from the model's own
+    config, so a hub model's repetition penalty or top-k would silently change the sampling
+    distribution away from the one the loss scores."""
+    from transformers import GenerationConfig
+
+    own = getattr(policy, "generation_config", None)
+    if own is None:
+        yield
+        return
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    policy.generation_config = GenerationConfig(**{k: getattr(own, k, None) for k in keep})
+    try:
+        yield
+    finally:
+        policy.generation_config = own
+
+
 @torch.no_grad()
 def sample(
     policy,
@@ -139,8 +169,13 @@ def sample(
     top_p: float = 1.0,
     greedy: bool = False,
     device=None,
+    use_model_generation_config: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
+
+    Sampling is plain temperature / top-p sampling, the distribution the loss scores: a hub
+    model's ``generation_config`` (repetition penalty, top-k, min-p, ...) is ignored unless
+    ``use_model_generation_config``.
 
     Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
     """
@@ -153,14 +188,18 @@ def sample(
         if greedy
         else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     )
-    out = policy.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **kwargs,
+    settings = (
+        contextlib.nullcontext() if use_model_generation_config else plain_generation_config(policy)
     )
+    with settings:
+        out = policy.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **kwargs,
+        )
     P = prompt_ids.shape[1]
     response_ids = out[:, P:]
     response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
@@ -204,11 +243,13 @@ def build_rollout_batch(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    use_model_generation_config: bool = False,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
 
-    Bad samples (verifier error, NaN reward) keep their row but get an all-zero response mask, so
-    they carry no loss and no credit; ``rollout/skipped_samples`` counts them.
+    Bad samples (verifier error, NaN reward) are dropped from the batch, so they carry no loss,
+    no credit and do not enter their group's mean and std; ``rollout/skipped_samples`` counts
+    them (their tokens still count as generated).
     """
     prompts = [render_prompt(p, tokenizer) for p in problems]
     input_ids, attention_mask, P, response_mask = sample(
@@ -219,12 +260,15 @@ def build_rollout_batch(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
+        use_model_generation_config=use_model_generation_config,
     )
     B, T = response_mask.shape
+    generated_tokens = float(response_mask.sum())
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
     completions, verdicts, rewards, boundaries, char_starts = [], [], [], [], []
     skipped = truncated = 0
+    valid: list[bool] = []
     eos = tokenizer.eos_token_id
     for row in range(B):
         length = int(response_mask[row].sum())
@@ -235,10 +279,9 @@ def build_rollout_batch(
         verdict, ok = checked_verify(task, rows_problems[row], text)
         if not ok:
             skipped += 1
-            response_mask[row] = 0
-            attention_mask[row, P:] = 0
-            length = 0
-            content_ids = []
+            valid.append(False)
+        else:
+            valid.append(True)
         offsets = token_offsets(tokenizer, content_ids)
         bounds = segmenter.boundaries(text, offsets) if content_ids else [0]
         if length > len(content_ids):  # the EOS token joins the last segment
@@ -269,20 +312,32 @@ def build_rollout_batch(
         "rollout/truncated_fraction": truncated / max(B, 1),
         "rollout/mean_length": float(lengths.mean()) if B else 0.0,
         "rollout/mean_segments": sum(len(b) - 1 for b in boundaries) / max(B, 1),
-        "rollout/tokens": float(lengths.sum()),
+        "rollout/tokens": generated_tokens,
     }
+    if skipped:
+        batch = batch.select([row for row, ok in enumerate(valid) if ok])
     return batch, stats
 
 
 @torch.no_grad()
 def fill_forward(
-    policy, batch: RolloutBatch, hidden_layers: tuple[int, ...] | None = None
+    policy,
+    batch: RolloutBatch,
+    hidden_layers: tuple[int, ...] | None = None,
+    temperature: float = 1.0,
 ) -> RolloutBatch:
-    """The one no-grad forward over a fresh batch: old log-probs and (optionally) the hidden
-    states the value head reads, so values cost no extra forward pass."""
-    fwd = policy_forward(
-        policy, batch.input_ids, batch.attention_mask, batch.prompt_len, hidden_layers=hidden_layers
-    )
+    """The one no-grad forward over a fresh batch: old log-probs (at the sampling temperature,
+    so they score what was sampled) and (optionally) the hidden states the value head reads, so
+    values cost no extra forward pass."""
+    with eval_mode(policy):
+        fwd = policy_forward(
+            policy,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            hidden_layers=hidden_layers,
+            temperature=temperature,
+        )
     batch.old_logprobs = fwd.logprobs
     batch.hidden_states = fwd.hidden_states
     return batch

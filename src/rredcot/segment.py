@@ -14,10 +14,11 @@ Conventions, shared by every strategy:
 - Whitespace belongs to the segment before it: a line's ``\\n`` ends that line's segment, blank
   lines and indentation go with the segment above, and every segment but the first starts on a
   non-whitespace character. An all-whitespace text is one segment.
-- The final answer line (``answer_pattern``) is merged into the last reasoning step unless
-  ``separate_answer=True``: an answer line as its own segment lets an uncalibrated value head put
-  the whole blame of a wrong trace on it, which collapsed training in our prototype (DESIGN.md
-  section 7).
+- The final answer line (``answer_pattern``: the task's own answer line, ``A:18``, ``#### 18``,
+  ``Answer: 18``, ``<answer>18</answer>`` or a ``\\boxed{18}`` line, not a step that mentions "the
+  answer") is merged into the last reasoning step unless ``separate_answer=True``: an answer line
+  as its own segment lets an uncalibrated value head put the whole blame of a wrong trace on it,
+  which collapsed training in our prototype (DESIGN.md section 7).
 - A token belongs to the segment holding its first non-whitespace character (its start when the
   token is all whitespace or when no text is given): ``" So"`` goes with the segment that ``So``
   opens, a lone ``"\\n"`` with the line it ends. A token whose bytes straddle a split goes where it
@@ -25,17 +26,29 @@ Conventions, shared by every strategy:
   a trailing eos belongs to the last segment.
 
 Strategies are looked up by name, with an optional argument after a colon: ``newline``,
-``paragraph``, ``sentence``, ``step[:REGEX]``, ``keywords[:Word|Word ...]``, ``tokens:N``.
-``tokens:N`` counts tokens, so it needs offsets: ``Segmenter.boundaries(text, offsets)`` or
-``split_text(..., offsets=...)``; without offsets ``split_text`` raises a ``ValueError`` (a
-character-count fallback would silently disagree with the token boundaries).
+``paragraph``, ``sentence``, ``step[:REGEX]``, ``keywords[:Word|Word ...]``, ``tokens:N``,
+``entropy[:OPTIONS]`` and ``keywords+entropy[:OPTIONS]``. ``tokens:N`` counts tokens, so it needs
+offsets: ``Segmenter.boundaries(text, offsets)`` or ``split_text(..., offsets=...)``; without
+offsets ``split_text`` raises a ``ValueError`` (a character-count fallback would silently disagree
+with the token boundaries).
+
+The entropy strategies also need ``entropies[i]``, the entropy (nats) of the policy's
+distribution that token ``i`` was sampled from: ``Segmenter.boundaries(text, offsets,
+entropies)``. ``entropy`` cuts before high-entropy tokens (``top=F``: the top fraction F of the
+trace's tokens, default 0.1; or ``threshold=H`` nats), keeping segments at least ``min=N`` tokens
+long (default 4) and, with ``max=N``, cutting longer ones at their highest entropy.
+``keywords+entropy`` cuts at discourse keywords (``words=Word|Word``, default as ``keywords``) and,
+inside every stretch without one longer than ``max`` tokens (default 32), at entropy peaks. A cut
+at a whitespace-only token opens the next word; one at a piece of a multi-byte character goes
+before that character.
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -49,6 +62,7 @@ __all__ = [
     "DEFAULT_KEYWORDS",
     "Segmenter",
     "Span",
+    "cut_entropies",
     "decode_with_offsets",
     "get_segmenter",
     "list_segmenters",
@@ -56,18 +70,21 @@ __all__ = [
     "spans_to_boundaries",
     "split_text",
     "token_offsets",
+    "token_positions",
 ]
 
 Span = tuple[int, int]
 
-# The last non-blank line is the final answer when it matches (``re.search``, case-insensitive):
-# "A: 18", "Answer: 18", "Final answer: 18", "#### 18", "... \boxed{18}", "So the answer is 18."
+# The last non-blank line is the final answer when it matches (``re.search``): the task's own
+# answer line, never a reasoning step that merely mentions "the answer". "A:18" (arithmetic, case
+# sensitive), "Answer: 18" / "**Final answer:** 18", "#### 18" (GSM8K), "<answer>18</answer>"
+# (reasoning-gym), and a line holding "\boxed{18}".
 DEFAULT_ANSWER_PATTERN = (
     r"(?i)^\s*(?:\*\*)?(?:final\s+)?answer\s*(?:\*\*)?\s*:"
-    r"|^\s*A\s*:"
+    r"|^\s*(?-i:A)\s*:"
     r"|^\s*####"
+    r"|^\s*<answer>"
     r"|\\boxed\s*\{"
-    r"|\bthe\s+(?:final\s+)?answer\s+is\b"
 )
 
 # Discourse markers that open a new reasoning move (matched case-insensitively at a sentence start).
@@ -132,6 +149,7 @@ class _Strategy:
     fn: Callable[..., Iterable[int]]
     parse_arg: Callable[[str, str | None], Any]
     uses_tokens: bool
+    uses_entropy: bool
     usage: str
 
 
@@ -143,6 +161,7 @@ def register_segmenter(
     *,
     parse_arg: Callable[[str, str | None], Any] | None = None,
     uses_tokens: bool = False,
+    uses_entropy: bool = False,
     usage: str | None = None,
 ) -> Callable[[Callable[..., Iterable[int]]], Callable[..., Iterable[int]]]:
     """Register a segmentation strategy under ``name`` (decorator).
@@ -151,8 +170,10 @@ def register_segmenter(
     order (duplicates, 0 and ``len(text)`` are ignored). A text strategy is ``fn(text, arg)``; its
     cuts are moved past whitespace so that whitespace stays with the segment before. A token
     strategy (``uses_tokens=True``) is ``fn(text, arg, positions)`` with ``positions[i]`` the
-    character position of token ``i``; its cuts are used as given. ``parse_arg(name, arg)`` turns
-    the text after the colon of ``"name:arg"`` (``None`` without a colon) into ``arg`` and raises
+    character position of token ``i``; its cuts are used as given. An entropy strategy
+    (``uses_entropy=True``, implies ``uses_tokens``) is ``fn(text, arg, positions, entropies)``
+    with ``entropies[i]`` the policy's entropy at token ``i``. ``parse_arg(name, arg)`` turns the
+    text after the colon of ``"name:arg"`` (``None`` without a colon) into ``arg`` and raises
     ``ValueError`` on bad input; by default a strategy takes no argument.
     """
     if not name or ":" in name:
@@ -161,7 +182,9 @@ def register_segmenter(
     def decorator(fn: Callable[..., Iterable[int]]) -> Callable[..., Iterable[int]]:
         if name in _STRATEGIES:
             raise ValueError(f"segmentation strategy {name!r} is already registered")
-        _STRATEGIES[name] = _Strategy(fn, parse_arg or _no_arg, uses_tokens, usage or name)
+        _STRATEGIES[name] = _Strategy(
+            fn, parse_arg or _no_arg, uses_tokens or uses_entropy, uses_entropy, usage or name
+        )
         return fn
 
     return decorator
@@ -328,6 +351,186 @@ def _tokens(text: str, n: int, positions: list[int]) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------
+# Entropy strategies: (text, arg, token positions, entropies) -> cut positions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _EntropyArgs:
+    top: float | None  # cut at the top fraction of the trace's token entropies...
+    threshold: float | None  # ...or at entropies >= this (nats); exactly one is set
+    min_tokens: int  # no segment made by an entropy cut is shorter
+    max_tokens: int | None  # entropy: no longer segment; keywords+entropy: a "long" stretch
+    keywords: re.Pattern[str] | None  # keywords+entropy only
+
+
+def _parse_entropy(name: str, arg: str | None) -> _EntropyArgs:
+    hybrid = name != "entropy"
+    keys = ["top", "threshold", "min", "max", *(["words"] if hybrid else [])]
+    given: dict[str, str] = {}
+    for item in arg.split(",") if arg else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or key not in keys or key in given or not value:
+            raise ValueError(
+                f"{name}: bad option {item!r}; options are KEY=VALUE, each KEY at most once, "
+                f"KEY in {', '.join(keys)} (e.g. '{name}:top=0.1,min=4,max=32')"
+            )
+        given[key] = value
+    if "top" in given and "threshold" in given:
+        raise ValueError(f"{name}: give top=FRACTION or threshold=NATS, not both")
+
+    def number(key: str, kind: type, default: str) -> Any:
+        text = given.get(key, default)
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value):
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"{name}: {key} must be {what}, got {text!r}")
+        return value
+
+    top = threshold = None
+    if "threshold" in given:
+        threshold = number("threshold", float, "")
+    else:
+        top = number("top", float, "0.1")
+        if not 0.0 < top <= 1.0:
+            raise ValueError(f"{name}: top must be a fraction in (0, 1], got {top}")
+    min_tokens = number("min", int, "4")
+    if min_tokens < 1:
+        raise ValueError(f"{name}: min must be >= 1 token, got {min_tokens}")
+    max_tokens = None
+    if given.get("max", "32" if hybrid else "none").lower() != "none":
+        max_tokens = number("max", int, "32")
+        if max_tokens < 2 * min_tokens - 1:
+            raise ValueError(
+                f"{name}: max={max_tokens} must be at least 2*min-1 = {2 * min_tokens - 1}, so "
+                "that a long segment can be cut into two of at least min tokens"
+            )
+    elif hybrid:
+        raise ValueError(
+            f"{name}: max must be a number of tokens (a stretch without a keyword that is longer "
+            "than max tokens is cut at its entropy peaks)"
+        )
+    keywords = _parse_keywords(name, given.get("words")) if hybrid else None
+    return _EntropyArgs(top, threshold, min_tokens, max_tokens, keywords)
+
+
+def _entropy_cuts(
+    text: str, positions: list[int], entropies: list[float]
+) -> dict[int, tuple[float, int]]:
+    """The possible cuts of a trace: ``{b: (entropy, char)}`` for a cut before token ``b``.
+
+    A cut at token ``i >= 1`` goes before the first piece of its character (byte-level pieces
+    share a position) and past whitespace (a whitespace-only token's cut opens the next word), so
+    it lands at character ``char``, before token ``b`` (the first token at or after ``char``).
+    Where several tokens land on one cut it keeps the highest entropy. A cut needs content
+    before it and after it: none lands in leading whitespace or at the end of the text.
+    """
+    length = len(text)
+    content = [length] * (length + 1)  # content[c]: the first non-whitespace index >= c
+    for c in range(length - 1, -1, -1):
+        content[c] = c if not text[c].isspace() else content[c + 1]
+    cuts: dict[int, tuple[float, int]] = {}
+    for i in range(1, len(positions)):
+        char = content[positions[i]]
+        b = bisect_left(positions, char)
+        if content[0] < char < length and (b not in cuts or entropies[i] > cuts[b][0]):
+            cuts[b] = (entropies[i], char)
+    return cuts
+
+
+def _entropy_threshold(arg: _EntropyArgs, entropies: list[float]) -> float:
+    """``threshold``, or the k-th highest entropy of the trace, k = ceil(top * T)."""
+    if arg.threshold is not None:
+        return arg.threshold
+    if not entropies:
+        return math.inf
+    k = max(1, math.ceil(arg.top * len(entropies)))
+    return sorted(entropies, reverse=True)[k - 1]
+
+
+def _entropy_stretch(
+    cuts: dict[int, tuple[float, int]], lo: int, hi: int, threshold: float, arg: _EntropyArgs
+) -> list[int]:
+    """Token cuts inside the stretch ``[lo, hi)``.
+
+    First the peaks: cuts at entropy >= ``threshold``, highest first (ties: the earlier), each
+    kept when it leaves at least ``min_tokens`` to ``lo``, ``hi`` and every peak already kept.
+    Then, with ``max_tokens``, each part still longer is cut at its highest entropy among the cuts
+    that leave at least ``min_tokens`` on both sides, until none is longer or has such a cut
+    (``min_tokens`` wins where the two conflict).
+    """
+    inside = sorted(b for b in cuts if lo < b < hi)
+    chosen: list[int] = []  # sorted
+    for b in sorted(inside, key=lambda b: (-cuts[b][0], b)):
+        if cuts[b][0] < threshold:
+            break
+        k = bisect_left(chosen, b)
+        left = chosen[k - 1] if k > 0 else lo
+        right = chosen[k] if k < len(chosen) else hi
+        if b - left >= arg.min_tokens and right - b >= arg.min_tokens:
+            chosen.insert(k, b)
+    if arg.max_tokens is None:
+        return chosen
+    bounds = [lo, *chosen, hi]
+    parts = list(zip(bounds, bounds[1:]))
+    while parts:
+        a, z = parts.pop()
+        options = inside[bisect_right(inside, a) : bisect_left(inside, z)]
+        if z - a <= arg.max_tokens:
+            continue
+        roomy = [b for b in options if min(b - a, z - b) >= arg.min_tokens]
+        if not roomy:
+            continue
+        b = max(roomy, key=lambda b: (cuts[b][0], -b))
+        chosen.append(b)
+        parts += [(a, b), (b, z)]
+    return chosen
+
+
+_ENTROPY_USAGE = "top=F|threshold=H,min=N,max=N"
+
+
+@register_segmenter(
+    "entropy", parse_arg=_parse_entropy, uses_entropy=True, usage=f"entropy[:{_ENTROPY_USAGE}]"
+)
+def _entropy(
+    text: str, arg: _EntropyArgs, positions: list[int], entropies: list[float]
+) -> list[int]:
+    """Cut before tokens where the policy's next-token entropy is high (default: the top 10% of
+    the trace's tokens, segments of at least 4 tokens, no maximum)."""
+    cuts = _entropy_cuts(text, positions, entropies)
+    threshold = _entropy_threshold(arg, entropies)
+    return [cuts[b][1] for b in _entropy_stretch(cuts, 0, len(positions), threshold, arg)]
+
+
+@register_segmenter(
+    "keywords+entropy",
+    parse_arg=_parse_entropy,
+    uses_entropy=True,
+    usage=f"keywords+entropy[:{_ENTROPY_USAGE},words=Word|Word...]",
+)
+def _keywords_entropy(
+    text: str, arg: _EntropyArgs, positions: list[int], entropies: list[float]
+) -> list[int]:
+    """Cut before discourse keywords (as ``keywords``), and at the entropy peaks of every stretch
+    without one that is longer than ``max`` tokens (default 32), down to ``max`` tokens."""
+    keyword_cuts = _keywords(text, arg.keywords)
+    cuts = _entropy_cuts(text, positions, entropies)
+    threshold = _entropy_threshold(arg, entropies)
+    edges = sorted({0, len(positions), *(bisect_left(positions, c) for c in keyword_cuts)})
+    chosen = [
+        b
+        for lo, hi in zip(edges, edges[1:])
+        if hi - lo > arg.max_tokens
+        for b in _entropy_stretch(cuts, lo, hi, threshold, arg)
+    ]
+    return [*keyword_cuts, *(cuts[b][1] for b in chosen)]
+
+
+# --------------------------------------------------------------------------------------------
 # Options: whitespace, the answer line, min_chars, max_segments
 # --------------------------------------------------------------------------------------------
 
@@ -419,12 +622,34 @@ def _cap(cuts: list[int], nonws: list[int], end: int, limit: int | None) -> list
 # --------------------------------------------------------------------------------------------
 
 
+def _as_entropies(entropies: Sequence[float] | Any, n_tokens: int) -> list[float]:
+    """``entropies`` as a list of finite floats, one per token."""
+    if hasattr(entropies, "tolist"):  # a (T,) tensor or array
+        entropies = entropies.tolist()
+    try:
+        values = [float(h) for h in entropies]
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            "entropies must be a 1-D sequence of floats, one per response token"
+        ) from e
+    if len(values) != n_tokens:
+        raise ValueError(
+            f"entropies has {len(values)} values but there are {n_tokens} tokens: pass one "
+            "entropy per token of offsets (the same response tokens, eos included if it is)"
+        )
+    bad = next((i for i, h in enumerate(values) if not math.isfinite(h)), None)
+    if bad is not None:
+        raise ValueError(f"entropies[{bad}] is {values[bad]}: every entropy must be finite")
+    return values
+
+
 @dataclass(frozen=True)
 class Segmenter:
     """A strategy plus options; ``split(text)`` gives character spans, ``boundaries(text,
     offsets)`` token boundaries.
 
-    - ``strategy``: ``"newline"``, ``"sentence"``, ``"tokens:16"``, ... (``list_segmenters()``).
+    - ``strategy``: ``"newline"``, ``"sentence"``, ``"tokens:16"``, ``"entropy"``, ...
+      (``list_segmenters()``).
     - ``min_chars``: segments with fewer non-whitespace characters merge into the next one (a
       short last segment into the previous one).
     - ``max_segments``: at most this many segments; the adjacent pair with the fewest
@@ -433,17 +658,17 @@ class Segmenter:
       last non-blank line) as its own last segment, exempt from ``min_chars``/``max_segments``
       merging (unless ``max_segments == 1``). When False (default) the answer line is merged into
       the last reasoning step (DESIGN.md section 7). A text without an answer line (truncated) is
-      split as is.
+      split as is; an empty ``answer_pattern`` (or ``None``) never finds one.
     """
 
     strategy: str = "newline"
     min_chars: int = 0
     max_segments: int | None = None
     separate_answer: bool = False
-    answer_pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATTERN
+    answer_pattern: str | re.Pattern[str] | None = DEFAULT_ANSWER_PATTERN
     _entry: _Strategy = field(init=False, repr=False, compare=False)
     _arg: Any = field(init=False, repr=False, compare=False)
-    _answer_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _answer_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         entry, arg = _parse_strategy(self.strategy)
@@ -457,48 +682,108 @@ class Segmenter:
             or self.max_segments < 1
         ):
             raise ValueError(f"max_segments must be None or an int >= 1, got {self.max_segments!r}")
-        try:
-            answer_re = re.compile(self.answer_pattern)
-        except re.error as e:
-            raise ValueError(f"answer_pattern {self.answer_pattern!r} is not a regex: {e}") from e
+        answer_re = None
+        if getattr(self.answer_pattern, "pattern", self.answer_pattern):  # not None, not empty
+            try:
+                answer_re = re.compile(self.answer_pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"answer_pattern {self.answer_pattern!r} is not a regex: {e}"
+                ) from e
         object.__setattr__(self, "_entry", entry)
         object.__setattr__(self, "_arg", arg)
         object.__setattr__(self, "_answer_re", answer_re)
 
     @property
     def uses_tokens(self) -> bool:
-        """True when the strategy counts tokens and so needs offsets (``tokens:N``)."""
+        """True when the strategy counts tokens and so needs offsets (``tokens:N``, entropy)."""
         return self._entry.uses_tokens
 
-    def split(self, text: str, offsets: Sequence[Span] | None = None) -> list[Span]:
+    @property
+    def uses_entropy(self) -> bool:
+        """True when the strategy cuts at the policy's entropy and so needs ``entropies``."""
+        return self._entry.uses_entropy
+
+    def split(
+        self,
+        text: str,
+        offsets: Sequence[Span] | None = None,
+        entropies: Sequence[float] | None = None,
+    ) -> list[Span]:
         """Character spans of ``text``: contiguous, non-empty, covering ``[0, len(text))``.
 
         ``offsets`` (token character spans, see ``token_offsets``) are needed only by token
-        strategies such as ``tokens:N``. Empty text gives ``[]``.
+        strategies such as ``tokens:N``, ``entropies`` (one per token) only by ``entropy`` and
+        ``keywords+entropy``; other strategies ignore them. Empty text gives ``[]``.
         """
+        return self._split(text, offsets, entropies)[0]
+
+    def find_answer(
+        self,
+        text: str,
+        offsets: Sequence[Span] | None = None,
+        entropies: Sequence[float] | None = None,
+    ) -> int | None:
+        """Where the final answer line starts in ``text`` (the segment it was merged into, or its
+        own with ``separate_answer``), or ``None`` when the last line is no answer line."""
+        return self._split(text, offsets, entropies)[1]
+
+    def boundaries(
+        self, text: str, offsets: Sequence[Span], entropies: Sequence[float] | None = None
+    ) -> list[int]:
+        """Token boundaries ``[0, b_1, ..., T]`` of a response with token ``offsets`` in ``text``.
+
+        ``offsets`` come from ``token_offsets``/``decode_with_offsets`` (generated ids) or from
+        ``tokenizer(text, return_offsets_mapping=True)["offset_mapping"]`` (re-tokenized text).
+        ``entropies[i]``: the entropy (nats) of the policy's distribution that token ``i`` was
+        sampled from, e.g. ``policy_forward(..., with_entropy=True).entropy[row, :T]``; needed by
+        the entropy strategies only.
+        """
+        return spans_to_boundaries(self.split(text, offsets, entropies), offsets, text=text)
+
+    def _strategy_cuts(
+        self, text: str, offsets: Sequence[Span] | None, entropies: Sequence[float] | None
+    ) -> list[int]:
+        """The strategy's cut positions, sorted, before the options."""
+        entry = self._entry
+        if not entry.uses_tokens:
+            return _skip_whitespace(text, entry.fn(text, self._arg))
+        if offsets is None or (entry.uses_entropy and entropies is None):
+            needs = "token offsets and entropies" if entry.uses_entropy else "token offsets"
+            raise ValueError(
+                f"strategy {self.strategy!r} counts tokens: pass {needs}, e.g. "
+                f"Segmenter.boundaries(text, offsets{', entropies' if entry.uses_entropy else ''})"
+                " with offsets from token_offsets(tokenizer, token_ids)"
+                + (
+                    " and entropies[i] the policy's entropy at token i "
+                    "(rredcot segment --strategy entropy --checkpoint DIR computes them)"
+                    if entry.uses_entropy
+                    else ""
+                )
+            )
+        positions = _token_positions(offsets, text, len(text))
+        if not entry.uses_entropy:
+            return sorted(set(entry.fn(text, self._arg, positions)))
+        values = _as_entropies(entropies, len(positions))
+        return sorted(set(entry.fn(text, self._arg, positions, values)))
+
+    def _split(
+        self, text: str, offsets: Sequence[Span] | None, entropies: Sequence[float] | None
+    ) -> tuple[list[Span], int | None]:
+        """The spans, and where the final answer starts (``None``: no answer line)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         length = len(text)
         if length == 0:
-            return []
+            return [], None
+        cuts = self._strategy_cuts(text, offsets, entropies)
         nonws = list(
             accumulate(map(not_, map(str.isspace, text)), initial=0)
         )  # content prefix sums
-        if self._entry.uses_tokens:
-            if offsets is None:
-                raise ValueError(
-                    f"strategy {self.strategy!r} counts tokens: pass token offsets, e.g. "
-                    "Segmenter.boundaries(text, offsets) or split_text(..., offsets=offsets) "
-                    "with offsets from token_offsets(tokenizer, token_ids)"
-                )
-            positions = _token_positions(offsets, text, length)
-            cuts = sorted(set(self._entry.fn(text, self._arg, positions)))
-        else:
-            cuts = _skip_whitespace(text, self._entry.fn(text, self._arg))
         cuts = [c for c in cuts if 0 < c < length and nonws[c] > 0]
 
         end = length  # the segments [0, end) are merged by the options; [end, length) is the answer
-        answer = _answer_start(text, cuts, self._answer_re)
+        answer = None if self._answer_re is None else _answer_start(text, cuts, self._answer_re)
         if answer is not None:
             cuts = [c for c in cuts if c < answer]  # the answer line in one piece, merged back
             if self.separate_answer and nonws[answer] > 0 and self.max_segments != 1:
@@ -510,15 +795,7 @@ class Segmenter:
         if end < length:
             cuts.append(end)
         bounds = [0, *cuts, length]
-        return list(zip(bounds, bounds[1:]))
-
-    def boundaries(self, text: str, offsets: Sequence[Span]) -> list[int]:
-        """Token boundaries ``[0, b_1, ..., T]`` of a response with token ``offsets`` in ``text``.
-
-        ``offsets`` come from ``token_offsets``/``decode_with_offsets`` (generated ids) or from
-        ``tokenizer(text, return_offsets_mapping=True)["offset_mapping"]`` (re-tokenized text).
-        """
-        return spans_to_boundaries(self.split(text, offsets), offsets, text=text)
+        return list(zip(bounds, bounds[1:])), answer
 
 
 def get_segmenter(strategy: str = "newline", **options: Any) -> Segmenter:
@@ -533,12 +810,13 @@ def split_text(
     min_chars: int = 0,
     max_segments: int | None = None,
     separate_answer: bool = False,
-    answer_pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATTERN,
+    answer_pattern: str | re.Pattern[str] | None = DEFAULT_ANSWER_PATTERN,
     offsets: Sequence[Span] | None = None,
+    entropies: Sequence[float] | None = None,
 ) -> list[Span]:
     """Split ``text`` into contiguous character spans covering it exactly (see ``Segmenter``)."""
     segmenter = Segmenter(strategy, min_chars, max_segments, separate_answer, answer_pattern)
-    return segmenter.split(text, offsets)
+    return segmenter.split(text, offsets, entropies)
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,6 +861,25 @@ def _token_positions(offsets: Sequence[Span], text: str | None, length: int) -> 
             prev = p
         positions.append(prev)
     return positions
+
+
+def token_positions(offsets: Sequence[Span], text: str) -> list[int]:
+    """The character position that decides each token's segment (non-decreasing): its first
+    non-whitespace character (its start when it is all whitespace), the position of the token
+    before for an empty span. The tokens of a span ``(s, e)`` start at
+    ``bisect_left(positions, s)``."""
+    return _token_positions(offsets, text, len(text))
+
+
+def cut_entropies(
+    text: str, offsets: Sequence[Span], entropies: Sequence[float]
+) -> list[float | None]:
+    """The entropy at a cut before each token, as the entropy strategies see it: entry ``b`` is
+    the highest entropy of the tokens whose cut lands before token ``b`` (``None`` where none
+    does, always for ``b = 0``)."""
+    positions = _token_positions(offsets, text, len(text))
+    cuts = _entropy_cuts(text, positions, _as_entropies(entropies, len(positions)))
+    return [cuts[b][0] if b in cuts else None for b in range(len(positions))]
 
 
 def spans_to_boundaries(

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rredcot.config import _help, save_yaml, to_dict
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task
+
+# torch is imported inside the functions that use it: the CLI builds its flags from SFTConfig,
+# and `rredcot --help` should not pay seconds for an import it does not need.
 
 
 @dataclass
@@ -89,6 +90,8 @@ def _training_text(task: Task, problem, rng: random.Random, early_answer_prob: f
 
 def _encode_batch(tokenizer, prompts: list[str], completions: list[str], device):
     """Right-padded ``prompt + completion + eos`` ids and a loss mask on the completion."""
+    import torch
+
     from rredcot.rollout import prompt_special_tokens
 
     special = prompt_special_tokens(tokenizer)
@@ -111,6 +114,8 @@ def _encode_batch(tokenizer, prompts: list[str], completions: list[str], device)
 
 def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
+    import torch
+
     from rredcot.models import build_char_tokenizer, build_tiny_llama, count_parameters
     from rredcot.rollout import greedy_accuracy, render_prompt
     from rredcot.trainer import seed_everything

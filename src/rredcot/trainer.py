@@ -33,6 +33,7 @@ from rredcot.rollout import (
     policy_forward,
     prompt_special_tokens,
     render_prompt,
+    train_mode_without_dropout,
 )
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
@@ -50,6 +51,15 @@ def resolve_device(name: str) -> torch.device:
             return torch.device("cuda")
         return torch.device("cpu")
     return torch.device(name)
+
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def resolve_max_new_tokens(cfg: TrainConfig, task) -> None:
+    """Fill ``sampling.max_new_tokens = 0`` (auto) from the task's suggestion, in place."""
+    if cfg.sampling.max_new_tokens == 0:
+        cfg.sampling.max_new_tokens = task.suggested_max_new_tokens() or DEFAULT_MAX_NEW_TOKENS
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -88,6 +98,7 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped  # the clipped branch won: this token's gradient is cut
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
         delta = ref_logprobs - logprobs
@@ -106,7 +117,7 @@ def policy_loss(
     with torch.no_grad():
         n = mask.sum().clamp_min(1.0)
         stats = {
-            "clip_fraction": float(((per_token != unclipped).float() * mask).sum() / n),
+            "clip_fraction": float((was_clipped.float() * mask).sum() / n),
             "kl": float((kl * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
         }
@@ -150,6 +161,7 @@ class Trainer:
         seed_everything(cfg.seed)
 
         self.task = get_task(cfg.task, **cfg.task_args)
+        resolve_max_new_tokens(cfg, self.task)
         self.policy, self.tokenizer = self._load_policy()
         if not cfg.threads and self.device.type == "cpu" and _num_params(self.policy) < 20_000_000:
             torch.set_num_threads(1)  # tiny models: more threads only add contention
@@ -292,6 +304,7 @@ class Trainer:
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
+            use_model_generation_config=s.use_model_generation_config,
         )
         if forward:
             self._fill_forward(batch)
@@ -299,7 +312,9 @@ class Trainer:
 
     def _fill_forward(self, batch: RolloutBatch) -> None:
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        fill_forward(self.policy, batch, hidden_layers=layers)
+        fill_forward(
+            self.policy, batch, hidden_layers=layers, temperature=self.cfg.sampling.temperature
+        )
 
     # -- one RL step ------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -308,13 +323,22 @@ class Trainer:
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         seed_everything(step_seed(cfg.seed, step, salt=self.rank))
         batch, stats = self.rollout(problems, forward=False)
+        if batch.size == 0:
+            raise RuntimeError(
+                f"step {step}: the verifier rejected every sample (errors or non-finite rewards); "
+                "fix the task's verify() so that it returns a finite reward for model output"
+            )
         t_rollout = time.perf_counter()
         self._fill_forward(batch)
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs = policy_forward(
-                    self.reference, batch.input_ids, batch.attention_mask, batch.prompt_len
+                    self.reference,
+                    batch.input_ids,
+                    batch.attention_mask,
+                    batch.prompt_len,
+                    temperature=cfg.sampling.temperature,
                 ).logprobs
         t_old = time.perf_counter()
         credit_out = self.method.compute(batch)
@@ -364,7 +388,7 @@ class Trainer:
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs
     ) -> dict[str, float]:
         cfg = self.cfg
-        self.model.train()
+        train_mode_without_dropout(self.model)
         B = batch.size
         T_max = cfg.sampling.max_new_tokens
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -388,6 +412,7 @@ class Trainer:
                             batch.attention_mask[micro],
                             batch.prompt_len,
                             with_entropy=True,
+                            temperature=cfg.sampling.temperature,
                         )
                         rmask = batch.response_mask[micro]
                         loss, st = policy_loss(

@@ -44,7 +44,7 @@ def add_bench_parser(sub) -> None:
     bench.set_defaults(bench_help=bench.format_help)
     bsub = bench.add_subparsers(dest="bench_command")
 
-    from rredcot.bench.credit import CreditBenchConfig
+    from rredcot.bench.configs import CreditBenchConfig
 
     d = CreditBenchConfig(checkpoint="")
     p = bsub.add_parser(
@@ -94,7 +94,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--examples", type=int, default=d.examples, help="Traces per example page.")
     p.add_argument("--device", default=d.device)
 
-    from rredcot.bench.learn import LearnBenchConfig
+    from rredcot.bench.configs import LearnBenchConfig
 
     d = LearnBenchConfig()
     p = bsub.add_parser(
@@ -132,7 +132,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--variance-bootstrap", type=int, default=d.variance_bootstrap)
     p.add_argument("--progress", action="store_true", help="Progress bars.")
 
-    from rredcot.bench.overhead import OverheadBenchConfig
+    from rredcot.bench.configs import OverheadBenchConfig
 
     d = OverheadBenchConfig()
     p = bsub.add_parser(

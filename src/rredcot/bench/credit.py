@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from rredcot import credit as credit_algebra
+from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
@@ -68,30 +69,14 @@ from rredcot.methods.base import RolloutBatch
 # statistics
 
 
-def rankdata(x: torch.Tensor) -> torch.Tensor:
-    """1-based ranks of a 1-D tensor; tied entries share the average of their ranks.
-
-    ``rankdata([10, 20, 20, 30]) = [1, 2.5, 2.5, 4]``.
-    """
-    x = x.detach().flatten().double().cpu()
-    n = x.numel()
-    if n == 0:
-        return torch.zeros(0, dtype=torch.float64)
-    order = torch.argsort(x, stable=True)
-    _, counts = torch.unique_consecutive(x[order], return_counts=True)
-    ends = counts.cumsum(0).double()  # rank of the last member of each tie group
-    avg = ends - (counts.double() - 1) / 2  # average rank of each tie group
-    ranks = torch.empty(n, dtype=torch.float64)
-    ranks[order] = torch.repeat_interleave(avg, counts)
-    return ranks
-
-
 def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> float:
-    """Spearman rank correlation: Pearson's r of the average ranks (ties handled).
+    """Spearman rank correlation (``scipy.stats.spearmanr``: average ranks for ties).
 
     ``decimals`` rounds both inputs first so that float noise (``0.1 + 0.2`` vs ``0.3``) ties.
     NaN when fewer than two entries or either side is constant.
     """
+    from scipy.stats import spearmanr
+
     x = x.detach().flatten().double().cpu()
     y = y.detach().flatten().double().cpu()
     if x.numel() != y.numel():
@@ -100,10 +85,9 @@ def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> floa
         return float("nan")
     if decimals is not None:
         x, y = torch.round(x, decimals=decimals), torch.round(y, decimals=decimals)
-    rx, ry = rankdata(x), rankdata(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denom = math.sqrt(float((rx * rx).sum()) * float((ry * ry).sum()))
-    return float((rx * ry).sum()) / denom if denom > 0 else float("nan")
+    if bool((x == x[0]).all()) or bool((y == y[0]).all()):
+        return float("nan")
+    return float(spearmanr(x.numpy(), y.numpy()).statistic)
 
 
 def sign_agreement(pred: torch.Tensor, truth: torch.Tensor, tol: float = 1e-9) -> float:
@@ -218,42 +202,6 @@ def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # the benchmark
-
-
-@dataclass
-class CreditBenchConfig:
-    checkpoint: str
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo,gradient,attention,first_last"
-    segmenters: str = "newline"
-    task: str | None = None  # default: the checkpoint's task, else arithmetic
-    task_args: dict = field(default_factory=dict)
-    prompts: int = 32
-    samples: int = 8
-    mc_k: int = 32
-    lam: float = 0.0
-    out: str = "bench/credit"
-    seed: int = 0
-    value_fit_batches: int = 20
-    value_fit_prompts: int = 16
-    run: str | None = None  # load learned method states from this training run instead
-    max_new_tokens: int | None = None  # default: the run's sampling.max_new_tokens, else 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    blame_threshold: float = 0.0
-    chunk_prompts: int = 16
-    examples: int = 2
-    overrides: dict = field(default_factory=dict)  # dotted credit.* defaults for every variant
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("prompts", "samples", "mc_k", "chunk_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
-        for name in ("value_fit_batches", "value_fit_prompts", "examples"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 0")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam={self.lam} must be in [0, 1]")
 
 
 @dataclass
@@ -532,7 +480,9 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         raise FileNotFoundError(f"--run {cfg.run!r}: no config.yaml there; is it a run directory?")
     if cfg.max_new_tokens is None:
         own = run_credit_config(resolved.run_dir)
-        cfg.max_new_tokens = own[2].max_new_tokens if own else 64
+        cfg.max_new_tokens = (own[2].max_new_tokens if own else 0) or (
+            task.suggested_max_new_tokens() or 64
+        )
     device = resolve_device(cfg.device)
     policy, tokenizer = load_policy(str(resolved.policy_dir))
     policy.to(device).eval()

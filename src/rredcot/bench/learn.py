@@ -35,12 +35,12 @@ import dataclasses
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rredcot.bench.configs import LearnBenchConfig
 from rredcot.bench.report import (
     fmt,
     fmt_mean_std,
@@ -51,48 +51,13 @@ from rredcot.bench.report import (
     write_json,
     write_report,
 )
+from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.trainer import Trainer
 
 PROBE_SEED = 987_654  # problems and sampling of the variance probe batch
 RESULT = "result.json"
 VARIANCE = "variance.jsonl"
-
-
-@dataclass
-class LearnBenchConfig:
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
-    seeds: int = 3
-    first_seed: int = 0
-    budget_tokens: int = 200_000
-    init: str | None = None  # default: the train config's init, else the default warm-start
-    out: str = "bench/learn"
-    steps_max: int = 1000
-    eval_every: int | None = None  # default: the train config's
-    eval_size: int | None = None
-    target_acc: float | None = None  # default: mean warm-start accuracy + target_delta
-    target_delta: float = 0.1
-    config: str | None = None  # YAML TrainConfig every run starts from
-    overrides: dict = field(default_factory=dict)  # dotted TrainConfig overrides (--set)
-    task: str | None = None
-    task_args: dict = field(default_factory=dict)
-    variance_probes: int = 3
-    variance_prompts: int = 8
-    variance_minibatch: int = 2
-    variance_bootstrap: int = 200
-    progress: bool = False
-
-    def __post_init__(self) -> None:
-        if self.seeds < 1:
-            raise ValueError("--seeds must be >= 1")
-        if self.budget_tokens < 1:
-            raise ValueError("--budget-tokens must be >= 1 (sampled tokens per run)")
-        if self.steps_max < 1:
-            raise ValueError("--steps-max must be >= 1")
-        if self.variance_probes < 0 or self.variance_prompts < 1:
-            raise ValueError("--variance-probes must be >= 0 and --variance-prompts >= 1")
-        if self.variance_minibatch < 1 or self.variance_bootstrap < 1:
-            raise ValueError("--variance-minibatch and --variance-bootstrap must be >= 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +107,11 @@ def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.
         idx = torch.tensor(rows, device=batch.input_ids.device)
         mask = batch.response_mask[idx]
         fwd = policy_forward(
-            trainer.policy, batch.input_ids[idx], batch.attention_mask[idx], batch.prompt_len
+            trainer.policy,
+            batch.input_ids[idx],
+            batch.attention_mask[idx],
+            batch.prompt_len,
+            temperature=cfg.sampling.temperature,
         )
         loss, _ = policy_loss(
             fwd.logprobs,
@@ -278,7 +247,13 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
     if cfg.eval_size is not None:
         fixed["eval_size"] = cfg.eval_size
     overrides = {**variant.train_overrides(_task_override(cfg, cfg.overrides)), **fixed}
-    return resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
+    tcfg = resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
+    if tcfg.sampling.max_new_tokens == 0:
+        from rredcot.tasks import get_task
+        from rredcot.trainer import resolve_max_new_tokens
+
+        resolve_max_new_tokens(tcfg, get_task(tcfg.task, **tcfg.task_args))
+    return tcfg
 
 
 def _check_same_config(run_dir: Path, tcfg) -> None:
@@ -385,16 +360,24 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
         after = c["accuracy"][1:]
         return statistics.fmean(after) if after else float("nan")
 
+    def tokens_to_target(c) -> float:  # censored at the budget when the run never reached it
+        hit = first_reach(c, target_of(c))
+        return float(hit["tokens"]) if hit is not None else float(cfg.budget_tokens)
+
     reference = variants[0].name
-    ref_finals = {s: c["accuracy"][-1] for s, c in curves[reference].items() if c["accuracy"]}
-    ref_means = {s: training_mean(c) for s, c in curves[reference].items() if c["accuracy"]}
+    ref_curves = {s: c for s, c in curves[reference].items() if c["accuracy"]}
+    ref_finals = {s: c["accuracy"][-1] for s, c in ref_curves.items()}
+    ref_means = {s: training_mean(c) for s, c in ref_curves.items()}
+    ref_tokens = {s: tokens_to_target(c) for s, c in ref_curves.items()}
     summary = []
     for v in variants:
         per = curves[v.name]
         finals = {s: c["accuracy"][-1] for s, c in per.items() if c["accuracy"]}
         means = {s: training_mean(c) for s, c in per.items() if c["accuracy"]}
+        tokens = {s: tokens_to_target(c) for s, c in per.items() if c["accuracy"]}
         paired = {s: finals[s] - ref_finals[s] for s in finals if s in ref_finals}
         paired_means = {s: means[s] - ref_means[s] for s in means if s in ref_means}
+        paired_tokens = {s: tokens[s] - ref_tokens[s] for s in tokens if s in ref_tokens}
         reach = {s: first_reach(c, target_of(c)) for s, c in per.items() if c["accuracy"]}
         reached = [r for r in reach.values() if r is not None]
         below = [
@@ -440,12 +423,21 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
                 "final_accuracy": {str(s): a for s, a in finals.items()},
                 "final_accuracy_mean": fm,
                 "final_accuracy_std": fs,
-                "training_accuracy": {str(s): a for s, a in means.items()},
-                "training_accuracy_mean": mm_,
-                "training_accuracy_std": ms_,
+                "mean_accuracy": {str(s): a for s, a in means.items()},
+                "mean_accuracy_mean": mm_,
+                "mean_accuracy_std": ms_,
+                "mean_accuracy_interval": interval_estimate(list(means.values())),
+                "final_accuracy_interval": interval_estimate(list(finals.values())),
                 "reference": reference,
                 "final_vs_reference": paired_summary(paired),
-                "training_vs_reference": paired_summary(paired_means),
+                "mean_accuracy_vs_reference": paired_summary(paired_means),
+                "tokens_to_target_vs_reference": paired_summary(paired_tokens),
+                "mean_accuracy_improvement_probability": probability_of_improvement(
+                    list(means.values()), list(ref_means.values())
+                ),
+                "final_accuracy_improvement_probability": probability_of_improvement(
+                    list(finals.values()), list(ref_finals.values())
+                ),
                 "seeds_below_warm_start": below,
                 "any_below_warm_start": bool(below),
                 "target_reached": f"{len(reached)}/{len(reach)}",
@@ -471,13 +463,12 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
 
 def paired_summary(diffs: dict[int, float]) -> dict[str, Any]:
     """Per-seed differences to the reference variant (same seed: same warm start, prompt stream
-    and held-out set): mean, standard error of the mean, and how many seeds are >= 0."""
+    and held-out set): mean, standard error, 95% t interval and t-test p-value
+    (:func:`rredcot.bench.stats.paired_difference`), and how many seeds are >= 0."""
     xs = [d for d in diffs.values() if math.isfinite(d)]
-    m, sd = mean_std(xs)
     return {
         "per_seed": {str(s): d for s, d in diffs.items()},
-        "mean": m,
-        "sem": sd / math.sqrt(len(xs)) if xs else float("nan"),
+        **paired_difference(xs),
         "seeds_at_or_above": f"{sum(d >= 0 for d in xs)}/{len(xs)}",
     }
 
@@ -531,12 +522,28 @@ def plot_learning(agg: dict[str, Any], out: Path) -> list[str]:
     return files
 
 
-def _fmt_paired(p: dict[str, Any], is_reference: bool) -> str:
+def _fmt_paired(p: dict[str, Any], is_reference: bool, spec: str = ".3f") -> str:
     if is_reference:
         return "(reference)"
     if not math.isfinite(p["mean"]):
         return "–"
-    return f"{p['mean']:+.3f} ± {p['sem']:.3f} ({p['seeds_at_or_above']})"
+    sem = f"{p['sem']:{spec}}" if math.isfinite(p["sem"]) else "–"
+    return f"{p['mean']:+{spec}} ± {sem} ({p['seeds_at_or_above']})"
+
+
+def _fmt_interval(est: dict[str, float]) -> str:
+    if not math.isfinite(est["iqm"]):
+        return "–"
+    return f"{est['iqm']:.3f} [{est['iqm_lo']:.3f}, {est['iqm_hi']:.3f}]"
+
+
+def _fmt_probability(summary: dict[str, Any], key: str) -> str:
+    if summary["variant"] == summary["reference"]:
+        return "(reference)"
+    p = summary[key]
+    if not math.isfinite(p["p"]):
+        return "–"
+    return f"{p['p']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}]"
 
 
 def learn_markdown(report: dict[str, Any]) -> str:
@@ -551,11 +558,16 @@ def learn_markdown(report: dict[str, Any]) -> str:
                 len(s["seeds"]),
                 fmt_mean_std(s["final_accuracy_mean"], s["final_accuracy_std"]),
                 _fmt_paired(s["final_vs_reference"], s["variant"] == s["reference"]),
-                fmt_mean_std(s["training_accuracy_mean"], s["training_accuracy_std"]),
-                _fmt_paired(s["training_vs_reference"], s["variant"] == s["reference"]),
+                fmt_mean_std(s["mean_accuracy_mean"], s["mean_accuracy_std"]),
+                _fmt_paired(s["mean_accuracy_vs_reference"], s["variant"] == s["reference"]),
+                _fmt_interval(s["mean_accuracy_interval"]),
+                _fmt_probability(s, "mean_accuracy_improvement_probability"),
                 fmt(s["any_below_warm_start"]),
                 s["target_reached"],
                 fmt_mean_std(s["tokens_to_target_mean"], s["tokens_to_target_std"], ".0f"),
+                _fmt_paired(
+                    s["tokens_to_target_vs_reference"], s["variant"] == s["reference"], ".0f"
+                ),
                 fmt(s["seconds_to_target_mean"], ".0f"),
                 fmt(s["policy_tokens_mean"], ".0f"),
                 fmt(s["extra_generated_tokens_mean"], ".0f"),
@@ -584,9 +596,12 @@ def learn_markdown(report: dict[str, Any]) -> str:
                 f"final − {ref} (paired)",
                 "mean acc in training",
                 f"mean acc − {ref} (paired)",
+                "mean acc, IQM [95% CI]",
+                f"P(mean acc > {ref})",
                 "any seed below warm start",
                 "reached target",
                 "tokens to target",
+                f"tokens to target − {ref} (paired; unreached = budget)",
                 "s to target",
                 "policy tokens",
                 "extra gen. tokens",
@@ -602,7 +617,11 @@ def learn_markdown(report: dict[str, Any]) -> str:
         "- mean acc in training: mean of each run's held-out accuracies after step 0 (the area "
         "under its learning curve: speed and level, less noisy than one final evaluation).",
         f"- paired: per seed (same warm start, prompts and held-out set) minus `{ref}`; mean ± "
-        "standard error over seeds, then how many seeds are at or above it.",
+        "standard error over seeds, then how many seeds are at or above it (95% t intervals "
+        "and p-values in `learn.json`).",
+        "- IQM [95% CI]: interquartile mean over seeds with a stratified-bootstrap interval, "
+        f"and P(mean acc > {ref}): the probability of improvement with its interval, both from "
+        "`rliable`.",
         "- PG var: bootstrap trace of the covariance of a minibatch policy-gradient estimate "
         f"({cfg['variance_minibatch']} prompt groups per minibatch) on a fixed probe batch, at "
         "the start and the end of the budget (see `bench/learn.py`).",
@@ -620,8 +639,8 @@ def run_learn_bench(cfg: LearnBenchConfig, log=print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     init = _base_init(cfg, log)
     results = []
-    for variant in variants:
-        for seed in seeds:
+    for seed in seeds:  # seeds outer: a bench stopped early already compares every method
+        for variant in variants:
             results.append(run_one(cfg, variant, seed, init, log=log))
     agg = aggregate(cfg, variants, seeds)
     report = {

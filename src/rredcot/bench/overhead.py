@@ -22,38 +22,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rredcot.bench.configs import OverheadBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 
 PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")
 VALUE_HEAD_TARGET = 1.05
-
-
-@dataclass
-class OverheadBenchConfig:
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
-    steps: int = 20
-    warmup: int = 2
-    init: str | None = None
-    out: str = "bench/overhead"
-    seed: int = 0
-    reset_policy: bool = True
-    config: str | None = None
-    overrides: dict = field(default_factory=dict)
-    task: str | None = None
-    task_args: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError("--steps must be >= 1 (timed rounds)")
-        if self.warmup < 0:
-            raise ValueError("--warmup must be >= 0")
 
 
 def _sync(device: torch.device) -> None:

@@ -220,6 +220,7 @@ _LAZY = {
     "gradient": "rredcot.methods.attribution",
     "attention": "rredcot.methods.attribution",
     "first_last": "rredcot.methods.attribution",
+    "oracle": "rredcot.methods.oracle",  # benchmark only: reads the verifier's step labels
 }
 
 

@@ -1,0 +1,305 @@
+"""Tests that fail when the training is wrong, not only when it crashes.
+
+- The reward of a task a random policy can learn in a few steps rises under the trainer's updates
+  and falls when the advantages are negated (so a sign flip anywhere in the loss path is caught).
+- The values behind a step's credit come from the value head *before* it trained on that step's
+  outcomes (outcome leakage is caught).
+- The head's TD(lambda_v) loss uses the EMA target network and lambda_v exactly as written by hand.
+- Scoring matches sampling: at T != 1 the old log-probs are those of the tempered distribution,
+  dropout is off in both passes (ratio exactly 1 on-policy), and with several epochs the clip acts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rredcot.config import TrainConfig
+from rredcot.methods.base import UniformCredit, register_credit
+from rredcot.tasks import Verdict, register_task
+from rredcot.tasks.arithmetic import ArithmeticTask
+from rredcot.trainer import Trainer
+
+
+class _DigitFirstTask(ArithmeticTask):
+    """Reward 1 when the completion starts with a digit: a random policy gets it ~1/4 of the
+    time, and one gradient direction (more digits first) raises it."""
+
+    def verify(self, problem, completion):
+        return Verdict(float(completion[:1].isdigit()), None, None, "digit first")
+
+
+register_task("test_digit_first")(_DigitFirstTask)
+
+
+@register_credit("test_negated_uniform")
+class _NegatedUniform(UniformCredit):
+    """GRPO's advantages with the sign flipped: what a sign bug in the loss path would do."""
+
+    def compute(self, batch):
+        out = super().compute(batch)
+        out.advantages = -out.advantages
+        out.segment_advantages = -out.segment_advantages
+        return out
+
+
+@pytest.fixture
+def random_init(tmp_path, char_tokenizer):
+    from rredcot.models import build_tiny_llama
+
+    model = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    out = tmp_path / "init"
+    model.save_pretrained(out)
+    char_tokenizer.save_pretrained(out)
+    return out
+
+
+def _config(init, out, **overrides) -> TrainConfig:
+    fields = dict(
+        init=str(init),
+        out=str(out),
+        task="test_digit_first",
+        task_args={"num_steps": 2},
+        credit_method="uniform",
+        steps=12,
+        prompts_per_step=8,
+        lr=1e-2,
+        eval_size=1,
+        eval_every=0,
+        checkpoint_every=100,
+        progress=False,
+    )
+    cfg = TrainConfig(**{**fields, **overrides})
+    cfg.sampling.num_generations = 8
+    cfg.sampling.max_new_tokens = 2
+    return cfg
+
+
+def _rewards(run) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["reward_mean"] for r in records if "reward_mean" in r]
+
+
+def test_reward_rises_under_the_updates_and_falls_when_advantages_are_negated(
+    random_init, tmp_path
+):
+    Trainer(_config(random_init, tmp_path / "up"), log=lambda *_: None).train()
+    up = _rewards(tmp_path / "up")
+    cfg = _config(random_init, tmp_path / "down", credit_method="test_negated_uniform")
+    Trainer(cfg, log=lambda *_: None).train()
+    down = _rewards(tmp_path / "down")
+    assert up[0] == down[0]  # same first batch: same policy, same seed
+    start = up[0]
+    assert 0.05 < start < 0.6
+    assert sum(up[-3:]) / 3 > start + 0.25, up
+    assert sum(down[-3:]) / 3 < start - 0.05, down
+
+
+def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(random_init, tmp_path):
+    cfg = _config(random_init, tmp_path / "run", credit_method="value_head", steps=3)
+    # Credit = the head's values alone, over several segments, so that they show in advantages.
+    cfg.credit.handover = "off"
+    cfg.credit.lam = 0.0
+    cfg.credit.segmenter = "tokens:2"
+    cfg.sampling.max_new_tokens = 8
+    trainer = Trainer(cfg, log=lambda *_: None)
+    method = trainer.method
+    seen: list[tuple] = []
+    original = trainer._optimise
+
+    def spy(batch, advantages, ref_logprobs):
+        seen.append((batch, advantages.clone(), copy.deepcopy(method.state_dict())))
+        return original(batch, advantages, ref_logprobs)
+
+    trainer._optimise = spy
+    for step in (1, 2, 3):
+        before = copy.deepcopy(method.state_dict())
+        trainer.step = step
+        trainer.train_step(step)
+        batch, advantages, at_optimise = seen[-1]
+        # The head state at credit time is the state before this step's update ...
+        assert all(
+            torch.equal(a, b) for a, b in zip(before["head"].values(), at_optimise["head"].values())
+        )
+        # ... and the credit equals the credit of a fresh head with that state.
+        fresh = type(method)(cfg.credit, method.context)
+        fresh.load_state_dict(before)
+        assert torch.allclose(fresh.compute(batch).advantages, advantages, atol=1e-6)
+        # The head did learn from the batch afterwards, so credit before != credit after.
+        assert not torch.allclose(method.compute(batch).advantages, advantages, atol=1e-6)
+
+
+def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(random_init, tmp_path):
+    cfg = _config(random_init, tmp_path / "run", credit_method="value_head", steps=1)
+    cfg.credit.value_td_lambda = 0.5
+    cfg.credit.value_ema = 0.9
+    cfg.credit.segmenter = "tokens:2"  # several boundaries per trace: TD targets differ from R
+    cfg.sampling.max_new_tokens = 8
+    trainer = Trainer(cfg, log=lambda *_: None)
+    method = trainer.method
+    torch.manual_seed(3)
+    batch, _ = trainer.rollout(trainer.prompts_for_step(1))
+    batch.rewards = (torch.arange(batch.size) % 2).float()  # both outcomes present
+    # Move the head away from its EMA target so that using the wrong network shows.
+    method.update(batch)
+    method.update(batch)
+    head_params = [p.detach().clone() for p in method.head.parameters()]
+    target_params = [p.detach().clone() for p in method.target.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(head_params, target_params))
+
+    entry = method._entry(batch)
+    feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
+    with torch.no_grad():
+        logits = method.head(feats)
+        vbar = torch.sigmoid(method.target(feats))
+    lam = 0.5
+    total, count = 0.0, 0
+    for row in range(feats.shape[0]):
+        n = int(mask[row].sum()) - 1
+        for k in range(n):  # G_k = (1-lam) sum_{m>=1} lam^(m-1) V̄(s_{k+m}) + lam^(n-k-1) R
+            g = sum((1 - lam) * lam ** (m - 1) * float(vbar[row, k + m]) for m in range(1, n - k))
+            g += lam ** (n - k - 1) * float(rewards[row])
+            total += float(
+                F.binary_cross_entropy_with_logits(logits[row, k], torch.tensor(g), reduction="sum")
+            )
+            count += 1
+    assert count > feats.shape[0]  # boundaries before s_n, not just one per trace
+    with torch.no_grad():
+        assert math.isclose(float(method._loss(entry)), total / count, rel_tol=1e-5)
+
+    # One update step moves the target by EMA: target' = 0.9 target + 0.1 head'.
+    method.config.value_replay = 0
+    method.config.value_epochs = 1
+    method.replay.clear()
+    method.update(batch)
+    for t_old, p_new, t_new in zip(
+        target_params, method.head.parameters(), method.target.parameters()
+    ):
+        assert torch.allclose(t_new, 0.9 * t_old + 0.1 * p_new.detach(), atol=1e-6)
+
+
+def test_old_logprobs_score_the_tempered_distribution(random_init, tmp_path):
+    cfg = _config(random_init, tmp_path / "run", steps=1)
+    cfg.sampling.temperature = 0.5
+    trainer = Trainer(cfg, log=lambda *_: None)
+    torch.manual_seed(0)
+    batch, _ = trainer.rollout(trainer.prompts_for_step(1))
+    P = batch.prompt_len
+    with torch.no_grad():
+        logits = trainer.policy(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).logits
+    # Left padding shifts positions; rows of the first prompt group all have the same prompt,
+    # so compare the first row, whose prompt is the longest or padded consistently.
+    tempered = F.log_softmax(logits[:, P - 1 : -1].float() / 0.5, dim=-1)
+    expected = tempered.gather(-1, batch.input_ids[:, P:].unsqueeze(-1)).squeeze(-1)
+    mask = batch.response_mask.bool()
+    unpadded = batch.attention_mask.all(dim=1)  # rows without left padding: positions agree
+    assert unpadded.any()
+    rows = unpadded.nonzero().flatten()
+    assert torch.allclose(
+        batch.old_logprobs[rows][mask[rows]], expected[rows][mask[rows]], atol=1e-5
+    )
+    plain = F.log_softmax(logits[:, P - 1 : -1].float(), dim=-1)
+    plain = plain.gather(-1, batch.input_ids[:, P:].unsqueeze(-1)).squeeze(-1)
+    assert not torch.allclose(batch.old_logprobs[rows][mask[rows]], plain[rows][mask[rows]])
+
+
+def test_dropout_is_off_in_both_passes_so_the_on_policy_ratio_is_one(tmp_path, char_tokenizer):
+    from rredcot.models import build_tiny_llama
+
+    model = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    model.config.attention_dropout = 0.5
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    init = tmp_path / "init"
+    model.save_pretrained(init)
+    char_tokenizer.save_pretrained(init)
+    cfg = _config(init, tmp_path / "run", steps=2)
+    Trainer(cfg, log=lambda *_: None).train()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in records[1:]:
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert r["clip_fraction"] == 0.0
+
+
+def test_with_several_epochs_the_clip_acts_and_kl_does_not_count_as_clipping(random_init, tmp_path):
+    cfg = _config(random_init, tmp_path / "run", steps=2, epochs_per_batch=4, minibatches=2)
+    cfg.kl_coef = 0.5
+    Trainer(cfg, log=lambda *_: None).train()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    clipped = [r["clip_fraction"] for r in records[1:]]
+    assert all(0.0 < c < 0.9 for c in clipped), clipped
+
+
+def test_on_policy_kl_run_reports_no_clipping(random_init, tmp_path):
+    cfg = _config(random_init, tmp_path / "run", steps=2)
+    cfg.kl_coef = 0.5
+    Trainer(cfg, log=lambda *_: None).train()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["clip_fraction"] for r in records[1:]] == [0.0, 0.0]
+
+
+class _EveryThirdBroken(ArithmeticTask):
+    """Reward 1 for even-length completions, NaN for every third call (a broken reward)."""
+
+    calls = 0
+
+    def verify(self, problem, completion):
+        type(self).calls += 1
+        if type(self).calls % 3 == 0:
+            return Verdict(float("nan"), None, None, "broken")
+        return Verdict(float(len(completion) % 2 == 0), None, None, "parity")
+
+
+def test_skipped_samples_do_not_enter_the_group_mean_and_std(tiny_policy, char_tokenizer):
+    from rredcot import credit
+    from rredcot.rollout import build_rollout_batch
+    from rredcot.segment import get_segmenter
+
+    task = _EveryThirdBroken(num_steps=2)
+    _EveryThirdBroken.calls = 0
+    torch.manual_seed(0)
+    problems = task.train_problems(3, seed=0)
+    batch, stats = build_rollout_batch(
+        tiny_policy,
+        char_tokenizer,
+        task,
+        problems,
+        get_segmenter("newline"),
+        num_generations=6,
+        max_new_tokens=8,
+    )
+    assert stats["rollout/skipped_samples"] == 6  # every third of 18 samples
+    assert batch.size == 12 and len(batch.verdicts) == 12
+    assert all(math.isfinite(v.reward) for v in batch.verdicts)
+    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    for g in batch.group_ids.unique():
+        rows = batch.group_ids == g
+        assert torch.allclose(mean[rows], batch.rewards[rows].mean())
+
+
+def test_sampling_ignores_the_model_generation_config_unless_asked(tiny_policy, char_tokenizer):
+    from rredcot.rollout import sample
+
+    prompts = ["1+2=?\n", "3*4=?\n"]
+
+    def draw(**kw):
+        torch.manual_seed(0)
+        ids, _, _, _ = sample(
+            tiny_policy, char_tokenizer, prompts, num_generations=4, max_new_tokens=12, **kw
+        )
+        return ids
+
+    plain = draw()
+    tiny_policy.generation_config.repetition_penalty = 50.0
+    tiny_policy.generation_config.top_k = 1
+    assert torch.equal(draw(), plain)
+    assert tiny_policy.generation_config.top_k == 1  # restored after sampling
+    assert not torch.equal(draw(use_model_generation_config=True), plain)
