@@ -154,7 +154,7 @@ def add_bench_parser(sub) -> None:
         help="Let each policy train on (default: reset to the warm-start before every step).",
     )
 
-    from rredcot.bench.peer import PeerBenchConfig
+    from rredcot.bench.configs import PeerBenchConfig
 
     d = PeerBenchConfig()
     p = bsub.add_parser(
