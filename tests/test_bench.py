@@ -376,6 +376,7 @@ def test_bench_overhead_structure(init_dir, tmp_path):
     methods = {m["method"]: m for m in saved["methods"]}
     assert set(methods) == {"uniform", "value_head"}
     assert methods["uniform"]["ratio"] == 1.0 and methods["uniform"]["ratio_paired"] == 1.0
+    assert methods["uniform"]["ratio_own_phases"] == 1.0
     vh = methods["value_head"]
     assert vh["steps"] == 2 and set(vh["median_phase_seconds"]) == set(PHASES)
     assert vh["ratio"] == pytest.approx(

@@ -67,9 +67,12 @@ def _rss_bytes() -> int:
     return 0
 
 
-def _peak_rss_bytes() -> int:
+def _peak_rss_bytes(*seen: int) -> int:
+    """The process's peak resident set size; at least every RSS ``seen`` before (the kernel's
+    split RSS counters are approximate, so ``ru_maxrss`` can lag a later ``VmRSS`` reading)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    peak = peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return max(peak, _rss_bytes(), *seen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ def run_rredcot(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
         "max_new_tokens": length,
         "rss_after_import": rss_import,
         "rss_after_setup": rss_setup,
-        "peak_rss": _peak_rss_bytes(),
+        "peak_rss": _peak_rss_bytes(rss_import, rss_setup),
         "steps": steps,
     }
 
@@ -286,7 +289,7 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
         "max_new_tokens": length,
         "rss_after_import": rss_import,
         "rss_after_setup": rss_setup,
-        "peak_rss": _peak_rss_bytes(),
+        "peak_rss": _peak_rss_bytes(rss_import, rss_setup),
         "steps": steps,
     }
 
