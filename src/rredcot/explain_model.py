@@ -44,11 +44,13 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
     """Find the policy, the trainer checkpoint and the run behind ``path``.
 
     Accepts a model directory (``config.json``), a trainer checkpoint (``policy/`` and
-    ``trainer_state.pt``) or a run directory (``checkpoints/``, its latest checkpoint is used).
+    ``trainer_state.pt``), a run directory (``checkpoints/``, its latest checkpoint is used), or
+    a GGUF file or shipped model (``smollm2-135m-instruct``): their dequantised copy.
     """
     from rredcot import runio
+    from rredcot.models import resolve_model_dir
 
-    p = Path(path).expanduser()
+    p = Path(resolve_model_dir(path)).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
 

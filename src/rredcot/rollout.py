@@ -20,14 +20,18 @@ from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 
 def render_prompt(problem: Problem, tokenizer) -> str:
-    """The prompt text the policy sees: through the chat template when the tokenizer has one."""
+    """The prompt text the policy sees: through the chat template when the tokenizer has one.
+
+    A task may give a system turn as ``problem.meta["system"]`` (instructions, a worked example);
+    without a chat template it is put before the prompt, separated by a blank line.
+    """
+    system = problem.meta.get("system") if isinstance(problem.meta, dict) else None
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": problem.prompt}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-    return problem.prompt
+        messages = [{"role": "user", "content": problem.prompt}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system}\n\n{problem.prompt}" if system else problem.prompt
 
 
 def context_limit(policy) -> int | None:

@@ -273,17 +273,13 @@ class Trainer:
 
     # -- set-up ---------------------------------------------------------------------------
     def _load_policy(self):
-        from rredcot.models import load_policy
+        from rredcot.models import default_policy_source, load_policy
 
         cfg = self.cfg
         if cfg.init:
             source = cfg.init
-        elif cfg.model.name_or_path:
-            source = cfg.model.name_or_path
-        else:
-            from rredcot.sft import default_warmstart
-
-            source = str(default_warmstart(self.task, log=self.log))
+        else:  # the tiny model's warm-start on arithmetic, the shipped real model elsewhere
+            source = default_policy_source(self.task, cfg.model.name_or_path, log=self.log)
         dtype = getattr(torch, cfg.model.dtype)
         attn = cfg.model.attn_implementation or (
             "eager" if cfg.credit_method == "attention" else None

@@ -218,11 +218,10 @@ def _base_init(cfg: LearnBenchConfig, log) -> str:
     )
     if base.init:
         return base.init
-    if base.model.name_or_path:
-        return base.model.name_or_path
-    from rredcot.sft import default_warmstart
+    from rredcot.models import default_policy_source
 
-    return str(default_warmstart(get_task(base.task, **base.task_args), log=log))
+    task = get_task(base.task, **base.task_args)
+    return default_policy_source(task, base.model.name_or_path, log=log)
 
 
 def _task_override(cfg: LearnBenchConfig, overrides: dict) -> dict:
