@@ -10,6 +10,7 @@ import torch
 
 from rredcot.config import CreditConfig
 from rredcot.methods.answer_likelihood import (
+    _trunk_and_head,
     answer_values,
     build_probes,
     correct_answers,
@@ -60,13 +61,17 @@ def test_packed_logprobs_equal_unpacked(char_tokenizer, wide_task, trace_batch, 
     assert probed == [list(range(len(b) - 1)) for b in trace_batch.boundaries]
     assert len(probes) == 2 * sum(len(b) - 1 for b in trace_batch.boundaries)
 
-    calls = []
-    hook = policy.register_forward_hook(
+    assert _trunk_and_head(policy) is not None  # checked once per model, before the hooks
+    calls, full = [], []
+    hook = policy.get_decoder().register_forward_hook(
         lambda m, a, kw, out: calls.append(kw["input_ids"].shape), with_kwargs=True
     )
+    full_hook = policy.register_forward_hook(lambda m, a, out: full.append(1))
     packed, packed_tokens = packed_probe_logprobs(policy, trace_batch, probes)
     hook.remove()
+    full_hook.remove()
     assert calls == [calls[0]] and calls[0][0] == trace_batch.size  # one row per trace, one pass
+    assert not full  # the trunk only: no (rows, length, vocabulary) logits
     plain, plain_tokens = unpacked_probe_logprobs(policy, trace_batch, probes)
     for p, a, b in zip(probes, packed, plain):
         assert a.shape == (len(p.ids),)
@@ -217,7 +222,7 @@ def test_method_detects_a_model_that_ignores_the_mask(char_tokenizer, wide_task,
         wrong, expected, rtol=1e-3, atol=0
     )  # the mask is what makes packing right
     ctx = CreditContext(policy=ignoring, tokenizer=char_tokenizer, task=wide_task)
-    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0), ctx)
+    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, value_anchor="none"), ctx)
     with pytest.warns(UserWarning, match="differ from unpacked"):
         out = method.compute(trace_batch)
     torch.testing.assert_close(out.values, expected, atol=1e-6, rtol=1e-4)
@@ -228,7 +233,8 @@ def test_method_through_the_registry(char_tokenizer, wide_task, trace_batch):
     policy = _policy(char_tokenizer)
     policy.train()
     ctx = CreditContext(policy=policy, tokenizer=char_tokenizer, task=wide_task)
-    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, normalization="none"), ctx)
+    unguarded = CreditConfig(lam=0.0, normalization="none", value_anchor="none", handover="off")
+    method = get_credit("answer_likelihood")(unguarded, ctx)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = method.compute(trace_batch)
