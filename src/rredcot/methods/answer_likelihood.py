@@ -422,7 +422,8 @@ def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
         trunk, head = model.get_decoder(), model.get_output_embeddings()
     except (AttributeError, NotImplementedError, ValueError):
         trunk = head = None
-    if isinstance(trunk, nn.Module) and isinstance(head, nn.Module) and trunk is not model:
+    separable = isinstance(trunk, nn.Module) and isinstance(head, nn.Module) and trunk is not model
+    if separable:
         device, dtype = _model_device_dtype(model)
         vocab = _vocab_size(model, head)
         ids = (torch.arange(6, device=device) * 7 + 3).remainder(vocab).unsqueeze(0)
@@ -439,10 +440,12 @@ def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
             except (RuntimeError, TypeError, ValueError, AttributeError):
                 split = None
     if split is None:
+        why = "do not reproduce its logits" if separable else "are not separable"
         warnings.warn(
-            f"answer_likelihood: {type(model).__name__}'s trunk and output head do not reproduce "
-            "its logits; probes are scored from the full logits (memory grows with rows x length x "
-            "vocabulary; lower credit.answer_chunk_tokens if it runs out)",
+            f"answer_likelihood: {type(model).__name__}'s trunk and output head "
+            f"(get_decoder(), get_output_embeddings()) {why}; probes are scored from the full "
+            "logits, whose memory grows with rows x length x vocabulary (lower "
+            "credit.answer_chunk_tokens if it runs out)",
             stacklevel=3,
         )
     _SPLIT_CHECKED[model] = split
