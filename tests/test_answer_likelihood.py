@@ -727,3 +727,38 @@ class _FullLogits(torch.nn.Module):
 
     def forward(self, **kw):
         return self.inner(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimator as a value-head feature
+
+
+def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_model, think_groups):
+    from rredcot.methods.value_head import NUM_LOGPROB_FEATURES
+    from rredcot.rollout import fill_forward
+
+    model, task = think_model
+    batch = fill_forward(model, copy.copy(think_groups), hidden_layers=(-1,))
+    cfg = CreditConfig(value_alik_feature=True, answer_cue="think")
+    ctx = CreditContext(policy=model, tokenizer=char_tokenizer, task=task)
+    method = get_credit("value_head")(cfg, ctx)
+    assert method.extra_size == NUM_LOGPROB_FEATURES + 2
+    assert _trunk_and_head(model) is not None  # its one-time check runs before the hook
+    calls = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, out: calls.append(1))
+    feats, mask = method.boundary_features(batch)
+    out = method.compute(batch)
+    method.update(batch)
+    hook.remove()
+    assert len(calls) == 1  # one packed probe forward per batch, shared by compute and update
+    values, vmask, _ = answer_values(model, char_tokenizer, task, batch, probe=ProbeFormat("think"))
+    n = batch.num_segments
+    alik = feats[..., -2:]
+    cols = torch.arange(mask.shape[1]).unsqueeze(0)
+    inner = cols < n.unsqueeze(1)
+    torch.testing.assert_close(alik[..., 0][inner], values[inner])  # V(s_k), k < n
+    assert bool((alik[~inner] == 0).all())  # s_n (where answer_values holds R) and padding
+    assert float(alik[..., 0].max()) > 0.05
+    assert out.advantages.shape == batch.response_mask.shape
+    with pytest.raises(ValueError, match="needs the task"):
+        get_credit("value_head")(cfg, CreditContext(policy=model, tokenizer=char_tokenizer))
