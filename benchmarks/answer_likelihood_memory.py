@@ -116,7 +116,8 @@ def _measure(args: argparse.Namespace) -> dict:
     out, forwarded = al.packed_probe_logprobs(model, batch, probes, **kwargs)
     rise = _peak_mib() - before
     lengths = [
-        batch.prompt_len + max(p.b for p in probes if p.row == r)
+        batch.prompt_len
+        + max(p.b for p in probes if p.row == r)
         + sum(len(p.ids) for p in probes if p.row == r)
         for r in range(len(rows))
     ]

@@ -613,6 +613,8 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     assert fit["value_pretrain/slope_mean"] == pytest.approx(expected)
     with pytest.raises(ValueError, match="version"):
         again.load_state_dict({"version": 9})
+    again.load_state_dict({})  # a run saved before the hand-over: nothing earned, nothing lost
+    assert again.reliability == pytest.approx(fit["value_pretrain/reliability"])
 
 
 def test_never_divides_by_a_near_zero_group_std(char_tokenizer, think_model, think_groups):

@@ -91,7 +91,11 @@ def explained_variance(
 
 
 def prediction_slope(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
+    values: Tensor,
+    value_mask: Tensor,
+    rewards: Tensor,
+    baseline: Tensor | None = None,
+    min_rms: float = 0.0,
 ) -> float:
     """How much of the last prefix value's departure from the baseline to trust: the least-squares
     ``w`` in ``R - b ≈ w (V(s_{n-1}) - b)``, ``sum(e d) / sum(d^2)`` over the rows with at least
@@ -99,7 +103,9 @@ def prediction_slope(
 
     ``w = 1``: the departures are calibrated; ``0 < w < 1``: right in direction but too large;
     ``w <= 0``: noise. Unlike the explained variance, an over-confident estimator that still
-    points the right way scores above 0. NaN when no row has a segment or every departure is 0.
+    points the right way scores above 0. NaN when no row has a segment, every departure is 0, or
+    the departures' root mean square is below ``min_rms`` (an estimator that hardly departs from
+    the baseline has nothing to be trusted with, however well its tiny departures correlate).
 
     Args:
         values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
@@ -111,13 +117,18 @@ def prediction_slope(
     last, r, base = picked
     d, e = last - base, r - base
     dd = float((d * d).sum())
-    if dd < 1e-12:
+    if dd < 1e-12 or (min_rms > 0 and (dd / d.numel()) ** 0.5 < min_rms):
         return float("nan")
     return float((e * d).sum()) / dd
 
 
 def handover_scores(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None, kind: str
+    values: Tensor,
+    value_mask: Tensor,
+    rewards: Tensor,
+    baseline: Tensor | None,
+    kind: str,
+    min_rms: float = 0.0,
 ) -> tuple[float, float, float]:
     """``(score, slope, explained variance)`` of values scored against fresh outcomes; ``score``
     is the one ``kind`` (``credit.handover_score``: ``"slope"`` or ``"explained_variance"``) names.
@@ -125,11 +136,12 @@ def handover_scores(
     Args:
         values: ``(B, S+1)`` the values credit uses (anchored when the method anchors);
         value_mask: ``(B, S+1)``; rewards: ``(B,)``; baseline: ``(B,)`` the baseline of uniform
-        credit (the group mean when anchored) or None for the batch mean.
+        credit (the group mean when anchored) or None for the batch mean; min_rms: see
+        :func:`prediction_slope`.
     """
     if kind not in ("slope", "explained_variance"):
         raise ValueError(f"credit.handover_score={kind!r}: use 'slope' or 'explained_variance'")
-    slope = prediction_slope(values, value_mask, rewards, baseline)
+    slope = prediction_slope(values, value_mask, rewards, baseline, min_rms)
     skill = explained_variance(values, value_mask, rewards, baseline)
     return (slope if kind == "slope" else skill), slope, skill
 
