@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import random
 import warnings
 
@@ -617,6 +618,27 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     assert again.reliability == pytest.approx(fit["value_pretrain/reliability"])
 
 
+def test_values_that_hardly_depart_earn_no_reliability(
+    char_tokenizer, wide_task, mixed_trace_batch
+):
+    """An untrained policy puts ~0 on every probe: its departures from the group mean are tiny,
+    however well they correlate with the outcomes, so its reliability is not measured and the
+    credit stays GRPO's."""
+    policy = _policy(char_tokenizer)
+    method = _method(policy, char_tokenizer, wide_task)
+    method.compute(mixed_trace_batch)
+    stats = method.update(mixed_trace_batch)
+    assert math.isnan(stats["value/slope"]) and method.reliability == 0.0
+    # departures under 0.01 RMS do not count, however well they point
+    mask = torch.ones(2, 3, dtype=torch.bool)  # s_0, s_1 = s_{n-1}, s_n
+    rewards, base = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5])
+    clear = torch.tensor([[0.5, 0.9, 1.0], [0.5, 0.1, 0.0]])  # departures +-0.4
+    assert prediction_slope(clear, mask, rewards, base, min_rms=0.01) == pytest.approx(1.25)
+    faint = torch.tensor([[0.5, 0.5001, 1.0], [0.5, 0.4999, 0.0]])  # departures +-1e-4
+    assert prediction_slope(faint, mask, rewards, base) == pytest.approx(5000, rel=1e-3)
+    assert math.isnan(prediction_slope(faint, mask, rewards, base, min_rms=0.01))
+
+
 def test_never_divides_by_a_near_zero_group_std(char_tokenizer, think_model, think_groups):
     """Rows 0-3 and 8-11 agree on their outcome; the estimator still moves credit between their
     segments, and that credit is divided by the batch's reward std, not by ~0."""
@@ -762,5 +784,7 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
     assert bool((alik[~inner] == 0).all())  # s_n (where answer_values holds R) and padding
     assert float(alik[..., 0].max()) > 0.05
     assert out.advantages.shape == batch.response_mask.shape
+    _, _, stats = answer_values(model, char_tokenizer, task, batch, probe=ProbeFormat("think"))
+    assert out.metrics["credit/extra_forward_tokens"] == stats["credit/extra_forward_tokens"] > 0
     with pytest.raises(ValueError, match="needs the task"):
         get_credit("value_head")(cfg, CreditContext(policy=model, tokenizer=char_tokenizer))

@@ -350,6 +350,7 @@ class ValueHeadCredit(CreditMethod):
         self.num_updates = 0
         self._uniform = UniformCredit(config, context)
         self._alik_cache: tuple[weakref.ref, Tensor] | None = None
+        self._alik_forward_tokens = 0.0  # the probe pass of the last batch (feature on)
         if config.value_alik_feature and context.task is None:
             raise ValueError(
                 "credit.value_alik_feature needs the task (its answer line writes the probes); "
@@ -406,7 +407,7 @@ class ValueHeadCredit(CreditMethod):
                 "RolloutBatch, not a compact one of boundary states); turn it off here"
             )
         ctx = self.context
-        values, mask, _ = answer_values(
+        values, mask, stats = answer_values(
             ctx.policy,
             ctx.tokenizer,
             ctx.task,
@@ -423,6 +424,7 @@ class ValueHeadCredit(CreditMethod):
                 f"{num_columns}"
             )
         self._alik_cache = (weakref.ref(batch), feats)
+        self._alik_forward_tokens = stats["credit/extra_forward_tokens"]
         return feats
 
     def _build(self, input_size: int, hidden_size: int) -> None:
@@ -519,7 +521,9 @@ class ValueHeadCredit(CreditMethod):
             {
                 "value/reliability": float(self.reliability),
                 "credit/blend": w,
-                "credit/extra_forward_tokens": 0.0,
+                "credit/extra_forward_tokens": self._alik_forward_tokens
+                if self.config.value_alik_feature
+                else 0.0,
                 "credit/extra_generated_tokens": 0.0,
             }
         )
