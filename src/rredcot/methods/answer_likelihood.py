@@ -230,10 +230,10 @@ def uses_think_tags(tokenizer) -> bool:
     if isinstance(template, str) and THINK_CLOSE in template:
         return True
     try:
-        vocab = tokenizer.get_vocab()
-    except (AttributeError, NotImplementedError):
+        token_id = tokenizer.convert_tokens_to_ids(THINK_CLOSE)
+    except (AttributeError, KeyError, TypeError):
         return False
-    return THINK_CLOSE in vocab
+    return token_id is not None and token_id != getattr(tokenizer, "unk_token_id", None)
 
 
 def resolve_cue(cue: str, tokenizer) -> str:
