@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
-
 from rredcot.errors import UserError
 
 
@@ -130,9 +129,10 @@ class CreditConfig:
         default=True,
     )
     value_anchor: str = _help(
-        "'group': shift the head's values so V(s_0) is the group's mean reward, so every trace "
-        "gets GRPO's total credit and the head only moves it between the trace's segments (its "
-        "errors about a prompt's difficulty cancel); 'none': the head's own V(s_0).",
+        "'group': shift the values (of value_head and answer_likelihood) so V(s_0) is the "
+        "group's mean reward, so every trace gets GRPO's total credit and the estimator only "
+        "moves it between the trace's segments (its errors about a prompt's difficulty cancel); "
+        "'none': the estimator's own V(s_0).",
         default="group",
     )
     value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
@@ -155,8 +155,8 @@ class CreditConfig:
     )
     # hand-over from uniform to value-based credit
     handover: str = _help(
-        "Blend uniform and value credit by the head's measured reliability: 'reliability' or "
-        "'off' (always use the method's credit).",
+        "Blend uniform and value credit (value_head, answer_likelihood) by the estimator's "
+        "measured reliability: 'reliability' or 'off' (always use the method's credit).",
         default="reliability",
     )
     handover_score: str = _help(
@@ -167,14 +167,50 @@ class CreditConfig:
         default="slope",
     )
     handover_smoothing: float = _help(
-        "EMA decay of the value head's measured reliability (the hand-over weight); starting "
+        "EMA decay of the estimator's measured reliability (the hand-over weight); starting "
         "from 0, it also sets how slowly trust is earned.",
         default=0.9,
     )
+    value_alik_feature: bool = _help(
+        "Also feed the value head the answer-likelihood value of every prefix (the policy's "
+        "probability of the reference answer right after it, and its log), from one packed probe "
+        "forward per batch: costs that forward; off by default (measured: it did not help on the "
+        "CPU testbed, see docs/answer_likelihood.md).",
+        default=False,
+    )
     # answer likelihood
     answer_source: str = _help(
-        "Correct answers of the answer-likelihood probe: reference, group or both.",
+        "Correct answers of the answer-likelihood probe: reference, group (the distinct answers "
+        "of the group's verified-correct completions) or both.",
         default="reference",
+    )
+    answer_cue: str = _help(
+        "Text that makes the policy answer right after a prefix: 'task' (the task's own answer "
+        "line, e.g. 'A:15' or '#### 15', on a line of its own), 'think' (close the thought: "
+        "'</think>\\n\\nThe final answer is \\boxed{15}'; without '</think>' once the prefix "
+        "has closed it), 'auto' (think when the tokenizer or its chat template knows </think>, "
+        "else task), or literal text (the answer follows it; open braces are closed after it).",
+        default="auto",
+    )
+    answer_eos: str = _help(
+        "End every probe with the EOS token: true, false, or auto (only where the probe does not "
+        "end in a closing bracket or tag, which already ends the answer).",
+        default="auto",
+    )
+    answer_renderings: bool = _help(
+        "Also probe the equivalent renderings of every correct answer that the task's verifier "
+        "accepts (20, 20.0, $20, 1,000, 3/4, \\frac{3}{4}); without them the estimate misses the "
+        "probability of correct answers written another way.",
+        default=True,
+    )
+    answer_chunk_tokens: int = _help(
+        "Token budget of one probe forward (rows x longest row); bounds its activations.",
+        default=16384,
+    )
+    answer_logits_mb: int = _help(
+        "Memory budget (MiB, fp32) of the logits of one slice of scored probe positions: "
+        "log-probs are only computed where a probe token is scored, this many at a time.",
+        default=256,
     )
     # Monte Carlo
     mc_rollouts: int = _help("Monte Carlo continuations per boundary (K).", default=4)
@@ -202,6 +238,20 @@ class CreditConfig:
             )
         if self.answer_source not in ("reference", "group", "both"):
             raise ValueError("credit.answer_source must be reference, group or both")
+        if isinstance(self.answer_eos, bool):
+            self.answer_eos = "true" if self.answer_eos else "false"
+        self.answer_eos = str(self.answer_eos).strip().lower()
+        if self.answer_eos not in ("auto", "true", "false"):
+            raise ValueError(f"credit.answer_eos={self.answer_eos!r} must be auto, true or false")
+        if not self.answer_cue:
+            raise ValueError(
+                "credit.answer_cue is empty: use auto, task, think or the literal text that opens "
+                "the answer"
+            )
+        if self.answer_chunk_tokens < 1:
+            raise ValueError(f"credit.answer_chunk_tokens={self.answer_chunk_tokens} must be >= 1")
+        if self.answer_logits_mb < 1:
+            raise ValueError(f"credit.answer_logits_mb={self.answer_logits_mb} must be >= 1")
         if self.mc_rollouts < 1:
             raise ValueError("credit.mc_rollouts must be >= 1")
         if self.mc_max_boundaries < 0:

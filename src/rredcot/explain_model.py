@@ -262,15 +262,22 @@ def explain_checkpoint(
             ckpt = load_method_state(method, run_dir)
             note = f" (head from {ckpt})"
         else:
-            note = " (untrained head)"
+            note = (
+                " (no hand-over yet)" if args.method == "answer_likelihood" else " (untrained head)"
+            )
             why = (
                 "no --run given"
                 if saved is None
                 else f"the run {str(run_dir)!r} trained {saved[0]!r}, not {args.method!r}"
             )
+            what = (
+                "hand-over weight is 0, so its credit is uniform's"
+                if args.method == "answer_likelihood"
+                else "head is untrained and its values are meaningless"
+            )
             print(
-                f"warning: {why}, so the {args.method} head is untrained and its values are "
-                "meaningless; pass --run RUN_DIR of a `rredcot train` run of this method",
+                f"warning: {why}, so the {args.method} {what}; pass --run RUN_DIR of a "
+                "`rredcot train` run of this method",
                 file=sys.stderr,
             )
 

@@ -1,52 +1,124 @@
 """Answer likelihood: the policy as its own judge (DESIGN.md section 3).
 
 ``V(s_k) = sum_{a in A+} pi(probe(a) | s_k)``: the probability that the policy, made to answer
-right after the prefix ``s_k``, states a correct answer. ``probe(a)`` is the text
-``task.render_answer(a)`` followed by EOS, preceded by a newline when the prefix does not already
-end with one (gold traces put the answer line on a line of its own: ``...20-5=15\\nA:15``; the
-newline segmenter's segments and the arithmetic prompt end with ``\\n``, so there the probe is
-just ``A:15<eos>``). The probe is tokenised on its own, not jointly with the prefix.
+right after the prefix ``s_k``, states a correct answer.
 
-``A+`` (``credit.answer_source``): ``reference`` the problem's reference answer, ``group`` the
-distinct parsed answers of the group's verified-correct completions, ``both`` their union
-(deduplicated by rendered text). The estimate can only **under**-estimate the true probability of
-answering correctly: a correct answer written some other way (``15.0``, ``fifteen``, another
-line format) is not probed. A group with an empty ``A+`` (``group`` source, no correct sample)
+**The probe** is ``cue ⊕ a ⊕ close ⊕ eos`` (``credit.answer_cue``, ``credit.answer_eos``):
+
+- ``task``: the task's own answer line ``task.render_answer(a)`` (``A:15``, ``#### 15``,
+  ``\\boxed{15}``) on a line of its own, so ``\\nA:15`` after a prefix that ends mid-line and
+  ``A:15`` after one that ends with a newline (gold arithmetic traces put the answer on its own
+  line: ``...20-5=15\\nA:15``).
+- ``think``: ``\\n</think>\\n\\nThe final answer is \\boxed{15}`` for models that reason inside
+  ``<think> ... </think>``. Such a model never answers mid-thought, so a plain answer line scores
+  near zero at every boundary of a long trace; closing the thought first asks the question it does
+  answer. Once the prefix has closed the thought itself (its last ``</think>`` comes after its last
+  ``<think>``, the prompt included), the probe leaves ``</think>`` out.
+- ``auto`` (default): ``think`` when the tokenizer or its chat template knows ``</think>``, else
+  ``task``. Any other text is a literal cue: the answer follows it and every brace it leaves open
+  is closed after the answer.
+
+Leading newlines of the probe that the prefix already ends with are dropped (a prefix ending in
+``\\n\\n`` gets ``The final answer is ...``). The probe is tokenised on its own, not jointly with
+the prefix. ``eos``: ``true``, ``false`` or ``auto``, where ``auto`` appends EOS only when the
+probe does not end in a closing bracket or tag (``A:15<eos>`` must not count ``A:150``;
+``\\boxed{15}`` is complete, and a model usually writes more after it). Without EOS, a probe that
+is a prefix of another one (``A:1`` of ``A:15``) already counts its mass, so the longer one is
+dropped.
+
+**The correct answers** ``A+`` (``credit.answer_source``): ``reference`` the problem's reference
+answer, ``group`` the distinct parsed answers of the group's verified-correct completions,
+``both`` their union. With ``credit.answer_renderings`` each answer also brings its equivalent
+renderings (:func:`rredcot.tasks.answers.equivalent_renderings`: ``20``, ``20.0``, ``$20``,
+``1,000``, ``3/4``, ``\\frac{3}{4}``) that the task's verifier accepts on the task's own answer
+line (the arithmetic verifier takes integers only, so there ``A+`` stays ``{15}``). Probes with
+the same token ids count once. A group with an empty ``A+`` (``group`` source, no correct sample)
 gets ``V = 0`` at every boundary.
 
-Where it works: a model that has learned to answer from a partial chain (warm-start with
-``early_answer_prob > 0``). A model that only ever copies its final running result into the
-answer line gives every intermediate probe a probability near zero, and the estimator then
-cannot tell good steps from bad ones (DESIGN.md section 7).
+The estimate can only **under**-estimate the probability of answering correctly: a correct answer
+written in a way that is not probed is missed. Measured (``benchmarks/answer_likelihood_probes.py``
+on the model of ``test_missing_renderings_under_estimate``): a tiny Llama taught to write
+``\\boxed{15}`` and ``\\boxed{15.0}`` about equally often gets, on 12 gold traces right before
+``</think>``, a mean ``V = 0.083`` from the reference rendering alone and ``0.167`` with
+``answer_renderings``: half of its probability of answering correctly was missed.
 
-Cost: no generation. All probes of a trace (``n`` boundaries x ``|A+|`` answers) go into **one**
-packed forward pass: ``[prompt | response up to b_{n-1} | probe_0 | probe_1 | ...]`` with a 4D
-float attention mask (0 allowed, dtype-min elsewhere) under which each probe sees the prompt, the
-response up to its boundary and its own earlier tokens, and position ids that continue from its
-prefix. Models whose attention does not take a custom 4D mask (or whose packed log-probs do not
-match the unpacked ones on a first check) fall back to one row per probe with a warning.
-``V(s_n)`` is not probed: the credit algebra sets it to the outcome ``R``.
+Where it works: a model that has learned to answer from a partial chain (warm-start with
+``early_answer_prob > 0``), or a reasoning model probed with the cue it answers after. A model
+that only ever copies its final running result into the answer line gives every intermediate
+probe a probability near zero, and the estimator then cannot tell good steps from bad ones
+(DESIGN.md section 7).
+
+**Safe credit** (the value head's guards, :mod:`rredcot.methods.handover`): the values are
+anchored on the group's mean reward (``credit.value_anchor=group``: ``V'(s_k) = V(s_k) - V(s_0) +
+mean R_group``, so every trace gets GRPO's total credit); the credit is handed over from uniform
+(GRPO) credit by a weight ``w`` that tracks the estimator's measured reliability on fresh outcomes
+(the slope ``prediction_slope`` of the batch's outcomes on ``V'(s_{n-1})``, measured in
+``update`` after the step's credit was computed, smoothed across steps, clipped to [0, 1];
+``credit.handover``); and the advantages are divided by the group's reward std, or by the batch's
+where a group's rewards agree (``group_or_batch_std``). With ``w = 0`` (the first step) the credit
+is uniform GRPO credit bit for bit. A batch whose values hardly depart from the baseline (root mean
+square of ``V'(s_{n-1}) - mean R_group`` below ``MIN_DEPARTURE_RMS = 0.01``) leaves the reliability
+as it is: on the default warm-start, which never answers early, every probe before the last step
+is near 0, and over the 20 fit batches of ``rredcot bench credit`` the slope of those tiny
+departures averaged 3,417; clipped to 1 it handed over (reliability 0.69) an estimator with
+nothing to say, and at ``lam < 1`` its credit is DESIGN.md section 7's all-blame-on-the-last-
+segment credit.
+
+**Cost and memory**: no generation. All probes of a trace (``n`` boundaries x ``|A+|`` answers)
+go into **one** packed forward pass: ``[prompt | response up to b_{n-1} | probe_0 | probe_1 |
+...]`` with a 4D float attention mask (0 allowed, dtype-min elsewhere) under which each probe sees
+the prompt, the response up to its boundary and its own earlier tokens, and position ids that
+continue from its prefix. Models whose attention does not take a custom 4D mask (or whose packed
+log-probs do not match the unpacked ones on a first check) fall back to one row per probe with a
+warning. Rows are grouped into forwards of at most ``credit.answer_chunk_tokens`` tokens. The
+forward runs the model's trunk only (``get_decoder()``); the output head is applied to the hidden
+states of the scored positions alone, at most ``credit.answer_logits_mb`` MiB of fp32 logits at a
+time, so no ``(rows, length, vocab)`` logits tensor is ever built (models whose trunk and head do
+not reproduce their logits on a first check use the full forward). ``V(s_n)`` is not probed: the
+credit algebra sets it to the outcome ``R``.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import warnings
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor, nn
 
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
     CreditOutput,
     RolloutBatch,
+    UniformCredit,
     register_credit,
 )
+from rredcot.methods.handover import (
+    anchor,
+    blend_with_uniform,
+    group_mean,
+    handover_scores,
+    live_rows,
+    smoothed_reliability,
+)
 from rredcot.rollout import eval_mode, position_ids_from_mask
+from rredcot.tasks.answers import equivalent_renderings
+from rredcot.tasks.base import safe_verify
 
 PACKING_MODES = ("auto", "packed", "unpacked")
+CUE_PRESETS = ("auto", "task", "think")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+THINK_CUE = "\n</think>\n\nThe final answer is \\boxed{"
+NUM_FEATURES = 2  # value-head features: V and its squashed log
+MIN_DEPARTURE_RMS = 0.01  # below it the slope is not measured (module docstring)
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
+_CLOSED_END = re.compile(r"(?:[}\])]|</[^<>\s]+>)\s*$")
+_TAIL_TOKENS = 4  # prefix tokens decoded to see how the prefix ends
 
 
 @dataclass(frozen=True)
@@ -59,12 +131,33 @@ class Probe:
     ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ProbeFormat:
+    """How a probe is written: ``cue`` (``auto``, ``task``, ``think`` or literal text), ``eos``
+    (``auto``, ``true``, ``false``) and whether equivalent ``renderings`` are probed too."""
+
+    cue: str = "auto"
+    eos: str = "auto"
+    renderings: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.cue:
+            raise ValueError("answer cue is empty: use auto, task, think or the literal cue text")
+        if self.eos not in ("auto", "true", "false"):
+            raise ValueError(f"answer eos={self.eos!r}: use auto, true or false")
+
+    @classmethod
+    def from_config(cls, config: Any) -> ProbeFormat:
+        """From ``credit.answer_cue``, ``credit.answer_eos`` and ``credit.answer_renderings``."""
+        return cls(config.answer_cue, config.answer_eos, bool(config.answer_renderings))
+
+
 # ---------------------------------------------------------------------------------------------
 # What to probe
 
 
 def correct_answers(batch: RolloutBatch, source: str = "reference") -> list[list[str]]:
-    """Per row, the answers counted as correct (``A+``), in a stable order.
+    """Per row, the answers counted as correct (``A+``, before renderings), in a stable order.
 
     ``reference``: ``problem.answer``; ``group``: distinct ``verdict.answer`` of the rows of the
     same group with reward 1; ``both``: the union.
@@ -97,13 +190,110 @@ def correct_answers(batch: RolloutBatch, source: str = "reference") -> list[list
     return out
 
 
-def probe_token_ids(tokenizer, text: str) -> tuple[int, ...]:
-    """``text`` tokenised without special tokens, followed by EOS (when the tokenizer has one)."""
+def answer_renderings(task, problem, answer: str) -> list[str]:
+    """``answer`` and those of its :func:`equivalent_renderings` that the task's verifier scores
+    correct (reward >= 1) when written on the task's own answer line."""
+    out = [answer]
+    for form in equivalent_renderings(answer)[1:]:
+        if safe_verify(task, problem, task.render_answer(form)).reward >= 1.0:
+            out.append(form)
+    return out
+
+
+def probe_answers(
+    batch: RolloutBatch, task, source: str = "reference", renderings: bool = True
+) -> list[list[str]]:
+    """Per row, every answer string to probe: :func:`correct_answers`, each followed by its
+    accepted renderings when ``renderings`` (no repeats)."""
+    answers = correct_answers(batch, source)
+    if not renderings:
+        return answers
+    cache: dict[tuple[str, str], list[str]] = {}
+    out = []
+    for row, found in enumerate(answers):
+        problem = batch.problems[row] if batch.problems else None
+        expanded: list[str] = []
+        for a in found:
+            key = (a, "" if problem is None else problem.prompt)
+            if key not in cache:
+                cache[key] = [a] if problem is None else answer_renderings(task, problem, a)
+            expanded += [r for r in cache[key] if r not in expanded]
+        out.append(expanded)
+    return out
+
+
+def uses_think_tags(tokenizer) -> bool:
+    """Whether the tokenizer (its vocabulary or its chat template) knows ``</think>``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(str(t) for t in template.values())
+    if isinstance(template, str) and THINK_CLOSE in template:
+        return True
+    try:
+        token_id = tokenizer.convert_tokens_to_ids(THINK_CLOSE)
+    except (AttributeError, KeyError, TypeError):
+        return False
+    return token_id is not None and token_id != getattr(tokenizer, "unk_token_id", None)
+
+
+def resolve_cue(cue: str, tokenizer) -> str:
+    """``auto`` -> ``think`` or ``task`` (see the module docstring); anything else unchanged."""
+    if cue == "auto":
+        return "think" if uses_think_tags(tokenizer) else "task"
+    return cue
+
+
+def thought_closed(text: str) -> bool:
+    """Whether ``text`` has closed its thought: a ``</think>`` after its last ``<think>``."""
+    close = text.rfind(THINK_CLOSE)
+    return close >= 0 and close > text.rfind(THINK_OPEN)
+
+
+def _drop_newline_overlap(tail: str, text: str) -> str:
+    """``text`` without the leading newlines that ``tail`` (how the prefix ends) already has."""
+    lead = len(text) - len(text.lstrip("\n"))
+    k = lead
+    while k > 0 and not tail.endswith("\n" * k):
+        k -= 1
+    return text[k:]
+
+
+def probe_text(task, answer: str, cue: str, tail: str = "\n", closed: bool = False) -> str:
+    """The text appended after a prefix that ends with ``tail`` to state ``answer``.
+
+    ``cue``: ``task``, ``think`` or literal text (``auto`` resolved already, see
+    :func:`resolve_cue`); ``closed``: the prefix has closed its thought (``think`` and literal cues
+    holding ``</think>`` then leave it out).
+    """
+    if cue == "auto":
+        raise ValueError("probe_text needs a resolved cue: call resolve_cue(cue, tokenizer)")
+    if cue == "task":
+        text = "\n" + task.render_answer(answer)
+    else:
+        opening = THINK_CUE if cue == "think" else cue
+        if closed and THINK_CLOSE in opening:
+            opening = opening[opening.index(THINK_CLOSE) + len(THINK_CLOSE) :]
+        unclosed = max(opening.count("{") - opening.count("}"), 0)
+        text = opening + answer + "}" * unclosed
+    return _drop_newline_overlap(tail, text)
+
+
+def wants_eos(text: str, eos: str) -> bool:
+    """``eos`` ``true``/``false`` as given; ``auto``: unless ``text`` ends in ``} ] )`` or a
+    closing tag."""
+    if eos == "auto":
+        return _CLOSED_END.search(text) is None
+    return eos == "true"
+
+
+def probe_token_ids(tokenizer, text: str, eos: bool = True) -> tuple[int, ...]:
+    """``text`` tokenised without special tokens, then EOS (with ``eos`` and a tokenizer that has
+    one)."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if tokenizer.eos_token_id is not None:
+    if eos and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     if not ids:
-        raise ValueError(f"probe text {text!r} encodes to no tokens and the tokenizer has no EOS")
+        raise ValueError(f"probe text {text!r} encodes to no tokens (and no EOS is appended)")
     return tuple(ids)
 
 
@@ -114,38 +304,67 @@ def prompt_token_ids(batch: RolloutBatch, row: int) -> list[int]:
     return batch.input_ids[row, :P][keep].tolist()
 
 
+def _drop_dominated(probes: list[Probe]) -> list[Probe]:
+    """Drop a probe whose ids extend another probe's at the same boundary (its mass is counted in
+    the shorter one already); keeps the order."""
+    by_slot: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    for p in probes:
+        by_slot.setdefault((p.row, p.k), []).append(p.ids)
+    keep = []
+    for p in probes:
+        others = by_slot[(p.row, p.k)]
+        if not any(len(o) < len(p.ids) and p.ids[: len(o)] == o for o in others):
+            keep.append(p)
+    return keep
+
+
 def build_probes(
-    batch: RolloutBatch, tokenizer, task, answers: list[list[str]]
+    batch: RolloutBatch,
+    tokenizer,
+    task,
+    answers: list[list[str]],
+    probe: ProbeFormat | None = None,
 ) -> tuple[list[Probe], list[list[int]]]:
     """Every probe of the batch: for each row, each boundary ``k < n`` and each answer.
 
-    Returns the probes and, per row, the boundaries probed. The probe text is
-    ``render_answer(a)`` if the prefix ends with a newline, else ``"\\n" + render_answer(a)``.
+    Returns the probes and, per row, the boundaries probed. The text of each probe is
+    :func:`probe_text` for the prefix ``s_k`` (see the module docstring for the cue rules).
     """
+    probe = probe or ProbeFormat()
+    cue = resolve_cue(probe.cue, tokenizer)
+    needs_closure = cue == "think" or THINK_CLOSE in cue
     P = batch.prompt_len
-    cache: dict[tuple[str, bool], tuple[int, ...]] = {}
-    newline_cache: dict[int, bool] = {}
+    id_cache: dict[str, tuple[int, ...]] = {}
+    tail_cache: dict[tuple[int, ...], str] = {}
     probes: list[Probe] = []
     probed: list[list[int]] = []
     for row, bounds in enumerate(batch.boundaries):
         n = len(bounds) - 1
         ks = list(range(n)) if answers[row] else []
         probed.append(ks)
+        if not ks:
+            continue
+        prompt_ids = prompt_token_ids(batch, row)
+        response = batch.input_ids[row, P : P + bounds[-1]].tolist()
+        prompt_text = (
+            tokenizer.decode(prompt_ids, skip_special_tokens=False) if needs_closure else ""
+        )
         for k in ks:
             b = bounds[k]
-            last_id = int(batch.input_ids[row, P + b - 1])  # b = 0: the last prompt token
-            if last_id not in newline_cache:
-                newline_cache[last_id] = tokenizer.decode([last_id]).endswith("\n")
-            ends_nl = newline_cache[last_id]
+            last = tuple((prompt_ids + response[:b])[-_TAIL_TOKENS:])
+            if last not in tail_cache:
+                tail_cache[last] = tokenizer.decode(list(last), skip_special_tokens=False)
+            closed = needs_closure and thought_closed(
+                prompt_text + tokenizer.decode(response[:b], skip_special_tokens=False)
+            )
             for a in answers[row]:
-                key = (a, ends_nl)
-                if key not in cache:
-                    text = task.render_answer(a)
-                    cache[key] = probe_token_ids(tokenizer, text if ends_nl else "\n" + text)
-                probes.append(Probe(row, k, b, cache[key]))
+                text = probe_text(task, a, cue, tail_cache[last], closed)
+                if text not in id_cache:
+                    id_cache[text] = probe_token_ids(tokenizer, text, wants_eos(text, probe.eos))
+                probes.append(Probe(row, k, b, id_cache[text]))
     # Two answers that render the same are one answer: drop repeated (row, k, ids).
     unique = list(dict.fromkeys(probes))
-    return unique, probed
+    return _drop_dominated(unique), probed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,17 +394,139 @@ def _model_device_dtype(policy) -> tuple[torch.device, torch.dtype]:
     return param.device, dtype
 
 
+def _unwrap(policy):
+    """The model inside a DDP / DeepSpeed style wrapper (``.module``)."""
+    while isinstance(getattr(policy, "module", None), nn.Module):
+        policy = policy.module
+    return policy
+
+
+def _vocab_size(policy, head: nn.Module | None) -> int:
+    size = getattr(head, "out_features", None) or getattr(
+        getattr(_unwrap(policy), "config", None), "vocab_size", None
+    )
+    if not size:
+        raise ValueError("cannot tell the policy's vocabulary size (no config.vocab_size)")
+    return int(size)
+
+
+def _softcap(policy, logits: Tensor) -> Tensor:
+    cap = getattr(getattr(_unwrap(policy), "config", None), "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+_SPLIT_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
+    """``(trunk, output head)`` of a causal LM whose ``head(trunk(x))`` (soft-capped as the model
+    does) reproduces its logits, checked once per model on a short input; None otherwise."""
+    model = _unwrap(policy)
+    if model in _SPLIT_CHECKED:
+        return _SPLIT_CHECKED[model]
+    split = None
+    try:
+        trunk, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        trunk = head = None
+    separable = isinstance(trunk, nn.Module) and isinstance(head, nn.Module) and trunk is not model
+    if separable:
+        device, dtype = _model_device_dtype(model)
+        vocab = _vocab_size(model, head)
+        ids = (torch.arange(6, device=device) * 7 + 3).remainder(vocab).unsqueeze(0)
+        with torch.no_grad(), eval_mode(model):
+            try:
+                full = model(input_ids=ids, use_cache=False).logits.float()
+                hidden = _last_hidden(trunk(input_ids=ids, use_cache=False))
+                mine = _softcap(model, head(hidden)).float()
+                tol = 1e-4 if dtype == torch.float32 else 2e-2
+                if mine.shape == full.shape and bool(
+                    ((mine - full).abs() <= tol * (1.0 + full.abs())).all()
+                ):
+                    split = (trunk, head)
+            except (RuntimeError, TypeError, ValueError, AttributeError):
+                split = None
+    if split is None:
+        why = "do not reproduce its logits" if separable else "are not separable"
+        warnings.warn(
+            f"answer_likelihood: {type(model).__name__}'s trunk and output head "
+            f"(get_decoder(), get_output_embeddings()) {why}; probes are scored from the full "
+            "logits, whose memory grows with rows x length x vocabulary (lower "
+            "credit.answer_chunk_tokens if it runs out)",
+            stacklevel=3,
+        )
+    _SPLIT_CHECKED[model] = split
+    return split
+
+
+def _last_hidden(output) -> Tensor:
+    hidden = getattr(output, "last_hidden_state", None)
+    return hidden if hidden is not None else output[0]
+
+
+def _score(
+    policy,
+    forward: dict[str, Tensor],
+    predictors: list[tuple[int, Tensor, Tensor, int]],
+    out: list,
+    logits_mb: int,
+) -> None:
+    """Log-probs of each probe's targets at its predictor columns, into ``out[i]``.
+
+    The trunk's hidden states are gathered at the predictor positions before the output head, and
+    the head and log-softmax run over at most ``logits_mb`` MiB of fp32 logits at a time.
+    """
+    if not predictors:
+        return
+    split = _trunk_and_head(policy)
+    device = forward["input_ids"].device
+    rows = torch.cat([torch.full_like(cols, r) for r, cols, _, _ in predictors]).to(device)
+    cols = torch.cat([c for _, c, _, _ in predictors]).to(device)
+    targets = torch.cat([t for _, _, t, _ in predictors]).to(device)
+    if split is not None:
+        trunk, head = split
+        picked = _last_hidden(trunk(**forward, use_cache=False))[rows, cols]  # (N, H)
+
+        def logits_of(sl: slice) -> Tensor:
+            return _softcap(policy, head(picked[sl]))
+    else:
+        head = None
+        picked = policy(**forward, use_cache=False).logits[rows, cols]  # (N, V)
+
+        def logits_of(sl: slice) -> Tensor:
+            return picked[sl]
+
+    step = max(1, (logits_mb << 20) // (4 * _vocab_size(policy, head)))
+    token_logp = torch.empty(len(targets), dtype=torch.float32)
+    for start in range(0, len(targets), step):
+        sl = slice(start, start + step)
+        logits = logits_of(sl).float()
+        chosen = logits.gather(-1, targets[sl].unsqueeze(-1)).squeeze(-1)
+        token_logp[sl] = (chosen - torch.logsumexp(logits, dim=-1)).cpu()
+        del logits
+    start = 0
+    for _, c, _, i in predictors:
+        out[i] = token_logp[start : start + len(c)]
+        start += len(c)
+
+
 @torch.no_grad()
 def packed_probe_logprobs(
-    policy, batch: RolloutBatch, probes: list[Probe], max_batch_tokens: int = 65536
-) -> tuple[list[torch.Tensor], int]:
+    policy,
+    batch: RolloutBatch,
+    probes: list[Probe],
+    max_batch_tokens: int = 16384,
+    logits_mb: int = 256,
+) -> tuple[list[Tensor], int]:
     """Per-token log-probs of every probe, all probes of a trace in one packed row.
 
     Row layout ``[prompt (P columns, left-padded) | response[:c] | probe_0 | probe_1 | ...]``
     (``c`` the largest boundary probed in that row), right-padded to the chunk's longest row.
     Mask ``(R, 1, L, L)``: context tokens are causal over the non-pad context; a probe at
     boundary ``b`` sees the prompt, ``response[:b]`` and its own earlier tokens. Positions of a
-    probe continue from its prefix (``prompt tokens + b``).
+    probe continue from its prefix (``prompt tokens + b``). Rows go into forwards of at most
+    ``max_batch_tokens`` (rows x longest row); ``logits_mb`` bounds the logits (see
+    :func:`_score`).
 
     Returns (one ``(len(probe.ids),)`` float tensor per probe, in order; tokens forwarded).
     """
@@ -198,7 +539,7 @@ def packed_probe_logprobs(
     ctx = {r: max(probes[i].b for i in by_row[r]) for r in rows}
     lengths = [P + ctx[r] + sum(len(probes[i].ids) for i in by_row[r]) for r in rows]
     pad = _pad_id(policy)
-    out: list[torch.Tensor | None] = [None] * len(probes)
+    out: list[Tensor | None] = [None] * len(probes)
     forwarded = 0
     for group in _chunks(lengths, max_batch_tokens):
         L = max(lengths[g] for g in group)
@@ -207,7 +548,7 @@ def packed_probe_logprobs(
         pos = torch.zeros(R, L, dtype=torch.long)
         allowed = torch.zeros(R, L, L, dtype=torch.bool)
         allowed[:, torch.arange(L), torch.arange(L)] = True  # pad queries see themselves only
-        predictors: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (r, cols, targets, i)
+        predictors: list[tuple[int, Tensor, Tensor, int]] = []  # (r, cols, targets, i)
         for r, g in enumerate(group):
             row = rows[g]
             C = P + ctx[row]
@@ -235,20 +576,25 @@ def packed_probe_logprobs(
                 start += m
         mask = torch.zeros(R, 1, L, L, dtype=dtype)
         mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
-        logits = policy(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=pos.to(device),
-            use_cache=False,
-        ).logits
-        _gather(logits, predictors, out)
+        del allowed
+        forward = {
+            "input_ids": ids.to(device),
+            "attention_mask": mask.to(device),
+            "position_ids": pos.to(device),
+        }
+        del mask
+        _score(policy, forward, predictors, out, logits_mb)
     return out, forwarded  # type: ignore[return-value]
 
 
 @torch.no_grad()
 def unpacked_probe_logprobs(
-    policy, batch: RolloutBatch, probes: list[Probe], max_batch_tokens: int = 65536
-) -> tuple[list[torch.Tensor], int]:
+    policy,
+    batch: RolloutBatch,
+    probes: list[Probe],
+    max_batch_tokens: int = 16384,
+    logits_mb: int = 256,
+) -> tuple[list[Tensor], int]:
     """The same log-probs as :func:`packed_probe_logprobs`, one left-padded row per probe
     (``prompt + response[:b] + probe``): the reference, and the fallback for models that do not
     take a custom 4D attention mask."""
@@ -259,7 +605,7 @@ def unpacked_probe_logprobs(
         prefix = prompt_token_ids(batch, p.row) + batch.input_ids[p.row, P : P + p.b].tolist()
         seqs.append(prefix + list(p.ids))
     pad = _pad_id(policy)
-    out: list[torch.Tensor | None] = [None] * len(probes)
+    out: list[Tensor | None] = [None] * len(probes)
     forwarded = sum(len(s) for s in seqs)
     for group in _chunks([len(s) for s in seqs], max_batch_tokens):
         L = max(len(seqs[i]) for i in group)
@@ -272,29 +618,13 @@ def unpacked_probe_logprobs(
             attn[r, L - len(s) :] = 1
             m = len(probes[i].ids)
             predictors.append((r, torch.arange(L - m - 1, L - 1), torch.tensor(probes[i].ids), i))
-        logits = policy(
-            input_ids=ids.to(device),
-            attention_mask=attn.to(device),
-            position_ids=position_ids_from_mask(attn).to(device),
-            use_cache=False,
-        ).logits
-        _gather(logits, predictors, out)
+        forward = {
+            "input_ids": ids.to(device),
+            "attention_mask": attn.to(device),
+            "position_ids": position_ids_from_mask(attn).to(device),
+        }
+        _score(policy, forward, predictors, out, logits_mb)
     return out, forwarded  # type: ignore[return-value]
-
-
-def _gather(logits: torch.Tensor, predictors: list, out: list) -> None:
-    """Log-probs of each probe's targets from the logits at its predictor columns."""
-    if not predictors:
-        return
-    rows = torch.cat([torch.full_like(cols, r) for r, cols, _, _ in predictors]).to(logits.device)
-    cols = torch.cat([c for _, c, _, _ in predictors]).to(logits.device)
-    targets = torch.cat([t for _, _, t, _ in predictors]).to(logits.device)
-    logp = F.log_softmax(logits[rows, cols].float(), dim=-1)
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu()
-    start = 0
-    for _, c, _, i in predictors:
-        out[i] = token_logp[start : start + len(c)]
-        start += len(c)
 
 
 def _pad_id(policy) -> int:
@@ -321,15 +651,18 @@ def answer_values(
     *,
     answer_source: str = "reference",
     packing: str = "auto",
-    max_batch_tokens: int = 65536,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    max_batch_tokens: int = 16384,
+    probe: ProbeFormat | None = None,
+    logits_mb: int = 256,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """``V(s_k) = sum_{a in A+} exp(sum log pi(probe(a) | s_k))`` for every boundary ``k < n``.
 
     Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``values[b, n_b] = R_b``
-    (the algebra sets ``V(s_n) := R`` anyway). ``packing``: ``packed`` (one forward row per
-    trace), ``unpacked`` (one row per probe) or ``auto`` (packed when the attention
-    implementation takes a custom 4D mask, else unpacked with a warning; a packed pass that
-    raises also falls back with a warning).
+    (the algebra sets ``V(s_n) := R`` anyway). ``probe`` says how probes are written (default:
+    :class:`ProbeFormat` ``()``); ``packing``: ``packed`` (one forward row per trace),
+    ``unpacked`` (one row per probe) or ``auto`` (packed when the attention implementation takes
+    a custom 4D mask, else unpacked with a warning; a packed pass that raises also falls back
+    with a warning).
     """
     if packing not in PACKING_MODES:
         raise ValueError(f"packing={packing!r}: use {', '.join(PACKING_MODES)}")
@@ -338,8 +671,9 @@ def answer_values(
             "answer_likelihood needs the task (its render_answer writes the probes); "
             "pass CreditContext(task=...)"
         )
-    answers = correct_answers(batch, answer_source)
-    probes, _ = build_probes(batch, tokenizer, task, answers)
+    probe = probe or ProbeFormat()
+    answers = probe_answers(batch, task, answer_source, probe.renderings)
+    probes, _ = build_probes(batch, tokenizer, task, answers, probe)
     use_packed = packing == "packed"
     if packing == "auto":
         use_packed = packing_supported(policy)
@@ -351,11 +685,12 @@ def answer_values(
                 "attn_implementation='sdpa' or 'eager' to pack the probes.",
                 stacklevel=2,
             )
+    budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
     with eval_mode(policy):
         logprobs, forwarded = None, 0
         if use_packed and probes:
             try:
-                logprobs, forwarded = packed_probe_logprobs(policy, batch, probes, max_batch_tokens)
+                logprobs, forwarded = packed_probe_logprobs(policy, batch, probes, **budget)
             except (RuntimeError, ValueError, TypeError) as err:
                 if packing == "packed":
                     raise
@@ -366,7 +701,7 @@ def answer_values(
                 )
                 use_packed = False
         if logprobs is None:
-            logprobs, forwarded = unpacked_probe_logprobs(policy, batch, probes, max_batch_tokens)
+            logprobs, forwarded = unpacked_probe_logprobs(policy, batch, probes, **budget)
 
     n = batch.num_segments
     S = int(n.max()) if len(n) else 0
@@ -378,27 +713,59 @@ def answer_values(
     values[rows, n] = batch.rewards.detach().float().cpu()
     mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
     device = batch.rewards.device
+    probed_rows = [a for a in answers if a]
     stats = {
         "credit/extra_forward_tokens": float(forwarded),
         "credit/extra_generated_tokens": 0.0,
         "credit/probe_tokens": float(sum(len(p.ids) for p in probes)),
         "credit/probes": float(len(probes)),
         "credit/probe_packed": float(use_packed),
+        "credit/probe_think_cue": float(resolve_cue(probe.cue, tokenizer) != "task"),
+        "credit/answers_per_row": sum(len(a) for a in probed_rows) / max(len(probed_rows), 1),
         "credit/empty_answer_sets": float(sum(1 for a in answers if not a)),
     }
     return values.to(device), mask.to(device), stats
 
 
+def prefix_features(values: Tensor, value_mask: Tensor) -> Tensor:
+    """Answer-likelihood values as value-head input features: ``[V, -log(1 - log V)]`` at every
+    boundary ``k < n`` (the log squashed as the log-prob features are), 0 at ``s_n`` (where
+    :func:`answer_values` holds the outcome, which a feature must never see) and on padding.
+
+    Args:
+        values: ``(B, S+1)`` from :func:`answer_values`; value_mask: ``(B, S+1)``.
+
+    Returns:
+        ``(B, S+1, 2)`` float32.
+    """
+    mask = value_mask.bool()
+    n = mask.sum(dim=1) - 1
+    cols = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+    keep = mask & (cols < n.unsqueeze(1))
+    v = torch.where(keep, values.float(), torch.zeros_like(values, dtype=torch.float32))
+    log_v = torch.log(v.clamp_min(1e-30))
+    feats = torch.stack([v, -torch.log1p(-log_v)], dim=-1)
+    return torch.where(keep.unsqueeze(-1), feats, torch.zeros_like(feats))
+
+
+# ---------------------------------------------------------------------------------------------
+# The credit method
+
+
 @register_credit("answer_likelihood")
 class AnswerLikelihoodCredit(CreditMethod):
-    """Values from the policy's probability of answering correctly right after each prefix.
+    """Values from the policy's probability of answering correctly right after each prefix, with
+    the value head's guards (anchor, hand-over, safe normalisation; module docstring).
+
+    ``compute(batch)`` probes the batch and hands credit over from uniform by ``reliability``
+    (from earlier batches); ``update(batch)`` then scores those same values against the batch's
+    outcomes and folds the slope into ``reliability``. ``pretrain(sample_batch, steps)`` earns
+    reliability on the warm-start policy's samples before RL.
 
     The first batch in ``auto`` packing is also probed unpacked once, and a mismatch (a model
     whose attention does not honour the custom 4D mask) switches this instance to unpacked
     probing with a warning.
     """
-
-    max_batch_tokens: int = 65536
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
@@ -407,9 +774,17 @@ class AnswerLikelihoodCredit(CreditMethod):
                 "answer_likelihood needs the task (its render_answer writes the probes); "
                 "pass CreditContext(task=...)"
             )
+        self.probe = ProbeFormat.from_config(config)
         self._packing = "auto"
         self._checked = False
-        self._stats: dict[str, float] = {}
+        self._uniform = UniformCredit(config, context)
+        self.reliability = 0.0  # EMA of the clipped fresh-batch score; the hand-over weight
+        self.num_updates = 0
+        self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return int(self.config.answer_chunk_tokens)
 
     def _check_packing(self, batch: RolloutBatch) -> None:
         """Compare packed and unpacked log-probs on the first row that has probes."""
@@ -417,18 +792,22 @@ class AnswerLikelihoodCredit(CreditMethod):
         ctx = self.context
         if not packing_supported(ctx.policy):
             return
-        answers = correct_answers(batch, self.config.answer_source)
-        probes, _ = build_probes(batch, ctx.tokenizer, ctx.task, answers)
+        answers = probe_answers(batch, ctx.task, self.config.answer_source, self.probe.renderings)
+        probes, _ = build_probes(batch, ctx.tokenizer, ctx.task, answers, self.probe)
         if not probes:
             self._checked = False  # nothing to compare yet
             return
         first = [p for p in probes if p.row == probes[0].row]
+        budget = {
+            "max_batch_tokens": self.max_batch_tokens,
+            "logits_mb": self.config.answer_logits_mb,
+        }
         with torch.no_grad(), eval_mode(ctx.policy):
             try:
-                packed, _ = packed_probe_logprobs(ctx.policy, batch, first)
+                packed, _ = packed_probe_logprobs(ctx.policy, batch, first, **budget)
             except (RuntimeError, ValueError, TypeError):
                 return  # answer_values falls back (and warns) on its own
-            plain, _ = unpacked_probe_logprobs(ctx.policy, batch, first)
+            plain, _ = unpacked_probe_logprobs(ctx.policy, batch, first, **budget)
         _, dtype = _model_device_dtype(ctx.policy)
         tol = 1e-3 if dtype == torch.float32 else 5e-2
         worst = max(float((a - b).abs().max()) for a, b in zip(packed, plain))
@@ -441,11 +820,17 @@ class AnswerLikelihoodCredit(CreditMethod):
             )
             self._packing = "unpacked"
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    # -- values ---------------------------------------------------------------------------------
+    def estimate(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(values (B, S+1), mask (B, S+1), stats)``: the probed values, not anchored, with
+        ``values[:, n] = R``. Cached for the last batch seen, so that ``update`` scores exactly
+        the values ``compute`` used (the policy may have changed in between)."""
+        if self._cache is not None and self._cache[0]() is batch:
+            return self._cache[1], self._cache[2], self._cache[3]
         if not self._checked:
             self._check_packing(batch)
         ctx = self.context
-        values, mask, self._stats = answer_values(
+        values, mask, stats = answer_values(
             ctx.policy,
             ctx.tokenizer,
             ctx.task,
@@ -453,10 +838,93 @@ class AnswerLikelihoodCredit(CreditMethod):
             answer_source=self.config.answer_source,
             packing=self._packing,
             max_batch_tokens=self.max_batch_tokens,
+            probe=self.probe,
+            logits_mb=self.config.answer_logits_mb,
         )
-        return values, mask
+        self._cache = (weakref.ref(batch), values, mask, stats)
+        return values, mask, stats
+
+    def _anchored(self, values: Tensor, mask: Tensor, batch: RolloutBatch) -> Tensor:
+        return anchor(values, mask, group_mean(batch), self.config.value_anchor)
+
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """The values credit uses: :meth:`estimate`, anchored on the group mean reward
+        (``credit.value_anchor``)."""
+        values, mask, _ = self.estimate(batch)
+        return self._anchored(values, mask, batch), mask
+
+    # -- credit ---------------------------------------------------------------------------------
+    @property
+    def blend(self) -> float:
+        """Weight of answer-likelihood credit against uniform credit (1 with handover off)."""
+        return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        out = super().compute(batch)
-        out.metrics.update(self._stats)
+        values, mask, stats = self.estimate(batch)
+        out = self._from_values(batch, self._anchored(values, mask, batch), mask)
+        w = self.blend
+        out = blend_with_uniform(self, batch, out, w, self._uniform)
+        out.metrics.update(stats)
+        out.metrics.update({"value/reliability": float(self.reliability), "credit/blend": w})
         return out
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Score the values credit used on the batch's outcomes and fold the score into the
+        reliability (the next batches' hand-over weight). Learns nothing else."""
+        values, mask, _ = self.estimate(batch)
+        live = live_rows(batch).to(values.device)
+        mean = group_mean(batch).to(values.device)
+        scored = self._anchored(values, mask, batch)
+        baseline = None if self.config.value_anchor == "none" else mean[live]
+        rewards = batch.rewards.to(values.device)[live]
+        score, slope, skill = handover_scores(
+            scored[live],
+            mask[live],
+            rewards,
+            baseline,
+            self.config.handover_score,
+            min_rms=MIN_DEPARTURE_RMS,
+        )
+        self.reliability = smoothed_reliability(
+            self.reliability, score, self.config.handover_smoothing
+        )
+        self.num_updates += 1
+        self._cache = None
+        return {
+            "value/slope": slope,
+            "value/skill": skill,
+            "value/reliability_after": float(self.reliability),
+        }
+
+    def pretrain(self, sample_batch, steps: int) -> dict[str, float]:
+        """Measure reliability on ``steps`` batches from ``sample_batch()`` (the warm-start
+        policy's samples) before RL, as ``update`` does during RL."""
+        if steps < 0:
+            raise ValueError(f"pretrain steps must be >= 0, got {steps}")
+        slopes = [self.update(sample_batch())["value/slope"] for _ in range(steps)]
+        measured = [s for s in slopes if not math.isnan(s)]
+        return {
+            "value_pretrain/steps": float(steps),
+            "value_pretrain/slope_mean": sum(measured) / len(measured)
+            if measured
+            else float("nan"),
+            "value_pretrain/reliability": float(self.reliability),
+        }
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "reliability": float(self.reliability),
+            "num_updates": self.num_updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:  # saved before the hand-over existed: nothing earned yet
+            return
+        if state.get("version") != 1:
+            raise ValueError(
+                f"answer_likelihood state has version {state.get('version')!r}; this code reads 1"
+            )
+        self.reliability = float(state["reliability"])
+        self.num_updates = int(state["num_updates"])

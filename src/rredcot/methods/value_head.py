@@ -12,6 +12,11 @@ sign of a wrong step; on the tiny CPU testbed the hidden state alone hardly show
 trained on step-correctness labels reached AUC 0.65-0.78) and the head then blamed the first wrong
 step at chance level, while with these features it did so for ~75% of wrong traces (chance 33%).
 
+With ``credit.value_alik_feature`` (off by default) it also reads the answer-likelihood value of
+each prefix (``answer_likelihood.prefix_features``: ``V`` and its squashed log, from one packed
+probe forward per batch with the reference answers only, so that no outcome of the group leaks
+in; ``s_n`` reads 0). That forward is the feature's cost.
+
 Per RL step the trainer calls, in this order:
 
 1. ``compute(batch)``: values of the fresh batch from the head as it stands (trained only on
@@ -54,6 +59,7 @@ that tests and benchmarks can check them against plain loops.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +76,14 @@ from rredcot.methods.base import (
     RolloutBatch,
     UniformCredit,
     register_credit,
+)
+from rredcot.methods.handover import (
+    anchor,
+    blend_with_uniform,
+    explained_variance,
+    handover_scores,
+    prediction_slope,
+    smoothed_reliability,
 )
 
 __all__ = [
@@ -92,6 +106,7 @@ HEAD_FRACTION = 0.01  # auto width: the head has about this share of the policy'
 MIN_HIDDEN = 8  # ... but never fewer hidden units than this
 INIT_SEED = 0  # the head's initial weights do not depend on (or consume) the global RNG
 NUM_LOGPROB_FEATURES = 4  # segment mean, segment min, prefix mean, prefix min
+NUM_ALIK_FEATURES = 2  # answer-likelihood V(s_k) and its squashed log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,69 +328,6 @@ def monotone_fraction(values: Tensor, value_mask: Tensor, rewards: Tensor) -> fl
     return hits / total if total else float("nan")
 
 
-def _last_prefix_value(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """``(V(s_{n-1}), R, baseline)`` in float64 over the rows with at least one segment (the
-    baseline defaults to the batch mean of those R); None when no row has a segment."""
-    n = value_mask.bool().sum(dim=1) - 1
-    rows = n >= 1
-    if not bool(rows.any()):
-        return None
-    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).double()
-    r = rewards[rows].double().to(last.device)
-    base = r.mean() if baseline is None else baseline[rows].double().to(last.device)
-    return last, r, base
-
-
-def explained_variance(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
-) -> float:
-    """``1 - mean((R - V(s_{n-1}))^2) / mean((R - baseline)^2)`` over the rows with at least one
-    segment: the share of the outcome variance around ``baseline`` (default: the batch mean, so
-    the denominator is ``var(R)``) that the last prefix value explains (1 perfect, 0 no better
-    than the baseline, negative worse). NaN when the baseline is exact or no row has a segment.
-
-    Args:
-        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
-        baseline: ``(B,)`` or None.
-    """
-    picked = _last_prefix_value(values, value_mask, rewards, baseline)
-    if picked is None:
-        return float("nan")
-    last, r, base = picked
-    var = ((r - base) ** 2).mean()
-    if float(var) < 1e-8:
-        return float("nan")
-    return float(1.0 - ((r - last) ** 2).mean() / var)
-
-
-def prediction_slope(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
-) -> float:
-    """How much of the last prefix value's departure from the baseline to trust: the least-squares
-    ``w`` in ``R - b ≈ w (V(s_{n-1}) - b)``, ``sum(e d) / sum(d^2)`` over the rows with at least
-    one segment (``b`` = ``baseline``, default the batch mean of R).
-
-    ``w = 1``: the departures are calibrated; ``0 < w < 1``: right in direction but too large;
-    ``w <= 0``: noise. Unlike the explained variance, an over-confident head that still points the
-    right way scores above 0. NaN when no row has a segment or every departure is 0.
-
-    Args:
-        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
-        baseline: ``(B,)`` or None.
-    """
-    picked = _last_prefix_value(values, value_mask, rewards, baseline)
-    if picked is None:
-        return float("nan")
-    last, r, base = picked
-    d, e = last - base, r - base
-    dd = float((d * d).sum())
-    if dd < 1e-12:
-        return float("nan")
-    return float((e * d).sum()) / dd
-
-
 def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: Tensor) -> float:
     """``1 - MSE(values, R) / MSE(baseline, R)`` over the masked boundaries: 1 is a perfect
     predictor, 0 no better than the baseline, negative worse. NaN when the baseline is exact
@@ -434,6 +386,13 @@ class ValueHeadCredit(CreditMethod):
         self.reliability = 0.0  # EMA of the clipped fresh-batch skill; the hand-over weight
         self.num_updates = 0
         self._uniform = UniformCredit(config, context)
+        self._alik_cache: tuple[weakref.ref, Tensor] | None = None
+        self._alik_forward_tokens = 0.0  # the probe pass of the last batch (feature on)
+        if config.value_alik_feature and context.task is None:
+            raise ValueError(
+                "credit.value_alik_feature needs the task (its answer line writes the probes); "
+                "pass CreditContext(task=...) or turn the feature off"
+            )
         input_size = self._input_size_from_policy()
         if input_size is not None:
             self._build(input_size, self._hidden_size_for(input_size))
@@ -463,7 +422,46 @@ class ValueHeadCredit(CreditMethod):
 
     @property
     def extra_size(self) -> int:
-        return NUM_LOGPROB_FEATURES if self.config.value_logprob_features else 0
+        size = NUM_LOGPROB_FEATURES if self.config.value_logprob_features else 0
+        return size + (NUM_ALIK_FEATURES if self.config.value_alik_feature else 0)
+
+    def _alik_features(self, batch: RolloutBatch, num_columns: int) -> Tensor:
+        """``(B, S+1, 2)`` answer-likelihood features of the batch (cached for the last batch:
+        ``compute`` and ``update`` read the same ones, from the policy that sampled it)."""
+        cached = self._alik_cache
+        if cached is not None and cached[0]() is batch:
+            return cached[1]
+        from rredcot.methods.answer_likelihood import (
+            ProbeFormat,
+            answer_values,
+            prefix_features,
+        )
+
+        if len(batch.problems) != batch.size:
+            raise ValueError(
+                "credit.value_alik_feature needs the batch's problems and token ids (the full "
+                "RolloutBatch, not a compact one of boundary states); turn it off here"
+            )
+        ctx = self.context
+        values, mask, stats = answer_values(
+            ctx.policy,
+            ctx.tokenizer,
+            ctx.task,
+            batch,
+            answer_source="reference",
+            max_batch_tokens=self.config.answer_chunk_tokens,
+            probe=ProbeFormat.from_config(self.config),
+            logits_mb=self.config.answer_logits_mb,
+        )
+        feats = prefix_features(values, mask)
+        if feats.shape[1] != num_columns:
+            raise ValueError(
+                f"answer-likelihood features have {feats.shape[1]} columns, the boundaries "
+                f"{num_columns}"
+            )
+        self._alik_cache = (weakref.ref(batch), feats)
+        self._alik_forward_tokens = stats["credit/extra_forward_tokens"]
+        return feats
 
     def _build(self, input_size: int, hidden_size: int) -> None:
         with torch.random.fork_rng(devices=[]):
@@ -483,7 +481,8 @@ class ValueHeadCredit(CreditMethod):
     def boundary_features(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """``(features (B, S+1, D + E) fp32 on the head's device, mask (B, S+1) bool)``: the
         hidden states at the prefix ends, then the log-prob features (if enabled)."""
-        if batch.hidden_states is None or (self.extra_size and batch.old_logprobs is None):
+        needs_logprobs = self.config.value_logprob_features
+        if batch.hidden_states is None or (needs_logprobs and batch.old_logprobs is None):
             raise ValueError(
                 "value_head needs batch.hidden_states and batch.old_logprobs: run "
                 "rollout.fill_forward(policy, batch, hidden_layers=method.hidden_layers) before "
@@ -502,11 +501,14 @@ class ValueHeadCredit(CreditMethod):
                 f"{self.hidden_layers} of the policy); fill the batch with "
                 "hidden_layers=method.hidden_layers"
             )
-        if self.extra_size:
+        if self.config.value_logprob_features:
             extra = logprob_features(
                 batch.old_logprobs, batch.response_mask, batch.segment_ids, mask.shape[1]
             )
             feats = torch.cat([feats, extra.to(self.device)], dim=-1)
+        if self.config.value_alik_feature:
+            alik = self._alik_features(batch, mask.shape[1])
+            feats = torch.cat([feats, alik.to(self.device)], dim=-1)
         return feats, mask
 
     def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
@@ -524,9 +526,7 @@ class ValueHeadCredit(CreditMethod):
         return torch.where(mask, values, torch.zeros_like(values)), mask
 
     def _anchor(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
-        if self.config.value_anchor == "none":
-            return values
-        return credit.anchor_values(values, mask, group_mean.to(values.device))
+        return anchor(values, mask, group_mean, self.config.value_anchor)
 
     def _raw_and_anchored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
         """``(head values, the values credit uses, mask)``, all ``(B, S+1)``."""
@@ -551,20 +551,15 @@ class ValueHeadCredit(CreditMethod):
         rewards = batch.rewards.to(raw.device)
         out = self._from_values(batch, values, mask)  # pure value credit
         w = self.blend
-        if w < 1.0:
-            u_values, u_mask = self._uniform.segment_values(batch)
-            uniform_adv, _, _ = credit.segment_advantages_from_values(
-                u_values.to(values.device), u_mask.to(values.device), rewards, self._uniform.lam
-            )
-            seg_adv = w * out.segment_advantages + (1.0 - w) * uniform_adv
-            out.segment_advantages = seg_adv
-            out.advantages = self._to_tokens(batch, seg_adv)
+        out = blend_with_uniform(self, batch, out, w, self._uniform)
         out.metrics.update(self._fresh_diagnostics(raw, mask, rewards, batch))
         out.metrics.update(
             {
                 "value/reliability": float(self.reliability),
                 "credit/blend": w,
-                "credit/extra_forward_tokens": 0.0,
+                "credit/extra_forward_tokens": self._alik_forward_tokens
+                if self.config.value_alik_feature
+                else 0.0,
                 "credit/extra_generated_tokens": 0.0,
             }
         )
@@ -634,14 +629,12 @@ class ValueHeadCredit(CreditMethod):
             scored, baseline = values, None
         else:
             scored, baseline = self._anchor(values, entry["mask"], group_mean), group_mean
-        args = (scored, entry["mask"], entry["rewards"], baseline)
-        skill = explained_variance(*args)
-        slope = prediction_slope(*args)
-        score = slope if self.config.handover_score == "slope" else skill
-        if score == score:  # not NaN
-            decay = self.config.handover_smoothing
-            clipped = min(max(score, 0.0), 1.0)
-            self.reliability = decay * self.reliability + (1.0 - decay) * clipped
+        score, slope, skill = handover_scores(
+            scored, entry["mask"], entry["rewards"], baseline, self.config.handover_score
+        )
+        self.reliability = smoothed_reliability(
+            self.reliability, score, self.config.handover_smoothing
+        )
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
         baseline = group_mean.unsqueeze(1).expand_as(values)
         vs_group = brier_skill(values, baseline, target_mask, entry["rewards"])
@@ -739,8 +732,9 @@ class ValueHeadCredit(CreditMethod):
         if state["head"] is not None:
             if state["extra_size"] != self.extra_size:
                 raise ValueError(
-                    f"the saved value head reads {state['extra_size']} log-prob features but "
-                    f"credit.value_logprob_features={self.config.value_logprob_features} gives "
+                    f"the saved value head reads {state['extra_size']} extra features but "
+                    f"credit.value_logprob_features={self.config.value_logprob_features} and "
+                    f"credit.value_alik_feature={self.config.value_alik_feature} give "
                     f"{self.extra_size}; resume with the run's own config"
                 )
             if (

@@ -42,6 +42,7 @@ __all__ = [
     "TIMEOUT_REASON",
     "answers_match",
     "check_answer",
+    "equivalent_renderings",
     "extract_boxed",
     "extract_completion_answer",
     "extract_gsm8k",
@@ -355,3 +356,57 @@ def answers_match(predicted: str | None, reference: str, verifier: str = "auto")
     skips math-verify. Tasks refuse ``"math_verify"`` at construction when it is not installed.
     """
     return check_answer(predicted, reference, verifier)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Renderings
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain(value: Fraction) -> str | None:
+    """A finite decimal for ``value`` (``5/2`` -> ``2.5``), None for a repeating one."""
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    if den != 1:
+        return None
+    digits = 0
+    while (value * 10**digits).denominator != 1:
+        digits += 1
+    return f"{float(value):.{digits}f}" if digits else str(value.numerator)
+
+
+def equivalent_renderings(answer: str) -> list[str]:
+    """``answer`` followed by other ways people write the same number, without repeats.
+
+    Integers: ``20``, ``20.0``, ``$20`` (and ``1,000``, ``$1,000`` from 1000 on); finite
+    decimals: ``2.5``, ``2.50``, ``$2.50``, ``5/2``, ``\\frac{5}{2}``; other fractions: ``1/3``,
+    ``\\frac{1}{3}``. Text that is not a number gives ``[answer]``. Which of these a task counts
+    as correct is the task's verifier's call (``answer_likelihood`` keeps only those it accepts).
+    """
+    out = [answer]
+    value = parse_number(_clean(answer))
+    if value is None or answer.strip().endswith("%"):
+        return out
+    sign = "-" if value < 0 else ""
+    mag = abs(value)
+    plain = _plain(mag)
+    if mag.denominator == 1:
+        n = mag.numerator
+        forms = [f"{n}", f"{n}.0", f"${n}"]
+        if n >= 1000:
+            forms += [f"{n:,}", f"${n:,}"]
+    else:
+        num, den = mag.numerator, mag.denominator
+        frac = [f"{num}/{den}", f"\\frac{{{num}}}{{{den}}}"]
+        if plain is not None:
+            cents = f"{float(mag):.2f}" if (mag * 100).denominator == 1 else None
+            forms = [plain, *([cents, f"${cents}"] if cents else []), *frac]
+        else:
+            forms = frac
+    for form in forms:
+        text = f"{sign}{form}"
+        if text not in out:
+            out.append(text)
+    return out

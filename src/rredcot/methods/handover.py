@@ -1,0 +1,198 @@
+"""The guards every value-based credit method shares (DESIGN.md section 7): the group-mean anchor,
+the reliability score measured on fresh outcomes, and the hand-over from uniform (GRPO) credit.
+
+Used by :mod:`rredcot.methods.value_head` and :mod:`rredcot.methods.answer_likelihood`, so that
+both estimators are made safe the same way:
+
+- :func:`anchor` shifts the values so that ``V(s_0)`` is the group's mean reward
+  (``credit.value_anchor="group"``): every trace gets GRPO's total credit ``R - mean R_group``
+  and the estimator only moves it between the trace's segments.
+- :func:`handover_scores` measures, on a batch's outcomes, how far the estimator's last prefix
+  value ``V(s_{n-1})`` can be trusted beyond the baseline uniform credit already has: the
+  least-squares slope (:func:`prediction_slope`) or the explained variance
+  (:func:`explained_variance`). :func:`smoothed_reliability` folds a score, clipped to [0, 1],
+  into an EMA: the hand-over weight ``w``.
+- :func:`blend_with_uniform` gives ``A = A_uniform + w (A_value - A_uniform)``; at ``w = 0`` it
+  returns the uniform method's own advantages (bit for bit GRPO), at ``w = 1`` the method's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from rredcot import credit
+
+if TYPE_CHECKING:
+    from rredcot.methods.base import CreditMethod, CreditOutput, RolloutBatch, UniformCredit
+
+__all__ = [
+    "anchor",
+    "blend_with_uniform",
+    "explained_variance",
+    "group_mean",
+    "handover_scores",
+    "live_rows",
+    "prediction_slope",
+    "smoothed_reliability",
+]
+
+
+def anchor(values: Tensor, value_mask: Tensor, group_mean: Tensor, mode: str) -> Tensor:
+    """``credit.value_anchor``: ``"group"`` gives ``V(s_k) - V(s_0) + group_mean``, ``"none"``
+    the values as they are.
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)``; group_mean: ``(B,)``.
+    """
+    if mode == "none":
+        return values
+    if mode != "group":
+        raise ValueError(f"credit.value_anchor={mode!r}: use 'group' or 'none'")
+    return credit.anchor_values(values, value_mask, group_mean.to(values.device, values.dtype))
+
+
+def _last_prefix_value(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(V(s_{n-1}), R, baseline)`` in float64 over the rows with at least one segment (the
+    baseline defaults to the batch mean of those R); None when no row has a segment."""
+    n = value_mask.bool().sum(dim=1) - 1
+    rows = n >= 1
+    if not bool(rows.any()):
+        return None
+    last = values[rows].gather(1, (n[rows] - 1).unsqueeze(1)).squeeze(1).double()
+    r = rewards[rows].double().to(last.device)
+    base = r.mean() if baseline is None else baseline[rows].double().to(last.device)
+    return last, r, base
+
+
+def explained_variance(
+    values: Tensor, value_mask: Tensor, rewards: Tensor, baseline: Tensor | None = None
+) -> float:
+    """``1 - mean((R - V(s_{n-1}))^2) / mean((R - baseline)^2)`` over the rows with at least one
+    segment: the share of the outcome variance around ``baseline`` (default: the batch mean, so
+    the denominator is ``var(R)``) that the last prefix value explains (1 perfect, 0 no better
+    than the baseline, negative worse). NaN when the baseline is exact or no row has a segment.
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
+        baseline: ``(B,)`` or None.
+    """
+    picked = _last_prefix_value(values, value_mask, rewards, baseline)
+    if picked is None:
+        return float("nan")
+    last, r, base = picked
+    var = ((r - base) ** 2).mean()
+    if float(var) < 1e-8:
+        return float("nan")
+    return float(1.0 - ((r - last) ** 2).mean() / var)
+
+
+def prediction_slope(
+    values: Tensor,
+    value_mask: Tensor,
+    rewards: Tensor,
+    baseline: Tensor | None = None,
+    min_rms: float = 0.0,
+) -> float:
+    """How much of the last prefix value's departure from the baseline to trust: the least-squares
+    ``w`` in ``R - b ≈ w (V(s_{n-1}) - b)``, ``sum(e d) / sum(d^2)`` over the rows with at least
+    one segment (``b`` = ``baseline``, default the batch mean of R).
+
+    ``w = 1``: the departures are calibrated; ``0 < w < 1``: right in direction but too large;
+    ``w <= 0``: noise. Unlike the explained variance, an over-confident estimator that still
+    points the right way scores above 0. NaN when no row has a segment, every departure is 0, or
+    the departures' root mean square is below ``min_rms`` (an estimator that hardly departs from
+    the baseline has nothing to be trusted with, however well its tiny departures correlate).
+
+    Args:
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)`` prefix mask; rewards: ``(B,)``;
+        baseline: ``(B,)`` or None.
+    """
+    picked = _last_prefix_value(values, value_mask, rewards, baseline)
+    if picked is None:
+        return float("nan")
+    last, r, base = picked
+    d, e = last - base, r - base
+    dd = float((d * d).sum())
+    if dd < 1e-12 or (min_rms > 0 and (dd / d.numel()) ** 0.5 < min_rms):
+        return float("nan")
+    return float((e * d).sum()) / dd
+
+
+def handover_scores(
+    values: Tensor,
+    value_mask: Tensor,
+    rewards: Tensor,
+    baseline: Tensor | None,
+    kind: str,
+    min_rms: float = 0.0,
+) -> tuple[float, float, float]:
+    """``(score, slope, explained variance)`` of values scored against fresh outcomes; ``score``
+    is the one ``kind`` (``credit.handover_score``: ``"slope"`` or ``"explained_variance"``) names.
+
+    Args:
+        values: ``(B, S+1)`` the values credit uses (anchored when the method anchors);
+        value_mask: ``(B, S+1)``; rewards: ``(B,)``; baseline: ``(B,)`` the baseline of uniform
+        credit (the group mean when anchored) or None for the batch mean; min_rms: see
+        :func:`prediction_slope`.
+    """
+    if kind not in ("slope", "explained_variance"):
+        raise ValueError(f"credit.handover_score={kind!r}: use 'slope' or 'explained_variance'")
+    slope = prediction_slope(values, value_mask, rewards, baseline, min_rms)
+    skill = explained_variance(values, value_mask, rewards, baseline)
+    return (slope if kind == "slope" else skill), slope, skill
+
+
+def smoothed_reliability(reliability: float, score: float, decay: float) -> float:
+    """``decay * reliability + (1 - decay) * clip(score, 0, 1)``; a NaN score (nothing to
+    measure) leaves ``reliability`` as it is."""
+    if score != score:  # NaN
+        return float(reliability)
+    return decay * float(reliability) + (1.0 - decay) * min(max(float(score), 0.0), 1.0)
+
+
+def blend_with_uniform(
+    method: CreditMethod,
+    batch: RolloutBatch,
+    out: CreditOutput,
+    w: float,
+    uniform: UniformCredit,
+) -> CreditOutput:
+    """Hand credit over from uniform to ``method`` by the weight ``w`` (in place on ``out``).
+
+    ``w >= 1``: ``out`` as it is. ``w <= 0``: the uniform method's own segment and token
+    advantages (GRPO exactly, whatever the values). Otherwise segment advantages
+    ``w A_value + (1 - w) A_uniform``, turned into tokens with ``method``'s normalisation.
+    ``out.values`` stays the method's own (what benchmarks judge).
+    """
+    if w >= 1.0:
+        return out
+    if w <= 0.0:
+        u = uniform.compute(batch)
+        out.segment_advantages = u.segment_advantages.to(out.segment_advantages.device)
+        out.advantages = u.advantages.to(out.advantages.device)
+        return out
+    device = out.segment_advantages.device
+    rewards = batch.rewards.to(device)
+    u_values, u_mask = uniform.segment_values(batch)
+    uniform_adv, _, _ = credit.segment_advantages_from_values(
+        u_values.to(device), u_mask.to(device), rewards, uniform.lam
+    )
+    seg_adv = w * out.segment_advantages + (1.0 - w) * uniform_adv
+    out.segment_advantages = seg_adv
+    out.advantages = method._to_tokens(batch, seg_adv)
+    return out
+
+
+def live_rows(batch: RolloutBatch) -> Tensor:
+    """``(B,)`` bool: rows with at least one response token."""
+    return batch.response_mask.sum(-1) > 0
+
+
+def group_mean(batch: RolloutBatch) -> Tensor:
+    """``(B,)`` the mean reward of each row's group."""
+    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    return mean
