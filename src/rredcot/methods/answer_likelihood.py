@@ -781,6 +781,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         self.reliability = 0.0  # EMA of the clipped fresh-batch score; the hand-over weight
         self.num_updates = 0
         self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
+        self._credit_values: tuple[Tensor, Tensor] | None = None  # what the last compute used
 
     @property
     def max_batch_tokens(self) -> int:
@@ -860,8 +861,12 @@ class AnswerLikelihoodCredit(CreditMethod):
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        values, mask, stats = self.estimate(batch)
-        out = self._from_values(batch, self._anchored(values, mask, batch), mask)
+        # Through segment_values, so that an adapter can hand in values probed elsewhere (the TRL
+        # adapter probes each process's rows and runs the credit on the gathered batch).
+        values, mask = self.segment_values(batch)
+        stats = self._cache[3] if self._cache is not None else {}  # the probes' cost this step
+        self._credit_values = (values.detach(), mask)
+        out = self._from_values(batch, values, mask)
         w = self.blend
         out = blend_with_uniform(self, batch, out, w, self._uniform)
         out.metrics.update(stats)
@@ -871,10 +876,20 @@ class AnswerLikelihoodCredit(CreditMethod):
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Score the values credit used on the batch's outcomes and fold the score into the
         reliability (the next batches' hand-over weight). Learns nothing else."""
-        values, mask, _ = self.estimate(batch)
+        used = self._credit_values
+        if self._cache is not None and self._cache[0]() is batch or used is None:
+            values, mask, _ = self.estimate(batch)
+            scored = self._anchored(values, mask, batch)
+        else:  # the values compute() used, handed in by an adapter for these rows
+            scored, mask = used
+            values = scored
+        if scored.shape[0] != batch.size:
+            raise ValueError(
+                f"answer_likelihood.update: {batch.size} rows, but the last credit had "
+                f"{scored.shape[0]}; call compute(batch) first"
+            )
         live = live_rows(batch).to(values.device)
         mean = group_mean(batch).to(values.device)
-        scored = self._anchored(values, mask, batch)
         baseline = None if self.config.value_anchor == "none" else mean[live]
         rewards = batch.rewards.to(values.device)[live]
         score, slope, skill = handover_scores(
@@ -890,6 +905,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         )
         self.num_updates += 1
         self._cache = None
+        self._credit_values = None
         return {
             "value/slope": slope,
             "value/skill": skill,
