@@ -788,3 +788,19 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
     assert out.metrics["credit/extra_forward_tokens"] == stats["credit/extra_forward_tokens"] > 0
     with pytest.raises(ValueError, match="needs the task"):
         get_credit("value_head")(cfg, CreditContext(policy=model, tokenizer=char_tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("answer_eos", "maybe", "answer_eos='maybe' must be auto, true or false"),
+        ("answer_cue", "", "answer_cue is empty"),
+        ("answer_chunk_tokens", 0, "answer_chunk_tokens=0 must be >= 1"),
+        ("answer_logits_mb", 0, "answer_logits_mb=0 must be >= 1"),
+    ],
+)
+def test_config_names_the_fix(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CreditConfig(**{field: value})
+    assert CreditConfig(answer_eos=False).answer_eos == "false"  # a YAML boolean
+    assert ProbeFormat.from_config(CreditConfig(answer_cue="think")) == ProbeFormat("think")
