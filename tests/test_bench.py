@@ -59,18 +59,6 @@ register_task("bench_first_char")(_FirstCharTask)
 QUIET = dict(log=lambda *_: None)
 
 
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory):
-    from rredcot.models import build_char_tokenizer, build_tiny_llama
-
-    tok = build_char_tokenizer()
-    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path_factory.mktemp("bench") / "init"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # statistics
 
@@ -376,6 +364,7 @@ def test_bench_overhead_structure(init_dir, tmp_path):
     methods = {m["method"]: m for m in saved["methods"]}
     assert set(methods) == {"uniform", "value_head"}
     assert methods["uniform"]["ratio"] == 1.0 and methods["uniform"]["ratio_paired"] == 1.0
+    assert methods["uniform"]["ratio_own_phases"] == 1.0
     vh = methods["value_head"]
     assert vh["steps"] == 2 and set(vh["median_phase_seconds"]) == set(PHASES)
     assert vh["ratio"] == pytest.approx(
@@ -391,3 +380,63 @@ def test_bench_overhead_structure(init_dir, tmp_path):
         tokens = {x["rollout_tokens"] for x in records if x["round"] == r}
         assert len(tokens) == 1
     assert "value_head" in (tmp_path / "overhead" / "overhead.md").read_text()
+
+
+def test_bench_peer_workers_and_summary(init_dir, tmp_path):
+    """Both workers of ``bench peer`` in this process (the command runs each in its own), on a
+    tiny random policy; then the summary and the page."""
+    from rredcot.bench.peer import (
+        PHASES as PEER_PHASES,
+    )
+    from rredcot.bench.peer import (
+        PeerBenchConfig,
+        _worker_command,
+        parse_trl_overrides,
+        peer_markdown,
+        run_rredcot,
+        run_trl,
+        summarise,
+    )
+
+    cfg = PeerBenchConfig(
+        model=str(init_dir),
+        task="arithmetic",
+        task_args={"num_steps": 2},
+        prompts=2,
+        generations=2,
+        max_new_tokens=6,
+        steps=2,
+        warmup=1,
+        repeats=1,
+        threads=1,
+        out=str(tmp_path),
+    )
+    runs = [run_rredcot(cfg, **QUIET), run_trl(cfg, **QUIET)]
+    for run in runs:
+        assert [s["step"] for s in run["steps"]] == [1, 2, 3]
+        assert [s["timed"] for s in run["steps"]] == [False, True, True]
+        for s in run["steps"]:
+            assert s["step_seconds"] > 0 and s["generation"] > 0
+            assert s["generation"] + s["scoring"] + s["update"] == pytest.approx(s["step_seconds"])
+            assert 0 < s["completion_tokens"] <= 4 * 6
+        assert run["peak_rss"] >= run["rss_after_setup"] > 0
+    summary = summarise(runs, batch=4)
+    for which in ("rredcot", "trl"):
+        assert summary[which]["timed_steps"] == 2
+        assert set(summary[which]["median_phase_seconds"]) == set(PEER_PHASES)
+    ratio = summary["ratio_rredcot_over_trl"]["completions_per_second"]
+    assert ratio == pytest.approx(
+        summary["trl"]["median_step_seconds"] / summary["rredcot"]["median_step_seconds"]
+    )
+    page = peer_markdown(
+        {"summary": summary, "config": dataclasses.asdict(cfg), "model": "m", "max_new_tokens": 6}
+    )
+    assert "completions / s" in page and "rredcot / TRL" in page
+    command = _worker_command("trl", cfg, tmp_path / "r.json")
+    assert command[1:5] == ["-m", "rredcot.bench.peer", "--worker", "trl"]
+    assert parse_trl_overrides(["bf16=true", "loss_type=grpo"]) == {
+        "bf16": True,
+        "loss_type": "grpo",
+    }
+    with pytest.raises(ValueError, match="not GRPOConfig fields"):
+        parse_trl_overrides(["nonsense=1"])

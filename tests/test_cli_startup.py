@@ -55,6 +55,7 @@ def imported_modules(
         (["train", "--help"], "", "--credit.lam"),
         (["sft", "--help"], "", "--max_steps"),
         (["bench", "credit", "--help"], "", "--mc-k"),
+        (["bench", "peer", "--help"], "", "--trl-set"),
     ],
 )
 def test_light_commands_import_no_heavy_library(argv, stdin, expect):

@@ -21,18 +21,6 @@ from rredcot.explain_model import (
 
 
 @pytest.fixture(scope="module")
-def init_dir(tmp_path_factory):
-    from rredcot.models import build_char_tokenizer, build_tiny_llama
-
-    tok = build_char_tokenizer()
-    model = build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path_factory.mktemp("explain") / "init"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def run_dir(init_dir, tmp_path_factory):
     """A one-step value-head run on 2-step arithmetic, segmented every 4 tokens."""
     from rredcot.config import TrainConfig

@@ -183,3 +183,53 @@ def test_inject_rejects_lines_without_annotation() -> None:
         inject_gsm8k_error(text, 1, random.Random(0))  # left side not arithmetic
     with pytest.raises(ValueError, match="2 reasoning lines"):
         inject_gsm8k_error(text, 2, random.Random(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 13, finding 4: model text that made the step checker raise
+
+
+DEGENERATE_ANNOTATIONS = {
+    "a division by zero after the annotation": "Half of 10 is <<10/2=5>>5/0 left",
+    "a complex power": "<<(-8)**0.5=2>>2",
+    "170 nested parentheses": "<<" + "(" * 170 + "1" + ")" * 170 + "=1>>1",
+    "990 leading minus signs": "<<" + "-" * 990 + "1=1>>1",
+    "500 chained powers": "<<" + "**".join(["2"] * 500) + "=4>>4",
+    "a power that overflows": "<<10**400=1>>1",
+    "an over-long annotation": "<<" + "+".join(["1"] * 3000) + "=3000>>3000",
+}
+
+
+@pytest.mark.parametrize("line", DEGENERATE_ANNOTATIONS.values(), ids=DEGENERATE_ANNOTATIONS)
+def test_degenerate_annotations_are_unparseable_steps(line):
+    (check,) = check_lines(line + "\n#### 5")
+    assert check.status == "unparseable", check
+    assert first_wrong_line(line + "\n#### 5") == -1
+
+
+@pytest.mark.parametrize(
+    "expr",
+    ["5/0", "(-8)**0.5", "(" * 170 + "1" + ")" * 170, "-" * 990 + "1"],
+    ids=["division by zero", "complex", "deep nesting", "many signs"],
+)
+def test_evaluate_raises_only_unparseable(expr):
+    with pytest.raises(UnparseableExpression):
+        evaluate(expr)
+
+
+def test_shallow_nesting_signs_and_power_chains_still_evaluate():
+    assert evaluate("(" * 30 + "2" + ")" * 30) == 2.0
+    assert evaluate("--3") == 3.0 and evaluate("-2**2") == -4.0
+    assert evaluate("2**3**2") == 512.0  # right-associative
+    assert evaluate("2**-2**2") == 2.0**-4
+
+
+def test_a_correct_answer_with_an_odd_step_scores_one():
+    from rredcot.tasks import Problem, get_task
+
+    task = get_task("gsm8k", data=str(FIXTURES / "train.jsonl"))
+    for line in DEGENERATE_ANNOTATIONS.values():
+        verdict = task.verify(Problem("q", "5"), line + "\n#### 5")
+        assert verdict.reward == 1.0, verdict
+        assert "verifier error" not in verdict.reason
+        assert "not plain arithmetic" in verdict.reason

@@ -48,17 +48,6 @@ class _NegatedUniform(UniformCredit):
         return out
 
 
-@pytest.fixture
-def random_init(tmp_path, char_tokenizer):
-    from rredcot.models import build_tiny_llama
-
-    model = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path / "init"
-    model.save_pretrained(out)
-    char_tokenizer.save_pretrained(out)
-    return out
-
-
 def _config(init, out, **overrides) -> TrainConfig:
     fields = dict(
         init=str(init),
@@ -85,12 +74,10 @@ def _rewards(run) -> list[float]:
     return [r["reward_mean"] for r in records if "reward_mean" in r]
 
 
-def test_reward_rises_under_the_updates_and_falls_when_advantages_are_negated(
-    random_init, tmp_path
-):
-    Trainer(_config(random_init, tmp_path / "up"), log=lambda *_: None).train()
+def test_reward_rises_under_the_updates_and_falls_when_advantages_are_negated(init_dir, tmp_path):
+    Trainer(_config(init_dir, tmp_path / "up"), log=lambda *_: None).train()
     up = _rewards(tmp_path / "up")
-    cfg = _config(random_init, tmp_path / "down", credit_method="test_negated_uniform")
+    cfg = _config(init_dir, tmp_path / "down", credit_method="test_negated_uniform")
     Trainer(cfg, log=lambda *_: None).train()
     down = _rewards(tmp_path / "down")
     assert up[0] == down[0]  # same first batch: same policy, same seed
@@ -100,8 +87,8 @@ def test_reward_rises_under_the_updates_and_falls_when_advantages_are_negated(
     assert sum(down[-3:]) / 3 < start - 0.05, down
 
 
-def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(random_init, tmp_path):
-    cfg = _config(random_init, tmp_path / "run", credit_method="value_head", steps=3)
+def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(init_dir, tmp_path):
+    cfg = _config(init_dir, tmp_path / "run", credit_method="value_head", steps=3)
     # Credit = the head's values alone, over several segments, so that they show in advantages.
     cfg.credit.handover = "off"
     cfg.credit.lam = 0.0
@@ -112,9 +99,9 @@ def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(ran
     seen: list[tuple] = []
     original = trainer._optimise
 
-    def spy(batch, advantages, ref_logprobs):
+    def spy(batch, advantages, *rest):
         seen.append((batch, advantages.clone(), copy.deepcopy(method.state_dict())))
-        return original(batch, advantages, ref_logprobs)
+        return original(batch, advantages, *rest)
 
     trainer._optimise = spy
     for step in (1, 2, 3):
@@ -134,8 +121,8 @@ def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(ran
         assert not torch.allclose(method.compute(batch).advantages, advantages, atol=1e-6)
 
 
-def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(random_init, tmp_path):
-    cfg = _config(random_init, tmp_path / "run", credit_method="value_head", steps=1)
+def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_dir, tmp_path):
+    cfg = _config(init_dir, tmp_path / "run", credit_method="value_head", steps=1)
     cfg.credit.value_td_lambda = 0.5
     cfg.credit.value_ema = 0.9
     cfg.credit.segmenter = "tokens:2"  # several boundaries per trace: TD targets differ from R
@@ -183,8 +170,8 @@ def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(random
         assert torch.allclose(t_new, 0.9 * t_old + 0.1 * p_new.detach(), atol=1e-6)
 
 
-def test_old_logprobs_score_the_tempered_distribution(random_init, tmp_path):
-    cfg = _config(random_init, tmp_path / "run", steps=1)
+def test_old_logprobs_score_the_tempered_distribution(init_dir, tmp_path):
+    cfg = _config(init_dir, tmp_path / "run", steps=1)
     cfg.sampling.temperature = 0.5
     trainer = Trainer(cfg, log=lambda *_: None)
     torch.manual_seed(0)
@@ -229,8 +216,8 @@ def test_dropout_is_off_in_both_passes_so_the_on_policy_ratio_is_one(tmp_path, c
         assert r["clip_fraction"] == 0.0
 
 
-def test_with_several_epochs_the_clip_acts_and_kl_does_not_count_as_clipping(random_init, tmp_path):
-    cfg = _config(random_init, tmp_path / "run", steps=2, epochs_per_batch=4, minibatches=2)
+def test_with_several_epochs_the_clip_acts_and_kl_does_not_count_as_clipping(init_dir, tmp_path):
+    cfg = _config(init_dir, tmp_path / "run", steps=2, epochs_per_batch=4, minibatches=2)
     cfg.kl_coef = 0.5
     Trainer(cfg, log=lambda *_: None).train()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -238,8 +225,8 @@ def test_with_several_epochs_the_clip_acts_and_kl_does_not_count_as_clipping(ran
     assert all(0.0 < c < 0.9 for c in clipped), clipped
 
 
-def test_on_policy_kl_run_reports_no_clipping(random_init, tmp_path):
-    cfg = _config(random_init, tmp_path / "run", steps=2)
+def test_on_policy_kl_run_reports_no_clipping(init_dir, tmp_path):
+    cfg = _config(init_dir, tmp_path / "run", steps=2)
     cfg.kl_coef = 0.5
     Trainer(cfg, log=lambda *_: None).train()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -303,3 +290,52 @@ def test_sampling_ignores_the_model_generation_config_unless_asked(tiny_policy, 
     assert torch.equal(draw(), plain)
     assert tiny_policy.generation_config.top_k == 1  # restored after sampling
     assert not torch.equal(draw(use_model_generation_config=True), plain)
+
+
+@pytest.mark.parametrize("method", ["uniform", "value_head"])
+def test_single_forward_step_equals_the_two_pass_step(init_dir, tmp_path, method):
+    """On-policy, the loss forward alone gives the loss and gradients of scoring pass + loss."""
+    grads, records = {}, {}
+    for single in (True, False):
+        cfg = _config(init_dir, tmp_path / f"run{single}", credit_method=method, steps=1)
+        cfg.single_forward = single
+        cfg.credit.handover = "off"
+        cfg.credit.lam = 0.5
+        cfg.credit.segmenter = "tokens:2"
+        cfg.sampling.max_new_tokens = 8
+        trainer = Trainer(cfg, log=lambda *_: None)
+        assert trainer.single_pass() is single
+        step = trainer.optimizer.step
+        seen = []
+
+        def capture(*args, _step=step, _seen=seen, _trainer=trainer, **kwargs):
+            _seen.append([p.grad.clone() for p in _trainer.policy.parameters()])
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = capture
+        trainer.step = 1
+        records[single] = trainer.train_step(1)
+        grads[single] = seen[0]
+    assert records[True]["forward/scoring_pass"] == 0.0
+    assert records[False]["forward/scoring_pass"] == 1.0
+    assert records[True]["policy_loss"] == pytest.approx(records[False]["policy_loss"], abs=1e-6)
+    assert records[True]["advantage_abs_mean"] == pytest.approx(
+        records[False]["advantage_abs_mean"], abs=1e-6
+    )
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in grads[True])
+
+
+def test_entropy_segmentation_runs_inside_training_from_the_loss_forward(init_dir, tmp_path):
+    for single in (True, False):
+        cfg = _config(init_dir, tmp_path / f"run{single}", steps=1)
+        cfg.single_forward = single
+        cfg.credit.segmenter = "entropy:top=0.3,min=1"
+        cfg.sampling.max_new_tokens = 8
+        trainer = Trainer(cfg, log=lambda *_: None)
+        batch, _ = trainer.rollout(trainer.prompts_for_step(1))  # scoring pass: segmented
+        assert max(len(b) - 1 for b in batch.boundaries) > 1
+        record = trainer.train_step(1)
+        assert record["rollout/mean_segments"] > 1.0  # cut at entropy peaks inside the step
+        assert math.isfinite(record["policy_loss"])

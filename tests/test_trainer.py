@@ -8,47 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+from conftest import micro_config
 from rredcot.config import TrainConfig
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
 from rredcot.trainer import Trainer, policy_loss
-
-
-@pytest.fixture
-def init_dir(tmp_path, char_tokenizer):
-    from rredcot.models import build_tiny_llama
-
-    model = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    out = tmp_path / "init"
-    model.save_pretrained(out)
-    char_tokenizer.save_pretrained(out)
-    return out
-
-
-def micro_config(init_dir, out, **overrides) -> TrainConfig:
-    cfg = dict(
-        init=str(init_dir),
-        out=str(out),
-        task_args={"num_steps": 2},
-        credit_method="uniform",
-        steps=3,
-        prompts_per_step=2,
-        eval_size=4,
-        eval_every=2,
-        checkpoint_every=1,
-        progress=False,
-    )
-    cfg.update(overrides)
-    trainer_cfg = TrainConfig(**cfg)
-    trainer_cfg.sampling.num_generations = 4
-    trainer_cfg.sampling.max_new_tokens = 16
-    return trainer_cfg
-
 
 # ---------------------------------------------------------------------------------------------
 # the loss
@@ -284,31 +252,43 @@ def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(init_dir, tmp_path):
+# `rredcot train` that SIGKILLs itself half-way through writing step 4's checkpoint
+_KILLED_DURING_CHECKPOINT = """
+import os, signal, sys
+from rredcot import runio
+save = runio.atomic_torch_save
+def save_then_die(obj, path):
+    if "step_000004" in str(path):
+        with open(path, "wb") as fh:
+            fh.write(b"half a trainer state")
+            fh.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    save(obj, path)
+runio.atomic_torch_save = save_then_die
+from rredcot.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     steps = 7
     full = tmp_path / "full"
     subprocess.run(_cli(init_dir, full, steps), check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _cli(init_dir, killed, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    args = _cli(init_dir, killed, steps)[3:]  # drop "python -m rredcot.cli"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_DURING_CHECKPOINT, *args], env=env, capture_output=True
     )
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step_000004":
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (killed / "checkpoints" / ".tmp_step_000004" / "trainer_state.pt").exists()
     done = [
         json.loads(x)["step"]
         for x in (killed / "metrics.jsonl").read_text().splitlines()
         if x.strip()
     ]
-    assert max(done) < steps
+    assert done == [0, 1, 2, 3, 4]  # step 4 was recorded, its checkpoint never completed
 
     resumed = subprocess.run(
         [sys.executable, "-m", "rredcot.cli", "train", "--resume", str(killed)],
@@ -317,6 +297,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(init_dir, tmp_path
         text=True,
     )
     assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {killed / 'checkpoints' / 'step_000002'} at step 2" in resumed.stdout
     lines = (killed / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(x) for x in lines]
     assert [r["step"] for r in records] == list(range(steps + 1)), "duplicated or missing steps"

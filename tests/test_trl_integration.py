@@ -48,7 +48,8 @@ def digit_share(completions, **kwargs) -> list[float]:
 
 
 class SpyTrainer(RREDCoTGRPOTrainer):
-    """Records TRL's own advantages next to rredcot's for every generation batch."""
+    """Records TRL's own advantages next to rredcot's for every generation batch (rredcot's as
+    the loss receives them: written in the loss forward when the credit waits for it)."""
 
     def _apply_credit(self, inputs, output):
         trl_advantages = output["advantages"].clone()
@@ -61,9 +62,17 @@ class SpyTrainer(RREDCoTGRPOTrainer):
                 "ours": output["advantages"].clone(),
                 "mask": output["completion_mask"].clone(),
                 "batch": self.last_batch,
+                "deferred": "rredcot_row" in output,
             }
         )
         return output
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if "rredcot_row" in inputs and self.model.training:
+            rec = self.records[-1]
+            rec["ours"][inputs["rredcot_row"]] = inputs["advantages"].detach()
+        return loss
 
 
 def make_trainer(model_dir, dataset, out_dir, method="value_head", cls=SpyTrainer, **overrides):
@@ -125,9 +134,11 @@ def test_value_head_gives_segment_credit_and_learns(tiny_model_dir, arithmetic_d
     after = head.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the head did not train"
     assert trainer.credit_method.num_updates == 2
-    # TRL skips its old-log-prob pass here, so the hidden states cost one forward of our own.
+    # TRL skips its old-log-prob pass here (its defaults): the hidden states come from the loss
+    # forward itself, so no extra forward.
+    assert all(rec["deferred"] for rec in trainer.records)
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
-    assert [h["rredcot/extra_forward"] for h in history] == [1.0, 1.0]
+    assert [h["rredcot/extra_forward"] for h in history] == [0.0, 0.0]
     assert all("value/loss" in h for h in history)
 
 
@@ -285,3 +296,166 @@ def test_core_imports_neither_trl_nor_verl():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "clean"
+
+
+def test_two_processes_groups_span_them(tiny_model_dir, tmp_path):
+    """Two real processes (torchrun, gloo): each holds 2 completions of a 4-completion group.
+    Uniform credit equals TRL's global advantages; value-head metrics and the head itself are the
+    same on both processes."""
+    import json
+    import os
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("trl_two_process.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        str(script),
+        tiny_model_dir,
+        str(tmp_path),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result_*.json"))]
+    by = {(r["method"], r["rank"]): r for r in results}
+    assert set(by) == {(m, r) for m in ("uniform", "value_head") for r in (0, 1)}
+    for rank in (0, 1):
+        uni = by["uniform", rank]
+        assert uni["world"] == 2 and uni["rows"] == 2  # half a group per process
+        assert uni["worst"] < 1e-5
+    assert by["uniform", 0]["nonzero"] + by["uniform", 1]["nonzero"] > 0
+    vh0, vh1 = by["value_head", 0], by["value_head", 1]
+    assert vh0["finite"] and vh1["finite"] and vh0["updates"] == vh1["updates"] == 2
+    assert vh0["head"] == vh1["head"]  # trained on the same gathered batch
+    assert vh0["logs"] == vh1["logs"] and vh0["logs"]  # credit metrics reduced over processes
+    assert all(h.get("rredcot/extra_forward") == 0.0 for h in vh0["logs"])
+
+
+@pytest.mark.parametrize("scale_rewards", ["none", "group"])
+def test_uniform_follows_scale_rewards_exactly(
+    tiny_model_dir, arithmetic_dataset, tmp_path, scale_rewards
+):
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method="uniform",
+        scale_rewards=scale_rewards,
+        max_steps=1,
+    )
+    expected_mode = {"none": "none", "group": "group_std"}[scale_rewards]
+    assert trainer.credit_method.normalization == expected_mode
+    trainer.train()
+    for rec in trainer.records:
+        expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
+        torch.testing.assert_close(rec["ours"], expected, rtol=0, atol=1e-6)
+        assert float(rec["trl"].abs().max()) > 1e-3  # rewards varied: not a vacuous check
+
+
+def test_scale_rewards_maps_and_conflicts_warn(tmp_path):
+    from rredcot.integrations.trl import normalization_for_scale_rewards as norm
+
+    assert norm("group", "uniform") == "group_std"
+    assert norm("group", "value_head") == "group_or_batch_std"
+    assert norm("batch", "value_head") == "batch_std" and norm(False, "uniform") == "none"
+    with pytest.raises(ValueError, match="scale_rewards"):
+        norm("token", "uniform")
+    cfg = RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, scale_rewards="batch")
+    assert cfg.credit_config.normalization == "batch_std"
+    with pytest.warns(UserWarning, match="overrides scale_rewards='none'"):
+        cfg = RREDCoTGRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            scale_rewards="none",
+            credit={"normalization": "batch_std"},
+        )
+    assert cfg.credit_config.normalization == "batch_std"  # the explicit choice wins
+
+
+def test_loss_forward_credit_equals_a_fresh_forward(tiny_model_dir, arithmetic_dataset, tmp_path):
+    """TRL's defaults: no old-log-prob pass. With two shuffled micro-batches per generation the
+    value-head credit comes from each micro-batch's loss forward, and equals the credit from a
+    separate no-grad forward at generation time."""
+
+    class Reference(SpyTrainer):
+        def _apply_credit(self, inputs, output):
+            output = super()._apply_credit(inputs, output)
+            pending = self._pending
+            assert pending is not None  # deferred to the loss forwards
+            batch = pending.batch
+            batch.hidden_states = self._extra_forward_hidden_states(output, "train")
+            from rredcot.integrations.trl import _boundary_batch as boundary
+
+            feats = self._global_features(boundary(batch).hidden_states, pending.rows)
+            _, ref = self._credit(batch, pending.rows, feats=feats)
+            batch.hidden_states = None
+            self.records[-1]["reference"] = ref * pending.loss_mask
+            return output
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        cls=Reference,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+    )
+    assert trainer.args.steps_per_generation == 2 and not trainer._trl_runs_old_logprob_pass()
+    trainer.train()
+    assert len(trainer.records) == 2
+    for rec in trainer.records:
+        assert rec["deferred"]
+        torch.testing.assert_close(rec["ours"], rec["reference"], rtol=1e-4, atol=1e-5)
+        assert float(rec["ours"].abs().max()) > 0
+    history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
+    assert history and all(h["rredcot/extra_forward"] == 0.0 for h in history)
+    assert trainer.credit_method.num_updates == 2
+
+
+def test_whiten_across_micro_batches_is_refused(tiny_model_dir, arithmetic_dataset, tmp_path):
+    with pytest.raises(ValueError, match="whiten"):
+        make_trainer(
+            tiny_model_dir,
+            arithmetic_dataset,
+            tmp_path,
+            gradient_accumulation_steps=2,
+            credit={"normalization": "whiten"},
+        )
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "flat_shard"])
+def test_head_width_does_not_depend_on_sharding(char_tokenizer, sharding):
+    """ZeRO-3 empties every local parameter (full size in ``ds_numel``); other sharding leaves a
+    slice: the auto width must be the unsharded model's, not 8 units."""
+    from rredcot.models import build_tiny_llama
+
+    def width(model):
+        cfg = CreditConfig(handover="off", value_logprob_features=False)
+        return build_credit(
+            "value_head", cfg, CreditContext(model, char_tokenizer)
+        ).head.hidden_size
+
+    whole = build_tiny_llama(char_tokenizer, seed=0)
+    expected = width(whole)
+    sharded = build_tiny_llama(char_tokenizer, seed=0)
+    for p in sharded.parameters():
+        if sharding == "zero3":
+            p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert sum(p.numel() for p in sharded.parameters()) == 0
+    got = width(sharded)
+    assert expected > 8
+    assert abs(got - expected) <= max(1, expected // 50)  # the config's count: within 2%
+    if sharding == "zero3":
+        assert got == expected  # ds_numel is exact

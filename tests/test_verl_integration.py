@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from verl import DataProto
-from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 
 import rredcot.integrations.verl as rv
@@ -104,7 +103,7 @@ def test_one_token_segments_reproduce_verls_gae():
     expected_adv, expected_ret = core_algos.compute_gae_advantage_return(
         rewards, values, mask, gamma=1.0, lam=lam
     )
-    cfg = algo_config(lam=lam, normalization="whiten", value_td_lambda=lam)
+    cfg = algo_config(lam=lam, normalization="whiten", value_td_lambda=lam, value_anchor="none")
     adv, ret = rv.compute_rredcot_advantage(
         rewards, mask, index=np.arange(B), config=cfg, segment_ids=segment_ids, values=values
     )
@@ -115,8 +114,8 @@ def test_one_token_segments_reproduce_verls_gae():
 
 def test_critic_credit_is_per_segment(char_tokenizer):
     data = make_data(char_tokenizer)
-    cfg = AlgoConfig(adv_estimator=rv.ESTIMATOR)  # verl's own config type: defaults apply
-    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": {"normalization": "none"}})
+    raw = {"rredcot": {"normalization": "none", "value_anchor": "none"}}  # the critic as it is
+    rv.compute_advantage_for_data(data, char_tokenizer, raw)
     adv, ret = data.batch["advantages"], data.batch["returns"]
     values, mask = data.batch["values"], data.batch["response_mask"].bool()
 
@@ -136,12 +135,20 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     # the default normalisation divides by each prompt group's outcome std, or by the batch's
     # where a group's outcomes agree
     data2 = make_data(char_tokenizer)
-    rv.compute_advantage_for_data(data2, char_tokenizer, cfg)
+    rv.compute_advantage_for_data(data2, char_tokenizer, {"rredcot": {"value_anchor": "none"}})
     scores = torch.tensor(SCORES)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
     _, group_std = credit.group_mean_std(scores, torch.as_tensor(inverse))
     std = torch.where(group_std < 0.1, scores.std().clamp_min(0.1), group_std)
     torch.testing.assert_close(data2.batch["advantages"], adv / (std[:, None] + 1e-4))
+    # by default the critic's values are anchored on the group's mean reward, like the value
+    # head's: every trace gets GRPO's total credit R - mean R_group (lam = 1: on segment 1)
+    data3 = make_data(char_tokenizer)
+    rv.compute_advantage_for_data(
+        data3, char_tokenizer, {"rredcot": {"normalization": "none", "lam": 1.0}}
+    )
+    mean, _ = credit.group_mean_std(scores, torch.as_tensor(inverse))
+    torch.testing.assert_close(data3.batch["advantages"][:, 0], scores - mean)
 
 
 def test_segments_survive_verls_batch_ops(char_tokenizer):
@@ -196,3 +203,158 @@ def test_example_config_composes_with_verls_own():
     assert method == "critic" and credit_cfg.min_chars == 8 and credit_cfg.lam == 0.5
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64  # verl's defaults merged under
     assert "ppo_epochs" in cfg.actor_rollout_ref.actor
+
+
+def test_multi_turn_mask_with_holes(char_tokenizer):
+    """A tool output in the middle of a response (mask 0) is part of the text and of the states,
+    gets no advantage, and does not break the segments."""
+    data = make_data(char_tokenizer, with_values=True)
+    mask = data.batch["response_mask"].clone()
+    mask[1, 3:7] = 0  # row 1: a 4-token tool output inside its first lines
+    mask[4, 0:2] = 0  # row 4: starts with masked tokens
+    data.batch["response_mask"] = mask
+    segment_ids = rv.segment_responses(
+        data.batch["responses"], mask, char_tokenizer, rv.make_segmenter(CreditConfig())
+    )
+    full = rv.segment_responses(
+        data.batch["responses"],
+        make_data(char_tokenizer).batch["response_mask"],
+        char_tokenizer,
+        rv.make_segmenter(CreditConfig()),
+    )
+    keep = mask.bool()
+    assert torch.equal(segment_ids, full)  # the same cuts as the whole text, holes included
+    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": {"normalization": "none"}})
+    adv = data.batch["advantages"]
+    assert torch.isfinite(adv).all() and (adv[~keep] == 0).all()
+    bounds = rv.boundaries_from_segment_ids(segment_ids, mask)
+    assert (
+        bounds[1]
+        == rv.boundaries_from_segment_ids(full, make_data(char_tokenizer).batch["response_mask"])[1]
+    )
+    for row, b in enumerate(bounds):
+        for s, e in zip(b[:-1], b[1:]):
+            seg = adv[row, s:e][keep[row, s:e]]
+            if seg.numel():
+                assert torch.allclose(seg, seg[0].expand_as(seg))
+
+
+def test_dense_rewards_stay_in_their_segments(char_tokenizer):
+    """A process reward and a per-token KL penalty inside the trace are credited to the segments
+    they fall in (reward-to-go), not summed into one outcome."""
+    data = make_data(char_tokenizer, with_values=False)
+    rewards = data.batch["token_level_rewards"].clone()
+    rewards[0, 2] = 0.5  # row 0: a step reward inside its first line "2+3=5\n"
+    rewards[3, :] -= 0.01 * data.batch["response_mask"][3]  # row 3: KL penalty on every token
+    data.batch["token_level_rewards"] = rewards
+    cfg = {"rredcot": {"credit_method": "uniform", "normalization": "none"}}
+    rv.compute_advantage_for_data(data, char_tokenizer, cfg)
+    adv = data.batch["advantages"]
+    R = rewards.sum(dim=1)
+    _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
+    mean, _ = credit.group_mean_std(R, torch.as_tensor(inverse))
+    seg = rv.segment_responses(
+        data.batch["responses"],
+        data.batch["response_mask"],
+        char_tokenizer,
+        rv.make_segmenter(CreditConfig()),
+    )
+    for row in (0, 3):
+        bounds = rv.boundaries_from_segment_ids(
+            seg[row : row + 1], data.batch["response_mask"][row : row + 1]
+        )[0]
+        last = int(data.batch["response_mask"][row].sum()) - 1
+        dense = rewards[row].clone()
+        dense[last] = 0
+        received = 0.0
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            # lam = 1 (uniform): A_k = R - mean - dense rewards of the segments before k
+            expected = float(R[row] - mean[row]) - received
+            torch.testing.assert_close(adv[row, s:e], torch.full((e - s,), expected))
+            received += float(dense[s:e].sum())
+    # rows without dense rewards are GRPO's
+    torch.testing.assert_close(adv[1, 0], R[1] - mean[1])
+
+
+def _probe_source(char_tokenizer):
+    """A verl batch with prompts (as rollouts have) and reference answers."""
+    data = make_data(char_tokenizer, with_values=False)
+    prompts_text = ["Compute 2+3*4.\n"] * 3 + ["Compute 7-1+2*2.\n"] * 3
+    ids = [char_tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompts_text]
+    P = max(len(x) for x in ids)
+    prompts = torch.full((len(ids), P), char_tokenizer.pad_token_id, dtype=torch.long)
+    pmask = torch.zeros(len(ids), P, dtype=torch.long)
+    for i, x in enumerate(ids):
+        prompts[i, P - len(x) :] = torch.tensor(x)
+        pmask[i, P - len(x) :] = 1
+    data.batch["prompts"] = prompts
+    data.batch["attention_mask"] = torch.cat([pmask, data.batch["response_mask"]], dim=1)
+    data.non_tensor_batch["reward_model"] = np.array(
+        [{"ground_truth": a} for a in ["20", "20", "20", "16", "16", "16"]], dtype=object
+    )
+    return data
+
+
+def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy):
+    """The driver builds the probes as a DataProto; an actor's log-prob pass over it (here the
+    tiny policy, as verl's compute_log_prob would run it) gives the core's answer-likelihood
+    values; the estimator runs them through the method's own algebra."""
+    from rredcot.integrations._batch import rollout_batch_from_tensors
+    from rredcot.methods.answer_likelihood import answer_values
+    from rredcot.tasks import get_task
+    from rredcot.tasks.base import Problem
+
+    data = _probe_source(char_tokenizer)
+    task = get_task("arithmetic", num_steps=2)
+    segmenter = rv.make_segmenter(CreditConfig())
+    probes = rv.build_probe_data(data, char_tokenizer, task, segmenter, divisor=4)
+    assert len(probes) % 4 == 0  # same rows, so same forwards, on every one of 4 ranks
+    # what the actor's compute_log_prob does: log-probs of `responses` given the prompt
+    b = probes.batch
+    with torch.no_grad():
+        logits = tiny_policy(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            position_ids=b["position_ids"],
+        ).logits.float()
+    R = b["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, -R - 1 : -1], dim=-1)
+    token_lp = logp.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    seg = rv.segment_responses(
+        data.batch["responses"], data.batch["response_mask"], char_tokenizer, segmenter
+    )
+    n = rv.num_segments_of(seg, data.batch["response_mask"])
+    values = rv.probe_values(probes, token_lp, n)
+
+    P = data.batch["prompts"].shape[1]
+    batch = rollout_batch_from_tensors(
+        prompt_ids=data.batch["prompts"],
+        prompt_mask=data.batch["attention_mask"][:, :P],
+        completion_ids=data.batch["responses"],
+        completion_mask=data.batch["response_mask"],
+        rewards=torch.tensor(SCORES),
+        group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
+        tokenizer=char_tokenizer,
+        segmenter=segmenter,
+        problems=[Problem("", a) for a in ["20", "20", "20", "16", "16", "16"]],
+    )
+    core, core_mask, _ = answer_values(tiny_policy, char_tokenizer, task, batch, packing="unpacked")
+    probed = core_mask.clone()
+    probed[torch.arange(len(n)), n] = False
+    torch.testing.assert_close(values[probed], core[probed].float(), rtol=1e-4, atol=1e-7)
+    assert ((values[probed] > 0) & (values[probed] < 1)).all()
+
+    cfg = {
+        "rredcot": {
+            "credit_method": "answer_likelihood",
+            "task": "arithmetic",
+            "task_args": {"num_steps": 2},
+            "lam": 0.5,
+            "normalization": "none",
+        }
+    }
+    rv.compute_advantage_for_data(data, char_tokenizer, cfg, boundary_values=values)
+    adv = data.batch["advantages"]
+    assert torch.isfinite(adv).all() and adv.abs().max() > 0
+    with pytest.raises(ValueError, match="build_probe_data"):
+        rv.compute_advantage_for_data(_probe_source(char_tokenizer), char_tokenizer, cfg)

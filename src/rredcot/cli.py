@@ -10,9 +10,11 @@ from rredcot import __version__
 from rredcot.config import (
     TrainConfig,
     add_dataclass_flags,
+    given_fields,
     resolve_config,
     split_task_args,
 )
+from rredcot.errors import UserError
 
 
 def _config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -31,7 +33,7 @@ def cmd_train(args: argparse.Namespace, task_args: dict) -> int:
 
     overrides = _overrides(args)
     cfg = resolve_config(TrainConfig, args.config, overrides, task_args)
-    result = train(cfg)
+    result = train(cfg, given=given_fields(args.config, overrides, task_args))
     start, final = result["start_accuracy"], result["final_accuracy"]
     if start is not None and final is not None:
         print(
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if task_args:
             raise ValueError(f"--task.* flags are not used by `rredcot {args.command}`")
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError, TypeError) as err:
+    except (UserError, ValueError, FileNotFoundError, ImportError, TypeError) as err:
         if os.environ.get("RREDCOT_DEBUG"):
             raise
         print(f"rredcot: error: {err}", file=sys.stderr)

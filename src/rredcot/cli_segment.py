@@ -93,10 +93,26 @@ def add_segment_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _read_trace(path: str | None) -> str:
+    """The trace as UTF-8 text; bytes that are not UTF-8 are refused the same way from a file and
+    from stdin (whose line ends are read as text mode reads them)."""
     if path is None or path == "-":
-        return sys.stdin.read()
-    with open(path, encoding="utf-8", newline="") as f:
-        return f.read()
+        raw = getattr(sys.stdin, "buffer", None)
+        if raw is None:  # stdin replaced by a text stream
+            return sys.stdin.read()
+        text = _decode(raw.read(), "stdin")
+        return text.replace("\r\n", "\n").replace("\r", "\n")
+    with open(path, "rb") as f:
+        return _decode(f.read(), path)
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "segment a text trace"
+        ) from None
 
 
 def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[Span]]:

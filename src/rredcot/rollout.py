@@ -20,14 +20,18 @@ from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 
 def render_prompt(problem: Problem, tokenizer) -> str:
-    """The prompt text the policy sees: through the chat template when the tokenizer has one."""
+    """The prompt text the policy sees: through the chat template when the tokenizer has one.
+
+    A task may give a system turn as ``problem.meta["system"]`` (instructions, a worked example);
+    without a chat template it is put before the prompt, separated by a blank line.
+    """
+    system = problem.meta.get("system") if isinstance(problem.meta, dict) else None
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": problem.prompt}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-    return problem.prompt
+        messages = [{"role": "user", "content": problem.prompt}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system}\n\n{problem.prompt}" if system else problem.prompt
 
 
 def context_limit(policy) -> int | None:
@@ -228,6 +232,73 @@ def checked_verify(task: Task, problem: Problem, completion: str) -> tuple[Verdi
     return verdict, True
 
 
+def segment_completion(
+    segmenter: Segmenter,
+    tokenizer,
+    text: str,
+    response_ids: list[int],
+    entropies: list[float] | None = None,
+) -> tuple[list[int], list[int]]:
+    """The one segmentation entry point for a sampled completion.
+
+    Args:
+        text: the decoded completion (no special tokens).
+        response_ids: the response's token ids, EOS included where it ended with one.
+        entropies: the policy's next-token entropy at each response token (entropy strategies).
+
+    Returns ``(boundaries [0, b_1, ..., b_n = len(response_ids)], char start of each segment)``;
+    the EOS token joins the last segment.
+    """
+    eos = tokenizer.eos_token_id
+    length = len(response_ids)
+    content_ids = response_ids[:-1] if response_ids and response_ids[-1] == eos else response_ids
+    offsets = token_offsets(tokenizer, content_ids)
+    if content_ids:
+        ent = None if entropies is None else list(entropies[: len(content_ids)])
+        bounds = segmenter.boundaries(text, offsets, entropies=ent)
+    else:
+        bounds = [0]
+    if length > len(content_ids):  # the EOS token joins the last segment
+        bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
+    starts = [offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]]
+    return bounds, starts
+
+
+def segment_batch(
+    batch: RolloutBatch,
+    tokenizer,
+    segmenter: Segmenter,
+    entropies: torch.Tensor | None = None,
+) -> RolloutBatch:
+    """Fill ``boundaries``, ``segment_ids`` and ``segment_char_starts`` of every row in place.
+
+    ``entropies (B, T)``: the policy's next-token entropies, needed by entropy strategies (read
+    from the forward pass the step already runs, so entropy segmentation costs nothing extra).
+    """
+    if segmenter.uses_entropy and entropies is None:
+        raise ValueError(
+            f"segmenter {segmenter.strategy!r} cuts at entropy peaks: segment after the forward "
+            "pass that computes the entropies"
+        )
+    P = batch.prompt_len
+    lengths = batch.response_mask.sum(-1).long().tolist()
+    boundaries, char_starts = [], []
+    for row, length in enumerate(lengths):
+        ids = batch.input_ids[row, P : P + length].tolist()
+        ent = None if entropies is None else entropies[row, :length].tolist()
+        bounds, starts = segment_completion(
+            segmenter, tokenizer, batch.completions[row], ids, entropies=ent
+        )
+        boundaries.append(bounds)
+        char_starts.append(starts)
+    batch.boundaries = boundaries
+    batch.segment_char_starts = char_starts
+    batch.segment_ids = credit.boundaries_to_segment_ids(boundaries, batch.response_len).to(
+        batch.input_ids.device
+    )
+    return batch
+
+
 def build_rollout_batch(
     policy,
     tokenizer,
@@ -245,7 +316,9 @@ def build_rollout_batch(
 
     Bad samples (verifier error, NaN reward) are dropped from the batch, so they carry no loss,
     no credit and do not enter their group's mean and std; ``rollout/skipped_samples`` counts
-    them (their tokens still count as generated).
+    them (their tokens still count as generated). With an entropy segmenter the batch comes back
+    unsegmented (every row one segment): call :func:`segment_batch` with the entropies of the
+    step's forward pass.
     """
     prompts = [render_prompt(p, tokenizer) for p in problems]
     input_ids, attention_mask, P, response_mask = sample(
@@ -262,32 +335,23 @@ def build_rollout_batch(
     generated_tokens = float(response_mask.sum())
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
-    completions, verdicts, rewards, boundaries, char_starts = [], [], [], [], []
+    completions, verdicts, rewards = [], [], []
     skipped = truncated = 0
     valid: list[bool] = []
     eos = tokenizer.eos_token_id
+    lengths = response_mask.sum(-1).long().tolist()
     for row in range(B):
-        length = int(response_mask[row].sum())
-        ids = input_ids[row, P : P + length].tolist()
+        ids = input_ids[row, P : P + lengths[row]].tolist()
         content_ids = ids[:-1] if ids and ids[-1] == eos else ids
         truncated += int(not ids or ids[-1] != eos)
         text = tokenizer.decode(content_ids, skip_special_tokens=True)
         verdict, ok = checked_verify(task, rows_problems[row], text)
-        if not ok:
-            skipped += 1
-            valid.append(False)
-        else:
-            valid.append(True)
-        offsets = token_offsets(tokenizer, content_ids)
-        bounds = segmenter.boundaries(text, offsets) if content_ids else [0]
-        if length > len(content_ids):  # the EOS token joins the last segment
-            bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
-        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
+        skipped += int(not ok)
+        valid.append(ok)
         completions.append(text)
         verdicts.append(verdict)
         rewards.append(float(verdict.reward))
-        boundaries.append(bounds)
-    segment_ids = credit.boundaries_to_segment_ids(boundaries, T).to(input_ids.device)
+    whole = [[0, n] if n else [0] for n in lengths]
     batch = RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -295,23 +359,25 @@ def build_rollout_batch(
         response_mask=response_mask,
         rewards=torch.tensor(rewards, dtype=torch.float, device=input_ids.device),
         group_ids=group_ids.to(input_ids.device),
-        boundaries=boundaries,
-        segment_ids=segment_ids,
-        segment_char_starts=char_starts,
+        boundaries=whole,
+        segment_ids=credit.boundaries_to_segment_ids(whole, T).to(input_ids.device),
+        segment_char_starts=[[0] if n else [] for n in lengths],
         problems=rows_problems,
         completions=completions,
         verdicts=verdicts,
     )
-    lengths = response_mask.sum(-1)
-    stats = {
-        "rollout/skipped_samples": float(skipped),
-        "rollout/truncated_fraction": truncated / max(B, 1),
-        "rollout/mean_length": float(lengths.mean()) if B else 0.0,
-        "rollout/mean_segments": sum(len(b) - 1 for b in boundaries) / max(B, 1),
-        "rollout/tokens": generated_tokens,
-    }
     if skipped:
         batch = batch.select([row for row, ok in enumerate(valid) if ok])
+    if not segmenter.uses_entropy:
+        segment_batch(batch, tokenizer, segmenter)
+    stats = {
+        "rollout/skipped_samples": float(skipped),
+        "rollout/verify_timeouts": float(sum(v.timed_out for v in verdicts)),
+        "rollout/truncated_fraction": truncated / max(B, 1),
+        "rollout/mean_length": float(response_mask.sum(-1).mean()) if B else 0.0,
+        "rollout/mean_segments": sum(len(b) - 1 for b in batch.boundaries) / max(batch.size, 1),
+        "rollout/tokens": generated_tokens,
+    }
     return batch, stats
 
 
@@ -321,10 +387,11 @@ def fill_forward(
     batch: RolloutBatch,
     hidden_layers: tuple[int, ...] | None = None,
     temperature: float = 1.0,
+    with_entropy: bool = False,
 ) -> RolloutBatch:
-    """The one no-grad forward over a fresh batch: old log-probs (at the sampling temperature,
-    so they score what was sampled) and (optionally) the hidden states the value head reads, so
-    values cost no extra forward pass."""
+    """The no-grad scoring pass over a fresh batch: old log-probs (at the sampling temperature,
+    so they score what was sampled), optionally the hidden states the value head reads and the
+    entropies entropy segmentation reads (``batch.entropies``)."""
     with eval_mode(policy):
         fwd = policy_forward(
             policy,
@@ -333,7 +400,9 @@ def fill_forward(
             batch.prompt_len,
             hidden_layers=hidden_layers,
             temperature=temperature,
+            with_entropy=with_entropy,
         )
+    batch.entropies = fwd.entropy
     batch.old_logprobs = fwd.logprobs
     batch.hidden_states = fwd.hidden_states
     return batch

@@ -1,33 +1,51 @@
-"""Run-directory I/O that loses nothing: atomic checkpoints and an append-only metrics log that a
-resumed run continues without duplicated or truncated lines."""
+"""Run-directory I/O that loses nothing: a run directory owned by one process, atomic checkpoints
+with a manifest of sizes and checksums, and an append-only metrics log that a resumed run
+continues without duplicated or truncated lines.
+
+- ``RunLock``: an advisory ``flock`` on ``RUN/.lock``; a second writer is refused with the pid
+  and host of the first. The kernel drops the lock when its process dies, however it dies.
+- ``claim_run_dir``: a directory that holds a run already is refused unless the run is resumed
+  or explicitly overwritten.
+- ``save_checkpoint`` writes ``checkpoints/step_N`` through a temporary directory, with
+  ``manifest.json`` (every file's size and SHA-256) written last, then a rename;
+  ``find_checkpoint`` returns the newest checkpoint that matches its manifest and says why it
+  skipped the newer ones.
+"""
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import math
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rredcot.config import write_text_atomic as atomic_write_text
+from rredcot.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locking
+    fcntl = None  # type: ignore[assignment]
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a file so that readers see either the old or the new content, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+LOCK = ".lock"
+MANIFEST = "manifest.json"
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+RUN_FILES = (CONFIG, METRICS, CHECKPOINTS, "plots", "value_pretrain.json", "tensorboard", "wandb")
+"""What a run writes into its directory (``--overwrite`` removes these and nothing else)."""
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save`` through a temporary file, fsync and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as fh:
@@ -78,8 +96,158 @@ class MetricsLog:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+# ---------------------------------------------------------------------------------------------
+# the run directory: one writer, no silent reuse
+
+
+class RunLock:
+    """Exclusive ownership of a run directory by this process (an advisory ``flock`` on
+    ``RUN/.lock``, which also records the owner's pid and host). Released by ``release()`` or,
+    whatever happens, when the process exits or is killed."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self.fd: int | None = None
+        self.pid = os.getpid()
+        if fcntl is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UserError(
+                f"cannot write to run directory {Path(run_dir)}: {err.strerror}"
+            ) from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _lock_owner(fd)
+            os.close(fd)
+            raise UserError(
+                f"run directory {Path(run_dir)} is in use by {owner}; wait for that run to finish "
+                "(or stop it), or pick another --out"
+            ) from None
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        self.fd, self.pid = fd, os.getpid()
+
+    def release(self) -> None:
+        """Give the directory up (idempotent; in a forked child it only closes its copy)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            if self.pid == os.getpid():
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _lock_owner(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on host {info['host']} (since {info['started']})"
+    except (ValueError, KeyError, TypeError, OSError):
+        return "another process"
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Create ``run_dir`` (and its parents); a path that exists as a file is a ``UserError``."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--out {run_dir} is a file, not a directory; pick another --out")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:  # a parent is a file
+        raise UserError(f"cannot create run directory {run_dir}: a parent is a file") from err
+    except PermissionError as err:
+        raise UserError(f"cannot create run directory {run_dir}: permission denied") from err
+    return run_dir
+
+
+def describe_run(run_dir: str | Path) -> str:
+    """A short account of what a run directory holds (for messages)."""
+    run_dir = Path(run_dir)
+    parts = []
+    steps = [r.get("step") for r in MetricsLog(run_dir / METRICS).read()]
+    steps = [s for s in steps if isinstance(s, int)]
+    if steps:
+        parts.append(f"metrics up to step {max(steps)}")
+    ckpts = _checkpoint_dirs(run_dir)
+    if ckpts:
+        parts.append(f"checkpoints {', '.join(p.name for p in reversed(ckpts))}")
+    if (run_dir / CONFIG).exists():
+        parts.append(CONFIG)
+    return "; ".join(parts) or "run files"
+
+
+def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunLock:
+    """Make, lock and check a run directory before anything is written to it.
+
+    A directory that holds a run (any of ``RUN_FILES``) is refused unless the run is being
+    resumed or ``overwrite`` is set, which removes those files (and nothing else). Returns the
+    lock; the caller releases it when the run ends."""
+    run_dir = make_run_dir(run_dir)
+    lock = RunLock(run_dir)
+    try:
+        present = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if present and not resume:
+            if not overwrite:
+                raise UserError(
+                    f"--out {run_dir} holds a run already ({describe_run(run_dir)}); continue it "
+                    f"with `rredcot train --resume {run_dir}`, replace it with --overwrite, or "
+                    "pick another --out"
+                )
+            for name in present:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"step_{step:06d}"
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def _checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """``checkpoints/step_*`` directories, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    dirs = [p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0]
+    return sorted(dirs, key=_step_of)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(ckpt: Path, step: int) -> None:
+    """``manifest.json``: the size and SHA-256 of every file of the checkpoint (written last)."""
+    files = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST):
+        rel = path.relative_to(ckpt).as_posix()
+        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    atomic_write_text(ckpt / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
 def save_checkpoint(
@@ -90,36 +258,97 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write ``checkpoints/step_N`` through a temporary directory and a rename, then point
-    ``checkpoints/latest`` at it. A kill at any moment leaves the previous checkpoint intact."""
+    """Write ``checkpoints/step_N`` through a temporary directory and a rename (its manifest
+    last), then point ``checkpoints/latest`` at it. A kill at any moment leaves the previous
+    checkpoint intact. Keeps the newest ``keep`` checkpoints and drops any newer than ``step``
+    (left by a timeline that a resume from an older checkpoint abandoned)."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp_step_*"):  # a save killed half-way
+        shutil.rmtree(stale, ignore_errors=True)
     final = checkpoint_dir(run_dir, step)
     tmp = root / f".tmp_step_{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     model.save_pretrained(tmp / "policy")
     tokenizer.save_pretrained(tmp / "policy")
     atomic_torch_save(state, tmp / "trainer_state.pt")
+    write_manifest(tmp, step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     atomic_write_text(root / LATEST, final.name)
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+    older = [p for p in _checkpoint_dirs(run_dir) if _step_of(p) < step]
+    newer = [p for p in _checkpoint_dirs(run_dir) if _step_of(p) > step]
+    for old in newer + (older[: max(len(older) - (keep - 1), 0)] if keep > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def verify_checkpoint(ckpt: str | Path) -> str | None:
+    """Why checkpoint ``ckpt`` cannot be resumed from (``None`` if it can): a file missing, cut
+    or changed against ``manifest.json``; without a manifest (older checkpoints), a file that
+    does not load."""
+    ckpt = Path(ckpt)
+    manifest = ckpt / MANIFEST
+    if not manifest.exists():
+        return _verify_by_loading(ckpt)
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        entries = [(rel, int(info["size"]), str(info["sha256"])) for rel, info in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is unreadable"
+    if "trainer_state.pt" not in files:
+        return "trainer_state.pt is not in the manifest"
+    for rel, size, sha in entries:
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{rel} has {actual} bytes, its manifest says {size} (truncated or replaced)"
+        if _sha256(path) != sha:
+            return f"{rel} does not match its checksum (corrupted)"
+    return None
+
+
+def _verify_by_loading(ckpt: Path) -> str | None:
+    state = ckpt / "trainer_state.pt"
+    if not state.is_file():
+        return "trainer_state.pt is missing"
+    try:
+        torch.load(state, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any failure to load means "not resumable"
+        return f"trainer_state.pt does not load ({type(err).__name__})"
+    weights = sorted((ckpt / "policy").glob("*.safetensors"))
+    if not weights and not list((ckpt / "policy").glob("*.bin")):
+        return "policy/ holds no model weights"
+    from safetensors import safe_open
+
+    for path in weights:
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118 - not a dict
+                    fh.get_tensor(key)
+        except Exception as err:  # noqa: BLE001
+            return f"policy/{path.name} does not load ({type(err).__name__})"
+    return None
+
+
+def find_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of a run that verifies (``verify_checkpoint``), and the newer ones
+    it skipped, each with the reason."""
+    skipped = []
+    for ckpt in reversed(_checkpoint_dirs(run_dir)):
+        reason = verify_checkpoint(ckpt)
+        if reason is None:
+            return ckpt, skipped
+        skipped.append((ckpt, reason))
+    return None, skipped
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    root = Path(run_dir) / CHECKPOINTS
-    pointer = root / LATEST
-    if pointer.exists():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "trainer_state.pt").exists():
-            return candidate
-    steps = sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists())
-    return steps[-1] if steps else None
+    """The newest valid checkpoint of a run (``find_checkpoint``), or ``None``."""
+    return find_checkpoint(run_dir)[0]
 
 
 def capture_rng_state() -> dict[str, Any]:

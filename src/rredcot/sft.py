@@ -112,6 +112,23 @@ def _encode_batch(tokenizer, prompts: list[str], completions: list[str], device)
     return ids.to(device), attn.to(device), loss_mask.to(device)
 
 
+def _check_out(out: Path) -> None:
+    """``--out`` is replaced as a whole at the end: refuse a file, or a directory that holds
+    anything but an earlier warm-start (``warmstart.json``)."""
+    from rredcot.errors import UserError
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory; pick another --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / "warmstart.json").exists():
+        raise UserError(
+            f"--out {out} holds files that are not a warm-start checkpoint, and `rredcot sft` "
+            "replaces its --out entirely; pick a new or empty directory"
+        )
+    parent = out.parent
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"--out {out}: {parent} is a file, not a directory")
+
+
 def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
     import torch
@@ -120,6 +137,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     from rredcot.rollout import greedy_accuracy, render_prompt
     from rredcot.trainer import seed_everything
 
+    _check_out(Path(cfg.out))  # before minutes of training, not after
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)

@@ -20,10 +20,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from rredcot import credit as credit_algebra
 from rredcot import runio
-from rredcot.config import TrainConfig, save_yaml
+from rredcot.config import (
+    TrainConfig,
+    read_yaml_file,
+    resume_config,
+    to_dict,
+    write_text_atomic,
+)
+from rredcot.errors import UserError
 from rredcot.methods.base import CreditContext, RolloutBatch, build_credit
 from rredcot.rollout import (
     build_rollout_batch,
@@ -33,6 +41,7 @@ from rredcot.rollout import (
     policy_forward,
     prompt_special_tokens,
     render_prompt,
+    segment_batch,
     train_mode_without_dropout,
 )
 from rredcot.segment import get_segmenter
@@ -46,11 +55,28 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device``; a device this machine does not have is a ``UserError``
+    (training on the CPU instead would be a silent surprise)."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or mps") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(
+                f"--device {name}: no CUDA GPU is visible on this machine "
+                "(torch.cuda.is_available() is False); use --device cpu or auto"
+            )
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s); use cuda:0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu or auto")
+    return device
 
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -150,6 +176,34 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.run_dir = Path(cfg.out)
+        resolve_device(cfg.device)  # refuse a device the machine lacks before anything else
+        self._lock: runio.RunLock | None = None
+        if _is_main_process():  # one writer per run directory, and no silent reuse of a run
+            self._lock = runio.claim_run_dir(
+                self.run_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite
+            )
+        try:
+            # a resume that cannot work is refused before minutes of loading
+            self._resume_from = self._resume_checkpoint() if cfg.resume else None
+            self._setup()
+        except BaseException:
+            self.release()
+            raise
+        if cfg.sampling.num_generations == 1:
+            self.log(
+                "warning: sampling.num_generations=1: each prompt's group is one sample, so its "
+                "mean reward is the sample's own and every uniform (GRPO) advantage is 0: the run "
+                "learns nothing from group baselines; use 2 or more (default 8)"
+            )
+
+    def release(self) -> None:
+        """Give up the run directory's lock (at the end of ``train``; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _setup(self) -> None:
+        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         from accelerate import Accelerator
 
@@ -219,22 +273,33 @@ class Trainer:
 
     # -- set-up ---------------------------------------------------------------------------
     def _load_policy(self):
-        from rredcot.models import load_policy
+        from rredcot.models import default_policy_source, load_policy
 
         cfg = self.cfg
         if cfg.init:
             source = cfg.init
-        elif cfg.model.name_or_path:
-            source = cfg.model.name_or_path
-        else:
-            from rredcot.sft import default_warmstart
-
-            source = str(default_warmstart(self.task, log=self.log))
+        else:  # the tiny model's warm-start on arithmetic, the shipped real model elsewhere
+            source = default_policy_source(self.task, cfg.model.name_or_path, log=self.log)
         dtype = getattr(torch, cfg.model.dtype)
         attn = cfg.model.attn_implementation or (
             "eager" if cfg.credit_method == "attention" else None
         )
-        policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
+        flag = "--init" if cfg.init else "--model.name_or_path"
+        local = Path(source).expanduser()
+        if local.is_dir() and not (local / "config.json").exists():
+            raise UserError(
+                f"{flag} {source}: no model there (no config.json); pass a directory written by "
+                "`rredcot sft` or save_pretrained, or a hub model id"
+            )
+        if local.is_file():
+            raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
+        from safetensors import SafetensorError
+
+        try:
+            policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
+        except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UserError(f"{flag} {source}: the model does not load ({first})") from err
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         if cfg.model.lora_r > 0:
@@ -315,13 +380,45 @@ class Trainer:
         return batch, stats
 
     def _fill_forward(self, batch: RolloutBatch) -> None:
+        """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
         fill_forward(
-            self.policy, batch, hidden_layers=layers, temperature=self.cfg.sampling.temperature
+            self.policy,
+            batch,
+            hidden_layers=layers,
+            temperature=self.cfg.sampling.temperature,
+            with_entropy=self.segmenter.uses_entropy,
         )
+        if self.segmenter.uses_entropy:
+            segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
 
     # -- one RL step ------------------------------------------------------------------------
+    def single_pass(self) -> bool:
+        """Whether the loss forward is the step's only policy forward: an on-policy update (one
+        epoch, one minibatch, no accumulation), where the old log-probs are the new ones
+        detached and the hidden states and entropies the credit reads come from the same pass."""
+        c = self.cfg
+        return (
+            c.single_forward
+            and c.epochs_per_batch == 1
+            and c.minibatches == 1
+            and c.grad_accumulation == 1
+        )
+
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return policy_forward(
+                self.reference,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.prompt_len,
+                temperature=self.cfg.sampling.temperature,
+            ).logprobs
+
     def train_step(self, step: int) -> dict[str, Any]:
+        """rollout -> (scoring pass) -> credit -> loss -> update -> the method's own update."""
         cfg = self.cfg
         t0 = time.perf_counter()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
@@ -333,22 +430,30 @@ class Trainer:
                 "fix the task's verify() so that it returns a finite reward for model output"
             )
         t_rollout = time.perf_counter()
-        self._fill_forward(batch)
-        ref_logprobs = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logprobs = policy_forward(
-                    self.reference,
-                    batch.input_ids,
-                    batch.attention_mask,
-                    batch.prompt_len,
-                    temperature=cfg.sampling.temperature,
-                ).logprobs
-        t_old = time.perf_counter()
-        credit_out = self.method.compute(batch)
-        t_credit = time.perf_counter()
+        ref_logprobs = self._reference_logprobs(batch)
+        loss_forward = None
+        t_forward = 0.0
+        if self.single_pass():
+            # Methods that read the forward (value head, entropy cuts) get it before the loss is
+            # formed; the others compute their credit first (they run their own passes, if any).
+            forward_first = self.method.needs_hidden_states or self.segmenter.uses_entropy
+            t_old = time.perf_counter()
+            if forward_first:
+                loss_forward = self._loss_forward(batch)
+                t_forward = time.perf_counter() - t_old
+                t_old = time.perf_counter()
+            credit_out = self.method.compute(batch)
+            t_credit = time.perf_counter()
+            if loss_forward is None:
+                loss_forward = self._loss_forward(batch)
+        else:
+            self._fill_forward(batch)
+            t_old = time.perf_counter()
+            credit_out = self.method.compute(batch)
+            t_credit = time.perf_counter()
         advantages = credit_out.advantages.detach()
-        update_stats = self._optimise(batch, advantages, ref_logprobs)
+        stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / batch.size
+        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
         t_update = time.perf_counter()
         value_stats = self.method.update(batch)
         t_end = time.perf_counter()
@@ -379,18 +484,41 @@ class Trainer:
             **stats,
             **credit_out.metrics,
             **value_stats,
+            "forward/scoring_pass": 0.0 if loss_forward is not None else 1.0,
             "time/rollout": t_rollout - t0,
-            "time/old_logprobs": t_old - t_rollout,
+            "time/old_logprobs": 0.0 if loss_forward is not None else t_old - t_rollout,
             "time/credit": t_credit - t_old,
-            "time/update": t_update - t_credit,
+            "time/update": t_update - t_credit + t_forward,
             "time/value_update": t_end - t_update,
             "step_seconds": t_end - t0,
         }
         return record
 
+    def _loss_forward(self, batch: RolloutBatch):
+        """The single pass: the loss forward over the whole batch (with grad), whose detached
+        log-probs, hidden states and entropies fill the batch for the credit method."""
+        train_mode_without_dropout(self.model)
+        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
+        fwd = policy_forward(
+            self.model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            with_entropy=True,
+            hidden_layers=layers,
+            temperature=self.cfg.sampling.temperature,
+        )
+        batch.old_logprobs = fwd.logprobs.detach()
+        batch.hidden_states = None if fwd.hidden_states is None else fwd.hidden_states.detach()
+        if self.segmenter.uses_entropy:
+            segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
+        return fwd
+
     def _optimise(
-        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs
+        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
     ) -> dict[str, float]:
+        """Epochs x minibatches x micro-batches of the clipped PG loss. With ``loss_forward`` (the
+        single pass, :meth:`single_pass`) its graph is the one micro-batch's forward."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
         B = batch.size
@@ -400,6 +528,8 @@ class Trainer:
         count = 0
         for _ in range(cfg.epochs_per_batch):
             order = torch.randperm(B, generator=gen)
+            if loss_forward is not None:
+                order = torch.arange(B)  # the forward already ran over the rows in batch order
             for mb in order.chunk(cfg.minibatches):
                 mb = mb.to(self.device)
                 num_tokens = float(batch.response_mask[mb].sum())
@@ -410,13 +540,17 @@ class Trainer:
                     sync = i == len(micros) - 1
                     ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
                     with ctx:
-                        fwd = policy_forward(
-                            self.model,
-                            batch.input_ids[micro],
-                            batch.attention_mask[micro],
-                            batch.prompt_len,
-                            with_entropy=True,
-                            temperature=cfg.sampling.temperature,
+                        fwd = (
+                            loss_forward
+                            if loss_forward is not None
+                            else policy_forward(
+                                self.model,
+                                batch.input_ids[micro],
+                                batch.attention_mask[micro],
+                                batch.prompt_len,
+                                with_entropy=True,
+                                temperature=cfg.sampling.temperature,
+                            )
                         )
                         rmask = batch.response_mask[micro]
                         loss, st = policy_loss(
@@ -484,7 +618,7 @@ class Trainer:
             + ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in stats.items())
         )
         if self.accelerator.is_main_process:
-            (self.run_dir / "value_pretrain.json").write_text(json.dumps(stats, indent=2))
+            write_text_atomic(self.run_dir / "value_pretrain.json", json.dumps(stats, indent=2))
 
     # -- evaluation, checkpoints, the loop ----------------------------------------------------
     def evaluate(self) -> float:
@@ -542,14 +676,62 @@ class Trainer:
         return float(used) >= budget
 
     def train(self) -> dict[str, Any]:
+        """Run (or, with ``cfg.resume``, resume) the loop; returns start/final accuracy. The run
+        directory's lock is released when it returns or raises."""
+        try:
+            return self._train()
+        finally:
+            self.release()
+
+    def _write_config(self) -> None:
+        """``config.yaml``, written atomically, and only when it changes (a resume with more
+        steps); ``out``/``resume``/``overwrite`` say how a run was started, not what it is."""
+        path = self.run_dir / runio.CONFIG
+        record = to_dict(self.cfg)
+        record.update(resume=None, overwrite=False)
+        if self.cfg.resume and path.exists():
+            record["out"] = (read_yaml_file(path) or {}).get("out", record["out"])
+        text = yaml.safe_dump(record, sort_keys=False)
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            write_text_atomic(path, text)
+
+    def _resume_checkpoint(self) -> Path | None:
+        """The newest valid checkpoint to resume from, saying which newer ones were skipped and
+        why; a resume that would restart over recorded steps is refused."""
+        main = _is_main_process()
+        ckpt, skipped = runio.find_checkpoint(self.run_dir)
+        for path, reason in skipped if main else []:
+            self.log(f"skipping checkpoint {path.name}: {reason}")
+        if ckpt is not None:
+            if skipped and main:
+                self.log(f"resuming from the older checkpoint {ckpt.name} instead")
+            return ckpt
+        if self.cfg.resume:
+            metrics = runio.MetricsLog(self.run_dir / runio.METRICS).read()
+            recorded = [r["step"] for r in metrics if r.get("step", 0) > 0]
+            if recorded or skipped:
+                why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none found"
+                raise UserError(
+                    f"--resume {self.run_dir}: no valid checkpoint left ({why}) but "
+                    f"{runio.METRICS} records steps up to {max(recorded, default=0)}; resuming "
+                    "would restart over that history. Start the run again with --overwrite, or "
+                    "pick another --out"
+                )
+            if main:
+                self.log(f"{self.run_dir}: no checkpoint and no step recorded yet: from step 0")
+        return None
+
+    def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         main = self.accelerator.is_main_process
+        ckpt = self._resume_from  # chosen (and verified) before the policy was loaded
         if main:
-            save_yaml(cfg, self.run_dir / "config.yaml")
-        ckpt = runio.latest_checkpoint(self.run_dir)
+            self._write_config()
         if ckpt is not None:
             self.restore(ckpt)
             self.log(f"resumed from {ckpt} at step {self.step}")
+            if self.step >= cfg.steps:
+                self.log(f"the run is at step {self.step} already (steps={cfg.steps})")
         elif main:
             self.metrics.truncate_after(-1)
         if self.step == 0 and cfg.credit.value_pretrain_steps > 0:
@@ -668,22 +850,20 @@ class _MetricSink:
             (self.writer.close if self.kind == "tensorboard" else self.writer.finish)()
 
 
-def train(cfg: TrainConfig, log=print) -> dict[str, Any]:
-    """Run (or resume) training and return start/final accuracy."""
-    if cfg.resume:
-        resumed = Path(cfg.resume)
-        saved = resumed / "config.yaml"
-        if not saved.exists():
-            raise FileNotFoundError(
-                f"--resume {resumed}: no config.yaml there; is it a run directory?"
-            )
-        from rredcot.config import load_yaml
+def _is_main_process() -> bool:
+    """Rank 0 of an ``accelerate launch`` / ``torchrun`` job (or a plain single process)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
-        steps = cfg.steps
-        cfg = load_yaml(saved)
-        cfg.out = str(resumed)
-        cfg.resume = str(resumed)
-        cfg.steps = max(cfg.steps, steps) if steps != TrainConfig.steps else cfg.steps
+
+def train(cfg: TrainConfig, log=print, given: set[str] | None = None) -> dict[str, Any]:
+    """Run (or resume) training and return start/final accuracy.
+
+    With ``cfg.resume`` the run's own ``config.yaml`` is the config and only the fields named in
+    ``given`` (dotted names set on the command line or in ``--config``; by default the fields where
+    ``cfg`` differs from the defaults) apply over it; a change to a field outside
+    ``config.RESUMABLE_FIELDS`` is refused, every one named (``config.resume_config``)."""
+    if cfg.resume:
+        cfg = resume_config(cfg, given)
     return Trainer(cfg, log=log).train()
 
 

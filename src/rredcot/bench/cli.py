@@ -1,4 +1,4 @@
-"""``rredcot bench credit | learn | overhead``: the command-line side of the benchmarks.
+"""``rredcot bench credit | learn | overhead | peer``: the command-line side of the benchmarks.
 
 Task parameters go as ``--task.NAME VALUE`` (``rredcot.cli`` pulls them out before parsing);
 ``--set key=value`` (repeatable) overrides any ``TrainConfig`` / ``CreditConfig`` field for every
@@ -154,6 +154,48 @@ def add_bench_parser(sub) -> None:
         help="Let each policy train on (default: reset to the warm-start before every step).",
     )
 
+    from rredcot.bench.configs import PeerBenchConfig
+
+    d = PeerBenchConfig()
+    p = bsub.add_parser(
+        "peer",
+        help="rredcot's uniform trainer against TRL's GRPOTrainer: same model, task, batch, length.",
+        description="Alternating processes; seconds per step, completions per second, peak "
+        "memory and the time split of each. Writes peer.json and peer.md under --out.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Model (directory, .gguf, shipped alias such as smollm2-135m-instruct, 'tiny'); "
+        "default: the task's default (the tiny warm-start on arithmetic).",
+    )
+    p.add_argument("--task", dest="task_name", default=d.task, help="Task name.")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="Prompts per step.")
+    p.add_argument("--generations", type=int, default=d.generations, help="Completions per prompt.")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="Completion length (default: the task's)."
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="Timed steps per process.")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="Untimed steps first.")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="Processes per trainer.")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="torch threads of both trainers (0: each trainer's own default).",
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help="Learning rate of both.")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--trl-set",
+        dest="trl_pairs",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="GRPOConfig override for TRL (repeatable; JSON values), e.g. --trl-set bf16=true.",
+    )
+    p.add_argument("--out", default=d.out)
+
 
 def run_bench(args: argparse.Namespace, task_args: dict) -> int:
     from rredcot.bench.variants import parse_set
@@ -162,7 +204,7 @@ def run_bench(args: argparse.Namespace, task_args: dict) -> int:
     if command is None:
         print(args.bench_help())
         return 2
-    overrides = parse_set(args.set_pairs)
+    overrides = parse_set(getattr(args, "set_pairs", []))
     if command == "credit":
         from rredcot.bench.credit import CreditBenchConfig, run_credit_bench
 
@@ -223,6 +265,27 @@ def run_bench(args: argparse.Namespace, task_args: dict) -> int:
             progress=args.progress,
         )
         run_learn_bench(cfg)
+        return 0
+    if command == "peer":
+        from rredcot.bench.peer import PeerBenchConfig, parse_trl_overrides, run_peer_bench
+
+        cfg = PeerBenchConfig(
+            model=args.model,
+            task=args.task_name,
+            task_args=task_args,
+            prompts=args.prompts,
+            generations=args.generations,
+            max_new_tokens=args.max_new_tokens,
+            steps=args.steps,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            threads=args.threads,
+            lr=args.lr,
+            seed=args.seed,
+            trl_overrides=parse_trl_overrides(args.trl_pairs),
+            out=args.out,
+        )
+        run_peer_bench(cfg)
         return 0
     from rredcot.bench.overhead import OverheadBenchConfig, run_overhead_bench
 

@@ -1,7 +1,7 @@
 """The benchmarks' configurations, free of torch so that ``rredcot bench --help`` (whose flag
 defaults come from them) starts fast. Each benchmark module re-exports its own:
 ``rredcot.bench.credit.CreditBenchConfig``, ``rredcot.bench.learn.LearnBenchConfig``,
-``rredcot.bench.overhead.OverheadBenchConfig``.
+``rredcot.bench.overhead.OverheadBenchConfig``, ``rredcot.bench.peer.PeerBenchConfig``.
 """
 
 from __future__ import annotations
@@ -100,3 +100,31 @@ class OverheadBenchConfig:
             raise ValueError("--steps must be >= 1 (timed rounds)")
         if self.warmup < 0:
             raise ValueError("--warmup must be >= 0")
+
+
+@dataclass
+class PeerBenchConfig:
+    model: str | None = None  # default: the task's default model (tiny warm-start on arithmetic)
+    task: str = "arithmetic"
+    task_args: dict = field(default_factory=dict)
+    prompts: int = 16
+    generations: int = 8
+    max_new_tokens: int | None = None  # default: the task's suggestion, else 64
+    steps: int = 20
+    warmup: int = 3
+    repeats: int = 4
+    threads: int = 0
+    lr: float = 1e-5
+    seed: int = 0
+    trl_overrides: dict = field(default_factory=dict)
+    out: str = "bench/peer"
+    timeout: float = 7200.0  # per process
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "generations", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1")
+        if self.warmup < 0 or self.threads < 0:
+            raise ValueError("--warmup and --threads must be >= 0")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")

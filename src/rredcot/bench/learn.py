@@ -218,11 +218,10 @@ def _base_init(cfg: LearnBenchConfig, log) -> str:
     )
     if base.init:
         return base.init
-    if base.model.name_or_path:
-        return base.model.name_or_path
-    from rredcot.sft import default_warmstart
+    from rredcot.models import default_policy_source
 
-    return str(default_warmstart(get_task(base.task, **base.task_args), log=log))
+    task = get_task(base.task, **base.task_args)
+    return default_policy_source(task, base.model.name_or_path, log=log)
 
 
 def _task_override(cfg: LearnBenchConfig, overrides: dict) -> dict:
@@ -286,6 +285,13 @@ def run_one(
     if done.exists():
         log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
         return json.loads(done.read_text())
+    if (run_dir / "config.yaml").exists():  # an earlier call left this run unfinished
+        from rredcot import runio
+
+        if runio.latest_checkpoint(run_dir) is not None:
+            tcfg.resume = str(run_dir)
+        else:
+            tcfg.overwrite = True  # nothing to resume from: start it again
     probe = VarianceProbe(cfg, run_dir) if cfg.variance_probes > 0 else None
     log(f"{variant.name} seed {seed}: training in {run_dir}")
     trainer = ProbedTrainer(tcfg, probe, log=log)

@@ -13,7 +13,11 @@ The first ``--warmup`` rounds are not timed (allocator warm-up, the value head's
 Per method: the median over timed rounds of ``step_seconds`` and of each phase
 (``time/rollout``, ``time/old_logprobs``, ``time/credit``, ``time/update``, ``time/value_update``);
 ``ratio`` = median step time / uniform's median; ``ratio_paired`` = median over rounds of the
-per-round ratio (robust to drift of the machine's speed). Writes ``overhead.json`` and
+per-round ratio (robust to drift of the machine's speed); ``ratio_own_phases`` = 1 + (the method's
+median no-grad forward, credit and value-update phases minus uniform's) / uniform's median step:
+with the policies reset, sampling and the policy update do the same work for every method, so on
+a machine whose speed swings this isolates what the method itself adds (a model-sized step on
+shared CPUs varies by more than the whole cost of the value head). Writes ``overhead.json`` and
 ``overhead.md``; the target of the value head is ``ratio <= 1.05``.
 """
 
@@ -132,6 +136,7 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
             "median_step_seconds": median,
             "ratio": median / uniform_median,
             "ratio_paired": paired,
+            "ratio_own_phases": None,  # filled below, once uniform's phases are known
             "median_phase_seconds": {k: statistics.median(x[k] for x in mine) for k in PHASES},
             "mean_rollout_tokens": statistics.fmean(float(x["rollout_tokens"] or 0) for x in mine),
             "mean_extra_generated_tokens": statistics.fmean(
@@ -142,6 +147,9 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
             entry["target"] = VALUE_HEAD_TARGET
             entry["meets_target"] = entry["ratio"] <= VALUE_HEAD_TARGET
         methods.append(entry)
+    uniform_entry = next(e for e in methods if e["method"] == "uniform")
+    for entry in methods:
+        entry["ratio_own_phases"] = own_phase_ratio(entry, uniform_entry)
     report = {
         "config": dataclasses.asdict(cfg),
         "init": init,
@@ -155,6 +163,16 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
     return report
 
 
+OWN_PHASES = ("time/old_logprobs", "time/credit", "time/value_update")
+
+
+def own_phase_ratio(entry: dict[str, Any], uniform: dict[str, Any]) -> float:
+    """1 + (the method's median own phases - uniform's) / uniform's median step (module doc)."""
+    mine, base = entry["median_phase_seconds"], uniform["median_phase_seconds"]
+    extra = sum(mine.get(k, 0.0) - base.get(k, 0.0) for k in OWN_PHASES)
+    return 1.0 + extra / uniform["median_step_seconds"]
+
+
 def overhead_markdown(report: dict[str, Any]) -> str:
     rows = []
     for m in report["methods"]:
@@ -166,6 +184,7 @@ def overhead_markdown(report: dict[str, Any]) -> str:
                 fmt(m["median_step_seconds"] * 1e3, ".1f"),
                 fmt(m["ratio"], ".3f"),
                 fmt(m["ratio_paired"], ".3f"),
+                fmt(m.get("ratio_own_phases"), ".3f"),
                 *(fmt(ph[k] * 1e3, ".1f") for k in PHASES),
                 fmt(m.get("meets_target")) if "meets_target" in m else "",
             ]
@@ -186,6 +205,7 @@ def overhead_markdown(report: dict[str, Any]) -> str:
                 "median step ms",
                 "× uniform",
                 "× uniform (paired)",
+                "× uniform (own phases)",
                 "rollout ms",
                 "old-logprob ms",
                 "credit ms",
@@ -196,5 +216,7 @@ def overhead_markdown(report: dict[str, Any]) -> str:
             rows,
         )
         + "\n\n- × uniform: median step time / uniform's median; paired: median over rounds of "
-        "the per-round ratio.\n"
+        "the per-round ratio; own phases: 1 + (the method's no-grad forward, credit and "
+        "value-update medians − uniform's) / uniform's median step (sampling and the update do "
+        "the same work for every method).\n"
     )

@@ -10,17 +10,25 @@ trainer sampled it. Nothing here knows about TRL or verl.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from rredcot import credit
-from rredcot.methods.base import RolloutBatch
+from rredcot.methods.base import CreditMethod, RolloutBatch
 from rredcot.segment import Segmenter, decode_with_offsets
 from rredcot.tasks.base import Problem, Verdict
 
-__all__ = ["group_ids_from_keys", "rollout_batch_from_tensors", "segment_completions"]
+__all__ = [
+    "group_ids_from_keys",
+    "overridden_method",
+    "rollout_batch_from_tensors",
+    "segment_completions",
+    "span_mask",
+]
 
 
 def _eos_set(tokenizer, eos_token_ids: Sequence[int] | int | None) -> set[int]:
@@ -157,3 +165,35 @@ def rollout_batch_from_tensors(
         old_logprobs=old_logprobs,
         hidden_states=hidden_states,
     )
+
+
+@contextlib.contextmanager
+def overridden_method(
+    method: CreditMethod,
+    values: tuple[Tensor, Tensor] | None = None,
+    normalization: str | None = None,
+) -> Iterator[CreditMethod]:
+    """While active, ``method.segment_values`` returns the given ``(values, mask)`` (computed
+    elsewhere: on the local rows, by a PRM, ...) and/or ``method.normalization`` is replaced, so
+    that the method's own ``compute`` (anchor, hand-over, GAE, normalisation) runs on them."""
+    saved_config = method.config
+    if normalization is not None:
+        method.config = dataclasses.replace(saved_config, normalization=normalization)
+    if values is not None:
+        method.segment_values = lambda batch: values  # type: ignore[method-assign]
+    try:
+        yield method
+    finally:
+        method.config = saved_config
+        method.__dict__.pop("segment_values", None)
+
+
+def span_mask(response_mask: Tensor) -> Tensor:
+    """``(B, T)`` 1 on every token up to each row's last real token: a multi-turn response whose
+    mask has holes (tool outputs the policy did not write) is one contiguous text, and the holes
+    are part of the states ``s_k``."""
+    mask = response_mask.bool()
+    T = mask.shape[1]
+    cols = torch.arange(T, device=mask.device).unsqueeze(0)
+    last = torch.where(mask, cols, torch.full_like(cols, -1)).max(dim=1, keepdim=True).values
+    return (cols <= last).to(response_mask.dtype)

@@ -8,20 +8,23 @@ unchanged, then replaces ``output["advantages"]`` with rredcot's ``(B, T)`` toke
 ``_compute_loss`` takes ``(B, T)`` advantages as they are (it unsqueezes only 1-D ones), so the loss
 is not overridden.
 
-Per generation batch, on each process (the local rows):
+Per generation batch:
 
-1. the outcome reward ``R`` of each completion is the weighted sum of TRL's reward functions (as
-   ``multi_objective_aggregation="sum_then_normalize"`` computes it, before normalisation);
-2. completions are decoded with token offsets and segmented (``rredcot.integrations._batch``);
-3. credit methods that read hidden states (the value head) get them from TRL's own no-grad
-   old-log-prob pass when TRL runs one (``steps_per_generation > gradient_accumulation_steps``,
-   ``num_iterations > 1``, or vLLM with importance-sampling correction): a forward hook on the
-   decoder keeps them, so values cost no extra forward. Otherwise TRL skips that pass (its loss
-   uses the live log-probs) and the adapter runs one no-grad forward itself (metric
-   ``rredcot/extra_forward`` = 1);
-4. ``method.compute(batch)`` gives the advantages; then, in training only, the method learns
-   (``update``; the value head trains here, after the credit of the step, on the boundary features
-   gathered from every process, so every process holds the same head).
+1. the outcome reward ``R`` of every process's completions is the weighted sum of TRL's reward
+   functions (TRL gathers them; ``multi_objective_aggregation="sum_then_normalize"``, before
+   normalisation);
+2. each process decodes its completions with token offsets and segments them
+   (``rredcot.integrations._batch``);
+3. the credit method runs on one compact row per completion of every process (gathered boundary
+   hidden states, or values computed on each process), so groups may span processes as in TRL;
+   each process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto
+   the normalisation (:func:`normalization_for_scale_rewards`);
+4. the value head's hidden states come from TRL's no-grad old-log-prob pass when TRL runs one,
+   else from the training (loss) forward of each micro-batch: detached, read by a hook, and the
+   advantages written into the micro-batch before the loss is formed. No extra forward either
+   way (``rredcot/extra_forward`` = 0; 1 only with the Liger loss);
+5. in training only, the method learns (``update``; the value head trains after the credit of the
+   step, on the gathered boundary features, so every process holds the same head).
 
 The credit method's state (the value head) is written as ``value_head.pt`` next to every
 checkpoint and the final model, and read back on ``train(resume_from_checkpoint=...)``.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +45,14 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict
+from rredcot.integrations._batch import overridden_method as _overridden
 from rredcot.integrations._batch import rollout_batch_from_tensors
-from rredcot.methods.base import CreditContext, RolloutBatch, build_credit, get_credit
+from rredcot.methods.base import (
+    CreditContext,
+    RolloutBatch,
+    build_credit,
+    get_credit,
+)
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
@@ -54,6 +64,7 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
 
 __all__ = [
     "CREDIT_STATE_FILE",
+    "normalization_for_scale_rewards",
     "TRL_METHODS",
     "RREDCoTGRPOConfig",
     "RREDCoTGRPOTrainer",
@@ -89,9 +100,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
 
     ``credit`` holds fields of :class:`rredcot.config.CreditConfig` (``segmenter``, ``lam``,
     ``normalization``, ``value_*``, ``handover``, ...), as a dict in Python or a JSON string on
-    the command line, e.g. ``--credit '{"segmenter": "sentence", "lam": 0.5}'``. TRL's
-    ``scale_rewards`` is not used: ``credit["normalization"]`` decides (``auto``: group std for
-    ``uniform``, as TRL does, ``group_or_batch_std`` for the others).
+    the command line, e.g. ``--credit '{"segmenter": "sentence", "lam": 0.5}'``. With
+    ``credit["normalization"]`` unset (``auto``) TRL's ``scale_rewards`` decides
+    (:func:`normalization_for_scale_rewards`); an explicit one wins, with a warning if it
+    disagrees with a non-default ``scale_rewards``.
     """
 
     credit_method: str = field(
@@ -155,12 +167,55 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 "render_answer writes the answer probes"
             )
 
+        self._warn_scale_rewards_conflict()
+
     @property
     def credit_config(self) -> CreditConfig:
         """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones).
-        The value head reads hidden states only here: ``value_logprob_features`` is off."""
+        The value head reads hidden states only here: ``value_logprob_features`` is off.
+        ``normalization="auto"`` (the default) follows TRL's ``scale_rewards``
+        (:func:`normalization_for_scale_rewards`)."""
         fields = {"value_logprob_features": False, **_as_dict(self.credit, "credit")}
+        if fields.get("normalization", "auto") == "auto":
+            fields["normalization"] = normalization_for_scale_rewards(
+                self.scale_rewards, self.credit_method
+            )
         return from_dict(CreditConfig, fields, where="credit.")
+
+    def _warn_scale_rewards_conflict(self) -> None:
+        """Warn (once per config) when ``credit["normalization"]`` overrides a ``scale_rewards``
+        the user chose (anything but TRL's default ``"group"``)."""
+        mode = _as_dict(self.credit, "credit").get("normalization", "auto")
+        if mode == "auto" or self.scale_rewards == "group":
+            return
+        implied = normalization_for_scale_rewards(self.scale_rewards, self.credit_method)
+        if mode != implied:
+            warnings.warn(
+                f"credit.normalization={mode!r} overrides scale_rewards={self.scale_rewards!r} "
+                f"(which maps to {implied!r}); rredcot scales the advantages by "
+                f"credit.normalization. Leave credit.normalization unset (auto) to follow "
+                "scale_rewards.",
+                stacklevel=3,
+            )
+
+
+def normalization_for_scale_rewards(scale_rewards: str | bool, credit_method: str) -> str:
+    """rredcot's normalisation for TRL's ``scale_rewards``.
+
+    ``"group"`` (TRL's default): GRPO's per-group std for ``uniform`` (TRL's advantages exactly),
+    ``group_or_batch_std`` for value-based credit (the group's std, or the batch's where a
+    group's rewards all agree: value credit is never divided by ~0, DESIGN.md section 7);
+    ``"batch"``: ``batch_std`` (the batch's reward std, floored at 0.1); ``"none"``: ``none``
+    (TRL's Dr. GRPO setting; exactly TRL's advantages for ``uniform``).
+    """
+    mode = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
+    if mode == "group":
+        return "group_std" if credit_method == "uniform" else "group_or_batch_std"
+    if mode == "batch":
+        return "batch_std"
+    if mode == "none":
+        return "none"
+    raise ValueError(f"scale_rewards={scale_rewards!r}: TRL knows 'group', 'batch' and 'none'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,26 +331,152 @@ def _boundary_batch(batch: RolloutBatch) -> RolloutBatch:
 
 
 def _compact_from(
-    feats: Tensor, counts: Tensor, rewards: Tensor, group_ids: Tensor
+    feats: Tensor | None,
+    counts: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor,
+    width: int | None = None,
 ) -> RolloutBatch:
-    B, S1, _ = feats.shape
-    device = feats.device
+    """A compact batch over segment boundaries: row ``b`` has ``counts[b]`` one-"token" segments,
+    so its ``(B, S)`` token advantages are its segment advantages. ``feats (B, S+1, D)`` are the
+    boundary hidden states (``None`` for methods that read none); ``width`` is ``S + 1``
+    (default: ``feats``' or ``max(counts) + 1``)."""
     counts = counts.to("cpu").long()
+    B = counts.shape[0]
+    if width is None:
+        width = (
+            feats.shape[1]
+            if feats is not None
+            else (int(counts.max()) if counts.numel() else 0) + 1
+        )
+    device = feats.device if feats is not None else rewards.device
     boundaries = [list(range(int(n) + 1)) if int(n) > 0 else [0] for n in counts]
-    cols = torch.arange(max(S1 - 1, 0)).unsqueeze(0)
+    cols = torch.arange(max(width - 1, 0)).unsqueeze(0)
     response_mask = (cols < counts.unsqueeze(1)).float().to(device)
     attention_mask = torch.cat([torch.ones(B, 1, device=device), response_mask], dim=1).long()
     return RolloutBatch(
-        input_ids=torch.zeros(B, S1, dtype=torch.long, device=device),
+        input_ids=torch.zeros(B, width, dtype=torch.long, device=device),
         attention_mask=attention_mask,
         prompt_len=1,
         response_mask=response_mask,
         rewards=rewards.to(device),
         group_ids=group_ids.to(device),
         boundaries=boundaries,
-        segment_ids=credit.boundaries_to_segment_ids(boundaries, S1 - 1, device=device),
+        segment_ids=credit.boundaries_to_segment_ids(boundaries, width - 1, device=device),
         hidden_states=feats,
     )
+
+
+class _Collective:
+    """The cross-process operations of the credit (accelerate's; the identity on one process)."""
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+
+    @property
+    def world(self) -> int:
+        return int(self.accelerator.num_processes)
+
+    @property
+    def rank(self) -> int:
+        return int(self.accelerator.process_index)
+
+    def gather(self, t: Tensor) -> Tensor:
+        """Concatenate every process's ``t`` along dim 0 (same shapes)."""
+        return t if self.world == 1 else self.accelerator.gather(t.contiguous())
+
+    def gather_padded(self, t: Tensor, dim: int = 1) -> Tensor:
+        """Like :meth:`gather` after zero-padding ``dim`` to the largest size of any process."""
+        if self.world == 1:
+            return t
+        acc = self.accelerator
+        return acc.gather(acc.pad_across_processes(t.contiguous(), dim=dim))
+
+    def max_int(self, x: int) -> int:
+        if self.world == 1:
+            return int(x)
+        return int(self.gather(torch.tensor([int(x)], device=self.accelerator.device)).max())
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each metric averaged over the processes (NaNs skipped); keys must agree."""
+        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+        if self.world == 1 or not keys:
+            return {k: float(metrics[k]) for k in keys}
+        local = torch.tensor(
+            [float(metrics[k]) for k in keys], device=self.accelerator.device, dtype=torch.float64
+        )
+        every = self.gather(local.unsqueeze(0))
+        return dict(zip(keys, torch.nanmean(every, dim=0).tolist()))
+
+
+@dataclass
+class _GlobalRows:
+    """The rows of one generation batch on all processes (TRL's order: process 0's first).
+
+    TRL gathers the rewards of every process before it normalises them, so groups may span
+    processes; rredcot's group statistics use these global rows too."""
+
+    rewards: Tensor  # (N,) outcome R (unscorable rows: their group's mean)
+    group_ids: Tensor  # (N,) long
+    counts: Tensor  # (N,) segments per row (0: unscorable or empty)
+    start: int  # the local rows are [start, start + size)
+    size: int
+
+    @property
+    def local(self) -> slice:
+        return slice(self.start, self.start + self.size)
+
+    @property
+    def width(self) -> int:
+        """``S + 1`` of the global compact layout."""
+        return (int(self.counts.max()) if self.counts.numel() else 0) + 1
+
+
+@dataclass
+class _Pending:
+    """A generation batch whose value-head credit waits for the loss forwards (no TRL pass)."""
+
+    batch: RolloutBatch  # local rows, no hidden states
+    rows: _GlobalRows
+    loss_mask: Tensor  # (B, T)
+    mode: str
+    features: Tensor | None = None  # (N, S+1, D) boundary hidden states, filled as seen
+    seen: Tensor | None = None  # (N,) bool
+    advantages: Tensor | None = None  # (B, T) local token advantages, filled as computed
+
+
+def _outcome_rewards(
+    rewards_per_func: Tensor, reward_weights: Tensor, num_generations: int
+) -> tuple[Tensor, Tensor]:
+    """``(R (N,), unscorable (N,) bool)`` of every process's rows: the weighted sum of the reward
+    functions (TRL's ``sum_then_normalize`` before scaling). Unscorable rows (every function
+    returned None) get their group's mean, so they move no group statistic."""
+    weights = reward_weights.to(rewards_per_func.device).unsqueeze(0)
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards[unscorable] = torch.nan
+    groups = rewards.float().view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1, keepdim=True).nan_to_num(0.0)
+    filled = torch.where(torch.isnan(groups), mean.expand_as(groups), groups)
+    return filled.view(-1), unscorable
+
+
+def _fit_columns(t: Tensor, width: int) -> Tensor:
+    """``t`` with dim 1 zero-padded (or cut) to ``width``."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    pad = t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))
+    return torch.cat([t, pad], dim=1)
+
+
+def _counting_forwards(model) -> tuple[list[int], Any]:
+    """A forward-pre-hook on ``model`` that counts its calls: ``(counter, handle)``."""
+    counter = [0]
+
+    def pre(module, args):
+        counter[0] += 1
+
+    return counter, model.register_forward_pre_hook(pre)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,11 +526,26 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             if self.credit_method.needs_hidden_states
             else None
         )
+        if (
+            self._hidden_layers is not None
+            and self._defers_to_loss_forward()
+            and self.credit_method.normalization == "whiten"
+            and args.steps_per_generation > 1
+        ):
+            raise ValueError(
+                "credit.normalization='whiten' needs every completion's values before the first "
+                "loss of a generation batch, but here they come from the loss forwards of "
+                f"{args.steps_per_generation} micro-batches (steps_per_generation). Use "
+                "normalization 'batch_std' or 'group_or_batch_std', or steps_per_generation=1"
+            )
+        self.collective = _Collective(self.accelerator)
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
-        self.last_credit = None  # its CreditOutput
+        self.last_credit = None  # its CreditOutput (over the global compact batch)
         self._rewards_per_func: Tensor | None = None
         self._capture_armed = False
         self._captured: list[Tensor] = []
+        self._pending: _Pending | None = None
+        self._loss_inputs: dict | None = None
 
     # -- what TRL computes, kept for the credit -----------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -367,17 +563,46 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction
         )
 
+    def _defers_to_loss_forward(self) -> bool:
+        """Whether hidden states come from the loss forward itself (TRL runs no old-log-prob
+        pass, and the loss goes through ``_get_per_token_logps_and_entropies``)."""
+        return not self._trl_runs_old_logprob_pass() and not self.args.use_liger_kernel
+
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        # Armed only around TRL's old-log-prob pass, which is its first call on self.model in a
-        # generation step (a PEFT reference pass, also on self.model, comes after it).
-        if not self._capture_armed or model is not self.model:
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        self._capture_armed = False
-        with _capture_hidden_states(model, self._hidden_layers, self._captured):
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        # 1. TRL's old-log-prob pass: its first call on self.model in a generation step (a PEFT
+        #    reference pass, also on self.model, comes after it).
+        if self._capture_armed and model is self.model:
+            self._capture_armed = False
+            with _capture_hidden_states(model, self._hidden_layers, self._captured):
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        # 2. the loss forward of a micro-batch whose credit waits for it.
+        if self._loss_inputs is not None:
+            inputs, self._loss_inputs = self._loss_inputs, None
+            store: list[Tensor] = []
+            with _capture_hidden_states(model, self._hidden_layers, store):
+                result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            self._deferred_credit(inputs, torch.cat(store, dim=0))
+            return result
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        pending = self._pending
+        if pending is not None and "rredcot_row" in inputs:
+            global_rows = inputs["rredcot_row"].to("cpu") + pending.rows.start
+            if not bool(pending.seen[global_rows].all()):
+                self._loss_inputs = inputs  # the next forward's hidden states give the credit
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
 
     # -- the override -------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
+        if self._pending is not None:
+            raise RuntimeError(
+                "rredcot: a new generation batch started before every micro-batch of the last "
+                "one went through the loss (TRL internals changed?)"
+            )
         self._captured = []
         self._capture_armed = self._hidden_layers is not None and self._trl_runs_old_logprob_pass()
         try:
@@ -386,64 +611,59 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self._capture_armed = False
         return self._apply_credit(inputs, output)
 
-    def _hidden_states(self, output: dict, mode: str) -> Tensor:
-        """``(B, P+T, D)`` hidden states of the local rows: captured from TRL's pass, or from one
-        no-grad forward of our own (TRL skipped its pass)."""
+    def _extra_forward_hidden_states(self, output: dict, mode: str) -> Tensor:
+        """``(B, P+T, D)`` hidden states of the local rows by one no-grad forward of our own
+        (only where neither TRL's pass nor the loss forward can give them: the Liger loss)."""
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        captured = torch.cat(self._captured, dim=0) if self._captured else None
-        self._captured = []
-        extra = captured is None or tuple(captured.shape[:2]) != tuple(ids.shape)
-        if extra:
-            store: list[Tensor] = []
-            batch_size = (
-                self.args.per_device_train_batch_size
-                if mode == "train"
-                else self.args.per_device_eval_batch_size
+        store: list[Tensor] = []
+        batch_size = (
+            self.args.per_device_train_batch_size
+            if mode == "train"
+            else self.args.per_device_eval_batch_size
+        )
+        with (
+            torch.no_grad(),
+            _no_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            _capture_hidden_states(self.model, self._hidden_layers, store),
+        ):
+            super()._get_per_token_logps_and_entropies(
+                self.model, ids, mask, output["completion_ids"].size(1), batch_size=batch_size
             )
-            with (
-                torch.no_grad(),
-                _no_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-                _capture_hidden_states(self.model, self._hidden_layers, store),
-            ):
-                super()._get_per_token_logps_and_entropies(
-                    self.model, ids, mask, output["completion_ids"].size(1), batch_size=batch_size
-                )
-            captured = torch.cat(store, dim=0)
-        self._metrics[mode]["rredcot/extra_forward"].append(float(extra))
-        return captured
+        return torch.cat(store, dim=0)
 
-    def _local_rewards(self, start: int, size: int, num_generations: int) -> tuple[Tensor, Tensor]:
-        """Outcome rewards of the local rows; unscorable rows (every reward function returned
-        None) get their group's mean so they move no statistic (their response is masked)."""
+    def _global_rows(self, batch: RolloutBatch, num_generations: int) -> _GlobalRows:
+        """Rewards and groups of every process's rows (TRL already gathered the rewards) and the
+        segment counts (gathered here)."""
         if self._rewards_per_func is None:
             raise RuntimeError(
                 "rewards were not computed before the credit (TRL internals changed?)"
             )
-        rpf = self._rewards_per_func
-        weights = self.reward_weights.to(rpf.device).unsqueeze(0)
-        rewards = (rpf * weights).nansum(dim=1)
-        rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
-        rewards = rewards[start : start + size].float()
-        groups = rewards.view(-1, num_generations)
-        mean = torch.nanmean(groups, dim=1, keepdim=True).nan_to_num(0.0)
-        filled = torch.where(torch.isnan(groups), mean.expand_as(groups), groups)
-        return filled.view(-1), torch.isnan(rewards)
+        rewards, _ = _outcome_rewards(self._rewards_per_func, self.reward_weights, num_generations)
+        N = rewards.shape[0]
+        start = self.collective.rank * batch.size
+        counts = self.collective.gather(batch.num_segments.to(self.accelerator.device))
+        if counts.shape[0] != N:
+            raise RuntimeError(
+                f"rredcot: {counts.shape[0]} completions across processes but {N} rewards "
+                "(TRL internals changed?)"
+            )
+        group_ids = torch.arange(N, device=rewards.device) // num_generations
+        return _GlobalRows(rewards, group_ids, counts.cpu(), start, batch.size)
 
     def _apply_credit(self, inputs: list[dict], output: dict) -> dict:
-        """Replace TRL's per-completion advantages with rredcot's ``(B, T)`` token advantages."""
+        """Replace TRL's per-completion advantages with rredcot's ``(B, T)`` token advantages
+        (now, or in the loss forward of each micro-batch when the hidden states come from it)."""
         mode = "train" if self.model.training else "eval"
         G = self.num_generations if mode == "train" else self.num_generations_eval
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         B = completion_ids.shape[0]
-        if B % G:
-            raise ValueError(
-                f"each process must hold whole prompt groups for rredcot credit: it has {B} "
-                f"completions and num_generations={G}. Make per_device_{mode}_batch_size x "
-                "steps_per_generation a multiple of num_generations"
-            )
-        start = self.accelerator.process_index * B
-        rewards, unscorable = self._local_rewards(start, B, G)
+        start = self.collective.rank * B
+        all_rewards, all_unscorable = _outcome_rewards(
+            self._rewards_per_func, self.reward_weights, G
+        )
+        rewards = all_rewards[start : start + B].to(completion_ids.device)
+        unscorable = all_unscorable[start : start + B].to(completion_ids.device)
         # Segments cover every completion token (a prefix mask); unscorable rows get none. The
         # advantages are then masked like TRL's loss (tool-output tokens excluded).
         live_mask = completion_mask * (~unscorable).to(completion_mask.dtype).unsqueeze(1)
@@ -454,7 +674,6 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             Problem(_prompt_text(x.get("prompt", "")), str(x.get(self.args.answer_column, "")))
             for x in inputs
         ]
-        hidden = self._hidden_states(output, mode) if self._hidden_layers is not None else None
         batch = rollout_batch_from_tensors(
             prompt_ids=output["prompt_ids"],
             prompt_mask=output["prompt_mask"],
@@ -466,21 +685,180 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             segmenter=self.segmenter,
             eos_token_ids=self.eos_token_ids,
             problems=problems,
-            hidden_states=hidden,
         )
         batch.attention_mask[:, batch.prompt_len :] = completion_mask.long()  # what the model saw
         batch.verdicts = self._verdicts(batch)
-
+        rows = self._global_rows(batch, G)
         self.credit_method.context.policy = self.model  # the prepared (possibly wrapped) model
-        out = self.credit_method.compute(batch)
-        advantages = out.advantages.to(device=completion_ids.device, dtype=torch.float32)
+        self.last_batch = batch
+
+        if self._hidden_layers is not None:
+            captured = torch.cat(self._captured, dim=0) if self._captured else None
+            self._captured = []
+            full = tuple(batch.input_ids.shape)
+            if captured is None or tuple(captured.shape[:2]) != full:
+                if self._defers_to_loss_forward():
+                    return self._defer(output, batch, rows, loss_mask, mode)
+                captured = self._extra_forward_hidden_states(output, mode)
+                extra = 1.0
+            else:
+                extra = 0.0
+            self._metrics[mode]["rredcot/extra_forward"].append(extra)
+            batch.hidden_states = captured
+            feats = self._global_features(_boundary_batch(batch).hidden_states, rows)
+            out, advantages = self._credit(batch, rows, feats=feats)
+        else:
+            feats, values = None, None
+            if self.args.credit_method != "uniform":  # values computed on the local rows
+                values = self._local_values(batch, rows)
+            out, advantages = self._credit(batch, rows, values=values)
         output["advantages"] = advantages * loss_mask.to(advantages.dtype)
-        self._log_credit(out.metrics, mode)
-        self._log_row_advantages(output["advantages"], loss_mask)
-        if mode == "train":
-            self._log_credit(self._update_credit(batch), mode)
-        self.last_batch, self.last_credit = batch, out
+        self._finish(out, output["advantages"], loss_mask, rows, mode, feats)
         return output
+
+    # -- credit over the global rows ----------------------------------------------------------
+    def _global_features(self, local_feats: Tensor, rows: _GlobalRows) -> Tensor:
+        """``(N, S+1, D)`` boundary hidden states of every process's rows."""
+        feats = self.collective.gather_padded(local_feats, dim=1)
+        return _fit_columns(feats, rows.width)
+
+    def _local_values(self, batch: RolloutBatch, rows: _GlobalRows) -> tuple[Tensor, Tensor]:
+        """The method's values of the local rows, gathered to ``(N, S+1)``. Forwards the method
+        runs (answer-likelihood probes) are evened out across processes with dummy forwards, so
+        sharded models (ZeRO-3, FSDP) see the same number of forwards on every rank."""
+        counter, handle = _counting_forwards(self.model)
+        try:
+            values, mask = self.credit_method.segment_values(batch)
+        finally:
+            handle.remove()
+        self._even_out_forwards(counter[0])
+        device = self.accelerator.device
+        values = self.collective.gather_padded(values.to(device, torch.float32), dim=1)
+        mask = self.collective.gather_padded(mask.to(device, torch.float32), dim=1) > 0
+        return _fit_columns(values, rows.width), _fit_columns(mask, rows.width)
+
+    @torch.no_grad()
+    def _even_out_forwards(self, done: int) -> int:
+        """Run one-token no-grad forwards until this process has run as many as the busiest
+        one; returns how many it ran."""
+        most = self.collective.max_int(done)
+        model = self.model
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device)
+        for _ in range(most - done):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        return most - done
+
+    def _credit(
+        self,
+        batch: RolloutBatch,
+        rows: _GlobalRows,
+        feats: Tensor | None = None,
+        values: tuple[Tensor, Tensor] | None = None,
+    ):
+        """``(CreditOutput over the global compact batch, (B, T) local token advantages)``.
+
+        The method runs on one row per completion of every process (boundary features, or
+        values computed elsewhere), so group statistics, the anchor, the hand-over and the
+        normalisation see whole groups even where they span processes; its segment
+        advantages are then spread over the local tokens. ``whiten`` is applied over every
+        process's tokens afterwards."""
+        compact = _compact_from(feats, rows.counts, rows.rewards, rows.group_ids, rows.width)
+        whiten = self.credit_method.normalization == "whiten"
+        with _overridden(self.credit_method, values, "none" if whiten else None) as method:
+            out = method.compute(compact)
+        seg_adv = out.advantages[rows.local].to(batch.segment_ids.device)
+        tokens = credit.segments_to_tokens(seg_adv, batch.segment_ids, batch.response_mask)
+        if whiten:
+            every = self.collective.gather_padded(tokens, dim=1)
+            mask = self.collective.gather_padded(batch.response_mask.contiguous(), dim=1)
+            tokens = credit.normalize_advantages(
+                every, mask, rows.rewards.to(every.device), None, "whiten"
+            )[rows.local, : tokens.shape[1]]
+        return out, tokens.to(torch.float32)
+
+    def _finish(
+        self,
+        out,
+        advantages: Tensor,
+        loss_mask: Tensor,
+        rows: _GlobalRows,
+        mode: str,
+        feats: Tensor | None,
+    ) -> None:
+        """Log the credit (averaged over processes), then, in training, let the method learn
+        from the global batch (after its credit: the credit never sees the step's outcomes)."""
+        self.last_credit = out
+        self._log_credit(self.collective.mean_metrics(out.metrics), mode)
+        self._log_row_advantages(advantages, loss_mask)
+        if mode == "train":
+            self._log_credit(self._update_credit(rows, feats), mode)
+
+    def _update_credit(self, rows: _GlobalRows, feats: Tensor | None) -> dict[str, float]:
+        """Train the credit method on this step's outcomes, over every process's rows (every
+        process holds the same head)."""
+        compact = _compact_from(feats, rows.counts, rows.rewards, rows.group_ids, rows.width)
+        return self.credit_method.update(compact)
+
+    # -- the credit from the loss forward (no pass of TRL to read hidden states from) ---------
+    def _defer(self, output: dict, batch, rows: _GlobalRows, loss_mask: Tensor, mode: str):
+        """Leave a placeholder; each micro-batch's loss forward fills its rows' advantages
+        (:meth:`_deferred_credit`) before the loss is formed."""
+        B, T = output["completion_ids"].shape
+        device = output["completion_ids"].device
+        output["advantages"] = torch.zeros(B, T, device=device)
+        output["rredcot_row"] = torch.arange(B, device=device)
+        self._pending = _Pending(
+            batch=batch,
+            rows=rows,
+            loss_mask=loss_mask,
+            mode=mode,
+            seen=torch.zeros(rows.rewards.shape[0], dtype=torch.bool),
+            advantages=torch.zeros(B, T, device=device),
+        )
+        self._metrics[mode]["rredcot/extra_forward"].append(0.0)
+        return output
+
+    def _deferred_credit(self, inputs: dict, hidden: Tensor) -> None:
+        """Credit of one micro-batch from the detached hidden states of its loss forward, written
+        into ``inputs["advantages"]`` before TRL forms the loss.
+
+        A row's value-head credit depends only on its own boundary features and on the rewards
+        (group mean, normalisation), all known, so rows not yet forwarded (other micro-batches)
+        do not change it. After the last micro-batch the credit is logged and the head learns."""
+        pending = self._pending
+        local_rows = inputs["rredcot_row"].to("cpu")
+        sub = pending.batch.select(local_rows)
+        if hidden.shape[:2] != sub.input_ids.shape:
+            raise RuntimeError(
+                f"rredcot: the loss forward's hidden states are {tuple(hidden.shape[:2])}, the "
+                f"micro-batch is {tuple(sub.input_ids.shape)} (TRL internals changed?)"
+            )
+        sub.hidden_states = hidden.detach()
+        local_feats = _fit_columns(_boundary_batch(sub).hidden_states, pending.rows.width)
+        device = self.accelerator.device
+        every_rows = self.collective.gather((local_rows + pending.rows.start).to(device)).cpu()
+        every_feats = self.collective.gather(local_feats.contiguous())
+        if pending.features is None:
+            N, S1 = pending.rows.rewards.shape[0], pending.rows.width
+            pending.features = every_feats.new_zeros(N, S1, every_feats.shape[-1])
+        pending.features[every_rows.to(pending.features.device)] = every_feats
+        pending.seen[every_rows] = True
+        out, tokens = self._credit(pending.batch, pending.rows, feats=pending.features)
+        picked = local_rows.to(tokens.device)
+        mask = pending.loss_mask[picked].to(tokens.dtype)
+        inputs["advantages"] = tokens[picked] * mask
+        pending.advantages[picked] = inputs["advantages"].to(pending.advantages.device)
+        if bool(pending.seen.all()):
+            self._pending = None
+            self.last_batch = pending.batch
+            self._finish(
+                out,
+                pending.advantages,
+                pending.loss_mask,
+                pending.rows,
+                pending.mode,
+                pending.features,
+            )
 
     def _verdicts(self, batch: RolloutBatch) -> list[Verdict]:
         if self.task is None:
@@ -489,22 +867,6 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 for r in batch.rewards.tolist()
             ]
         return [safe_verify(self.task, p, c) for p, c in zip(batch.problems, batch.completions)]
-
-    def _update_credit(self, batch: RolloutBatch) -> dict[str, float]:
-        """Train the credit method on this step's outcomes (after its credit was computed)."""
-        if self._hidden_layers is None:
-            return self.credit_method.update(batch)
-        compact = _boundary_batch(batch)
-        if self.accelerator.num_processes > 1:
-            acc = self.accelerator
-            feats = acc.gather(acc.pad_across_processes(compact.hidden_states.contiguous(), dim=1))
-            compact = _compact_from(
-                feats,
-                acc.gather(batch.num_segments.to(acc.device)),
-                acc.gather(batch.rewards.contiguous()),
-                acc.gather(batch.group_ids.contiguous()),
-            )
-        return self.credit_method.update(compact)
 
     def _log_credit(self, metrics: dict[str, float], mode: str) -> None:
         for key, value in metrics.items():

@@ -47,7 +47,13 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict
-from rredcot.integrations._batch import group_ids_from_keys, segment_completions
+from rredcot.integrations._batch import (
+    group_ids_from_keys,
+    overridden_method,
+    rollout_batch_from_tensors,
+    segment_completions,
+    span_mask,
+)
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
@@ -55,6 +61,8 @@ from rredcot.methods.base import (
     UniformCredit,
 )
 from rredcot.segment import Segmenter, get_segmenter
+from rredcot.tasks import get_task
+from rredcot.tasks.base import Problem
 
 try:
     from verl.trainer.ppo import core_algos
@@ -72,40 +80,63 @@ __all__ = [
     "compute_rredcot_advantage",
     "credit_settings",
     "rredcot_segments",
+    "build_probe_data",
+    "dense_prefix_rewards",
+    "num_segments_of",
+    "probe_values",
     "segment_responses",
+    "task_settings",
 ]
 
 logger = logging.getLogger(__name__)
 
 ESTIMATOR = "rredcot"
 TRAINER_MODE = "rredcot_sync"
-METHODS = ("critic", "uniform")
+METHODS = ("critic", "uniform", "answer_likelihood")
 
 
 # ---------------------------------------------------------------------------------------------
 # settings
 
 
-def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
-    """``(credit_method, CreditConfig)`` from verl's algorithm config (``algorithm.rredcot``).
-
-    ``config`` is verl's ``AlgoConfig``/``DictConfig`` (or a plain dict); its ``rredcot`` entry,
-    if any, maps ``credit_method`` (``critic`` by default) and :class:`CreditConfig` fields.
-    """
+def _settings_fields(config: Any) -> dict[str, Any]:
     raw = config.get("rredcot", None) if config is not None else None
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raw = dict(raw)  # an OmegaConf DictConfig
-    fields = {str(k): v for k, v in raw.items()}
+    return {str(k): v for k, v in raw.items()}
+
+
+def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
+    """``(credit_method, CreditConfig)`` from verl's algorithm config (``algorithm.rredcot``).
+
+    ``config`` is verl's ``AlgoConfig``/``DictConfig`` (or a plain dict); its ``rredcot`` entry,
+    if any, maps ``credit_method`` (``critic`` by default), ``task``/``task_args`` (for
+    ``answer_likelihood``, :func:`task_settings`) and :class:`CreditConfig` fields.
+    """
+    fields = _settings_fields(config)
     method = str(fields.pop("credit_method", "critic"))
+    fields.pop("task", None)
+    fields.pop("task_args", None)
     if method not in METHODS:
         raise ValueError(
             f"algorithm.rredcot.credit_method={method!r}; valid in verl: {', '.join(METHODS)} "
-            "(the value head and answer likelihood need the policy, which verl's driver does "
-            "not hold: use verl's critic as the value estimate)"
+            "(the value head needs the policy's hidden states, which verl's actor does not "
+            "return: see docs/scaling.md)"
         )
     return method, from_dict(CreditConfig, fields, where="algorithm.rredcot.")
+
+
+def task_settings(config: Any = None):
+    """The rredcot task named by ``algorithm.rredcot.task`` (with ``task_args``), or None. The
+    answer-likelihood probes are written by its ``render_answer``."""
+    fields = _settings_fields(config)
+    name = fields.get("task")
+    if not name:
+        return None
+    args = fields.get("task_args") or {}
+    return get_task(str(name), **{str(k): v for k, v in dict(args).items()})
 
 
 def make_segmenter(cfg: CreditConfig) -> Segmenter:
@@ -130,23 +161,45 @@ def segment_responses(
 ) -> Tensor:
     """``(B, T)`` long segment ids of verl's response tokens (``-1`` on padding).
 
+    A multi-turn response whose mask has holes (tool outputs between the policy's turns) is
+    segmented as the one text it is, up to its last real token: hole tokens keep the id of the
+    segment they fall in (they stay inside the states ``s_k``; the estimator gives them no
+    advantage, as verl's mask says). ``-1`` after the last real token.
+
     Args:
         responses: ``(B, T)`` response ids (``data.batch["responses"]``).
-        response_mask: ``(B, T)`` 1 on real tokens.
+        response_mask: ``(B, T)`` 1 on the policy's tokens.
         tokenizer: the policy's tokenizer; segmenter: how to cut the decoded text.
     """
-    boundaries, _, _ = segment_completions(
-        responses, response_mask, tokenizer, segmenter, eos_token_ids
-    )
+    span = span_mask(response_mask)
+    boundaries, _, _ = segment_completions(responses, span, tokenizer, segmenter, eos_token_ids)
     return credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
 
 
+def _filled_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """Segment ids with the holes inside each row's span (``-1`` before its last real token)
+    given the id of the segment they sit in (the one before; 0 at the start); -1 after."""
+    ids = segment_ids.long().clone()
+    valid = ids >= 0
+    T = ids.shape[1]
+    cols = torch.arange(T, device=ids.device).unsqueeze(0).expand_as(ids)
+    last_valid = torch.where(valid, cols, torch.full_like(cols, -1)).cummax(dim=1).values
+    prev = ids.gather(1, last_valid.clamp(min=0))
+    prev = torch.where(last_valid >= 0, prev, torch.zeros_like(prev))
+    span = span_mask(valid.long()).bool()
+    return torch.where(span, torch.where(valid, ids, prev), torch.full_like(ids, -1))
+
+
 def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> list[list[int]]:
-    """Per row ``[0, b_1, ..., n_tokens]`` from segment ids (contiguous ``0, 0, 1, 1, 2, ...``
-    over the masked tokens, which must be a prefix of the row)."""
+    """Per row ``[0, b_1, ..., n_tokens]`` from segment ids (``0, 0, 1, 1, 2, ...`` over the
+    row's span, up to its last real token). Holes (``-1`` inside the span, e.g. multi-turn tool
+    outputs) belong to the segment they sit in."""
+    span = span_mask(response_mask).bool()
+    segment_ids = torch.where(span, segment_ids.long(), torch.full_like(segment_ids.long(), -1))
+    filled = _filled_segment_ids(segment_ids, response_mask)
     out = []
-    lengths = response_mask.bool().sum(-1).tolist()
-    rows = segment_ids.tolist()
+    lengths = (filled >= 0).sum(-1).tolist()
+    rows = filled.tolist()
     for row, n in enumerate(lengths):
         ids = rows[row][:n]
         if not ids:
@@ -156,7 +209,8 @@ def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> l
         if ids[0] != 0 or any(s not in (0, 1) for s in steps):
             raise ValueError(
                 f"segment_ids row {row} must count segments 0, 1, 2, ... over its response "
-                f"tokens; got {ids[:12]}{'...' if len(ids) > 12 else ''}"
+                f"tokens (-1 only on padding and masked holes); got "
+                f"{ids[:12]}{'...' if len(ids) > 12 else ''}"
             )
         out.append([0, *(t for t in range(1, n) if ids[t] != ids[t - 1]), n])
     return out
@@ -166,6 +220,7 @@ def boundaries_from_segment_ids(segment_ids: Tensor, response_mask: Tensor) -> l
 class _Segments:
     segment_ids: Tensor  # (B, T)
     values: Tensor | None  # (B, T) critic values, or None
+    boundary_values: Tensor | None = None  # (B, S+1) V(s_k) from the driver (probes), or None
 
 
 _ACTIVE: contextvars.ContextVar[_Segments | None] = contextvars.ContextVar(
@@ -174,10 +229,13 @@ _ACTIVE: contextvars.ContextVar[_Segments | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def rredcot_segments(segment_ids: Tensor, values: Tensor | None = None) -> Iterator[None]:
-    """Make one batch's segment ids (and critic values) visible to the ``rredcot`` estimator
-    while verl's ``compute_advantage`` runs (verl passes it neither)."""
-    token = _ACTIVE.set(_Segments(segment_ids, values))
+def rredcot_segments(
+    segment_ids: Tensor, values: Tensor | None = None, boundary_values: Tensor | None = None
+) -> Iterator[None]:
+    """Make one batch's segment ids (and the critic's token values, or boundary values
+    ``V(s_k)`` computed on the driver, e.g. :func:`probe_values`) visible to the ``rredcot``
+    estimator while verl's ``compute_advantage`` runs (verl passes it neither)."""
+    token = _ACTIVE.set(_Segments(segment_ids, values, boundary_values))
     try:
         yield
     finally:
@@ -189,7 +247,9 @@ def rredcot_segments(segment_ids: Tensor, values: Tensor | None = None) -> Itera
 
 
 class _CriticValues(CreditMethod):
-    """Segment values read off verl's critic at the segment starts (``V(s_k) = values[:, b_k]``)."""
+    """Segment values read off verl's critic at the segment starts (``V(s_k) = values[:, b_k]``),
+    anchored on the group's mean reward like every rredcot value source
+    (``credit.value_anchor``)."""
 
     name = "critic"
 
@@ -197,7 +257,7 @@ class _CriticValues(CreditMethod):
         super().__init__(config, CreditContext(policy=None, tokenizer=None))
         self.token_values = token_values
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    def raw_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """``values (B, S+1)`` with column ``k`` = the critic's value at token ``b_k`` (column
         ``n`` is replaced by ``R`` in the algebra); ``mask (B, S+1)``."""
         n = batch.num_segments
@@ -211,12 +271,84 @@ class _CriticValues(CreditMethod):
         mask = mask.to(values.device)
         return torch.where(mask, values, torch.zeros_like(values)), mask
 
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        values, mask = self.raw_values(batch)
+        if self.config.value_anchor == "group":
+            mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+            values = credit.anchor_values(values, mask, mean.to(values.device))
+        return values, mask
+
 
 def _fit_width(t: Tensor, width: int, fill: float) -> Tensor:
     if t.shape[1] >= width:
         return t[:, :width]
     pad = t.new_full((t.shape[0], width - t.shape[1]), fill)
     return torch.cat([t, pad], dim=1)
+
+
+def dense_prefix_rewards(
+    token_level_rewards: Tensor, filled_segment_ids: Tensor, num_segments: Tensor
+) -> Tensor:
+    """``(B, S+1)`` reward already received in ``s_k``: column ``k`` sums the token rewards of
+    segments ``1..k`` other than the outcome on the row's last token (process rewards, a
+    per-token KL penalty, tool rewards). Column 0 is 0.
+
+    Adding it to ``V(s_k)`` keeps dense rewards in the credit: with ``V(s_n) := R`` (their sum
+    with the outcome), segment ``k`` gets ``V(s_k) - V(s_{k-1})`` plus the dense rewards inside
+    it, and the total still telescopes to ``R - V(s_0)``."""
+    B, T = token_level_rewards.shape
+    S = int(num_segments.max()) if B else 0
+    dense = token_level_rewards.float().clone()
+    valid = filled_segment_ids >= 0
+    cols = torch.arange(T, device=dense.device).unsqueeze(0)
+    last = torch.where(valid, cols, torch.full_like(cols, -1)).max(dim=1).values
+    rows = torch.arange(B, device=dense.device)
+    has = last >= 0
+    dense[rows[has], last[has]] = 0.0  # the outcome: V(s_n) := R covers it
+    dense = torch.where(valid, dense, torch.zeros_like(dense))
+    per_segment = torch.zeros(B, max(S, 1), device=dense.device)
+    per_segment.scatter_add_(1, filled_segment_ids.clamp(min=0), dense)
+    prefix = torch.zeros(B, S + 1, device=dense.device)
+    prefix[:, 1:] = per_segment[:, :S].cumsum(dim=1)
+    return prefix
+
+
+def _with_dense_rewards(
+    method: CreditMethod, batch: RolloutBatch, prefix: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """The method's own values plus the dense rewards received so far (None if there are none)."""
+    if not bool((prefix != 0).any()):
+        return None
+    values, mask = method.segment_values(batch)
+    shifted = values + prefix[:, : values.shape[1]].to(values.device)
+    return torch.where(mask, shifted, values), mask
+
+
+_METHOD_CACHE: dict[tuple, CreditMethod] = {}
+
+
+def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
+    """The credit method instance for these settings, kept across steps on the driver (state
+    such as a hand-over's reliability persists)."""
+    key = (name, repr(cfg))
+    if key not in _METHOD_CACHE:
+        if name == "uniform":
+            _METHOD_CACHE[key] = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None))
+        elif name == "answer_likelihood":
+            from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit
+
+            task = task_settings(config)
+            if task is None:
+                raise ValueError(
+                    "algorithm.rredcot.credit_method=answer_likelihood needs "
+                    "+algorithm.rredcot.task=NAME (e.g. gsm8k): its render_answer writes the probes"
+                )
+            _METHOD_CACHE[key] = AnswerLikelihoodCredit(
+                cfg, CreditContext(policy=None, tokenizer=None, task=task)
+            )
+        else:
+            raise ValueError(f"no cached method for {name!r}")
+    return _METHOD_CACHE[key]
 
 
 def compute_rredcot_advantage(
@@ -226,29 +358,36 @@ def compute_rredcot_advantage(
     config: Any = None,
     segment_ids: Tensor | None = None,
     values: Tensor | None = None,
+    boundary_values: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Segment-level credit for verl (registered as ``rredcot``).
 
     Args:
-        token_level_rewards: ``(B, T)``; the outcome is its row sum ``R``.
-        response_mask: ``(B, T)``.
-        index: ``(B,)`` prompt ids (verl's ``uid``): the groups of ``uniform`` credit and of
-            ``group_std`` normalisation.
+        token_level_rewards: ``(B, T)``; the outcome ``R`` is its row sum. Rewards before the
+            row's last real token (process rewards, verl's KL-in-reward penalty) are kept in the
+            segments they fall in (:func:`dense_prefix_rewards`).
+        response_mask: ``(B, T)``; holes (multi-turn tool outputs) get no advantage.
+        index: ``(B,)`` prompt ids (verl's ``uid``): the groups of ``uniform`` credit, of the
+            group-mean anchor and of ``group_std`` normalisation.
         config: verl's algorithm config; ``config.rredcot`` holds the settings
             (:func:`credit_settings`).
         segment_ids: ``(B, T)`` segment of each response token (:func:`segment_responses`);
             default: the ones made visible by :func:`rredcot_segments`.
-        values: ``(B, T)`` critic values ``V(prompt + response[:t])``; default: likewise.
+        values: ``(B, T)`` critic values ``V(prompt + response[:t])`` (``critic``); default:
+            likewise.
+        boundary_values: ``(B, S+1)`` ``V(s_k)`` computed by the driver (``answer_likelihood``:
+            :func:`probe_values`); default: likewise.
 
     Returns:
-        advantages ``(B, T)`` (0 on padding) and returns ``(B, T)``: the critic's TD targets
-        for ``critic``, the advantages for ``uniform`` (as verl's GRPO).
+        advantages ``(B, T)`` (0 on padding and holes) and returns ``(B, T)``: the critic's TD
+        targets for ``critic``, the advantages otherwise (as verl's GRPO).
     """
     active = _ACTIVE.get()
     if segment_ids is None and active is not None:
         segment_ids = active.segment_ids
         values = active.values if values is None else values
+        boundary_values = active.boundary_values if boundary_values is None else boundary_values
     if segment_ids is None:
         raise ValueError(
             "the rredcot estimator needs each response's segments, which verl's "
@@ -260,9 +399,12 @@ def compute_rredcot_advantage(
     method_name, cfg = credit_settings(config)
     B, T = response_mask.shape
     mask = response_mask.bool()
+    span = span_mask(mask.long()).bool()
     segment_ids = _fit_width(segment_ids.to(mask.device).long(), T, -1)
-    segment_ids = torch.where(mask, segment_ids, torch.full_like(segment_ids, -1))
+    segment_ids = torch.where(span, segment_ids, torch.full_like(segment_ids, -1))
     boundaries = boundaries_from_segment_ids(segment_ids, mask)
+    filled = _filled_segment_ids(segment_ids, mask)
+    segment_ids = torch.where(mask, filled, torch.full_like(filled, -1))  # holes: no advantage
     if index is None:
         group_ids = torch.arange(B)
     else:
@@ -278,10 +420,31 @@ def compute_rredcot_advantage(
         boundaries=boundaries,
         segment_ids=segment_ids,
     )
-    if method_name == "uniform":
-        if index is None:
+    prefix = dense_prefix_rewards(token_level_rewards, filled, batch.num_segments)
+    if method_name in ("uniform", "answer_likelihood"):
+        if method_name == "uniform" and index is None:
             raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
-        out = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None)).compute(batch)
+        method = _method_for(method_name, cfg, config)
+        given = None
+        if method_name == "answer_likelihood":
+            if boundary_values is None:
+                raise ValueError(
+                    "algorithm.rredcot.credit_method=answer_likelihood needs the probe values: "
+                    "build the probes with build_probe_data(data, tokenizer, task), run them "
+                    "through actor_rollout_wg.compute_log_prob, turn the log-probs into values "
+                    "with probe_values(...) and pass them as boundary_values (or through "
+                    "rredcot_segments(segment_ids, boundary_values=...))"
+                )
+            S1 = int(batch.num_segments.max()) + 1 if B else 1
+            given = (
+                _fit_width(boundary_values.to(mask.device).float(), S1, 0.0),
+                torch.arange(S1, device=mask.device).unsqueeze(0)
+                <= batch.num_segments.to(mask.device).unsqueeze(1),
+            )
+        with overridden_method(method, given):
+            shifted = _with_dense_rewards(method, batch, prefix)
+        with overridden_method(method, shifted or given):
+            out = method.compute(batch)
         return out.advantages, out.advantages
     if values is None:
         raise ValueError(
@@ -290,9 +453,13 @@ def compute_rredcot_advantage(
         )
     values = _fit_width(values.to(mask.device).float(), T, 0.0)
     method = _CriticValues(cfg, values)
-    out = method.compute(batch)
-    returns = _critic_returns(out.values, out.value_mask, rewards, batch, cfg.value_td_lambda)
-    return out.advantages, returns
+    with overridden_method(method, _with_dense_rewards(method, batch, prefix)):
+        out = method.compute(batch)
+    raw, raw_mask = method.raw_values(batch)
+    # The critic predicts the return still to come: its targets exclude rewards already received.
+    returns = _critic_returns(raw + prefix, raw_mask, rewards, batch, cfg.value_td_lambda)
+    received = credit.segments_to_tokens(prefix[:, :-1], batch.segment_ids, batch.response_mask)
+    return out.advantages, torch.where(mask, returns - received, torch.zeros_like(returns))
 
 
 def _critic_returns(
@@ -314,11 +481,14 @@ core_algos.register_adv_est(ESTIMATOR)(compute_rredcot_advantage)
 # trainer side
 
 
-def compute_advantage_for_data(data, tokenizer, config: Any = None):
+def compute_advantage_for_data(
+    data, tokenizer, config: Any = None, boundary_values: Tensor | None = None
+):
     """rredcot advantages for a full verl ``DataProto``, written to ``data.batch["advantages"]``
     and ``["returns"]``: segments ``responses``, reads the critic's ``values`` if present and calls
     the estimator through verl's registry. For the legacy ``RayPPOTrainer`` and custom loops (the
-    v1 trainer uses the ``rredcot_sync`` trainer mode instead)."""
+    v1 trainer uses the ``rredcot_sync`` trainer mode instead). ``boundary_values (B, S+1)``:
+    the answer-likelihood values from :func:`probe_values`."""
     _, cfg = credit_settings(config)
     batch = data.batch
     if "response_mask" not in batch.keys():  # noqa: SIM118 - TensorDict has no `in`
@@ -328,7 +498,7 @@ def compute_advantage_for_data(data, tokenizer, config: Any = None):
     )
     values = batch["values"] if "values" in batch.keys() else None  # noqa: SIM118
     estimator = core_algos.get_adv_estimator_fn(ESTIMATOR)
-    with rredcot_segments(segment_ids, values):
+    with rredcot_segments(segment_ids, values, boundary_values):
         advantages, returns = estimator(
             token_level_rewards=batch["token_level_rewards"],
             response_mask=batch["response_mask"],
@@ -338,6 +508,151 @@ def compute_advantage_for_data(data, tokenizer, config: Any = None):
     batch["advantages"] = advantages
     batch["returns"] = returns
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# answer likelihood through the actor's own log-prob computation
+
+
+def _reference_answers(data, answer_key: str) -> list[str]:
+    """Each row's reference answer from ``data.non_tensor_batch``: ``answer_key`` if present,
+    else verl's ``reward_model["ground_truth"]``."""
+    nt = data.non_tensor_batch
+    if answer_key in nt:
+        return [str(a) for a in nt[answer_key]]
+    if "reward_model" in nt:
+        return [str(dict(r).get("ground_truth", "")) for r in nt["reward_model"]]
+    raise ValueError(
+        f"the reference answers are in neither data.non_tensor_batch[{answer_key!r}] nor "
+        "reward_model['ground_truth']; pass answer_key=... naming the column"
+    )
+
+
+def build_probe_data(
+    data,
+    tokenizer,
+    task,
+    segmenter: Segmenter,
+    *,
+    divisor: int = 1,
+    answer_key: str = "answer",
+    eos_token_ids: Any = None,
+):
+    """The answer-likelihood probes of a verl batch as a ``DataProto`` for the actor's
+    ``compute_log_prob`` (the driver builds it; the workers score it like any rollout).
+
+    For each trace, each boundary ``k < n`` and each reference answer, one row: prompt =
+    ``prompt + response[:b_k]`` (left-padded), response = the probe ``render_answer(a) + EOS``
+    (right-padded), with ``attention_mask``, ``position_ids`` and ``response_mask``; the probe
+    text and layout are the core's (:func:`rredcot.methods.answer_likelihood.build_probes`).
+    Rows are padded to a multiple of ``divisor`` (the actor's data-parallel size) with copies of
+    row 0, so verl splits them evenly and every rank runs the same number of forwards.
+    ``non_tensor_batch["rredcot_probe"]`` holds ``(row, k)`` (``(-1, -1)`` on padding rows).
+
+    Args:
+        data: verl ``DataProto`` with ``prompts`` (left-padded), ``responses``,
+            ``attention_mask`` (over prompt + response) and, optionally, ``response_mask``.
+        tokenizer, task: the policy's tokenizer; the rredcot task whose ``render_answer`` writes
+            the answer line. segmenter: the segmenter of the estimator.
+        answer_key: non-tensor column with the reference answers (default ``answer``, else
+            ``reward_model["ground_truth"]``).
+    """
+    from verl import DataProto
+
+    from rredcot.methods.answer_likelihood import build_probes
+
+    b = data.batch
+    prompts, responses = b["prompts"], b["responses"]
+    P = prompts.shape[1]
+    attention = b["attention_mask"]
+    response_mask = b["response_mask"] if "response_mask" in b.keys() else attention[:, P:]  # noqa: SIM118
+    B = responses.shape[0]
+    answers = _reference_answers(data, answer_key)
+    batch = rollout_batch_from_tensors(
+        prompt_ids=prompts,
+        prompt_mask=attention[:, :P],
+        completion_ids=responses,
+        completion_mask=span_mask(response_mask),
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        tokenizer=tokenizer,
+        segmenter=segmenter,
+        eos_token_ids=eos_token_ids,
+        problems=[Problem("", a) for a in answers],
+    )
+    probes, _ = build_probes(batch, tokenizer, task, [[a] if a else [] for a in answers])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prefixes, probe_ids, keys = [], [], []
+    for p in probes:
+        keep = batch.attention_mask[p.row, :P].bool()
+        prefix = batch.input_ids[p.row, :P][keep].tolist() + responses[p.row, : p.b].tolist()
+        prefixes.append(prefix)
+        probe_ids.append(list(p.ids))
+        keys.append((p.row, p.k))
+    if not probes:  # nothing to probe: one dummy row keeps every rank's work equal
+        prefixes, probe_ids, keys = [[pad_id]], [[pad_id]], [(-1, -1)]
+    while len(prefixes) % max(divisor, 1):
+        prefixes.append(prefixes[0])
+        probe_ids.append(probe_ids[0])
+        keys.append((-1, -1))
+    N = len(prefixes)
+    Lp = max(len(x) for x in prefixes)
+    Lr = max(len(x) for x in probe_ids)
+    prompt_t = torch.full((N, Lp), pad_id, dtype=torch.long)
+    resp_t = torch.full((N, Lr), pad_id, dtype=torch.long)
+    attn = torch.zeros(N, Lp + Lr, dtype=torch.long)
+    for i, (pre, ids) in enumerate(zip(prefixes, probe_ids)):
+        prompt_t[i, Lp - len(pre) :] = torch.tensor(pre)
+        resp_t[i, : len(ids)] = torch.tensor(ids)
+        attn[i, Lp - len(pre) : Lp + len(ids)] = 1
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    probe_keys = np.empty(N, dtype=object)
+    probe_keys[:] = keys
+    return DataProto.from_dict(
+        tensors={
+            "prompts": prompt_t,
+            "responses": resp_t,
+            "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+            "attention_mask": attn,
+            "position_ids": position_ids,
+            "response_mask": attn[:, Lp:],
+        },
+        non_tensors={"rredcot_probe": probe_keys},
+        meta_info={"rredcot_rows": B},
+    )
+
+
+def probe_values(probe_data, log_probs: Tensor, num_segments: Tensor) -> Tensor:
+    """``(B, S+1)`` values ``V(s_k) = min(1, sum_a exp(sum log pi(probe_a | s_k)))`` from the
+    actor's log-probs of the probe rows (``compute_log_prob(probe_data)``'s ``old_log_probs``,
+    ``(N, R)``). Column ``n_b`` (the outcome, set by the algebra) and padding are 0.
+
+    Args:
+        probe_data: what :func:`build_probe_data` returned.
+        log_probs: ``(N, R)`` per-token log-probs of its ``responses``.
+        num_segments: ``(B,)`` segments per trace (``segment_ids.max(1) + 1``).
+    """
+    mask = probe_data.batch["response_mask"].bool()
+    if log_probs.shape != mask.shape:
+        raise ValueError(
+            f"log_probs must be (N, R) = {tuple(mask.shape)} like the probes' responses; got "
+            f"{tuple(log_probs.shape)}"
+        )
+    B = int(probe_data.meta_info["rredcot_rows"])
+    S = int(num_segments.max()) if len(num_segments) else 0
+    values = torch.zeros(B, S + 1)
+    totals = torch.where(mask, log_probs.float().cpu(), torch.zeros_like(log_probs.float().cpu()))
+    for (row, k), lp in zip(probe_data.non_tensor_batch["rredcot_probe"], totals.sum(dim=1)):
+        if row >= 0 and k < S + 1:
+            values[row, k] += float(lp.exp())
+    return values.clamp(max=1.0)
+
+
+def num_segments_of(segment_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """``(B,)`` segments per row from verl-layout segment ids (holes allowed)."""
+    return torch.tensor(
+        [len(b) - 1 for b in boundaries_from_segment_ids(segment_ids, response_mask)]
+    )
 
 
 def _register_trainer() -> type | None:

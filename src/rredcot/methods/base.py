@@ -43,6 +43,7 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None  # (B, T)
     hidden_states: torch.Tensor | None = None  # (B, L, H * len(layers)) from the old-logprob pass
     position_ids: torch.Tensor | None = None  # (B, L)
+    entropies: torch.Tensor | None = None  # (B, T) next-token entropy (entropy segmentation)
 
     @property
     def size(self) -> int:
@@ -95,6 +96,7 @@ class RolloutBatch:
             old_logprobs=pick(self.old_logprobs),
             hidden_states=pick(self.hidden_states),
             position_ids=pick(self.position_ids),
+            entropies=pick(self.entropies),
         )
 
 

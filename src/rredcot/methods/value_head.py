@@ -91,11 +91,13 @@ __all__ = [
     "ValueMLP",
     "auto_hidden_size",
     "brier_skill",
+    "config_num_parameters",
     "expected_calibration_error",
     "explained_variance",
     "gather_boundary_features",
     "logprob_features",
     "monotone_fraction",
+    "policy_num_parameters",
     "prediction_slope",
     "td_lambda_targets",
 ]
@@ -143,6 +145,41 @@ def auto_hidden_size(
     of the policy's, but at least ``MIN_HIDDEN`` units."""
     budget = fraction * num_policy_params - 1
     return max(MIN_HIDDEN, round(budget / (input_size + 2)))
+
+
+def config_num_parameters(config) -> int | None:
+    """The parameter count a decoder-only transformer's config implies (embeddings, attention
+    with grouped KV heads, a gated or plain MLP, an untied LM head), or None when the config
+    lacks the sizes. An estimate (norms and biases left out), for sharded models."""
+    get = lambda name: getattr(config, name, None)  # noqa: E731
+    hidden, layers, vocab = get("hidden_size"), get("num_hidden_layers"), get("vocab_size")
+    if not (hidden and layers and vocab):
+        return None
+    heads = get("num_attention_heads") or 1
+    head_dim = get("head_dim") or hidden // heads
+    kv = (get("num_key_value_heads") or heads) * head_dim
+    inter = get("intermediate_size") or 4 * hidden
+    mlp = (3 if get("hidden_act") in ("silu", "swiglu") else 2) * hidden * inter
+    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv
+    embed = vocab * hidden * (1 if get("tie_word_embeddings") else 2)
+    return int(embed + layers * (attn + mlp))
+
+
+def policy_num_parameters(policy) -> int:
+    """The policy's parameter count as if unsharded.
+
+    DeepSpeed ZeRO-3 leaves each local parameter empty and keeps its full size in ``ds_numel``;
+    FSDP or other sharding leaves only a slice. Where the local count falls below a quarter of
+    what the config implies (:func:`config_num_parameters`), the config's count is used, so the
+    head's width never depends on how the policy is sharded."""
+    total = sum(int(getattr(p, "ds_numel", p.numel())) for p in policy.parameters())
+    cfg = getattr(policy, "config", None)
+    if cfg is None and hasattr(policy, "module"):
+        cfg = getattr(policy.module, "config", None)
+    estimate = config_num_parameters(cfg) if cfg is not None else None
+    if estimate is not None and total < estimate // 4:
+        return estimate
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,8 +418,7 @@ class ValueHeadCredit(CreditMethod):
         policy = self.context.policy
         if policy is None or not hasattr(policy, "parameters"):
             return 64  # no policy to size against (a head built lazily from a batch)
-        num_params = sum(p.numel() for p in policy.parameters())
-        return auto_hidden_size(num_params, input_size + self.extra_size)
+        return auto_hidden_size(policy_num_parameters(policy), input_size + self.extra_size)
 
     @property
     def extra_size(self) -> int:

@@ -10,20 +10,38 @@ Two jobs, kept apart because they fail differently:
   an answer and never raises; ``answers_match`` compares, through ``math-verify`` when it is
   installed (``verifier="auto"``) and by normalised exact match otherwise (``"1,000" == "1000" ==
   "1000.0"``).
+
+Every step is bounded: extraction is linear in the completion's length (a degenerate completion of
+20,000 unclosed ``\\boxed{`` costs milliseconds), and math-verify runs in a child process that is
+killed when a check passes its deadline, from any thread (``check_answer`` reports the timeout).
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
+import json
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
 from fractions import Fraction
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+from rredcot.tasks.base import TIMEOUT_REASON
 
 __all__ = [
     "ANSWER_FORMATS",
     "VERIFIERS",
+    "DEFAULT_VERIFY_TIMEOUT",
+    "TIMEOUT_REASON",
     "answers_match",
+    "check_answer",
     "equivalent_renderings",
     "extract_boxed",
     "extract_completion_answer",
@@ -44,6 +62,11 @@ _GSM8K_RE = re.compile(r"####\s*([^\n]*)")
 _A_LINE_RE = re.compile(r"^[ \t]*(?:A|Answer|Final answer)[ \t]*:[ \t]*([^\n]*)", re.M | re.I)
 _ANSWER_IS_RE = re.compile(r"answer is[ \t]*:?[ \t]*([^\n]*)", re.I)
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
+_BOX_WORD_RE = re.compile(r"[^\s$]+")
+_BRACE_RE = re.compile(r"[{}]")
+_MAX_NUMBER_CHARS = 200  # longer "numbers" are not answers; int() of huge strings is slow
+_MAX_MATH_VERIFY_CHARS = 2_000  # math-verify is not asked about longer answers
+DEFAULT_VERIFY_TIMEOUT = 10.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,27 +92,46 @@ def extract_gsm8k(text: str) -> str | None:
     return answer or None
 
 
+def _matching_braces(text: str) -> dict[int, int]:
+    """``{open position: its closing position}`` for every balanced ``{`` of ``text``, in one
+    pass (a ``}`` with no open brace is ignored, as a scan from each ``{`` would)."""
+    close, stack = {}, []
+    for m in _BRACE_RE.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            close[stack.pop()] = m.start()
+    return close
+
+
+def _last_boxed(text: str) -> tuple[int, str] | None:
+    """(start, content) of the last ``\\boxed{...}`` / ``\\boxed 5`` with content; linear time."""
+    boxes = list(_BOXED_RE.finditer(text))
+    if not boxes:
+        return None
+    close = _matching_braces(text)
+    for m in reversed(boxes):
+        pos = m.end()
+        if pos >= len(text):
+            continue
+        if text[pos] != "{":  # \boxed 5
+            word = _BOX_WORD_RE.match(text, pos)
+            if word:
+                return m.start(), word.group(0)
+            continue
+        end = close.get(pos)
+        if end is None:  # unclosed
+            continue
+        content = text[pos + 1 : end].strip()
+        if content:
+            return m.start(), content
+    return None
+
+
 def extract_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces included."""
-    for m in reversed(list(_BOXED_RE.finditer(text))):
-        pos = m.end()
-        if pos < len(text) and text[pos] != "{":  # \boxed 5
-            word = re.match(r"[^\s$]+", text[pos:])
-            if word:
-                return word.group(0)
-            continue
-        depth = 0
-        for i in range(pos, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    content = text[pos + 1 : i].strip()
-                    if content:
-                        return content
-                    break
-    return None
+    found = _last_boxed(text)
+    return found[1] if found else None
 
 
 def extract_last_number(text: str) -> str | None:
@@ -132,10 +174,9 @@ def extract_completion_answer(text: str) -> str | None:
             value = _clean(m.group(1))
             if value:
                 candidates.append((m.start(), value))
-    for m in _BOXED_RE.finditer(text):
-        value = extract_boxed(text[m.start() :])
-        if value:
-            candidates.append((m.start(), value))
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        candidates.append(boxed)
     if candidates:
         return max(candidates, key=lambda c: c[0])[1]
     return extract_last_number(text)
@@ -151,6 +192,8 @@ def parse_number(text: str) -> Fraction | None:
     s = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
     percent = s.endswith("%")
     s = s.rstrip("%")
+    if len(s) > _MAX_NUMBER_CHARS:
+        return None
     if not re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/-?(?:\d+(?:\.\d*)?|\.\d+))?", s):
         return None
     try:
@@ -177,11 +220,9 @@ def _sole_number(text: str) -> Fraction | None:
 
 @lru_cache(maxsize=1)
 def _load_math_verify() -> Any:
-    try:
-        import math_verify
-    except ImportError:
-        return None
-    return math_verify
+    """The import spec of ``math_verify`` (``None`` when it is not installed); the package itself
+    is only imported by the worker process."""
+    return importlib.util.find_spec("math_verify")
 
 
 def math_verify_available() -> bool:
@@ -189,24 +230,119 @@ def math_verify_available() -> bool:
     return _load_math_verify() is not None
 
 
-def _math_verify_match(predicted: str, reference: str) -> bool:
-    mv = _load_math_verify()
-    # math-verify's timeouts use signal.alarm, which only works in the main thread.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+class _MathVerifyWorker:
+    """One long-lived child process running math-verify (``_math_verify_worker``); a request
+    that passes its deadline kills the child, and the next request starts a fresh one."""
 
-    def parse(text: str) -> list:
-        # bare LaTeX such as \dfrac{1}{2} or (x+1)^2 is only read inside math delimiters
-        return mv.parse(text, parsing_timeout=timeout) or mv.parse(
-            f"${text}$", parsing_timeout=timeout
+    startup_timeout = 120.0  # importing sympy on a loaded machine
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.owner = 0  # pid that started `proc`; a forked child must not share its pipes
+        self.buffer = b""
+        self.lock = threading.Lock()
+
+    def _start(self) -> None:
+        root = str(Path(__file__).resolve().parents[2])  # the directory holding `rredcot`
+        code = (
+            f"import sys; sys.path.insert(0, {root!r}); "
+            "from rredcot.tasks._math_verify_worker import main; main()"
         )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self.owner, self.buffer = os.getpid(), b""
+        if self._read_line(self.startup_timeout) is None:
+            self.stop()
+            raise RuntimeError("the math-verify worker process did not start")
 
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and self.owner == os.getpid():
+            proc.kill()
+            proc.wait()
+
+    def _read_line(self, timeout: float) -> dict | None:
+        """The next JSON line from the child, or ``None`` on timeout or if it died."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def match(self, predicted: str, reference: str, timeout: float) -> bool | None:
+        """Whether math-verify matches the two; ``None`` when it took longer than ``timeout``
+        seconds (the child is killed)."""
+        with self.lock:
+            if self.proc is None or self.owner != os.getpid() or self.proc.poll() is not None:
+                self.proc = None
+                self._start()
+            assert self.proc is not None and self.proc.stdin is not None
+            # math-verify's own alarms (whole seconds) end most slow parses inside the child
+            request = {
+                "predicted": predicted,
+                "reference": reference,
+                "timeout": max(1, int(timeout)),
+            }
+            try:
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self.stop()
+                return False
+            answer = self._read_line(timeout)
+            if answer is None:
+                died = self.proc.poll() is not None
+                self.stop()
+                return False if died else None
+            return bool(answer.get("match"))
+
+
+_WORKER = _MathVerifyWorker()
+atexit.register(_WORKER.stop)
+
+
+def check_answer(
+    predicted: str | None,
+    reference: str,
+    verifier: str = "auto",
+    timeout: float = DEFAULT_VERIFY_TIMEOUT,
+) -> tuple[bool, str | None]:
+    """``(matched, problem)``: whether ``predicted`` states ``reference`` (as ``answers_match``)
+    and, when the check could not finish, why (``"verify timed out after 10s (math-verify)"``,
+    starting with ``TIMEOUT_REASON``); never raises, and never takes much longer than
+    ``timeout`` seconds, from any thread."""
+    if verifier not in VERIFIERS:
+        raise ValueError(f"verifier={verifier!r}; valid: {', '.join(VERIFIERS)}")
+    if predicted is None or not isinstance(predicted, str) or not predicted.strip():
+        return False, None
+    if normalize_answer(predicted) == normalize_answer(reference):
+        return True, None
+    ref_value = parse_number(_clean(reference))
+    if ref_value is not None and _sole_number(predicted) == ref_value:
+        return True, None
+    if verifier == "exact" or not math_verify_available():
+        return False, None
+    if len(predicted) > _MAX_MATH_VERIFY_CHARS or len(reference) > _MAX_MATH_VERIFY_CHARS:
+        return False, None
     try:
-        gold, pred = parse(reference), parse(predicted)
-        if not gold or not pred:
-            return False
-        return bool(mv.verify(gold, pred, timeout_seconds=timeout))
-    except Exception:  # a verifier must not crash training on odd model text
-        return False
+        matched = _WORKER.match(predicted, reference, timeout)
+    except (RuntimeError, OSError) as err:
+        return False, f"math-verify unavailable: {err}"
+    if matched is None:
+        return False, f"{TIMEOUT_REASON} after {timeout:g}s (math-verify)"
+    return matched, None
 
 
 def answers_match(predicted: str | None, reference: str, verifier: str = "auto") -> bool:
@@ -215,21 +351,11 @@ def answers_match(predicted: str | None, reference: str, verifier: str = "auto")
     First a normalised exact match (numbers by exact value: ``"1,000" == "1000" == "1000.0"``; a
     answer holding exactly one number matches by that number: ``18 dollars``), then, for
     ``verifier`` ``"auto"`` or ``"math_verify"`` when ``math-verify`` is installed, a symbolic check
-    (``\\frac{1}{2}`` == ``0.5``). ``"exact"`` skips math-verify. Tasks refuse ``"math_verify"``
-    at construction when it is not installed.
+    (``\\frac{1}{2}`` == ``0.5``) in a worker process, bounded by ``DEFAULT_VERIFY_TIMEOUT``
+    seconds (a check that takes longer is a non-match; ``check_answer`` says so). ``"exact"``
+    skips math-verify. Tasks refuse ``"math_verify"`` at construction when it is not installed.
     """
-    if verifier not in VERIFIERS:
-        raise ValueError(f"verifier={verifier!r}; valid: {', '.join(VERIFIERS)}")
-    if predicted is None or not isinstance(predicted, str) or not predicted.strip():
-        return False
-    if normalize_answer(predicted) == normalize_answer(reference):
-        return True
-    ref_value = parse_number(_clean(reference))
-    if ref_value is not None and _sole_number(predicted) == ref_value:
-        return True
-    if verifier == "exact" or not math_verify_available():
-        return False
-    return _math_verify_match(predicted, reference)
+    return check_answer(predicted, reference, verifier)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,10 @@ class Problem:
         return hash((self.prompt, self.answer))
 
 
+TIMEOUT_REASON = "verify timed out"
+"""How the reason of a verdict whose check ran past its time bound starts."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The verifier's judgement of one completion.
@@ -65,6 +69,11 @@ class Verdict:
     first_error_step: int | None
     reason: str
     num_steps: int | None = None
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the check ran past its time bound (scored 0; counted by the rollout)."""
+        return self.reason.startswith(TIMEOUT_REASON)
 
 
 @dataclass

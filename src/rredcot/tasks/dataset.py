@@ -33,8 +33,9 @@ from typing import Any
 
 from rredcot.tasks.answers import (
     ANSWER_FORMATS,
+    DEFAULT_VERIFY_TIMEOUT,
     VERIFIERS,
-    answers_match,
+    check_answer,
     extract_completion_answer,
     extract_reference,
     math_verify_available,
@@ -122,6 +123,12 @@ class DatasetParams:
         "(normalised exact match: '1,000' == '1000.0').",
         default="auto",
     )
+    verify_timeout: float = _help(
+        "Seconds one math-verify check may take (it runs in a worker process, killed at the "
+        "deadline); a check that takes longer scores 0 with the reason 'verify timed out' and is "
+        "counted in rollout/verify_timeouts.",
+        default=DEFAULT_VERIFY_TIMEOUT,
+    )
     check_steps: bool = _help(
         "With answer_format=gsm8k: find the first wrong calculator annotation (<<a*b=c>>) of a "
         "completion and report it as Verdict.first_error_step.",
@@ -154,6 +161,8 @@ class DatasetParams:
                 "verifier='math_verify' needs the math-verify package: pip install rredcot[data] "
                 "(or use verifier=exact)"
             )
+        if not self.verify_timeout > 0:
+            raise ValueError(f"verify_timeout={self.verify_timeout} must be > 0 (seconds)")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.max_examples is not None and self.max_examples < 1:
@@ -525,7 +534,11 @@ class DatasetTask(Task):
         if not isinstance(completion, str):
             return Verdict(0.0, None, None, f"completion is {type(completion).__name__}, not text")
         predicted = extract_completion_answer(completion)
-        correct = answers_match(predicted, problem.answer, self.params.verifier)
+        correct, failure = check_answer(
+            predicted, problem.answer, self.params.verifier, self.params.verify_timeout
+        )
+        if failure is not None:  # timed out: scored 0, counted by the rollout
+            return Verdict(0.0, predicted, None, failure)
         if predicted is None:
             reason = "no final answer found"
         elif correct:

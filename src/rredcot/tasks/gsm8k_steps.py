@@ -12,7 +12,9 @@ line (``#### 42`` or ``A: 42``). ``first_wrong_line`` returns an index among the
 segmentation can map the index onto its own segments.
 
 Expressions are evaluated by a tiny recursive-descent parser (numbers with thousands commas,
-decimals, ``+ - * /``, ``**``/``^``, parentheses, postfix ``%``), never by ``eval``.
+decimals, ``+ - * /``, ``**``/``^``, parentheses, postfix ``%``), never by ``eval``; only
+parentheses recurse, at most 32 deep. Nothing here raises on model text: an annotation that cannot
+be computed (``5/0``, ``(-8)**0.5``, 170 nested parentheses) is an "unparseable" step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _AFTER_RE = re.compile(r"\s?\$?\s?(-?(?:" + _NUMBER + r")(?:/(?:" + _NUMBER + r"
 _ANSWER_LINE_RE = re.compile(r"^\s*(?:####|A\s*:)")
 _TOKEN_RE = re.compile(r"\s*(?:(" + _NUMBER + r")|(\*\*|//|[-+*/^()%×÷]))")
 _MAX_MAGNITUDE = 1e100  # beyond this an "arithmetic" line is not arithmetic any more
+_AFTER_WINDOW = 200  # characters after an annotation searched for its written value
 
 
 class UnparseableExpression(ValueError):
@@ -62,13 +65,20 @@ def _tokenize(expr: str) -> list[str]:
     return tokens
 
 
+_MAX_DEPTH = 32  # nested parentheses; real annotations use two or three
+_MAX_TOKENS = 2_000  # an "annotation" longer than this is not a calculator step
+
+
 class _Parser:
     """expr := term (('+'|'-') term)* ; term := unary (('*'|'/'|'//') unary)* ;
-    unary := ('-'|'+') unary | power ; power := postfix ('**' unary)? ; postfix := atom '%'* ;
-    atom := NUMBER | '(' expr ')'."""
+    unary := ('-'|'+')* power ; power := postfix ('**' unary)? ; postfix := atom '%'* ;
+    atom := NUMBER | '(' expr ')'.
+
+    Signs and ``**`` chains are read in loops, so only parentheses recurse, and at most
+    ``_MAX_DEPTH`` deep (as many signs in a row at most): no input can exhaust the stack."""
 
     def __init__(self, tokens: list[str]) -> None:
-        self.tokens, self.pos = tokens, 0
+        self.tokens, self.pos, self.depth = tokens, 0, 0
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -98,21 +108,29 @@ class _Parser:
                 value = value / rhs if op == "/" else float(value // rhs)
         return value
 
-    def unary(self) -> float:
-        if self.peek() in ("-", "+"):
-            return -self.unary() if self.take() == "-" else self.unary()
-        return self.power()
+    def _signs(self) -> float:
+        sign, count = 1.0, 0
+        while self.peek() in ("-", "+"):
+            count += 1
+            if count > _MAX_DEPTH:
+                raise UnparseableExpression(f"more than {_MAX_DEPTH} signs in a row")
+            if self.take() == "-":
+                sign = -sign
+        return sign
 
-    def power(self) -> float:
-        base = self.postfix()
-        if self.peek() == "**":
+    def unary(self) -> float:
+        # `-a ** b ** -c` is -(a ** (b ** (-c))): collect the chain, then fold from the right.
+        sign = self._signs()
+        bases = [self.postfix()]
+        signs = [sign]
+        while self.peek() == "**":
             self.take()
-            exponent = self.unary()
-            try:
-                return float(base**exponent)
-            except (OverflowError, ZeroDivisionError) as err:
-                raise UnparseableExpression(f"{base}**{exponent} cannot be computed") from err
-        return base
+            signs.append(self._signs())
+            bases.append(self.postfix())
+        value = signs[-1] * bases[-1]
+        for base, s in zip(reversed(bases[:-1]), reversed(signs[:-1])):
+            value = s * _power(base, value)
+        return value
 
     def postfix(self) -> float:
         value = self.atom()
@@ -124,19 +142,43 @@ class _Parser:
     def atom(self) -> float:
         tok = self.take()
         if tok == "(":
+            self.depth += 1
+            if self.depth > _MAX_DEPTH:
+                raise UnparseableExpression(f"parentheses nested deeper than {_MAX_DEPTH}")
             value = self.expr()
             if self.take() != ")":
                 raise UnparseableExpression("unbalanced parentheses")
+            self.depth -= 1
             return value
         if _NUMBER_RE.fullmatch(tok):
             return float(tok.replace(",", ""))
         raise UnparseableExpression(f"unexpected {tok!r}")
 
 
+def _power(base: float, exponent: float) -> float:
+    try:
+        value = base**exponent
+    except (OverflowError, ZeroDivisionError) as err:
+        raise UnparseableExpression(f"({base:g})**{exponent:g} cannot be computed") from err
+    if isinstance(value, complex):  # (-8)**0.5
+        raise UnparseableExpression(f"({base:g})**{exponent:g} has no real value")
+    return float(value)
+
+
 def evaluate(expr: str) -> float:
-    """Value of a plain arithmetic expression; raises ``UnparseableExpression`` otherwise."""
-    parser = _Parser(_tokenize(expr))
-    value = parser.expr()
+    """Value of a plain arithmetic expression; raises ``UnparseableExpression`` (and nothing
+    else) otherwise: words, unbalanced or too deeply nested parentheses, division by zero, a
+    complex or non-finite result."""
+    tokens = _tokenize(expr)
+    if len(tokens) > _MAX_TOKENS:
+        raise UnparseableExpression(f"longer than {_MAX_TOKENS} tokens")
+    parser = _Parser(tokens)
+    try:
+        value = parser.expr()
+    except (ArithmeticError, TypeError, ValueError) as err:
+        if isinstance(err, UnparseableExpression):
+            raise
+        raise UnparseableExpression(f"{expr!r} cannot be computed: {err}") from err
     if parser.peek() is not None:
         raise UnparseableExpression(f"unexpected {parser.peek()!r} in {expr!r}")
     if isinstance(value, complex) or not math.isfinite(value) or abs(value) > _MAX_MAGNITUDE:
@@ -209,7 +251,10 @@ def _check_annotation(inner: str, after: str) -> tuple[str, str]:
             return "wrong", f"<<{inner}>>: {left.strip()} = {value:g}, not {right_text}"
     m = _AFTER_RE.match(after)
     if m is not None:
-        shown = evaluate(m.group(1))
+        try:
+            shown = evaluate(m.group(1))  # "5/0 left" after the annotation: not a number
+        except UnparseableExpression as err:
+            return "unparseable", f"<<{inner}>> is followed by {m.group(1)!r}: {err}"
         if m.group(2) and abs(shown / 100 - right) < abs(shown - right):
             shown /= 100  # <<20/100=20%>>20% (a percent result) rather than <<100-25=75>>75%
         # The text may round or truncate the result to the decimals it shows (<<30/7=4.2857>>4
@@ -227,7 +272,8 @@ def check_lines(solution: str) -> list[LineCheck]:
         line = solution[start:end]
         status, details = "unchecked", []
         for m in ANNOTATION_RE.finditer(line):
-            s, detail = _check_annotation(m.group(1), line[m.end() :])
+            # the value written after `>>` is a number: a bounded window keeps this linear
+            s, detail = _check_annotation(m.group(1), line[m.end() : m.end() + _AFTER_WINDOW])
             if s == "wrong":
                 status, details = "wrong", [detail]
                 break

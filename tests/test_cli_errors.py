@@ -1,0 +1,167 @@
+"""The command line (issue 13, findings 6-8): every help page renders, a user's mistake is one
+line and exit status 2 (a traceback only for a bug), and settings that cannot work are refused or
+warned about."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+
+import pytest
+import torch
+
+from rredcot.cli import build_parser, main
+
+
+def _subcommands(parser: argparse.ArgumentParser, prefix=()):
+    """Every (sub)command path of the parser: (), ("train",), ("bench", "learn"), ..."""
+    yield prefix
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subcommands(sub, (*prefix, name))
+
+
+COMMANDS = list(_subcommands(build_parser()))
+
+
+def test_the_commands_are_all_found():
+    assert {(), ("train",), ("sft",), ("segment",), ("explain",)} <= set(COMMANDS)
+    assert ("bench", "learn") in COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "rredcot")
+def test_help_renders_for_every_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rredcot") and len(out.splitlines()) > 3
+
+
+def test_train_help_shows_a_percent_sign(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "auto ~1%)" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# one line, exit status 2
+
+
+def _one_line_error(argv, capsys, prefix="rredcot: error: "):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(prefix), err
+    return err
+
+
+def _user_mistakes(tmp):
+    bad_yaml = tmp / "bad.yaml"
+    bad_yaml.write_text("steps: 3\n  credit: [oops\n")
+    a_list = tmp / "list.yaml"
+    a_list.write_text("- steps\n- 3\n")
+    a_file = tmp / "a_file"
+    a_file.write_text("not a directory")
+    empty = tmp / "nomodel"
+    empty.mkdir()
+    out = str(tmp / "run")
+    return {
+        "malformed YAML": (
+            ["train", "--config", str(bad_yaml), "--out", out],
+            "is not valid YAML at line 2, column",
+        ),
+        "a config that is not a mapping": (
+            ["train", "--config", str(a_list), "--out", out],
+            "not a mapping of config fields",
+        ),
+        "--config at a directory": (["train", "--config", str(tmp), "--out", out], "a directory"),
+        "--config at a directory (sft)": (["sft", "--config", str(tmp)], "a directory"),
+        "--config that does not exist": (
+            ["train", "--config", str(tmp / "nope.yaml"), "--out", out],
+            "does not exist",
+        ),
+        "--init at a directory with no model": (
+            ["train", "--init", str(empty), "--out", out],
+            f"--init {empty}: no model there (no config.json)",
+        ),
+        "--init at a file": (["train", "--init", str(a_file), "--out", out], "is a file"),
+        "--out at a file": (["train", "--out", str(a_file)], "is a file, not a directory"),
+        "--out at a file (sft)": (["sft", "--out", str(a_file)], "is a file, not a directory"),
+        "--out of sft at a directory that is not a warm-start": (
+            ["sft", "--out", str(tmp)],
+            "not a warm-start checkpoint",
+        ),
+        "--device that does not exist": (
+            ["train", "--device", "gpu", "--out", out],
+            "is not a device",
+        ),
+        "--resume of a directory that is not a run": (
+            ["train", "--resume", str(tmp)],
+            "no config.yaml there; is it a run directory?",
+        ),
+    }
+
+
+MISTAKE_IDS = [
+    "malformed YAML",
+    "a config that is not a mapping",
+    "--config at a directory",
+    "--config at a directory (sft)",
+    "--config that does not exist",
+    "--init at a directory with no model",
+    "--init at a file",
+    "--out at a file",
+    "--out at a file (sft)",
+    "--out of sft at a directory that is not a warm-start",
+    "--device that does not exist",
+    "--resume of a directory that is not a run",
+]
+
+
+@pytest.mark.parametrize("mistake", MISTAKE_IDS)
+def test_a_user_mistake_is_one_line_and_status_2(mistake, tmp_path, capsys):
+    argv, expected = _user_mistakes(tmp_path)[mistake]
+    err = _one_line_error(argv, capsys)
+    assert expected in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_refused(tmp_path, capsys):
+    err = _one_line_error(["train", "--device", "cuda", "--out", str(tmp_path / "r")], capsys)
+    assert "--device cuda: no CUDA GPU is visible" in err and "--device cpu" in err
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_binary_bytes_on_stdin_are_refused_like_a_file(tmp_path, monkeypatch, capsys):
+    data = b"step one\n\xff\xfe\x00binary\n"
+    (tmp_path / "trace.bin").write_bytes(data)
+    from_file = _one_line_error(
+        ["segment", str(tmp_path / "trace.bin")], capsys, "rredcot segment: error: "
+    )
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    from_stdin = _one_line_error(["segment"], capsys, "rredcot segment: error: ")
+    assert "is not UTF-8 text (byte 0xff at offset 9)" in from_file
+    assert from_stdin.replace("stdin", str(tmp_path / "trace.bin")) == from_file
+
+
+def test_stdin_text_keeps_text_mode_line_ends(monkeypatch, capsys):
+    import json
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a\r\nb\n"), encoding="utf-8"))
+    assert main(["segment"]) == 0
+    texts = [json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()]
+    assert texts == ["a\n", "b\n"]
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    import rredcot.trainer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in rredcot")
+
+    monkeypatch.setattr(rredcot.trainer, "train", broken)
+    with pytest.raises(RuntimeError, match="a bug in rredcot"):
+        main(["train", "--out", str(tmp_path / "r")])

@@ -1,0 +1,312 @@
+"""A run directory owns itself (issue 13, findings 1-3): one writer at a time, no silent reuse of
+a run, resume only from a checkpoint that verifies, and never over recorded history."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import micro_config as shared_micro_config
+from rredcot import runio
+from rredcot.config import TrainConfig
+from rredcot.errors import UserError
+from rredcot.trainer import Trainer, train
+
+QUIET = {"log": lambda *_: None}
+
+
+def micro_config(init_dir, out, **overrides) -> TrainConfig:
+    return shared_micro_config(init_dir, out, **{"steps": 4, "checkpoint_every": 2, **overrides})
+
+
+@pytest.fixture(scope="module")
+def finished_run(init_dir, tmp_path_factory):
+    """4 steps, checkpoints at steps 2 and 4; tests work on copies."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    Trainer(micro_config(init_dir, run), **QUIET).train()
+    return run
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+VOLATILE = ("step_seconds", "time/")
+
+
+def _records(run):
+    records = runio.MetricsLog(run / "metrics.jsonl").read()
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _resume(run, log=None, **overrides):
+    """``rredcot train --resume RUN`` with ``overrides`` given, as the CLI passes them."""
+    cfg = TrainConfig(resume=str(run), **overrides)
+    return train(cfg, log=log or QUIET["log"], given={"resume", *overrides})
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. one writer
+
+
+def _train_cmd(init_dir, out, steps):
+    return [
+        sys.executable,
+        "-m",
+        "rredcot",
+        "train",
+        "--init",
+        str(init_dir),
+        "--out",
+        str(out),
+        "--credit",
+        "uniform",
+        "--steps",
+        str(steps),
+        "--prompts_per_step",
+        "2",
+        "--sampling.num_generations",
+        "2",
+        "--sampling.max_new_tokens",
+        "8",
+        "--eval_size",
+        "2",
+        "--checkpoint_every",
+        "2",
+        "--progress",
+        "false",
+        "--task.num_steps",
+        "2",
+    ]
+
+
+def test_two_concurrent_trains_give_one_run_and_one_refusal(init_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    out = tmp_path / "R"
+    first = subprocess.Popen(
+        _train_cmd(init_dir, out, 10_000),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        lock = out / runio.LOCK
+        deadline = time.time() + 120
+        while time.time() < deadline and first.poll() is None:
+            if lock.exists() and str(first.pid) in lock.read_text():
+                break  # the first run owns the directory
+            time.sleep(0.05)
+        second = subprocess.run(
+            _train_cmd(init_dir, out, 10_000), env=env, capture_output=True, text=True, timeout=300
+        )
+        assert first.poll() is None, "the first run ended before the second one started"
+    finally:
+        first.kill()  # SIGKILL: the kernel drops its lock, whatever state it was in
+        first.wait()
+    assert second.returncode == 2, second.stderr
+    message = second.stderr.strip()
+    assert len(message.splitlines()) == 1 and "Traceback" not in message, message
+    assert message.startswith(f"rredcot: error: run directory {out} is in use by pid {first.pid}")
+    assert "on host " in message and "pick another --out" in message
+    # the refused process wrote nothing: every step the first one got to is recorded once
+    steps = [r["step"] for r in runio.MetricsLog(out / "metrics.jsonl").read()]
+    assert steps == list(range(len(steps)))
+    # the killed owner's lock went with it
+    runio.RunLock(out).release()
+
+
+def test_a_lock_is_released_by_its_process_and_refuses_a_second_holder(tmp_path):
+    held = runio.RunLock(tmp_path)
+    with pytest.raises(UserError, match=rf"in use by pid {os.getpid()} on host"):
+        runio.RunLock(tmp_path)
+    held.release()
+    runio.RunLock(tmp_path).release()  # free again
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. --out on an existing run
+
+
+def test_out_on_an_existing_run_is_refused(init_dir, run_copy):
+    before = (run_copy / "metrics.jsonl").read_text(), (run_copy / "config.yaml").read_text()
+    with pytest.raises(UserError, match="holds a run already") as err:
+        Trainer(micro_config(init_dir, run_copy, steps=14, seed=5), **QUIET)
+    assert "--resume" in str(err.value) and "--overwrite" in str(err.value)
+    assert "metrics up to step 4" in str(err.value)
+    after = (run_copy / "metrics.jsonl").read_text(), (run_copy / "config.yaml").read_text()
+    assert after == before
+    runio.RunLock(run_copy).release()  # the refusal let go of the directory
+
+
+def test_overwrite_replaces_the_run(init_dir, run_copy):
+    (run_copy / "notes.txt").write_text("mine")
+    cfg = micro_config(init_dir, run_copy, steps=1, seed=5, overwrite=True)
+    Trainer(cfg, **QUIET).train()
+    assert [r["step"] for r in _records(run_copy)] == [0, 1]
+    saved = (run_copy / "config.yaml").read_text()
+    assert "seed: 5" in saved and "overwrite: false" in saved
+    assert [p.name for p in (run_copy / "checkpoints").glob("step_*")] == ["step_000001"]
+    assert (run_copy / "notes.txt").read_text() == "mine"  # only run files are removed
+
+
+def test_resume_refuses_a_changed_config_naming_each_difference(run_copy):
+    before = (run_copy / "config.yaml").read_text()
+    with pytest.raises(UserError) as err:
+        _resume(run_copy, credit_method="value_head", seed=5, steps=6)
+    message = str(err.value)
+    assert "credit_method='uniform', seed=0" in message
+    assert "credit_method='value_head', seed=5" in message
+    assert "steps" in message.split("Only")[1]  # named as a field that may change
+    assert (run_copy / "config.yaml").read_text() == before
+
+
+def test_resume_may_extend_steps_and_rewrites_the_config_by_a_rename(run_copy):
+    config = run_copy / "config.yaml"
+    stat = config.stat()
+    result = _resume(run_copy, steps=5, eval_every=1)
+    assert result["steps"] == 5
+    assert [r["step"] for r in _records(run_copy)] == [0, 1, 2, 3, 4, 5]
+    assert config.stat().st_ino != stat.st_ino  # replaced by a rename, never written in place
+    assert "steps: 5" in config.read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. resume only from a valid checkpoint, never over history
+
+
+def test_resume_without_checkpoints_refuses(run_copy):
+    shutil.rmtree(run_copy / "checkpoints")
+    before = (run_copy / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match="no valid checkpoint left.*steps up to 4.*--overwrite"):
+        _resume(run_copy)
+    assert (run_copy / "metrics.jsonl").read_text() == before
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+CORRUPTIONS = {
+    "truncated model.safetensors": lambda c: _truncate(c / "policy" / "model.safetensors"),
+    "truncated trainer_state.pt": lambda c: _truncate(c / "trainer_state.pt"),
+    "empty trainer_state.pt": lambda c: _truncate(c / "trainer_state.pt", keep=0),
+    "a flipped byte": lambda c: _flip(c / "policy" / "model.safetensors"),
+    "a missing manifest and a truncated model": lambda c: (
+        (c / runio.MANIFEST).unlink(),
+        _truncate(c / "policy" / "model.safetensors"),
+    ),
+}
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS)
+def test_a_corrupt_checkpoint_does_not_verify(finished_run, tmp_path, corrupt):
+    ckpt = tmp_path / "step_000004"
+    shutil.copytree(finished_run / "checkpoints" / "step_000004", ckpt)
+    assert runio.verify_checkpoint(ckpt) is None
+    corrupt(ckpt)
+    reason = runio.verify_checkpoint(ckpt)
+    assert reason and ("policy/model.safetensors" in reason or "trainer_state.pt" in reason)
+
+
+def test_a_truncated_newest_checkpoint_resumes_from_the_one_before(finished_run, run_copy):
+    _truncate(run_copy / "checkpoints" / "step_000004" / "policy" / "model.safetensors")
+    config = run_copy / "config.yaml"
+    stat = config.stat()
+    lines = []
+    result = _resume(run_copy, log=lines.append)
+    # the same config: config.yaml is not rewritten at a (re)start
+    assert (config.stat().st_ino, config.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+    assert any(
+        line.startswith("skipping checkpoint step_000004: policy/model.safetensors has ")
+        and line.endswith("(truncated or replaced)")
+        for line in lines
+    ), lines
+    assert "resuming from the older checkpoint step_000002 instead" in lines
+    assert result["steps"] == 4
+    # the steps after the older checkpoint ran again, exactly as the first time
+    assert _records(run_copy) == _records(finished_run)
+    assert runio.verify_checkpoint(run_copy / "checkpoints" / "step_000004") is None
+
+
+def test_every_checkpoint_corrupt_refuses_naming_each(run_copy):
+    for step in ("step_000002", "step_000004"):
+        _truncate(run_copy / "checkpoints" / step / "trainer_state.pt")
+    with pytest.raises(UserError) as err:
+        _resume(run_copy)
+    message = str(err.value)
+    assert "step_000004: trainer_state.pt has" in message and "step_000002: " in message
+
+
+def test_checkpoints_carry_a_manifest_written_last(finished_run):
+    ckpt = finished_run / "checkpoints" / "step_000004"
+    manifest = json.loads((ckpt / runio.MANIFEST).read_text())
+    files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == files - {runio.MANIFEST}
+    assert {"trainer_state.pt", "policy/model.safetensors"} <= set(manifest["files"])
+    assert manifest["step"] == 4
+    assert runio.find_checkpoint(finished_run) == (ckpt, [])
+
+
+def test_out_that_is_a_file_is_refused(init_dir, tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        Trainer(micro_config(init_dir, path), **QUIET)
+    assert path.read_text() == "x"
+
+
+# ---------------------------------------------------------------------------------------------
+# the same refusals on the command line: one line, exit status 2
+
+
+def _cli_error(argv, capsys):
+    from rredcot.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_cli_refusals_are_one_line(run_copy, capsys):
+    run = str(run_copy)
+    err = _cli_error(["train", "--out", run, "--credit", "value_head", "--seed", "5"], capsys)
+    assert "holds a run already" in err
+    err = _cli_error(["train", "--resume", run, "--credit", "value_head", "--seed", "5"], capsys)
+    assert "credit_method='uniform', seed=0" in err and "seed=5" in err
+    err = _cli_error(["train", "--resume", run, "--overwrite"], capsys)
+    assert "give one of them" in err
+    for step in ("step_000002", "step_000004"):
+        _truncate(run_copy / "checkpoints" / step / "policy" / "model.safetensors")
+    err = _cli_error(["train", "--resume", run], capsys)
+    assert "no valid checkpoint left (step_000004: policy/model.safetensors has" in err
+    ckpt = run_copy / "checkpoints" / "step_000004"
+    err = _cli_error(["explain", "--checkpoint", str(ckpt), "--no-color"], capsys)
+    assert f"checkpoint {ckpt} cannot be used: policy/model.safetensors has" in err
+    out = str(run_copy.parent / "other")
+    err = _cli_error(["train", "--init", str(ckpt / "policy"), "--out", out], capsys)
+    assert "the model does not load" in err
+
+
+def test_one_generation_per_prompt_warns_that_nothing_is_learned(init_dir, tmp_path):
+    cfg = micro_config(init_dir, tmp_path / "run")
+    cfg.sampling.num_generations = 1
+    lines = []
+    Trainer(cfg, log=lines.append).release()
+    assert any("num_generations=1" in x and "advantage is 0" in x for x in lines), lines
