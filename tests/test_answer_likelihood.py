@@ -788,3 +788,42 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
     assert out.metrics["credit/extra_forward_tokens"] == stats["credit/extra_forward_tokens"] > 0
     with pytest.raises(ValueError, match="needs the task"):
         get_credit("value_head")(cfg, CreditContext(policy=model, tokenizer=char_tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("answer_eos", "maybe", "answer_eos='maybe' must be auto, true or false"),
+        ("answer_cue", "", "answer_cue is empty"),
+        ("answer_chunk_tokens", 0, "answer_chunk_tokens=0 must be >= 1"),
+        ("answer_logits_mb", 0, "answer_logits_mb=0 must be >= 1"),
+    ],
+)
+def test_config_names_the_fix(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CreditConfig(**{field: value})
+    assert CreditConfig(answer_eos=False).answer_eos == "false"  # a YAML boolean
+    assert ProbeFormat.from_config(CreditConfig(answer_cue="think")) == ProbeFormat("think")
+
+
+def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed_trace_batch):
+    """TRL and verl compute the probe values elsewhere and pass them through
+    ``overridden_method``: ``compute`` anchors them (the policy is not needed) and ``update``
+    scores what ``compute`` used, on a new batch object over the same rows."""
+    from rredcot.integrations._batch import overridden_method
+
+    batch = mixed_trace_batch
+    n = batch.num_segments
+    S1 = int(n.max()) + 1
+    mask = torch.arange(S1).unsqueeze(0) <= n.unsqueeze(1)
+    steps = torch.arange(S1, dtype=torch.float).unsqueeze(0) / S1
+    raw = torch.where(mask, 0.2 + 0.5 * steps * batch.rewards.unsqueeze(1), 0.0)
+    ctx = CreditContext(policy=None, tokenizer=None, task=wide_task)
+    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, handover="off"), ctx)
+    with overridden_method(method, (raw, mask)):
+        out = method.compute(batch)
+    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    torch.testing.assert_close(out.values, credit.anchor_values(raw, mask, mean))
+    stats = method.update(copy.copy(batch))
+    expected = prediction_slope(out.values, mask, batch.rewards, mean)
+    assert stats["value/slope"] == pytest.approx(expected) and method.num_updates == 1

@@ -128,6 +128,13 @@ class CreditConfig:
         "extra cost; the hidden state alone barely shows a wrong step on small models.",
         default=True,
     )
+    value_alik_feature: bool = _help(
+        "Also feed the value head the answer-likelihood value of every prefix (the policy's "
+        "probability of the reference answer right after it, and its log), from one packed probe "
+        "forward per batch: costs that forward; off by default (measured on the CPU testbed's "
+        "credit benchmark: no gain beyond seed noise, docs/answer_likelihood.md).",
+        default=False,
+    )
     value_anchor: str = _help(
         "'group': shift the values (of value_head and answer_likelihood) so V(s_0) is the "
         "group's mean reward, so every trace gets GRPO's total credit and the estimator only "
@@ -170,13 +177,6 @@ class CreditConfig:
         "EMA decay of the estimator's measured reliability (the hand-over weight); starting "
         "from 0, it also sets how slowly trust is earned.",
         default=0.9,
-    )
-    value_alik_feature: bool = _help(
-        "Also feed the value head the answer-likelihood value of every prefix (the policy's "
-        "probability of the reference answer right after it, and its log), from one packed probe "
-        "forward per batch: costs that forward; off by default (measured: it did not help on the "
-        "CPU testbed, see docs/answer_likelihood.md).",
-        default=False,
     )
     # answer likelihood
     answer_source: str = _help(

@@ -781,7 +781,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         self.reliability = 0.0  # EMA of the clipped fresh-batch score; the hand-over weight
         self.num_updates = 0
         self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
-        self._credit_values: tuple[Tensor, Tensor] | None = None  # what the last compute used
+        self._scored: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
 
     @property
     def max_batch_tokens(self) -> int:
@@ -824,8 +824,8 @@ class AnswerLikelihoodCredit(CreditMethod):
     # -- values ---------------------------------------------------------------------------------
     def estimate(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)``: the probed values, not anchored, with
-        ``values[:, n] = R``. Cached for the last batch seen, so that ``update`` scores exactly
-        the values ``compute`` used (the policy may have changed in between)."""
+        ``values[:, n] = R``. Cached for the last batch seen (``compute`` after
+        ``segment_values`` probes once)."""
         if self._cache is not None and self._cache[0]() is batch:
             return self._cache[1], self._cache[2], self._cache[3]
         if not self._checked:
@@ -861,40 +861,58 @@ class AnswerLikelihoodCredit(CreditMethod):
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        # Through segment_values, so that an adapter can hand in values probed elsewhere (the TRL
-        # adapter probes each process's rows and runs the credit on the gathered batch).
+        """Credit from :meth:`segment_values` (which an integration may override with values it
+        computed elsewhere: they are anchored here, which leaves anchored values as they are),
+        handed over from uniform credit by :attr:`blend`."""
         values, mask = self.segment_values(batch)
-        stats = self._cache[3] if self._cache is not None else {}  # the probes' cost this step
-        self._credit_values = (values.detach(), mask)
+        values = self._anchored(values, mask, batch)
         out = self._from_values(batch, values, mask)
         w = self.blend
         out = blend_with_uniform(self, batch, out, w, self._uniform)
-        out.metrics.update(stats)
+        self._scored = (
+            values.detach(),
+            mask,
+            batch.rewards.detach().clone(),
+            batch.group_ids.detach().clone(),
+            live_rows(batch),
+        )
+        if self._cache is not None:
+            out.metrics.update(self._cache[3])  # the probe pass of the last estimate
         out.metrics.update({"value/reliability": float(self.reliability), "credit/blend": w})
         return out
 
+    def _last_scored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(values, mask, live)`` of the last :meth:`compute` if it ran on these rows (same
+        rewards and groups: the trainer's and the integrations' update batch)."""
+        if self._scored is None:
+            return None
+        values, mask, rewards, groups, live = self._scored
+        same = (
+            rewards.shape == batch.rewards.shape
+            and torch.equal(rewards, batch.rewards.detach().to(rewards.device))
+            and torch.equal(groups, batch.group_ids.detach().to(groups.device))
+        )
+        return (values, mask, live) if same else None
+
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Score the values credit used on the batch's outcomes and fold the score into the
+        """Score the values the last :meth:`compute` used (or, for a batch it did not see, the
+        batch's own anchored values) on the batch's outcomes and fold the score into the
         reliability (the next batches' hand-over weight). Learns nothing else."""
-        used = self._credit_values
-        if self._cache is not None and self._cache[0]() is batch or used is None:
-            values, mask, _ = self.estimate(batch)
-            scored = self._anchored(values, mask, batch)
-        else:  # the values compute() used, handed in by an adapter for these rows
-            scored, mask = used
-            values = scored
-        if scored.shape[0] != batch.size:
-            raise ValueError(
-                f"answer_likelihood.update: {batch.size} rows, but the last credit had "
-                f"{scored.shape[0]}; call compute(batch) first"
-            )
-        live = live_rows(batch).to(values.device)
-        mean = group_mean(batch).to(values.device)
+        found = self._last_scored(batch)
+        if found is None:
+            scored, mask = self.segment_values(batch)
+            scored = self._anchored(scored, mask, batch)
+            live = live_rows(batch)
+        else:
+            scored, mask, live = found
+        device = scored.device
+        live = live.to(device)
+        mean = group_mean(batch).to(device)
         baseline = None if self.config.value_anchor == "none" else mean[live]
-        rewards = batch.rewards.to(values.device)[live]
+        rewards = batch.rewards.to(device)[live]
         score, slope, skill = handover_scores(
             scored[live],
-            mask[live],
+            mask.to(device)[live],
             rewards,
             baseline,
             self.config.handover_score,
@@ -904,8 +922,7 @@ class AnswerLikelihoodCredit(CreditMethod):
             self.reliability, score, self.config.handover_smoothing
         )
         self.num_updates += 1
-        self._cache = None
-        self._credit_values = None
+        self._cache = self._scored = None
         return {
             "value/slope": slope,
             "value/skill": skill,
