@@ -75,7 +75,7 @@ class SFTConfig:
 
 def _training_text(task: Task, problem, rng: random.Random, early_answer_prob: float) -> str:
     if early_answer_prob > 0 and rng.random() < early_answer_prob:
-        steps = len(getattr(task, "gold_steps", lambda p: [])(problem) or [])
+        steps = len(task.gold_steps(problem) or [])
         if steps > 1:
             cut = task.truncated_gold(problem, rng.randrange(1, steps))
             if cut is not None:

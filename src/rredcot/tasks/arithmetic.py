@@ -264,19 +264,7 @@ class ArithmeticTask(Task):
         """The full gold trace, or with `num_steps_shown` the first k steps and then the answer."""
         if num_steps_shown is not None:
             return self.truncated_gold(problem, num_steps_shown)
-        steps = self.gold_steps(problem)
-        if steps is None:
-            return None
-        return "\n".join([*steps, self.render_answer(problem.answer)])
-
-    def truncated_gold(self, problem: Problem, k: int) -> str | None:
-        """First `k` gold step lines followed straight by the (correct) answer line."""
-        steps = self.gold_steps(problem)
-        if steps is None:
-            return None
-        if not 0 <= k <= len(steps):
-            raise ValueError(f"k must be in [0, {len(steps)}] for this problem, got {k}")
-        return "\n".join([*steps[:k], self.render_answer(problem.answer)])
+        return super().gold_completion(problem)
 
     def inject_error(
         self,

@@ -112,16 +112,27 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} does not implement verify")
 
     # -- gold text ----------------------------------------------------------------------------
-    def gold_completion(self, problem: Problem) -> str | None:
-        """A correct chain of thought ending in the answer line, or `None` if the task has none."""
+    def gold_steps(self, problem: Problem) -> list[str] | None:
+        """The gold reasoning lines without the answer line, or `None` if the task has none."""
         return None
+
+    def gold_completion(self, problem: Problem) -> str | None:
+        """A correct chain of thought ending in the answer line, or `None` if the task has none
+        (by default: :meth:`gold_steps`, then the answer line)."""
+        steps = self.gold_steps(problem)
+        return None if steps is None else "\n".join([*steps, self.render_answer(problem.answer)])
 
     def truncated_gold(self, problem: Problem, k: int) -> str | None:
         """The first `k` gold steps followed straight by the answer line (`None` if unsupported).
 
         Used by the supervised warm-start to teach a model to answer before finishing the chain.
         """
-        return None
+        steps = self.gold_steps(problem)
+        if steps is None:
+            return None
+        if not 0 <= k <= len(steps):
+            raise ValueError(f"k must be in [0, {len(steps)}] for this problem, got {k}")
+        return "\n".join([*steps[:k], self.render_answer(problem.answer)])
 
     def render_answer(self, answer: str) -> str:
         """The text that, appended after a prefix, states `answer` as the final answer."""

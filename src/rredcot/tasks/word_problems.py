@@ -354,20 +354,6 @@ class WordProblemTask(Task):
         parsed = parse_problem(problem.prompt)
         return None if parsed is None else _gold_lines(parsed)[:-1]
 
-    def gold_completion(self, problem: Problem) -> str | None:
-        steps = self.gold_steps(problem)
-        if steps is None:
-            return None
-        return "\n".join([*steps, self.render_answer(problem.answer)])
-
-    def truncated_gold(self, problem: Problem, k: int) -> str | None:
-        steps = self.gold_steps(problem)
-        if steps is None:
-            return None
-        if not 0 <= k <= len(steps):
-            raise ValueError(f"k must be in [0, {len(steps)}] for this problem, got {k}")
-        return "\n".join([*steps[:k], self.render_answer(problem.answer)])
-
     def inject_error(self, problem: Problem, step: int, delta: int = 1) -> str:
         """The gold trace with the result of step ``step`` off by ``delta``, carried forward (later
         steps compute correctly from the wrong value; the answer line states the wrong result)."""
