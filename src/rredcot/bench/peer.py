@@ -449,7 +449,7 @@ def peer_markdown(report: dict[str, Any]) -> str:
                 m["threads"],
                 m["timed_steps"],
                 fmt(m["median_step_seconds"], ".3f"),
-                fmt(m["completions_per_second"], ".1f"),
+                fmt(m["completions_per_second"], ".2f"),
                 *(f"{fmt(ph[k], '.3f')} ({fmt(100 * share[k], '.0f')}%)" for k in PHASES),
                 fmt(m["mean_completion_tokens"], ".1f"),
                 fmt(m["peak_rss_gib"], ".2f"),
@@ -498,6 +498,9 @@ def peer_markdown(report: dict[str, Any]) -> str:
         "and any extra forward in `_generate_and_score_completions`.",
         "- update: the rest of the step (loss forward, backward, optimiser step; TRL: also its "
         "per-step logging and data loading). Medians per phase; shares of the mean step.",
+        "- peak RSS: the process's resident-memory high-water mark (imports included); RSS after "
+        "setup: once the trainer is built (safetensors weights are memory-mapped, so much of the "
+        "model is paged in only when first used).",
     ]
     return "\n".join(lines) + "\n"
 

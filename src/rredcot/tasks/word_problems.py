@@ -7,9 +7,8 @@ as a story about someone's things, for a pretrained instruct model with a chat t
 
 ``+`` is told as *buys / finds / gets N more*, ``-`` as *eats / gives away / loses N* (*eats* only
 for food). By default a problem takes one or two operations (``min_steps``, ``max_steps``). Greedy
-SmolLM2-135M-Instruct solves about a quarter of them (37% of the one-step and 18% of the two-step
-problems on 64 held-out ones; the figures are in ``benchmarks/results/real_model/``): inside its
-edge of competence. It writes one short sentence per step ("She buys 7 more, so she has 3 + 7 =
+SmolLM2-135M-Instruct solves 22.7% of 128 held-out ones (about 37% of the one-step and 18% of the
+two-step problems; ``benchmarks/results/real_model/``): inside its edge of competence. It writes one short sentence per step ("She buys 7 more, so she has 3 + 7 =
 10 oranges."), so newline and sentence segmentation have something to cut, and its slips are
 real ones: the wrong operation (``7 - 2`` for "buys 2 more"), wrong arithmetic (``3 + 9 = 21``), or
 undoing a right result on the next line.
