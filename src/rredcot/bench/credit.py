@@ -75,8 +75,9 @@ def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> floa
     ``decimals`` rounds both inputs first so that float noise (``0.1 + 0.2`` vs ``0.3``) ties.
     NaN when fewer than two entries or either side is constant.
     """
-    from scipy.stats import spearmanr
+    from rredcot.bench.stats import require
 
+    spearmanr = require("scipy.stats").spearmanr
     x = x.detach().flatten().double().cpu()
     y = y.detach().flatten().double().cpu()
     if x.numel() != y.numel():

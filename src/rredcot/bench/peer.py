@@ -159,7 +159,20 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def _require_trl() -> None:
+    """The peer bench runs TRL's trainer: say which extra brings it."""
+    for module in ("trl", "datasets"):
+        try:
+            __import__(module)
+        except ImportError as err:
+            raise ImportError(
+                f"rredcot bench peer runs TRL's GRPOTrainer and needs {module}: "
+                "pip install 'rredcot[trl]'"
+            ) from err
+
+
 def _trl_dataset(task, tokenizer, n: int, seed: int):
+    _require_trl()
     from datasets import Dataset
 
     chat = bool(getattr(tokenizer, "chat_template", None))
@@ -179,6 +192,8 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
     """TRL's ``GRPOTrainer`` with the same model, prompts, batch and length; times per step."""
     import torch
     from transformers import AutoTokenizer, TrainerCallback
+
+    _require_trl()
     from trl import GRPOConfig, GRPOTrainer
 
     from rredcot.integrations.trl import task_reward
