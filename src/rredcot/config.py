@@ -142,6 +142,18 @@ class CreditConfig:
         "'none': the estimator's own V(s_0).",
         default="group",
     )
+    value_shared_prefixes: bool = _help(
+        "Where at least value_shared_min_count samples of a group pass through the same prefix "
+        "(the same tokens so far), take its value from their mean outcome (free Monte Carlo: "
+        "the samples exist already) and let the credit stop there (lambda 0 at that boundary); "
+        "between such boundaries credit passes through (lambda 1) with the head's values, "
+        "scaled by its hand-over weight, as baselines. Off: the head alone, with credit.lam.",
+        default=True,
+    )
+    value_shared_min_count: int = _help(
+        "Samples that must share a prefix for its shared-prefix value to be used (>= 2).",
+        default=2,
+    )
     value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
     value_td_lambda: float = _help(
         "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
@@ -221,6 +233,11 @@ class CreditConfig:
             raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
         if not 0.0 <= self.value_td_lambda <= 1.0:
             raise ValueError(f"credit.value_td_lambda={self.value_td_lambda} must be in [0, 1]")
+        if self.value_shared_min_count < 2:
+            raise ValueError(
+                f"credit.value_shared_min_count={self.value_shared_min_count} must be >= 2 (a "
+                "prefix only one sample reached says nothing beyond that sample)"
+            )
         if self.value_loss not in ("bce", "mse"):
             raise ValueError("credit.value_loss must be bce or mse")
         if self.value_output not in ("sigmoid", "linear"):

@@ -31,6 +31,7 @@ from torch import Tensor
 __all__ = [
     "anchor_values",
     "boundaries_to_segment_ids",
+    "combine_shared_prefix",
     "get_normalizer",
     "group_mean_std",
     "grpo_advantages",
@@ -43,6 +44,8 @@ __all__ = [
     "segment_advantages_from_values",
     "segment_gae",
     "segments_to_tokens",
+    "shared_prefix_ids",
+    "shared_prefix_values",
     "token_advantages_from_values",
     "weights_to_segment_rewards",
 ]
@@ -167,49 +170,200 @@ def anchor_values(values: Tensor, value_mask: Tensor, baseline: Tensor) -> Tenso
     return torch.where(value_mask, shifted, torch.zeros_like(shifted))
 
 
-def segment_gae(segment_rewards: Tensor, segment_mask: Tensor, lam: float) -> Tensor:
-    """Segment-level GAE with gamma = 1: ``A_k = sum_{j >= k} lam^(j-k) r_j`` over valid segments.
+def segment_gae(segment_rewards: Tensor, segment_mask: Tensor, lam: float | Tensor) -> Tensor:
+    """Segment-level GAE with gamma = 1: ``A_k = r_k + lam_k A_{k+1}`` over valid segments.
 
     ``lam = 0`` gives ``A_k = r_k`` (pure redistribution); ``lam = 1`` gives
     ``A_k = R - V(s_{k-1})`` (Monte Carlo return with a state-value baseline).
 
+    ``lam`` may also be a ``(B, S)`` tensor: ``lam[b, k-1]`` is the weight of the boundary
+    ``s_k`` that ends segment ``k``. ``lam_k = 1`` passes straight through ``s_k``, so whatever
+    ``V(s_k)`` holds cancels (a boundary whose value is unknown); ``lam_k = 0`` trusts it fully.
+
     Args:
         segment_rewards: ``(B, S)`` from :func:`redistribute`.
         segment_mask: ``(B, S)`` prefix mask.
-        lam: GAE lambda in ``[0, 1]``.
+        lam: GAE lambda in ``[0, 1]``: a float or ``(B, S)``.
 
     Returns:
         segment_advantages ``(B, S)``, 0 on padding.
     """
-    lam = _check_lam(lam)
     _check_ndim(segment_rewards, 2, "segment_rewards", "(B, S)")
     _check_shape(segment_mask, tuple(segment_rewards.shape), "segment_mask", "(B, S)")
     segment_rewards = _as_float(segment_rewards)
     segment_mask = _as_bool(segment_mask)
     _check_prefix_mask(segment_mask, "segment_mask", at_least_one=False)
+    if isinstance(lam, Tensor):
+        _check_shape(lam, tuple(segment_rewards.shape), "lam", "(B, S)")
+        lam = _as_float(lam, like=segment_rewards)
+        valid = lam[segment_mask]
+        if bool(((valid < 0) | (valid > 1) | ~torch.isfinite(valid)).any()):
+            raise ValueError("every lam[b, k] must be in [0, 1] on valid segments")
+        lam = torch.where(segment_mask, lam, torch.zeros_like(lam))
+        lam_at = lambda k: lam[:, k]  # noqa: E731
+    else:
+        lam = _check_lam(lam)
+        lam_at = lambda k: lam  # noqa: E731
 
     r = torch.where(segment_mask, segment_rewards, torch.zeros_like(segment_rewards))
     advantages = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0]) if r.shape[1] > 0 else None
     for k in reversed(range(r.shape[1])):  # padding is on the right and is 0: it adds nothing
-        running = r[:, k] + lam * running
+        running = r[:, k] + lam_at(k) * running
         advantages[:, k] = running
     return torch.where(segment_mask, advantages, torch.zeros_like(advantages))
 
 
 def segment_advantages_from_values(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, lam: float
+    values: Tensor, value_mask: Tensor, rewards: Tensor, lam: float | Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`redistribute` then :func:`segment_gae`.
 
     Args:
-        values: ``(B, S+1)``; value_mask: ``(B, S+1)``; rewards: ``(B,)``; lam in ``[0, 1]``.
+        values: ``(B, S+1)``; value_mask: ``(B, S+1)``; rewards: ``(B,)``; lam in ``[0, 1]``
+        (a float, or ``(B, S)`` per boundary: see :func:`segment_gae`).
 
     Returns:
         segment_advantages ``(B, S)``, segment_mask ``(B, S)``, segment_rewards ``(B, S)``.
     """
     segment_rewards, segment_mask = redistribute(values, value_mask, rewards)
     return segment_gae(segment_rewards, segment_mask, lam), segment_mask, segment_rewards
+
+
+# --------------------------------------------------------------------------------------
+# Free Monte Carlo values: samples of a group that share a prefix
+# --------------------------------------------------------------------------------------
+
+
+def shared_prefix_ids(
+    response_ids: Tensor, response_mask: Tensor, boundaries: list[list[int]], group_ids: Tensor
+) -> Tensor:
+    """An id per prefix ``s_k``: two rows get the same id at columns ``k`` and ``k'`` exactly
+    when they are in the same group and their first ``b_k`` / ``b_k'`` response tokens are the
+    same token sequence (so both prefixes are one state of the policy's tree of samples).
+
+    Args:
+        response_ids: ``(B, T)`` long; response_mask: ``(B, T)``;
+        boundaries: per row ``[0, b_1, ..., b_n]`` in response tokens; group_ids: ``(B,)``.
+
+    Returns:
+        prefix ids ``(B, S+1)`` long (``S`` the most segments of a row), ``-1`` on padding.
+    """
+    _check_ndim(response_ids, 2, "response_ids", "(B, T)")
+    _check_shape(response_mask, tuple(response_ids.shape), "response_mask", "(B, T)")
+    _check_shape(group_ids, (response_ids.shape[0],), "group_ids", "(B,)")
+    if len(boundaries) != response_ids.shape[0]:
+        raise ValueError(
+            f"boundaries has {len(boundaries)} rows, response_ids {response_ids.shape[0]}"
+        )
+    S = max((len(b) - 1 for b in boundaries), default=0)
+    ids = torch.full((len(boundaries), S + 1), -1, dtype=torch.long)
+    lengths = _as_bool(response_mask).sum(dim=1).tolist()
+    rows = response_ids.tolist()
+    seen: dict[tuple, int] = {}
+    for row, (bounds, group) in enumerate(zip(boundaries, group_ids.tolist())):
+        tokens = rows[row][: lengths[row]]
+        for k, b in enumerate(bounds):
+            if b > lengths[row]:
+                raise ValueError(f"row {row}: boundary {b} is past its {lengths[row]} tokens")
+            key = (group, tuple(tokens[:b]))
+            ids[row, k] = seen.setdefault(key, len(seen))
+    return ids.to(response_ids.device)
+
+
+def shared_prefix_values(prefix_ids: Tensor, rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """``V(s_k)`` as the mean outcome of the samples that pass through ``s_k``, and how many do.
+
+    A group's samples form a tree of prefixes; where several share a prefix, the mean of their
+    rewards is a Monte Carlo estimate of its value that costs nothing (the samples exist
+    already). ``s_0`` is shared by the whole group (its value is the group mean reward); a
+    prefix only one sample reached has count 1 and its own reward as value, which says nothing
+    beyond that sample: callers treat counts below 2 as unknown.
+
+    Args:
+        prefix_ids: ``(B, S+1)`` from :func:`shared_prefix_ids`, ``-1`` on padding.
+        rewards: ``(B,)``.
+
+    Returns:
+        values ``(B, S+1)`` and counts ``(B, S+1)`` long, both 0 on padding.
+    """
+    _check_ndim(prefix_ids, 2, "prefix_ids", "(B, S+1)")
+    _check_shape(rewards, (prefix_ids.shape[0],), "rewards", "(B,)")
+    rewards = _as_float(rewards)
+    valid = prefix_ids >= 0
+    if not bool(valid.any()):
+        return torch.zeros_like(prefix_ids, dtype=rewards.dtype), torch.zeros_like(prefix_ids)
+    B = prefix_ids.shape[0]
+    rows = torch.arange(B, device=prefix_ids.device)[:, None].expand_as(prefix_ids)
+    # a row passes through each of its prefixes once: count (prefix, row) pairs
+    pairs = torch.unique(prefix_ids[valid] * B + rows[valid])
+    pid, prow = pairs // B, pairs % B
+    num = int(prefix_ids.max()) + 1
+    count = torch.zeros(num, dtype=torch.long, device=prefix_ids.device)
+    count = count.index_add(0, pid, torch.ones_like(pid))
+    total = torch.zeros(num, dtype=rewards.dtype, device=rewards.device)
+    total = total.index_add(0, pid, rewards[prow])
+    at = prefix_ids.clamp_min(0)
+    counts = torch.where(valid, count[at], torch.zeros_like(prefix_ids))
+    values = torch.where(valid, total[at] / count[at].clamp_min(1), torch.zeros_like(total[at]))
+    return values.to(rewards.dtype), counts
+
+
+def combine_shared_prefix(
+    shared_values: Tensor,
+    counts: Tensor,
+    fallback_values: Tensor,
+    value_mask: Tensor,
+    fallback_weight: float,
+    min_count: int = 2,
+) -> tuple[Tensor, Tensor]:
+    """Values and per-boundary lambda from the group's shared prefixes, with a fallback estimator
+    between them.
+
+    A boundary ``s_k`` that at least ``min_count`` samples of the group pass through is *known*:
+    its value is their mean outcome and ``lam_k = 0`` (credit stops there: segment ``k`` gets
+    ``V(s_k) - V(s_{k-1})``). ``s_0`` is always known (the group mean). Any other boundary is
+    unknown: credit passes through it (``lam_k = 1``) and its value, which then only serves as a
+    baseline for the next segment, is the last known value moved by ``fallback_weight`` times
+    the fallback estimator's change since that boundary. With ``fallback_weight = 0`` a row that
+    shares nothing beyond ``s_0`` gets GRPO's ``R - mean(R_group)`` on every segment.
+
+    Args:
+        shared_values, counts: ``(B, S+1)`` from :func:`shared_prefix_values`.
+        fallback_values: ``(B, S+1)`` another estimate of ``V(s_k)`` (e.g. a value head).
+        value_mask: ``(B, S+1)`` prefix mask.
+        fallback_weight: in ``[0, 1]``, how far to trust the fallback's changes.
+        min_count: samples that must share a prefix for it to be known (>= 2).
+
+    Returns:
+        values ``(B, S+1)`` (0 on padding) and lam ``(B, S)`` for :func:`segment_gae`.
+    """
+    _check_ndim(shared_values, 2, "shared_values", "(B, S+1)")
+    shape = tuple(shared_values.shape)
+    _check_shape(counts, shape, "counts", "(B, S+1)")
+    _check_shape(fallback_values, shape, "fallback_values", "(B, S+1)")
+    _check_shape(value_mask, shape, "value_mask", "(B, S+1)")
+    if min_count < 2:
+        raise ValueError(f"min_count={min_count}: a prefix only one sample reached says nothing")
+    if not 0.0 <= float(fallback_weight) <= 1.0:
+        raise ValueError(f"fallback_weight={fallback_weight} must be in [0, 1]")
+    mask = _as_bool(value_mask)
+    shared = _as_float(shared_values)
+    fallback = _as_float(fallback_values, like=shared)
+    known = (counts >= min_count) & mask
+    known[:, 0] = mask[:, 0]
+    values = torch.zeros_like(shared)
+    last_value = shared[:, 0]
+    last_fallback = fallback[:, 0]
+    for k in range(shared.shape[1]):
+        here = known[:, k]
+        moved = last_value + float(fallback_weight) * (fallback[:, k] - last_fallback)
+        values[:, k] = torch.where(here, shared[:, k], moved)
+        last_value = torch.where(here, shared[:, k], last_value)
+        last_fallback = torch.where(here, fallback[:, k], last_fallback)
+    values = torch.where(mask, values, torch.zeros_like(values))
+    lam = torch.where(known[:, 1:], torch.zeros_like(shared[:, 1:]), torch.ones_like(shared[:, 1:]))
+    return values, lam
 
 
 def weights_to_segment_rewards(

@@ -296,6 +296,9 @@ def segment_batch(
     batch.segment_ids = credit.boundaries_to_segment_ids(boundaries, batch.response_len).to(
         batch.input_ids.device
     )
+    batch.prefix_ids = credit.shared_prefix_ids(
+        batch.input_ids[:, P:], batch.response_mask, boundaries, batch.group_ids
+    )
     return batch
 
 

@@ -44,6 +44,7 @@ class RolloutBatch:
     hidden_states: torch.Tensor | None = None  # (B, L, H * len(layers)) from the old-logprob pass
     position_ids: torch.Tensor | None = None  # (B, L)
     entropies: torch.Tensor | None = None  # (B, T) next-token entropy (entropy segmentation)
+    prefix_ids: torch.Tensor | None = None  # (B, S+1) credit.shared_prefix_ids, -1 on padding
 
     @property
     def size(self) -> int:
@@ -97,6 +98,7 @@ class RolloutBatch:
             hidden_states=pick(self.hidden_states),
             position_ids=pick(self.position_ids),
             entropies=pick(self.entropies),
+            prefix_ids=pick(self.prefix_ids),
         )
 
 

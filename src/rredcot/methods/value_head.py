@@ -549,9 +549,12 @@ class ValueHeadCredit(CreditMethod):
     def compute(self, batch: RolloutBatch) -> CreditOutput:
         raw, values, mask = self._raw_and_anchored(batch)
         rewards = batch.rewards.to(raw.device)
-        out = self._from_values(batch, values, mask)  # pure value credit
         w = self.blend
-        out = blend_with_uniform(self, batch, out, w, self._uniform)
+        if self.config.value_shared_prefixes and batch.prefix_ids is not None:
+            out = self._with_shared_prefixes(batch, values, mask, w)
+        else:
+            out = self._from_values(batch, values, mask)  # pure value credit
+            out = blend_with_uniform(self, batch, out, w, self._uniform)
         out.metrics.update(self._fresh_diagnostics(raw, mask, rewards, batch))
         out.metrics.update(
             {
@@ -562,6 +565,28 @@ class ValueHeadCredit(CreditMethod):
                 else 0.0,
                 "credit/extra_generated_tokens": 0.0,
             }
+        )
+        return out
+
+    def _with_shared_prefixes(
+        self, batch: RolloutBatch, head_values: Tensor, mask: Tensor, w: float
+    ) -> CreditOutput:
+        """Credit from the group's shared prefixes (known boundaries), the head's values scaled
+        by ``w`` as baselines in between (:func:`credit.combine_shared_prefix`)."""
+        device = head_values.device
+        rewards = batch.rewards.to(device)
+        shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(device), rewards)
+        values, lam = credit.combine_shared_prefix(
+            shared, counts, head_values, mask, w, self.config.value_shared_min_count
+        )
+        seg_adv, seg_mask, _ = credit.segment_advantages_from_values(values, mask, rewards, lam)
+        known = (counts >= self.config.value_shared_min_count) & mask
+        interior = mask.clone()
+        interior[:, 0] = False
+        interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
+        out = CreditOutput(self._to_tokens(batch, seg_adv), seg_adv, seg_mask, values, mask)
+        out.metrics["credit/shared_boundary_fraction"] = float((known & interior).sum()) / max(
+            int(interior.sum()), 1
         )
         return out
 
