@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (a seed fixes a run, CI included); a
+# local exploration can still ask for fresh ones with --hypothesis-seed.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.load_profile("deterministic")
 
 # Tiny models gain nothing from intra-op threads, and tests may run in parallel processes.
 torch.set_num_threads(1)

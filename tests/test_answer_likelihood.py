@@ -507,7 +507,7 @@ def test_renderings_are_the_ones_the_verifier_accepts(tmp_path, wide_task):
 def mixed_trace_batch(trace_batch):
     """Groups of two with mixed and with agreeing outcomes."""
     batch = copy.copy(trace_batch)
-    batch.rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    batch = batch.replace(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]))
     return batch
 
 

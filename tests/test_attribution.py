@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rredcot import credit
+from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig
 from rredcot.methods.attribution import (
     answer_line_starts,
@@ -22,7 +23,7 @@ from rredcot.methods.attribution import (
     gradient_token_scores,
     tokens_to_segment_weights,
 )
-from rredcot.methods.base import CreditContext, RolloutBatch, get_credit
+from rredcot.methods.base import CreditContext, get_credit
 from rredcot.rollout import encode_prompts
 from rredcot.segment import get_segmenter, token_offsets
 

@@ -131,7 +131,7 @@ def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_d
     method = trainer.method
     torch.manual_seed(3)
     batch, _ = trainer.rollout(trainer.prompts_for_step(1))
-    batch.rewards = (torch.arange(batch.size) % 2).float()  # both outcomes present
+    batch = batch.replace(rewards=(torch.arange(batch.size) % 2).float())  # both outcomes present
     # Move the head away from its EMA target so that using the wrong network shows.
     method.update(batch)
     method.update(batch)

@@ -115,7 +115,7 @@ def test_value_head_is_sized_and_fed_from_the_models_hidden_states(real_model, t
     )
     method = build_credit("value_head", CreditConfig(), ctx)
     layers = method.hidden_layers
-    fill_forward(model, trace_batch, hidden_layers=layers)
+    trace_batch = fill_forward(model, trace_batch, hidden_layers=layers)
     H = model.config.hidden_size
     assert H == 576
     assert trace_batch.hidden_states.shape == (*trace_batch.input_ids.shape, H * len(layers))

@@ -393,12 +393,11 @@ def test_loss_forward_credit_equals_a_fresh_forward(tiny_model_dir, arithmetic_d
             pending = self._pending
             assert pending is not None  # deferred to the loss forwards
             batch = pending.batch
-            batch.hidden_states = self._extra_forward_hidden_states(output, "train")
+            batch = batch.replace(hidden_states=self._extra_forward_hidden_states(output, "train"))
             from rredcot.integrations.trl import _boundary_batch as boundary
 
             feats = self._global_features(boundary(batch).hidden_states, pending.rows)
             _, ref = self._credit(batch, pending.rows, feats=feats)
-            batch.hidden_states = None
             self.records[-1]["reference"] = ref * pending.loss_mask
             return output
 

@@ -39,7 +39,7 @@ def mixed_batch(rollout_batch):
     """The sampled batch with outcomes that vary within groups (a random tiny policy solves
     nothing, and all-zero rewards would make uniform credit and the skill trivially zero)."""
     batch = copy.copy(rollout_batch)
-    batch.rewards = (torch.arange(batch.size) * 7 % 3 == 0).float()
+    batch = batch.replace(rewards=(torch.arange(batch.size) * 7 % 3 == 0).float())
     return batch
 
 
@@ -148,8 +148,12 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
     keep = torch.zeros(rollout_batch.hidden_states.shape[:2], dtype=torch.bool)
     for row in range(rollout_batch.size):
         keep[row, positions[row, mask[row]]] = True
-    noisy.hidden_states = torch.where(
-        keep.unsqueeze(-1), rollout_batch.hidden_states, torch.full_like(noisy.hidden_states, 1e4)
+    noisy = noisy.replace(
+        hidden_states=torch.where(
+            keep.unsqueeze(-1),
+            rollout_batch.hidden_states,
+            torch.full_like(noisy.hidden_states, 1e4),
+        )
     )
     assert torch.equal(method.head_values(noisy)[0], values)
 
@@ -158,28 +162,34 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
     pad = char_tokenizer.pad_token_id
     B = b.size
     repadded = copy.copy(b)
-    repadded.input_ids = torch.cat(
-        [
-            torch.full((B, pad_left), pad, dtype=b.input_ids.dtype),
-            b.input_ids,
-            torch.full((B, pad_right), pad, dtype=b.input_ids.dtype),
-        ],
-        dim=1,
+    repadded = repadded.replace(
+        input_ids=torch.cat(
+            [
+                torch.full((B, pad_left), pad, dtype=b.input_ids.dtype),
+                b.input_ids,
+                torch.full((B, pad_right), pad, dtype=b.input_ids.dtype),
+            ],
+            dim=1,
+        )
     )
-    repadded.attention_mask = torch.cat(
-        [
-            torch.zeros(B, pad_left, dtype=b.attention_mask.dtype),
-            b.attention_mask,
-            torch.zeros(B, pad_right, dtype=b.attention_mask.dtype),
-        ],
-        dim=1,
+    repadded = repadded.replace(
+        attention_mask=torch.cat(
+            [
+                torch.zeros(B, pad_left, dtype=b.attention_mask.dtype),
+                b.attention_mask,
+                torch.zeros(B, pad_right, dtype=b.attention_mask.dtype),
+            ],
+            dim=1,
+        )
     )
-    repadded.prompt_len = b.prompt_len + pad_left
-    repadded.response_mask = torch.cat([b.response_mask, torch.zeros(B, pad_right)], dim=1)
-    repadded.segment_ids = credit.boundaries_to_segment_ids(
-        b.boundaries, b.response_len + pad_right
+    repadded = repadded.replace(prompt_len=b.prompt_len + pad_left)
+    repadded = repadded.replace(
+        response_mask=torch.cat([b.response_mask, torch.zeros(B, pad_right)], dim=1)
     )
-    fill_forward(tiny_policy, repadded, hidden_layers=method.hidden_layers)
+    repadded = repadded.replace(
+        segment_ids=credit.boundaries_to_segment_ids(b.boundaries, b.response_len + pad_right)
+    )
+    repadded = fill_forward(tiny_policy, repadded, hidden_layers=method.hidden_layers)
     values2, mask2 = method.head_values(repadded)
     assert torch.equal(mask2, mask)
     torch.testing.assert_close(values2, values, atol=1e-5, rtol=1e-4)
@@ -197,7 +207,7 @@ def test_values_are_computed_before_the_update(tiny_policy, char_tokenizer, mixe
     # The head's values do not depend on this batch's outcomes (the anchor, the group mean
     # reward, does, as GRPO's baseline does).
     flipped = copy.copy(mixed_batch)
-    flipped.rewards = 1.0 - mixed_batch.rewards
+    flipped = flipped.replace(rewards=1.0 - mixed_batch.rewards)
     assert torch.equal(method.head_values(flipped)[0], method.head_values(mixed_batch)[0])
 
     method.update(mixed_batch)
@@ -214,7 +224,7 @@ def test_missing_or_mismatched_hidden_states_are_clear_errors(
     with pytest.raises(ValueError, match="hidden_layers=method.hidden_layers"):
         method.compute(rollout_batch)  # the batch holds one layer, the head reads two
     bare = copy.copy(rollout_batch)
-    bare.hidden_states = None
+    bare = bare.replace(hidden_states=None)
     with pytest.raises(ValueError, match="fill_forward"):
         method.compute(bare)
     with pytest.raises(ValueError, match="indices must lie in"):
@@ -222,7 +232,7 @@ def test_missing_or_mismatched_hidden_states_are_clear_errors(
     with pytest.raises(ValueError, match="value_layers"):
         make_method(tiny_policy, char_tokenizer, value_layers="last")
     bad = copy.copy(rollout_batch)
-    bad.rewards = torch.full_like(rollout_batch.rewards, 2.0)
+    bad = bad.replace(rewards=torch.full_like(rollout_batch.rewards, 2.0))
     with pytest.raises(ValueError, match="value_loss mse"):
         make_method(tiny_policy, char_tokenizer).update(bad)
     with pytest.raises(ValueError, match="value_output=sigmoid"):
@@ -338,12 +348,12 @@ def test_replay_keeps_boundary_features_only(tiny_policy, char_tokenizer):
 def test_skipped_rows_do_not_train_the_head(tiny_policy, char_tokenizer, mixed_batch):
     """A row whose response mask is all zero (a skipped sample) is ignored by the update."""
     skipped = copy.copy(mixed_batch)
-    skipped.response_mask = mixed_batch.response_mask.clone()
+    skipped = skipped.replace(response_mask=mixed_batch.response_mask.clone())
     skipped.response_mask[0] = 0
-    skipped.rewards = mixed_batch.rewards.clone()
+    skipped = skipped.replace(rewards=mixed_batch.rewards.clone())
     skipped.rewards[0] = 1.0 - skipped.rewards[0]
     flipped = copy.copy(skipped)
-    flipped.rewards = skipped.rewards.clone()
+    flipped = flipped.replace(rewards=skipped.rewards.clone())
     flipped.rewards[0] = 1.0 - flipped.rewards[0]
     a = make_method(tiny_policy, char_tokenizer, value_replay=0)
     b = make_method(tiny_policy, char_tokenizer, value_replay=0)
@@ -466,7 +476,7 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     n = mask.sum(1) - 1
     last = values[torch.arange(len(n)), (n - 1).clamp_min(0)]
     batch = copy.copy(mixed_batch)
-    batch.rewards = (last > last.median()).float()
+    batch = batch.replace(rewards=(last > last.median()).float())
     live = batch.response_mask.sum(-1) > 0
     expected = explained_variance(values[live], mask[live], batch.rewards[live])
     baseline, _ = UniformCredit(method.config, method.context).segment_values(batch)
@@ -526,7 +536,7 @@ def test_anchored_reliability_is_skill_beyond_the_group_mean(
     rows = torch.arange(len(n))
     increment = raw[rows, n - 1] - raw[:, 0]
     # Outcomes that follow the head's increments inside every group: skill beyond the group mean.
-    batch.rewards = torch.zeros(batch.size)
+    batch = batch.replace(rewards=torch.zeros(batch.size))
     for g in batch.group_ids.unique():
         idx = (batch.group_ids == g).nonzero().squeeze(1)
         batch.rewards[idx] = (increment[idx] > increment[idx].median()).float()
@@ -732,7 +742,7 @@ def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arit
             num_generations=8,
             max_new_tokens=32,
         )
-        fill_forward(policy, batch, hidden_layers=method.hidden_layers)
+        batch = fill_forward(policy, batch, hidden_layers=method.hidden_layers)
         acc, n, chance = _localise(method, batch)  # before the head sees these outcomes
         if step >= 25 and n:
             hits, wrong = hits + acc * n, wrong + n

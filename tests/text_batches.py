@@ -8,7 +8,7 @@ import torch
 
 def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline", group_size=1):
     from rredcot import credit
-    from rredcot.methods.base import RolloutBatch
+    from rredcot.batch import RolloutBatch
     from rredcot.rollout import encode_prompts, render_prompt
     from rredcot.segment import get_segmenter, token_offsets
 

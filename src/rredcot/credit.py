@@ -24,12 +24,18 @@ positions of every output are exactly 0: whatever sits in the padding (even NaN)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "Cost",
+    "TokenCredit",
+    "Values",
+    "Weights",
     "anchor_values",
+    "token_credit",
     "boundaries_to_segment_ids",
     "combine_shared_prefix",
     "get_normalizer",
@@ -893,3 +899,127 @@ def token_advantages_from_values(
     return normalize_advantages(
         token_advantages, response_mask, rewards, group_ids, normalization, eps=eps, min_std=min_std
     )
+
+
+# --------------------------------------------------------------------------------------
+# The contract between credit methods and the algebra
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Values:
+    """A value method's estimate: ``V(s_k)`` at every segment boundary of every row.
+
+    Attributes:
+        values: ``(B, S+1)``, ``values[b, k] = V(s_k)`` (what sits at ``s_n`` is replaced by R).
+        mask: ``(B, S+1)`` prefix mask, at least ``s_0`` per row.
+        lam: GAE lambda over segments: a float in [0, 1], or ``(B, S)`` per boundary
+            (:func:`segment_gae`).
+        anchor: ``(B,)`` or None. Shift each row so that ``V(s_0)`` is ``anchor`` (the group's
+            mean reward: every trace keeps GRPO's total ``R - anchor``; :func:`anchor_values`).
+        trust: hand-over weight in [0, 1]: the credit is ``A_gr + trust (A - A_gr)`` with
+            ``A_gr`` GRPO's segment advantages ``R - mean(R_group)``; 0 gives GRPO exactly.
+    """
+
+    values: Tensor
+    mask: Tensor
+    lam: float | Tensor = 1.0
+    anchor: Tensor | None = None
+    trust: float = 1.0
+
+
+@dataclass(frozen=True)
+class Weights:
+    """An attribution method's estimate: how to split ``R - mean(R_group)`` over segments.
+
+    Attributes:
+        weights: ``(B, S)`` non-negative; renormalised over each row's valid segments.
+        mask: ``(B, S)`` prefix mask of valid segments.
+    """
+
+    weights: Tensor
+    mask: Tensor
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What an estimate cost beyond the step's own sampling and forward pass."""
+
+    extra_forward_tokens: float = 0.0  # tokens run through a forward pass for the estimate
+    extra_backward_tokens: float = 0.0  # ... of which also through a backward pass
+    extra_generated_tokens: float = 0.0  # tokens sampled for it (they count against budgets)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "credit/extra_forward_tokens": float(self.extra_forward_tokens),
+            "credit/extra_backward_tokens": float(self.extra_backward_tokens),
+            "credit/extra_generated_tokens": float(self.extra_generated_tokens),
+        }
+
+
+@dataclass(frozen=True)
+class TokenCredit:
+    """The algebra's output for one batch."""
+
+    advantages: Tensor  # (B, T) normalised, 0 on padding
+    segment_advantages: Tensor  # (B, S) before normalisation
+    segment_mask: Tensor  # (B, S) bool
+    segment_rewards: Tensor  # (B, S) redistributed rewards r_k
+    values: Tensor | None = None  # (B, S+1) the values credit used (Values only)
+
+
+def token_credit(
+    estimate: Values | Weights,
+    rewards: Tensor,
+    group_ids: Tensor,
+    segment_ids: Tensor,
+    response_mask: Tensor,
+    normalization: str,
+) -> TokenCredit:
+    """The one path from a method's estimate to token advantages.
+
+    Values: anchor -> redistribute -> segment GAE -> hand-over to GRPO by ``trust``.
+    Weights: ``r_k = w_k (R - mean(R_group))`` -> segment GAE with lambda 0.
+    Then every token of segment ``k`` gets ``A_k`` and the batch is normalised.
+
+    Args:
+        estimate: :class:`Values` or :class:`Weights` over ``S`` segments.
+        rewards: ``(B,)``; group_ids: ``(B,)`` integer.
+        segment_ids: ``(B, T)`` long, ``-1`` on padding, row ``b`` using segments ``0..n_b-1``.
+        response_mask: ``(B, T)``.
+        normalization: a registered normalizer name (:func:`normalize_advantages`).
+
+    Returns:
+        :class:`TokenCredit`.
+    """
+    get_normalizer(normalization)  # fail before any work on a typo
+    rewards = _as_float(rewards)
+    mean, _ = group_mean_std(rewards, group_ids.to(rewards.device))
+    values = None
+    if isinstance(estimate, Values):
+        values = estimate.values
+        if estimate.anchor is not None:
+            values = anchor_values(values, estimate.mask, estimate.anchor)
+        seg_adv, seg_mask, seg_rewards = segment_advantages_from_values(
+            values, estimate.mask, rewards.to(values.device), estimate.lam
+        )
+        trust = float(estimate.trust)
+        if not 0.0 <= trust <= 1.0:
+            raise ValueError(f"Values.trust={trust} must be in [0, 1]")
+        if trust < 1.0:
+            grpo = (rewards - mean).to(seg_adv.device)[:, None].expand_as(seg_adv)
+            grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
+            seg_adv = grpo if trust == 0.0 else grpo + trust * (seg_adv - grpo)
+    elif isinstance(estimate, Weights):
+        seg_mask = _as_bool(estimate.mask)
+        seg_rewards = weights_to_segment_rewards(
+            estimate.weights, seg_mask, rewards.to(estimate.weights.device), mean
+        )
+        seg_adv = segment_gae(seg_rewards, seg_mask, 0.0)
+    else:
+        raise TypeError(f"estimate must be Values or Weights, got {type(estimate).__name__}")
+    tokens = segments_to_tokens(seg_adv, segment_ids.to(seg_adv.device), response_mask)
+    advantages = normalize_advantages(
+        tokens, response_mask, rewards.to(tokens.device), group_ids, normalization
+    )
+    return TokenCredit(advantages, seg_adv, seg_mask, seg_rewards, values)

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from rredcot import credit
+from rredcot.batch import RolloutBatch
 from rredcot.explain import SegmentCredit
-from rredcot.methods.base import CreditOutput, RolloutBatch
+from rredcot.methods.base import CreditOutput
 
 DEFAULT_TASK = "arithmetic"
 
@@ -308,7 +309,7 @@ def explain_checkpoint(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
     )
-    fill_forward(
+    batch = fill_forward(
         policy, batch, hidden_layers=method.hidden_layers if method.needs_hidden_states else None
     )
     out = method.compute(batch)

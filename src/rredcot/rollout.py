@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rredcot import credit
-from rredcot.methods.base import RolloutBatch
+from rredcot.batch import RolloutBatch
 from rredcot.segment import Segmenter, token_offsets
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
@@ -270,7 +270,8 @@ def segment_batch(
     segmenter: Segmenter,
     entropies: torch.Tensor | None = None,
 ) -> RolloutBatch:
-    """Fill ``boundaries``, ``segment_ids`` and ``segment_char_starts`` of every row in place.
+    """The batch with ``boundaries``, ``segment_ids``, ``segment_char_starts`` and ``prefix_ids``
+    of every row.
 
     ``entropies (B, T)``: the policy's next-token entropies, needed by entropy strategies (read
     from the forward pass the step already runs, so entropy segmentation costs nothing extra).
@@ -291,15 +292,15 @@ def segment_batch(
         )
         boundaries.append(bounds)
         char_starts.append(starts)
-    batch.boundaries = boundaries
-    batch.segment_char_starts = char_starts
-    batch.segment_ids = credit.boundaries_to_segment_ids(boundaries, batch.response_len).to(
-        batch.input_ids.device
+    device = batch.input_ids.device
+    return batch.replace(
+        boundaries=boundaries,
+        segment_char_starts=char_starts,
+        segment_ids=credit.boundaries_to_segment_ids(boundaries, batch.response_len).to(device),
+        prefix_ids=credit.shared_prefix_ids(
+            batch.input_ids[:, P:], batch.response_mask, boundaries, batch.group_ids
+        ),
     )
-    batch.prefix_ids = credit.shared_prefix_ids(
-        batch.input_ids[:, P:], batch.response_mask, boundaries, batch.group_ids
-    )
-    return batch
 
 
 def build_rollout_batch(
@@ -372,7 +373,7 @@ def build_rollout_batch(
     if skipped:
         batch = batch.select([row for row, ok in enumerate(valid) if ok])
     if not segmenter.uses_entropy:
-        segment_batch(batch, tokenizer, segmenter)
+        batch = segment_batch(batch, tokenizer, segmenter)
     stats = {
         "rollout/skipped_samples": float(skipped),
         "rollout/verify_timeouts": float(sum(v.timed_out for v in verdicts)),
@@ -405,10 +406,9 @@ def fill_forward(
             temperature=temperature,
             with_entropy=with_entropy,
         )
-    batch.entropies = fwd.entropy
-    batch.old_logprobs = fwd.logprobs
-    batch.hidden_states = fwd.hidden_states
-    return batch
+    return batch.replace(
+        entropies=fwd.entropy, old_logprobs=fwd.logprobs, hidden_states=fwd.hidden_states
+    )
 
 
 @torch.no_grad()

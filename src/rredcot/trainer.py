@@ -24,6 +24,7 @@ import yaml
 
 from rredcot import credit as credit_algebra
 from rredcot import runio
+from rredcot.batch import RolloutBatch
 from rredcot.config import (
     TrainConfig,
     read_yaml_file,
@@ -32,7 +33,7 @@ from rredcot.config import (
     write_text_atomic,
 )
 from rredcot.errors import UserError
-from rredcot.methods.base import CreditContext, RolloutBatch, build_credit
+from rredcot.methods.base import CreditContext, build_credit
 from rredcot.rollout import (
     build_rollout_batch,
     context_limit,
@@ -376,13 +377,13 @@ class Trainer:
             use_model_generation_config=s.use_model_generation_config,
         )
         if forward:
-            self._fill_forward(batch)
+            batch = self._fill_forward(batch)
         return batch, stats
 
-    def _fill_forward(self, batch: RolloutBatch) -> None:
+    def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
         """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        fill_forward(
+        batch = fill_forward(
             self.policy,
             batch,
             hidden_layers=layers,
@@ -390,7 +391,8 @@ class Trainer:
             with_entropy=self.segmenter.uses_entropy,
         )
         if self.segmenter.uses_entropy:
-            segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
+            batch = segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
+        return batch
 
     # -- one RL step ------------------------------------------------------------------------
     def single_pass(self) -> bool:
@@ -439,15 +441,15 @@ class Trainer:
             forward_first = self.method.needs_hidden_states or self.segmenter.uses_entropy
             t_old = time.perf_counter()
             if forward_first:
-                loss_forward = self._loss_forward(batch)
+                batch, loss_forward = self._loss_forward(batch)
                 t_forward = time.perf_counter() - t_old
                 t_old = time.perf_counter()
             credit_out = self.method.compute(batch)
             t_credit = time.perf_counter()
             if loss_forward is None:
-                loss_forward = self._loss_forward(batch)
+                batch, loss_forward = self._loss_forward(batch)
         else:
-            self._fill_forward(batch)
+            batch = self._fill_forward(batch)
             t_old = time.perf_counter()
             credit_out = self.method.compute(batch)
             t_credit = time.perf_counter()
@@ -461,9 +463,7 @@ class Trainer:
         B = batch.size
         self.samples_seen += B
         self.tokens_generated += int(stats["rollout/tokens"])
-        self.extra_tokens_generated += int(
-            credit_out.metrics.get("credit/extra_generated_tokens", 0)
-        )
+        self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
         self.skipped_total += int(stats["rollout/skipped_samples"])
         mask = batch.response_mask
         zero_var_groups = _zero_variance_groups(batch.rewards, batch.group_ids)
@@ -494,9 +494,10 @@ class Trainer:
         }
         return record
 
-    def _loss_forward(self, batch: RolloutBatch):
-        """The single pass: the loss forward over the whole batch (with grad), whose detached
-        log-probs, hidden states and entropies fill the batch for the credit method."""
+    def _loss_forward(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
+        """The single pass: the loss forward over the whole batch (with grad). Returns the batch
+        with its detached log-probs, hidden states (and entropy segments) for the credit method,
+        and the forward itself, whose graph the loss uses."""
         train_mode_without_dropout(self.model)
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
         fwd = policy_forward(
@@ -508,11 +509,11 @@ class Trainer:
             hidden_layers=layers,
             temperature=self.cfg.sampling.temperature,
         )
-        batch.old_logprobs = fwd.logprobs.detach()
-        batch.hidden_states = None if fwd.hidden_states is None else fwd.hidden_states.detach()
+        hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
+        batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
         if self.segmenter.uses_entropy:
-            segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
-        return fwd
+            batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
+        return batch, fwd
 
     def _optimise(
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None

@@ -59,11 +59,11 @@ from typing import Any
 import torch
 
 from rredcot import credit as credit_algebra
+from rredcot.batch import RolloutBatch
 from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
-from rredcot.methods.base import RolloutBatch
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -378,7 +378,7 @@ def evaluate_method(
     for c, b in enumerate(traces.batches):
         _sync(device)
         t_a = time.perf_counter()
-        fill_forward(policy, b, hidden_layers=layers)
+        b = fill_forward(policy, b, hidden_layers=layers)
         _sync(device)
         t_b = time.perf_counter()
         out = method.compute(b)
@@ -583,7 +583,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
                 (f"ground truth V_MC, K = {cfg.mc_k}", segment_credits(b, r, adv, v, m))
             )
         for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
-            fill_forward(policy, b)
+            fill_forward(policy, b)  # (result unused)
         for variant in variants:
             credit_cfg = variant.credit_config(cfg.overrides)
             credit_cfg.segmenter = seg_name

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
-from rredcot.methods.base import CreditMethod, RolloutBatch
+from rredcot.batch import RolloutBatch
+from rredcot.methods.base import CreditMethod
 from rredcot.segment import Segmenter, decode_with_offsets
 from rredcot.tasks.base import Problem, Verdict
 

@@ -687,7 +687,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             problems=problems,
         )
         batch.attention_mask[:, batch.prompt_len :] = completion_mask.long()  # what the model saw
-        batch.verdicts = self._verdicts(batch)
+        batch = batch.replace(verdicts=self._verdicts(batch))
         rows = self._global_rows(batch, G)
         self.credit_method.context.policy = self.model  # the prepared (possibly wrapped) model
         self.last_batch = batch
@@ -704,7 +704,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             else:
                 extra = 0.0
             self._metrics[mode]["rredcot/extra_forward"].append(extra)
-            batch.hidden_states = captured
+            batch = batch.replace(hidden_states=captured)
             feats = self._global_features(_boundary_batch(batch).hidden_states, rows)
             out, advantages = self._credit(batch, rows, feats=feats)
         else:
@@ -833,7 +833,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 f"rredcot: the loss forward's hidden states are {tuple(hidden.shape[:2])}, the "
                 f"micro-batch is {tuple(sub.input_ids.shape)} (TRL internals changed?)"
             )
-        sub.hidden_states = hidden.detach()
+        sub = sub.replace(hidden_states=hidden.detach())
         local_feats = _fit_columns(_boundary_batch(sub).hidden_states, pending.rows.width)
         device = self.accelerator.device
         every_rows = self.collective.gather((local_rows + pending.rows.start).to(device)).cpu()

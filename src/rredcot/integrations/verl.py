@@ -46,7 +46,9 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
+from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, from_dict
+from rredcot.credit import Values
 from rredcot.integrations._batch import (
     group_ids_from_keys,
     overridden_method,
@@ -54,12 +56,7 @@ from rredcot.integrations._batch import (
     segment_completions,
     span_mask,
 )
-from rredcot.methods.base import (
-    CreditContext,
-    CreditMethod,
-    RolloutBatch,
-    UniformCredit,
-)
+from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit
 from rredcot.segment import Segmenter, get_segmenter
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem
@@ -246,37 +243,19 @@ def rredcot_segments(
 # the estimator
 
 
-class _CriticValues(CreditMethod):
-    """Segment values read off verl's critic at the segment starts (``V(s_k) = values[:, b_k]``),
-    anchored on the group's mean reward like every rredcot value source
-    (``credit.value_anchor``)."""
-
-    name = "critic"
-
-    def __init__(self, config: CreditConfig, token_values: Tensor) -> None:
-        super().__init__(config, CreditContext(policy=None, tokenizer=None))
-        self.token_values = token_values
-
-    def raw_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """``values (B, S+1)`` with column ``k`` = the critic's value at token ``b_k`` (column
-        ``n`` is replaced by ``R`` in the algebra); ``mask (B, S+1)``."""
-        n = batch.num_segments
-        S = int(n.max()) if len(n) else 0
-        T = self.token_values.shape[1]
-        starts = torch.zeros(batch.size, S + 1, dtype=torch.long)
-        for row, bounds in enumerate(batch.boundaries):
-            starts[row, : len(bounds)] = torch.tensor(bounds).clamp(max=max(T - 1, 0))
-        mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
-        values = self.token_values.float().gather(1, starts.to(self.token_values.device))
-        mask = mask.to(values.device)
-        return torch.where(mask, values, torch.zeros_like(values)), mask
-
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        values, mask = self.raw_values(batch)
-        if self.config.value_anchor == "group":
-            mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
-            values = credit.anchor_values(values, mask, mean.to(values.device))
-        return values, mask
+def critic_boundary_values(token_values: Tensor, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    """``(values (B, S+1), mask (B, S+1))``: verl's critic read at the segment starts
+    (``V(s_k) = token_values[:, b_k]``; column ``n`` is replaced by ``R`` in the algebra)."""
+    n = batch.num_segments
+    S = int(n.max()) if len(n) else 0
+    T = token_values.shape[1]
+    starts = torch.zeros(batch.size, S + 1, dtype=torch.long)
+    for row, bounds in enumerate(batch.boundaries):
+        starts[row, : len(bounds)] = torch.tensor(bounds).clamp(max=max(T - 1, 0))
+    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    values = token_values.float().gather(1, starts.to(token_values.device))
+    mask = mask.to(values.device)
+    return torch.where(mask, values, torch.zeros_like(values)), mask
 
 
 def _fit_width(t: Tensor, width: int, fill: float) -> Tensor:
@@ -452,10 +431,20 @@ def compute_rredcot_advantage(
             "critic.enable=True (or choose +algorithm.rredcot.credit_method=uniform)"
         )
     values = _fit_width(values.to(mask.device).float(), T, 0.0)
-    method = _CriticValues(cfg, values)
-    with overridden_method(method, _with_dense_rewards(method, batch, prefix)):
-        out = method.compute(batch)
-    raw, raw_mask = method.raw_values(batch)
+    # The critic is one more value source through the same algebra: anchored on the group's
+    # mean reward like every rredcot value (credit.value_anchor), dense rewards kept.
+    raw, raw_mask = critic_boundary_values(values, batch)
+    anchor = None
+    if cfg.value_anchor == "group":
+        anchor, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    anchored = raw if anchor is None else credit.anchor_values(raw, raw_mask, anchor)
+    estimate = Values(anchored + prefix[:, : raw.shape[1]].to(raw.device), raw_mask, lam=cfg.lam)
+    normalization = (
+        CreditMethod.default_normalization if cfg.normalization == "auto" else cfg.normalization
+    )
+    out = credit.token_credit(
+        estimate, rewards, batch.group_ids, batch.segment_ids, batch.response_mask, normalization
+    )
     # The critic predicts the return still to come: its targets exclude rewards already received.
     returns = _critic_returns(raw + prefix, raw_mask, rewards, batch, cfg.value_td_lambda)
     received = credit.segments_to_tokens(prefix[:, :-1], batch.segment_ids, batch.response_mask)

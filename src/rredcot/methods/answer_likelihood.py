@@ -90,17 +90,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rredcot.methods.base import (
-    CreditContext,
-    CreditMethod,
-    CreditOutput,
-    RolloutBatch,
-    UniformCredit,
-    register_credit,
-)
+from rredcot.batch import RolloutBatch
+from rredcot.credit import Cost, Values
+from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
     anchor,
-    blend_with_uniform,
     group_mean,
     handover_scores,
     live_rows,
@@ -777,7 +771,6 @@ class AnswerLikelihoodCredit(CreditMethod):
         self.probe = ProbeFormat.from_config(config)
         self._packing = "auto"
         self._checked = False
-        self._uniform = UniformCredit(config, context)
         self.reliability = 0.0  # EMA of the clipped fresh-batch score; the hand-over weight
         self.num_updates = 0
         self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
@@ -822,9 +815,9 @@ class AnswerLikelihoodCredit(CreditMethod):
             self._packing = "unpacked"
 
     # -- values ---------------------------------------------------------------------------------
-    def estimate(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+    def probe_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)``: the probed values, not anchored, with
-        ``values[:, n] = R``. Cached for the last batch seen (``compute`` after
+        ``values[:, n] = R``. Cached for the last batch seen (``estimate`` after
         ``segment_values`` probes once)."""
         if self._cache is not None and self._cache[0]() is batch:
             return self._cache[1], self._cache[2], self._cache[3]
@@ -849,9 +842,9 @@ class AnswerLikelihoodCredit(CreditMethod):
         return anchor(values, mask, group_mean(batch), self.config.value_anchor)
 
     def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """The values credit uses: :meth:`estimate`, anchored on the group mean reward
+        """The values credit uses: :meth:`probe_values`, anchored on the group mean reward
         (``credit.value_anchor``)."""
-        values, mask, _ = self.estimate(batch)
+        values, mask, _ = self.probe_values(batch)
         return self._anchored(values, mask, batch), mask
 
     # -- credit ---------------------------------------------------------------------------------
@@ -860,15 +853,13 @@ class AnswerLikelihoodCredit(CreditMethod):
         """Weight of answer-likelihood credit against uniform credit (1 with handover off)."""
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
-    def compute(self, batch: RolloutBatch) -> CreditOutput:
-        """Credit from :meth:`segment_values` (which an integration may override with values it
+    def estimate(self, batch: RolloutBatch) -> Estimate:
+        """Values from :meth:`segment_values` (which an integration may override with values it
         computed elsewhere: they are anchored here, which leaves anchored values as they are),
         handed over from uniform credit by :attr:`blend`."""
         values, mask = self.segment_values(batch)
         values = self._anchored(values, mask, batch)
-        out = self._from_values(batch, values, mask)
         w = self.blend
-        out = blend_with_uniform(self, batch, out, w, self._uniform)
         self._scored = (
             values.detach(),
             mask,
@@ -876,10 +867,15 @@ class AnswerLikelihoodCredit(CreditMethod):
             batch.group_ids.detach().clone(),
             live_rows(batch),
         )
-        if self._cache is not None:
-            out.metrics.update(self._cache[3])  # the probe pass of the last estimate
-        out.metrics.update({"value/reliability": float(self.reliability), "credit/blend": w})
-        return out
+        stats = dict(self._cache[3]) if self._cache is not None else {}  # the probe pass
+        cost = Cost(
+            extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0),
+            extra_generated_tokens=stats.pop("credit/extra_generated_tokens", 0.0),
+        )
+        stats.update({"value/reliability": float(self.reliability), "credit/blend": w})
+        return Estimate(
+            Values(values, mask, lam=self.lam, trust=min(max(w, 0.0), 1.0)), cost, stats
+        )
 
     def _last_scored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(values, mask, live)`` of the last :meth:`compute` if it ran on these rows (same

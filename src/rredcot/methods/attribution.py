@@ -38,7 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rredcot.methods.base import CreditMethod, CreditOutput, RolloutBatch, register_credit
+from rredcot.batch import RolloutBatch
+from rredcot.credit import Cost, Weights
+from rredcot.methods.base import CreditMethod, Estimate, register_credit, segment_mask
 from rredcot.rollout import position_ids_from_mask
 from rredcot.segment import decode_with_offsets
 
@@ -228,25 +230,24 @@ def attention_token_scores(
 
 
 class _AttributionCredit(CreditMethod):
-    """Shared part: cost metrics reported by ``compute``; model-based subclasses set
-    ``token_scores`` and run it over micro-batches of the rows that need the model."""
+    """Shared part: model-based subclasses set ``token_scores``, run over micro-batches of the
+    rows that need the model; the estimate's cost counts those rows' tokens."""
 
     micro_batch_size: int = 16  # rows per extra forward (and backward)
     backward: bool = False  # whether the extra pass also runs backward
 
-    def __init__(self, config, context) -> None:
-        super().__init__(config, context)
-        self.last_metrics: dict[str, float] = {}
+    def estimate(self, batch: RolloutBatch) -> Estimate:
+        weights, cost = self.weights_and_cost(batch)
+        return Estimate(Weights(weights, segment_mask(batch, weights.device)), cost)
 
-    def compute(self, batch: RolloutBatch) -> CreditOutput:
-        out = super().compute(batch)
-        out.metrics.update(self.last_metrics)
-        return out
+    def segment_weights(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.weights_and_cost(batch)[0]
 
     def token_scores(self, policy, input_ids, attention_mask, prompt_len, starts, lengths):
         raise NotImplementedError
 
-    def segment_weights(self, batch: RolloutBatch) -> torch.Tensor:
+    def weights_and_cost(self, batch: RolloutBatch) -> tuple[torch.Tensor, Cost]:
+        """``(weights (B, S), cost)``."""
         n = batch.num_segments
         lengths = [int(x) for x in batch.response_mask.sum(-1).tolist()]
         P = batch.prompt_len
@@ -289,26 +290,20 @@ class _AttributionCredit(CreditMethod):
                 forward_tokens += int(mask.sum())
         finally:
             policy.train(was_training)
-        self.last_metrics = {
-            "credit/extra_forward_tokens": float(forward_tokens),
-            "credit/extra_backward_tokens": float(forward_tokens if self.backward else 0),
-            "credit/extra_generated_tokens": 0.0,
-        }
+        cost = Cost(
+            extra_forward_tokens=float(forward_tokens),
+            extra_backward_tokens=float(forward_tokens if self.backward else 0),
+        )
         weights = tokens_to_segment_weights(scores, batch.segment_ids, n)
-        return weights.to(batch.rewards.device)
+        return weights.to(batch.rewards.device), cost
 
 
 @register_credit("first_last")
 class FirstLastCredit(_AttributionCredit):
     """Credit only to the first and the last segment (a sparse baseline), no model call."""
 
-    def segment_weights(self, batch: RolloutBatch) -> torch.Tensor:
-        self.last_metrics = {
-            "credit/extra_forward_tokens": 0.0,
-            "credit/extra_backward_tokens": 0.0,
-            "credit/extra_generated_tokens": 0.0,
-        }
-        return first_last_weights(batch.num_segments).to(batch.rewards.device)
+    def weights_and_cost(self, batch: RolloutBatch) -> tuple[torch.Tensor, Cost]:
+        return first_last_weights(batch.num_segments).to(batch.rewards.device), Cost()
 
 
 @register_credit("gradient")

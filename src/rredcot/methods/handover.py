@@ -12,8 +12,9 @@ both estimators are made safe the same way:
   least-squares slope (:func:`prediction_slope`) or the explained variance
   (:func:`explained_variance`). :func:`smoothed_reliability` folds a score, clipped to [0, 1],
   into an EMA: the hand-over weight ``w``.
-- :func:`blend_with_uniform` gives ``A = A_uniform + w (A_value - A_uniform)``; at ``w = 0`` it
-  returns the uniform method's own advantages (bit for bit GRPO), at ``w = 1`` the method's.
+- the weight goes into :class:`rredcot.credit.Values` as ``trust``: the algebra gives
+  ``A = A_uniform + w (A_value - A_uniform)``, GRPO's advantages at ``w = 0`` and the method's
+  at ``w = 1`` (:func:`rredcot.credit.token_credit`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from torch import Tensor
 from rredcot import credit
 
 if TYPE_CHECKING:
-    from rredcot.methods.base import CreditMethod, CreditOutput, RolloutBatch, UniformCredit
+    from rredcot.batch import RolloutBatch
 
 __all__ = [
     "anchor",
-    "blend_with_uniform",
     "explained_variance",
     "group_mean",
     "handover_scores",
@@ -152,39 +152,6 @@ def smoothed_reliability(reliability: float, score: float, decay: float) -> floa
     if score != score:  # NaN
         return float(reliability)
     return decay * float(reliability) + (1.0 - decay) * min(max(float(score), 0.0), 1.0)
-
-
-def blend_with_uniform(
-    method: CreditMethod,
-    batch: RolloutBatch,
-    out: CreditOutput,
-    w: float,
-    uniform: UniformCredit,
-) -> CreditOutput:
-    """Hand credit over from uniform to ``method`` by the weight ``w`` (in place on ``out``).
-
-    ``w >= 1``: ``out`` as it is. ``w <= 0``: the uniform method's own segment and token
-    advantages (GRPO exactly, whatever the values). Otherwise segment advantages
-    ``w A_value + (1 - w) A_uniform``, turned into tokens with ``method``'s normalisation.
-    ``out.values`` stays the method's own (what benchmarks judge).
-    """
-    if w >= 1.0:
-        return out
-    if w <= 0.0:
-        u = uniform.compute(batch)
-        out.segment_advantages = u.segment_advantages.to(out.segment_advantages.device)
-        out.advantages = u.advantages.to(out.advantages.device)
-        return out
-    device = out.segment_advantages.device
-    rewards = batch.rewards.to(device)
-    u_values, u_mask = uniform.segment_values(batch)
-    uniform_adv, _, _ = credit.segment_advantages_from_values(
-        u_values.to(device), u_mask.to(device), rewards, uniform.lam
-    )
-    seg_adv = w * out.segment_advantages + (1.0 - w) * uniform_adv
-    out.segment_advantages = seg_adv
-    out.advantages = method._to_tokens(batch, seg_adv)
-    return out
 
 
 def live_rows(batch: RolloutBatch) -> Tensor:

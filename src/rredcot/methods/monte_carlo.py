@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from rredcot.methods.base import (
-    CreditContext,
-    CreditMethod,
-    CreditOutput,
-    RolloutBatch,
-    register_credit,
-)
+from rredcot.batch import RolloutBatch
+from rredcot.config import SamplingConfig
+from rredcot.credit import Cost, Values
+from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.rollout import checked_verify, eval_mode, response_mask_from_ids
 
 
@@ -231,14 +228,23 @@ class MonteCarloCredit(CreditMethod):
             raise ValueError(
                 "monte_carlo needs the task to verify continuations; pass CreditContext(task=...)"
             )
-        self._stats: dict[str, float] = {}
 
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        from rredcot.config import SamplingConfig
+        values, mask, _ = self._run(batch)
+        return values, mask
 
+    def estimate(self, batch: RolloutBatch) -> Estimate:
+        values, mask, stats = self._run(batch)
+        cost = Cost(
+            extra_forward_tokens=stats.pop("credit/extra_forward_tokens"),
+            extra_generated_tokens=stats.pop("credit/extra_generated_tokens"),
+        )
+        return Estimate(Values(values, mask, lam=self.lam), cost, stats)
+
+    def _run(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         ctx = self.context
         s = ctx.sampling or SamplingConfig()
-        values, mask, self._stats = mc_values(
+        return mc_values(
             ctx.policy,
             ctx.tokenizer,
             ctx.task,
@@ -250,9 +256,3 @@ class MonteCarloCredit(CreditMethod):
             max_boundaries=self.config.mc_max_boundaries,
             batch_size=self.batch_size,
         )
-        return values, mask
-
-    def compute(self, batch: RolloutBatch) -> CreditOutput:
-        out = super().compute(batch)
-        out.metrics.update(self._stats)
-        return out

@@ -28,7 +28,9 @@ import math
 import torch
 
 from rredcot import credit
-from rredcot.methods.base import CreditMethod, CreditOutput, RolloutBatch, register_credit
+from rredcot.batch import RolloutBatch
+from rredcot.credit import Values
+from rredcot.methods.base import CreditMethod, Estimate, register_credit
 
 __all__ = ["OracleCredit", "completed_lines", "first_error_segment", "oracle_values"]
 
@@ -105,7 +107,8 @@ class OracleCredit(CreditMethod):
 
     default_lam = 0.0
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _values_and_coverage(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(values, mask, fraction of rows with a step label)``."""
         right_lines: list[float] = []
         error_segment: list[int | None] = []
         lines_done: list[list[int]] = []
@@ -126,17 +129,15 @@ class OracleCredit(CreditMethod):
         values, mask = oracle_values(
             batch.rewards.cpu(), batch.group_ids.cpu(), right_lines, lines_done, error_segment
         )
-        self._labelled = sum(not math.isnan(x) for x in right_lines) / max(len(right_lines), 1)
         device = batch.rewards.device
-        return values.to(device), mask.to(device)
+        labelled = sum(not math.isnan(x) for x in right_lines) / max(len(right_lines), 1)
+        return values.to(device), mask.to(device), labelled
 
-    def compute(self, batch: RolloutBatch) -> CreditOutput:
-        out = super().compute(batch)
-        out.metrics.update(
-            {
-                "credit/oracle_labelled_fraction": self._labelled,
-                "credit/extra_forward_tokens": 0.0,
-                "credit/extra_generated_tokens": 0.0,
-            }
-        )
-        return out
+    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        values, mask, _ = self._values_and_coverage(batch)
+        return values, mask
+
+    def estimate(self, batch: RolloutBatch) -> Estimate:
+        values, mask, labelled = self._values_and_coverage(batch)
+        metrics = {"credit/oracle_labelled_fraction": labelled}
+        return Estimate(Values(values, mask, lam=self.lam), metrics=metrics)

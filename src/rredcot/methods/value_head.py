@@ -69,17 +69,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rredcot import credit
-from rredcot.methods.base import (
-    CreditContext,
-    CreditMethod,
-    CreditOutput,
-    RolloutBatch,
-    UniformCredit,
-    register_credit,
-)
+from rredcot.batch import RolloutBatch
+from rredcot.credit import Cost, Values
+from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
     anchor,
-    blend_with_uniform,
     explained_variance,
     handover_scores,
     prediction_slope,
@@ -385,7 +379,6 @@ class ValueHeadCredit(CreditMethod):
         self.replay: deque[dict[str, Tensor]] = deque(maxlen=max(config.value_replay, 1))
         self.reliability = 0.0  # EMA of the clipped fresh-batch skill; the hand-over weight
         self.num_updates = 0
-        self._uniform = UniformCredit(config, context)
         self._alik_cache: tuple[weakref.ref, Tensor] | None = None
         self._alik_forward_tokens = 0.0  # the probe pass of the last batch (feature on)
         if config.value_alik_feature and context.task is None:
@@ -546,49 +539,31 @@ class ValueHeadCredit(CreditMethod):
         """Weight of value credit against uniform credit this step (1 with handover off)."""
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
-    def compute(self, batch: RolloutBatch) -> CreditOutput:
+    def estimate(self, batch: RolloutBatch) -> Estimate:
+        """The head's anchored values, handed over from uniform credit by :attr:`blend`; with
+        ``credit.value_shared_prefixes`` the group's shared prefixes set the values where
+        several samples pass through them (:func:`credit.combine_shared_prefix`)."""
         raw, values, mask = self._raw_and_anchored(batch)
         rewards = batch.rewards.to(raw.device)
-        w = self.blend
+        w = min(max(self.blend, 0.0), 1.0)
+        metrics = self._fresh_diagnostics(raw, mask, rewards, batch)
+        metrics.update({"value/reliability": float(self.reliability), "credit/blend": w})
         if self.config.value_shared_prefixes and batch.prefix_ids is not None:
-            out = self._with_shared_prefixes(batch, values, mask, w)
+            min_count = self.config.value_shared_min_count
+            shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(raw.device), rewards)
+            combined, lam = credit.combine_shared_prefix(shared, counts, values, mask, w, min_count)
+            interior = mask.clone()
+            interior[:, 0] = False
+            interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
+            known = (counts >= min_count) & interior
+            metrics["credit/shared_boundary_fraction"] = float(known.sum()) / max(
+                int(interior.sum()), 1
+            )
+            estimate = Values(combined, mask, lam=lam)
         else:
-            out = self._from_values(batch, values, mask)  # pure value credit
-            out = blend_with_uniform(self, batch, out, w, self._uniform)
-        out.metrics.update(self._fresh_diagnostics(raw, mask, rewards, batch))
-        out.metrics.update(
-            {
-                "value/reliability": float(self.reliability),
-                "credit/blend": w,
-                "credit/extra_forward_tokens": self._alik_forward_tokens
-                if self.config.value_alik_feature
-                else 0.0,
-                "credit/extra_generated_tokens": 0.0,
-            }
-        )
-        return out
-
-    def _with_shared_prefixes(
-        self, batch: RolloutBatch, head_values: Tensor, mask: Tensor, w: float
-    ) -> CreditOutput:
-        """Credit from the group's shared prefixes (known boundaries), the head's values scaled
-        by ``w`` as baselines in between (:func:`credit.combine_shared_prefix`)."""
-        device = head_values.device
-        rewards = batch.rewards.to(device)
-        shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(device), rewards)
-        values, lam = credit.combine_shared_prefix(
-            shared, counts, head_values, mask, w, self.config.value_shared_min_count
-        )
-        seg_adv, seg_mask, _ = credit.segment_advantages_from_values(values, mask, rewards, lam)
-        known = (counts >= self.config.value_shared_min_count) & mask
-        interior = mask.clone()
-        interior[:, 0] = False
-        interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
-        out = CreditOutput(self._to_tokens(batch, seg_adv), seg_adv, seg_mask, values, mask)
-        out.metrics["credit/shared_boundary_fraction"] = float((known & interior).sum()) / max(
-            int(interior.sum()), 1
-        )
-        return out
+            estimate = Values(values, mask, lam=self.lam, trust=w)
+        alik_tokens = self._alik_forward_tokens if self.config.value_alik_feature else 0.0
+        return Estimate(estimate, Cost(extra_forward_tokens=alik_tokens), metrics)
 
     def _fresh_diagnostics(
         self, values: Tensor, mask: Tensor, rewards: Tensor, batch: RolloutBatch
