@@ -102,7 +102,7 @@ class CreditConfig:
     max_segments: int = _help("Cap on segments per trace (0: no cap).", default=0)
     separate_answer: bool = _help(
         "Keep the final answer line as its own segment (off by default: an answer segment takes "
-        "all the blame of a wrong trace and can collapse the policy, DESIGN.md section 7).",
+        "all the blame of a wrong trace and can collapse the policy, docs/method.md, failure modes).",
         default=False,
     )
     lam: float = _help(

@@ -1,6 +1,6 @@
 """The credit algebra: values -> redistributed segment rewards -> segment GAE -> token advantages.
 
-Every credit method in rredcot ends here (DESIGN.md section 2). For a response split into
+Every credit method in rredcot ends here (docs/method.md, the credit algebra). For a response split into
 segments ``k = 1..n`` with prefix states ``s_0 .. s_n`` and outcome reward ``R``:
 
     V(s_n) := R                          (the finished trace is worth its outcome)
@@ -766,7 +766,7 @@ def _normalize_group_std(
 
     Only meaningful for uniform credit, where a group whose rewards agree has advantage 0
     anyway; with the default ``min_std = 0`` this reproduces GRPO exactly. Value-based credit
-    is non-zero in such groups and gets multiplied by ``1 / eps = 10^4`` (DESIGN.md section 7):
+    is non-zero in such groups and gets multiplied by ``1 / eps = 10^4`` (docs/method.md, failure modes):
     use ``batch_std`` or ``whiten`` for it, or set ``min_std`` (e.g. 0.1).
     """
     if group_ids is None:
@@ -792,7 +792,7 @@ def _normalize_group_or_batch_std(
 
     Uniform credit is then scaled exactly as GRPO scales it (its advantage is 0 in a group whose
     rewards agree), while value-based credit in such a group, which redistributes within each
-    trace, is never multiplied by ``1 / eps`` (DESIGN.md section 7).
+    trace, is never multiplied by ``1 / eps`` (docs/method.md, failure modes).
     """
     if group_ids is None:
         raise ValueError("normalization 'group_or_batch_std' needs group_ids (B,)")

@@ -1,4 +1,4 @@
-"""Segmentation: response text -> character spans -> token boundaries (DESIGN.md section 4).
+"""Segmentation: response text -> character spans -> token boundaries (docs/method.md, segments).
 
 Two layers:
 
@@ -18,7 +18,7 @@ Conventions, shared by every strategy:
   ``Answer: 18``, ``<answer>18</answer>`` or a ``\\boxed{18}`` line, not a step that mentions "the
   answer") is merged into the last reasoning step unless ``separate_answer=True``: an answer line
   as its own segment lets an uncalibrated value head put the whole blame of a wrong trace on it,
-  which collapsed training in our prototype (DESIGN.md section 7).
+  which collapsed training in our prototype (docs/method.md, failure modes).
 - A token belongs to the segment holding its first non-whitespace character (its start when the
   token is all whitespace or when no text is given): ``" So"`` goes with the segment that ``So``
   opens, a lone ``"\\n"`` with the line it ends. A token whose bytes straddle a split goes where it
@@ -657,7 +657,7 @@ class Segmenter:
     - ``separate_answer``: keep the final answer line (``answer_pattern``, ``re.search`` on the
       last non-blank line) as its own last segment, exempt from ``min_chars``/``max_segments``
       merging (unless ``max_segments == 1``). When False (default) the answer line is merged into
-      the last reasoning step (DESIGN.md section 7). A text without an answer line (truncated) is
+      the last reasoning step (docs/method.md, failure modes). A text without an answer line (truncated) is
       split as is; an empty ``answer_pattern`` (or ``None``) never finds one.
     """
 

@@ -1,9 +1,9 @@
 """Supervised warm-start: train a tiny model on gold traces until it sits at the edge of
-competence (DESIGN.md section 5), then save a checkpoint that ``rredcot train --init`` accepts.
+competence (docs/method.md, the RL step), then save a checkpoint that ``rredcot train --init`` accepts.
 
 With ``early_answer_prob > 0`` some gold traces are cut after k steps and followed straight by the
 final answer line, so the model learns to answer from a partial chain; the answer-likelihood
-estimator needs a model that can judge its own partial work (DESIGN.md section 7).
+estimator needs a model that can judge its own partial work (docs/method.md, failure modes).
 """
 
 from __future__ import annotations

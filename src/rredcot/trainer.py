@@ -1,4 +1,4 @@
-"""The RL loop of DESIGN.md section 5, read top to bottom:
+"""The RL loop of docs/method.md (the RL step), read top to bottom:
 
 sample G completions per prompt -> verify -> segment -> one no-grad forward (old log-probs and
 hidden states) -> credit method -> token advantages -> clipped policy-gradient loss (+ KL to a
@@ -593,7 +593,7 @@ class Trainer:
 
     def _pretrain_credit(self) -> None:
         """Fit a learned estimator (the value head) on the warm-start policy's own samples before
-        RL, so that its credit is informed from the first step (DESIGN.md section 7)."""
+        RL, so that its credit is informed from the first step (docs/method.md, value sources)."""
         pretrain = getattr(self.method, "pretrain", None)
         if pretrain is None:
             raise ValueError(

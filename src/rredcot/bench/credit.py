@@ -1,4 +1,4 @@
-"""``rredcot bench credit``: how good is each method's credit on a frozen policy? (DESIGN.md s. 6)
+"""``rredcot bench credit``: how good is each method's credit on a frozen policy? (docs/method.md, s. 6)
 
 Read top to bottom:
 

@@ -1,4 +1,4 @@
-"""``rredcot bench learn``: does better credit learn faster? (DESIGN.md section 6)
+"""``rredcot bench learn``: does better credit learn faster? (docs/method.md, measurement protocol)
 
 Every method (or named variant, :mod:`rredcot.bench.variants`) trains from ONE warm-start
 checkpoint, with the same prompt stream (the trainer's prompts are a function of (seed, step)) and

@@ -1,4 +1,4 @@
-"""First-error localisation in ProcessBench terms (DESIGN.md section 6).
+"""First-error localisation in ProcessBench terms (docs/method.md, measurement protocol).
 
 A task's verifier reports ``first_error_step``: the index of the first wrong *line* of a
 completion. Credit is per *segment*, so the line is mapped to the segment holding its first

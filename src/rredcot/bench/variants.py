@@ -1,7 +1,7 @@
 """Named method variants for the benchmarks: ``name=method:key=value:key=value``.
 
 A variant is a credit method plus config overrides, so that, say, the collapse configuration of
-DESIGN.md section 7 runs next to the default::
+docs/method.md (failure modes) runs next to the default::
 
     --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off"
 

@@ -1,4 +1,4 @@
-"""Answer likelihood: the policy as its own judge (DESIGN.md section 3).
+"""Answer likelihood: the policy as its own judge (docs/method.md, value sources).
 
 ``V(s_k) = sum_{a in A+} pi(probe(a) | s_k)``: the probability that the policy, made to answer
 right after the prefix ``s_k``, states a correct answer.
@@ -46,7 +46,7 @@ Where it works: a model that has learned to answer from a partial chain (warm-st
 ``early_answer_prob > 0``), or a reasoning model probed with the cue it answers after. A model
 that only ever copies its final running result into the answer line gives every intermediate
 probe a probability near zero, and the estimator then cannot tell good steps from bad ones
-(DESIGN.md section 7).
+(docs/method.md, failure modes).
 
 **Safe credit** (the value head's guards, :mod:`rredcot.methods.handover`): the values are
 anchored on the group's mean reward (``credit.value_anchor=group``: ``V'(s_k) = V(s_k) - V(s_0) +
@@ -61,8 +61,8 @@ square of ``V'(s_{n-1}) - mean R_group`` below ``MIN_DEPARTURE_RMS = 0.01``) lea
 as it is: on the default warm-start, which never answers early, every probe before the last step
 is near 0, and over the 20 fit batches of ``rredcot bench credit`` the slope of those tiny
 departures averaged 3,417; clipped to 1 it handed over (reliability 0.69) an estimator with
-nothing to say, and at ``lam < 1`` its credit is DESIGN.md section 7's all-blame-on-the-last-
-segment credit.
+nothing to say, and at ``lam < 1`` its credit is the all-blame-on-the-last-
+segment credit of docs/method.md, failure modes.
 
 **Cost and memory**: no generation. All probes of a trace (``n`` boundaries x ``|A+|`` answers)
 go into **one** packed forward pass: ``[prompt | response up to b_{n-1} | probe_0 | probe_1 |

@@ -1,9 +1,9 @@
 """Attribution baselines: split ``R - V(s_0)`` over segments by weights, with no value estimate.
 
-DESIGN.md section 3. Each method gives per-segment weights ``w_k >= 0`` with ``sum_k w_k = 1``
+docs/method.md, value sources. Each method gives per-segment weights ``w_k >= 0`` with ``sum_k w_k = 1``
 (``segment_weights``); the shared base class turns them into ``r_k = w_k (R - mean(R_group))``
 and gives every token of segment ``k`` the segment advantage ``r_k`` directly. There is no
-segment GAE over these ``r_k`` (``credit.lam`` is ignored): DESIGN.md's table lists no λ for the
+segment GAE over these ``r_k`` (``credit.lam`` is ignored): docs/method.md's table lists no λ for the
 attribution baselines, the weights already say how much of the outcome each segment earns.
 
 - ``first_last``: half the credit to the first segment, half to the last (all of it to a single

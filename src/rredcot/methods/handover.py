@@ -1,4 +1,4 @@
-"""The guards every value-based credit method shares (DESIGN.md section 7): the group-mean anchor,
+"""The guards every value-based credit method shares (docs/method.md, value sources): the group-mean anchor,
 the reliability score measured on fresh outcomes, and the hand-over from uniform (GRPO) credit.
 
 Used by :mod:`rredcot.methods.value_head` and :mod:`rredcot.methods.answer_likelihood`, so that

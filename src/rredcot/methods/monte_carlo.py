@@ -1,4 +1,4 @@
-"""Monte Carlo values (VinePPO; DESIGN.md section 3).
+"""Monte Carlo values (VinePPO; docs/method.md, value sources).
 
 ``V(s_k)`` = the mean verified reward of ``K`` continuations sampled from the prefix ``s_k`` by
 the current policy with the run's sampling settings (temperature, top-p). A continuation may use

@@ -1,4 +1,4 @@
-"""RREDCoT with a learned value head (DESIGN.md section 3).
+"""RREDCoT with a learned value head (docs/method.md, value sources).
 
 A small fp32 MLP reads the policy's hidden state at the last token of each prefix ``s_k`` (column
 0: the last prompt token; column k: token ``b_k - 1``) and predicts ``V(s_k)``, the chance that the
@@ -45,7 +45,7 @@ value gain before each segment: unbiased for any head, GRPO itself while ``w = 0
 stays at 0 for a head that points the right way but over-shoots (on the CPU testbed: a blend of
 ~0.06 after 60 steps where the slope gave 0.43-0.54; benchmarks/results/learn_pilots).
 
-Both ask what section 7 of DESIGN.md says goes wrong: a head that cannot see an error before the
+Both ask what docs/method.md (failure modes) says goes wrong: a head that cannot see an error before the
 last segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary
 values against the group mean, reported as ``value/skill_vs_group_mean``, was never positive on
 the CPU testbed, even for a head that blamed the first wrong step in 80% of wrong traces: the
