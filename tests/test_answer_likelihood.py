@@ -271,7 +271,7 @@ def test_warm_policy_judges_a_finished_chain(warm_checkpoint, arithmetic_task):
     """Where answer likelihood does work on a warm start trained without early answers: right
     before the answer line it is the model's probability of writing the reference answer, high
     after a correct chain and low after a chain whose last result is wrong. Before that, the model
-    never answers early, so every intermediate value is near 0 (DESIGN.md section 7; an
+    never answers early, so every intermediate value is near 0 (docs/method.md, failure modes; an
     ``early_answer_prob`` warm start is needed to judge partial chains)."""
     from rredcot.models import load_policy
     from rredcot.segment import get_segmenter

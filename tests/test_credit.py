@@ -481,7 +481,7 @@ def test_batch_std_uses_rows_and_floors_zero_variance():
 
 
 def test_group_std_blows_up_value_credit_without_floor():
-    """DESIGN.md section 7: value-based credit in a zero-std group is multiplied by 1/eps."""
+    """docs/method.md, failure modes: value-based credit in a zero-std group is multiplied by 1/eps."""
     adv = torch.tensor([[0.3], [-0.2], [0.5], [-0.5]], dtype=F64)
     mask = torch.ones(4, 1, dtype=torch.bool)
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=F64)

@@ -11,7 +11,7 @@ import argparse
 
 METHODS_HELP = (
     "Comma-separated credit methods or named variants name=method:key=value:..., e.g. "
-    "'uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off'."
+    "'uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off:value_shared_prefixes=false'."
 )
 
 

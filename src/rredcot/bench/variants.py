@@ -3,7 +3,7 @@
 A variant is a credit method plus config overrides, so that, say, the collapse configuration of
 docs/method.md (failure modes) runs next to the default::
 
-    --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off"
+    --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off:value_shared_prefixes=false"
 
 Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...), dotted ``TrainConfig``
 paths (``sampling.temperature``) or top-level ``TrainConfig`` fields (``lr``). Without a name the
