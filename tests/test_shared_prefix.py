@@ -131,4 +131,10 @@ def test_a_shared_chain_blames_the_step_where_a_sample_left_it():
     mean = rewards.mean()
     assert torch.allclose(seg_r.sum(1), rewards - mean)
     with pytest.raises(ValueError, match="min_count"):
-        credit.combine_shared_prefix(shared, counts, torch.zeros(3, 5), mask, 0.0, min_count=1)
+        credit.combine_shared_prefix(shared, counts, torch.zeros(3, 5), mask, 0.0, min_count=0)
+    # min_count 1 trusts the wrong sample's own prefixes: all its blame on the step it left
+    values1, lam1 = credit.combine_shared_prefix(
+        shared, counts, torch.zeros(3, 5), mask, 0.0, min_count=1
+    )
+    adv1, _, _ = credit.segment_advantages_from_values(values1, mask, rewards, lam1)
+    assert torch.allclose(adv1[2], torch.tensor([0.0, 0.0, -2 / 3, 0.0]))

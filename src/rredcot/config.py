@@ -151,7 +151,10 @@ class CreditConfig:
         default=True,
     )
     value_shared_min_count: int = _help(
-        "Samples that must share a prefix for its shared-prefix value to be used (>= 2).",
+        "Samples that must share a prefix for its shared-prefix value to be used (>= 2). 1 also "
+        "takes a prefix only one sample reached at that sample's own outcome, so all of a trace's "
+        "remaining credit lands on the segment where it left the others (an experiment: where "
+        "samples part in their first words, that is the first segment).",
         default=2,
     )
     value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
@@ -233,10 +236,9 @@ class CreditConfig:
             raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
         if not 0.0 <= self.value_td_lambda <= 1.0:
             raise ValueError(f"credit.value_td_lambda={self.value_td_lambda} must be in [0, 1]")
-        if self.value_shared_min_count < 2:
+        if self.value_shared_min_count < 1:
             raise ValueError(
-                f"credit.value_shared_min_count={self.value_shared_min_count} must be >= 2 (a "
-                "prefix only one sample reached says nothing beyond that sample)"
+                f"credit.value_shared_min_count={self.value_shared_min_count} must be >= 1"
             )
         if self.value_loss not in ("bce", "mse"):
             raise ValueError("credit.value_loss must be bce or mse")

@@ -339,7 +339,8 @@ def combine_shared_prefix(
         fallback_values: ``(B, S+1)`` another estimate of ``V(s_k)`` (e.g. a value head).
         value_mask: ``(B, S+1)`` prefix mask.
         fallback_weight: in ``[0, 1]``, how far to trust the fallback's changes.
-        min_count: samples that must share a prefix for it to be known (>= 2).
+        min_count: samples that must share a prefix for it to be known (usually 2: a prefix
+            only one sample reached has that sample's own outcome as value; 1 trusts it).
 
     Returns:
         values ``(B, S+1)`` (0 on padding) and lam ``(B, S)`` for :func:`segment_gae`.
@@ -349,8 +350,8 @@ def combine_shared_prefix(
     _check_shape(counts, shape, "counts", "(B, S+1)")
     _check_shape(fallback_values, shape, "fallback_values", "(B, S+1)")
     _check_shape(value_mask, shape, "value_mask", "(B, S+1)")
-    if min_count < 2:
-        raise ValueError(f"min_count={min_count}: a prefix only one sample reached says nothing")
+    if min_count < 1:
+        raise ValueError(f"min_count={min_count} must be >= 1")
     if not 0.0 <= float(fallback_weight) <= 1.0:
         raise ValueError(f"fallback_weight={fallback_weight} must be in [0, 1]")
     mask = _as_bool(value_mask)
