@@ -14,9 +14,10 @@ import torch
 
 from conftest import micro_config
 from rredcot.config import TrainConfig
+from rredcot.loss import policy_loss
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer, policy_loss
+from rredcot.trainer import Trainer
 
 # ---------------------------------------------------------------------------------------------
 # the loss

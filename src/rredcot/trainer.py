@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
 import random
 import time
@@ -33,6 +32,7 @@ from rredcot.config import (
     write_text_atomic,
 )
 from rredcot.errors import UserError
+from rredcot.loss import lr_lambda, policy_loss
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.rollout import (
     build_rollout_batch,
@@ -92,78 +92,6 @@ def resolve_max_new_tokens(cfg: TrainConfig, task) -> None:
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     """A seed for one step's randomness, so that a resumed run samples what the original did."""
     return (seed * 1_000_003 + step * 9_973 + salt) % 2**31
-
-
-# ---------------------------------------------------------------------------------------------
-# the loss
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    loss_agg: str,
-    num_rows: int,
-    num_tokens: float,
-    max_len: int,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss (PPO ratio, ε-low/ε-high) with an optional k3 KL penalty.
-
-    Args:
-        logprobs, old_logprobs, advantages, response_mask: ``(b, T)`` for a micro-batch.
-        num_rows, num_tokens: rows and valid tokens of the whole minibatch, so that micro-batches
-            accumulate to the minibatch's aggregate.
-        max_len: ``T_max`` of Dr. GRPO's constant normaliser.
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    was_clipped = clipped > unclipped  # the clipped branch won: this token's gradient is cut
-    kl = torch.zeros_like(per_token)
-    if ref_logprobs is not None and kl_coef > 0:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        per_token = per_token + kl_coef * kl
-    mask = response_mask
-    if loss_agg == "token_mean":
-        loss = (per_token * mask).sum() / max(num_tokens, 1.0)
-    elif loss_agg == "seq_mean":
-        lengths = mask.sum(-1).clamp_min(1.0)
-        loss = ((per_token * mask).sum(-1) / lengths).sum() / max(num_rows, 1)
-    elif loss_agg == "dr_grpo":
-        loss = (per_token * mask).sum() / (max(num_rows, 1) * max_len)
-    else:
-        raise ValueError(f"loss_agg={loss_agg!r}: use token_mean, seq_mean or dr_grpo")
-    with torch.no_grad():
-        n = mask.sum().clamp_min(1.0)
-        stats = {
-            "clip_fraction": float((was_clipped.float() * mask).sum() / n),
-            "kl": float((kl * mask).sum() / n),
-            "ratio_mean": float((ratio * mask).sum() / n),
-        }
-    return loss, stats
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    def fn(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        progress = min(max(progress, 0.0), 1.0)
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return fn
 
 
 # ---------------------------------------------------------------------------------------------

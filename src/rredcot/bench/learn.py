@@ -94,8 +94,8 @@ def bootstrap_trace_cov(
 
 def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.Tensor:
     """``(groups, D)``: the flattened policy gradient of each prompt group's PG loss at ratio 1."""
+    from rredcot.loss import policy_loss
     from rredcot.rollout import policy_forward
-    from rredcot.trainer import policy_loss
 
     cfg = trainer.cfg
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
