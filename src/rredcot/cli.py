@@ -52,7 +52,7 @@ def cmd_sft(args: argparse.Namespace, task_args: dict) -> int:
 
 
 def cmd_explain(args: argparse.Namespace, task_args: dict) -> int:
-    from rredcot.explain import run_explain
+    from rredcot.cli_explain import run_explain
 
     return run_explain(args, task_args)
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_segment_parser(sub)
 
-    from rredcot.explain import add_explain_parser
+    from rredcot.cli_explain import add_explain_parser
 
     add_explain_parser(sub)
     p = sub.choices["explain"]

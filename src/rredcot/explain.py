@@ -9,7 +9,6 @@ method gives it.
 
 from __future__ import annotations
 
-import argparse
 import html
 import os
 import sys
@@ -178,59 +177,3 @@ def demo_sections(
             explain_values(wrong, [group_mean] * n, 0.0, lam=1.0),
         ),
     ]
-
-
-def add_explain_parser(sub) -> None:
-    p = sub.add_parser("explain", help="Show where the credit goes, segment by segment.")
-    p.add_argument(
-        "--demo", action="store_true", help="Walk through the idea on an arithmetic trace."
-    )
-    p.add_argument(
-        "--error-step", type=int, default=1, help="Demo: 0-based step that gets the error."
-    )
-    p.add_argument("--lam", type=float, default=0.0, help="Segment GAE lambda for the demo.")
-    p.add_argument(
-        "--checkpoint", default=None, help="A policy checkpoint (warm-start or run dir)."
-    )
-    p.add_argument(
-        "--prompt", default=None, help="Prompt text to sample from (default: a task problem)."
-    )
-    p.add_argument("--method", default="value_head", help="Credit method to show.")
-    p.add_argument("--run", default=None, help="A run directory whose value head to use.")
-    p.add_argument("--html", default=None, help="Also write a self-contained HTML page here.")
-    p.add_argument("--samples", type=int, default=8, help="Completions sampled (group size).")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--task",
-        dest="task_name",
-        default=None,
-        help="Task name (default: the checkpoint's task, else arithmetic).",
-    )
-    p.add_argument(
-        "--answer", default=None, help="Reference answer of --prompt (to verify the samples)."
-    )
-    p.add_argument("--no-color", action="store_true", help="Plain terminal output.")
-
-
-def run_explain(args: argparse.Namespace, task_args: dict) -> int:
-    color = None if not args.no_color else False
-    if args.demo or not args.checkpoint:
-        if not args.demo:
-            print(
-                "no --checkpoint given: showing the demo (rredcot explain --demo)\n",
-                file=sys.stderr,
-            )
-        sections = demo_sections(args.error_step, seed=args.seed, lam=args.lam)
-    else:
-        from rredcot.explain_model import explain_checkpoint
-
-        sections = explain_checkpoint(args, task_args)
-    for title, prompt, segments in sections:
-        print(f"prompt: {prompt.rstrip()}")
-        print(render_terminal(title, segments, color=color))
-        print()
-    if args.html:
-        with open(args.html, "w", encoding="utf-8") as fh:
-            fh.write(render_html(sections))
-        print(f"wrote {args.html}")
-    return 0

@@ -34,6 +34,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from rredcot.config import cache_root
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Ids 0..3 of the character tokenizer, in this order."""
 
@@ -261,10 +263,9 @@ def dequantised_dir(gguf_path: str | os.PathLike, log=None) -> Path:
     GGUF file `gguf_path`, dequantised to float32.
 
     Built once (the dequantisation takes about 30 s for SmolLM2-135M on 2 CPU cores) under
-    `rredcot.sft.cache_root()/gguf/`, keyed by the file's content, and reused by every later load
+    `rredcot.config.cache_root()/gguf/`, keyed by the file's content, and reused by every later load
     (well under a second). Written atomically, so concurrent first loads are safe.
     """
-    from rredcot.sft import cache_root
 
     src = Path(gguf_path).expanduser().resolve()
     out = cache_root() / "gguf" / f"{src.stem}-{_file_digest(src)}"
@@ -317,39 +318,6 @@ def resolve_model_dir(name_or_path: str | os.PathLike, log=None) -> str:
         if gguf is not None:
             return str(dequantised_dir(gguf, log=log))
     return name
-
-
-def default_policy_source(task, name_or_path: str | None = None, log=print) -> str:
-    """What to load when the user names `name_or_path` (or nothing) for `task`.
-
-    - `tiny` (`TINY_MODEL`): the built-in character-level Llama warm-started on `task` (built
-      once and cached; see `rredcot.sft.default_warmstart`);
-    - any other name: itself;
-    - nothing, on the built-in `arithmetic` task: the tiny model's warm-start;
-    - nothing, on any other task: the shipped `smollm2-135m-instruct` when it is installed, else
-      a `ValueError` saying which `--model.name_or_path` to pass and how to install the shipped
-      model. The character model only makes sense on arithmetic: a silent warm-start of it on
-      GSM8K would take hours and learn nothing useful.
-    """
-    if name_or_path and str(name_or_path).strip().lower() != TINY_MODEL:
-        return str(name_or_path)
-    task_name = getattr(task, "name", str(task))
-    if name_or_path or task_name == "arithmetic":
-        from rredcot.sft import default_warmstart
-
-        return str(default_warmstart(task, log=log))
-    if shipped_model_available(DEFAULT_REAL_MODEL):
-        log(
-            f"no model named for task {task_name!r}: using the shipped {DEFAULT_REAL_MODEL} "
-            "(pass --model.name_or_path to choose another)"
-        )
-        return DEFAULT_REAL_MODEL
-    info = SHIPPED_MODELS[DEFAULT_REAL_MODEL]
-    raise ValueError(
-        f"task {task_name!r} needs a pretrained model: pass --model.name_or_path (a directory, "
-        f"a .gguf file or a hub id), or `{info.install}` to use {DEFAULT_REAL_MODEL} "
-        f"(--model.name_or_path {TINY_MODEL} trains the built-in character model)"
-    )
 
 
 def _looks_like_path(name: str) -> bool:

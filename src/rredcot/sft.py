@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rredcot.config import _help, save_yaml, to_dict
+from rredcot.config import cache_root, help_field, save_yaml, to_dict
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task
 
@@ -29,38 +29,38 @@ from rredcot.tasks.base import Task
 
 @dataclass
 class SFTConfig:
-    task: str = _help("Task whose gold traces the model learns.", default="arithmetic")
-    task_args: dict = _help("Task parameters (CLI: --task.NAME VALUE).", default_factory=dict)
-    out: str = _help("Output checkpoint directory.", default="runs/warmstart")
-    seed: int = _help("Random seed.", default=0)
-    hidden_size: int = _help("Tiny Llama hidden size.", default=128)
-    num_layers: int = _help("Tiny Llama layers.", default=4)
-    num_heads: int = _help("Tiny Llama attention heads.", default=4)
-    max_steps: int = _help("Upper bound on optimiser steps.", default=1200)
-    max_seconds: float = _help(
+    task: str = help_field("Task whose gold traces the model learns.", default="arithmetic")
+    task_args: dict = help_field("Task parameters (CLI: --task.NAME VALUE).", default_factory=dict)
+    out: str = help_field("Output checkpoint directory.", default="runs/warmstart")
+    seed: int = help_field("Random seed.", default=0)
+    hidden_size: int = help_field("Tiny Llama hidden size.", default=128)
+    num_layers: int = help_field("Tiny Llama layers.", default=4)
+    num_heads: int = help_field("Tiny Llama attention heads.", default=4)
+    max_steps: int = help_field("Upper bound on optimiser steps.", default=1200)
+    max_seconds: float = help_field(
         "Upper bound on wall-clock seconds (0: none). The default warm-start is bounded by steps "
         "only, so that its result does not depend on how busy the machine is.",
         default=0.0,
     )
-    threads: int = _help(
+    threads: int = help_field(
         "CPU threads for torch; the tiny model gains nothing from more.", default=1
     )
-    batch_size: int = _help("Gold traces per optimiser step.", default=64)
-    lr: float = _help("Peak learning rate (AdamW).", default=2e-3)
-    eval_every: int = _help("Greedy evaluation every N steps.", default=50)
-    eval_size: int = _help("Held-out prompts per evaluation.", default=128)
-    target_accuracy: float = _help(
+    batch_size: int = help_field("Gold traces per optimiser step.", default=64)
+    lr: float = help_field("Peak learning rate (AdamW).", default=2e-3)
+    eval_every: int = help_field("Greedy evaluation every N steps.", default=50)
+    eval_size: int = help_field("Held-out prompts per evaluation.", default=128)
+    target_accuracy: float = help_field(
         "Stop at the first evaluation at or above this greedy accuracy (edge of competence).",
         default=0.5,
     )
-    max_accuracy: float = _help("Upper end of the edge-of-competence band.", default=0.75)
-    early_answer_prob: float = _help(
+    max_accuracy: float = help_field("Upper end of the edge-of-competence band.", default=0.75)
+    early_answer_prob: float = help_field(
         "Probability that a gold trace is cut after k < n steps and then answered (teaches the "
         "model to answer early; needed by answer_likelihood credit).",
         default=0.0,
     )
-    max_new_tokens: int = _help("Longest completion in evaluation.", default=64)
-    progress: bool = _help("Show a progress bar.", default=True)
+    max_new_tokens: int = help_field("Longest completion in evaluation.", default=64)
+    progress: bool = help_field("Show a progress bar.", default=True)
 
     def __post_init__(self) -> None:
         if not 0 <= self.early_answer_prob <= 1:
@@ -135,7 +135,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
 
     from rredcot.models import build_char_tokenizer, build_tiny_llama, count_parameters
     from rredcot.rollout import greedy_accuracy, render_prompt
-    from rredcot.trainer import seed_everything
+    from rredcot.seeding import seed_everything
 
     _check_out(Path(cfg.out))  # before minutes of training, not after
     if cfg.threads > 0:
@@ -239,10 +239,6 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     return info
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("RREDCOT_CACHE", Path.home() / ".cache" / "rredcot"))
-
-
 def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
     """The warm-start checkpoint for ``task``'s default settings: reused when cached, built
     (about 2-3 minutes on 2 CPU cores) when not."""
@@ -262,3 +258,41 @@ def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
     cfg.out = str(out)
     run_sft(cfg, log=log)
     return out
+
+
+def default_policy_source(task, name_or_path: str | None = None, log=print) -> str:
+    """What to load when the user names `name_or_path` (or nothing) for `task`.
+
+    - `tiny` (`TINY_MODEL`): the built-in character-level Llama warm-started on `task` (built
+      once and cached; see `default_warmstart`);
+    - any other name: itself;
+    - nothing, on the built-in `arithmetic` task: the tiny model's warm-start;
+    - nothing, on any other task: the shipped `smollm2-135m-instruct` when it is installed, else
+      a `ValueError` saying which `--model.name_or_path` to pass and how to install the shipped
+      model. The character model only makes sense on arithmetic: a silent warm-start of it on
+      GSM8K would take hours and learn nothing useful.
+    """
+    from rredcot.models import (
+        DEFAULT_REAL_MODEL,
+        SHIPPED_MODELS,
+        TINY_MODEL,
+        shipped_model_available,
+    )
+
+    if name_or_path and str(name_or_path).strip().lower() != TINY_MODEL:
+        return str(name_or_path)
+    task_name = getattr(task, "name", str(task))
+    if name_or_path or task_name == "arithmetic":
+        return str(default_warmstart(task, log=log))
+    if shipped_model_available(DEFAULT_REAL_MODEL):
+        log(
+            f"no model named for task {task_name!r}: using the shipped {DEFAULT_REAL_MODEL} "
+            "(pass --model.name_or_path to choose another)"
+        )
+        return DEFAULT_REAL_MODEL
+    info = SHIPPED_MODELS[DEFAULT_REAL_MODEL]
+    raise ValueError(
+        f"task {task_name!r} needs a pretrained model: pass --model.name_or_path (a directory, "
+        f"a .gguf file or a hub id), or `{info.install}` to use {DEFAULT_REAL_MODEL} "
+        f"(--model.name_or_path {TINY_MODEL} trains the built-in character model)"
+    )

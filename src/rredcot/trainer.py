@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
@@ -45,14 +44,10 @@ from rredcot.rollout import (
     segment_batch,
     train_mode_without_dropout,
 )
+from rredcot.seeding import seed_everything, step_seed
 from rredcot.segment import get_segmenter
+from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,11 +82,6 @@ def resolve_max_new_tokens(cfg: TrainConfig, task) -> None:
     """Fill ``sampling.max_new_tokens = 0`` (auto) from the task's suggestion, in place."""
     if cfg.sampling.max_new_tokens == 0:
         cfg.sampling.max_new_tokens = task.suggested_max_new_tokens() or DEFAULT_MAX_NEW_TOKENS
-
-
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    """A seed for one step's randomness, so that a resumed run samples what the original did."""
-    return (seed * 1_000_003 + step * 9_973 + salt) % 2**31
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +192,7 @@ class Trainer:
 
     # -- set-up ---------------------------------------------------------------------------
     def _load_policy(self):
-        from rredcot.models import default_policy_source, load_policy
+        from rredcot.models import load_policy
 
         cfg = self.cfg
         if cfg.init:

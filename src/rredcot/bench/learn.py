@@ -206,7 +206,7 @@ class ProbedTrainer(Trainer):
 # the runs
 
 
-def _base_init(cfg: LearnBenchConfig, log) -> str:
+def base_init(cfg: LearnBenchConfig, log) -> str:
     """The one warm-start checkpoint every run starts from."""
     from rredcot.config import TrainConfig, resolve_config
     from rredcot.tasks import get_task
@@ -218,7 +218,7 @@ def _base_init(cfg: LearnBenchConfig, log) -> str:
     )
     if base.init:
         return base.init
-    from rredcot.models import default_policy_source
+    from rredcot.sft import default_policy_source
 
     task = get_task(base.task, **base.task_args)
     return default_policy_source(task, base.model.name_or_path, log=log)
@@ -644,7 +644,7 @@ def run_learn_bench(cfg: LearnBenchConfig, log=print) -> dict[str, Any]:
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    init = _base_init(cfg, log)
+    init = base_init(cfg, log)
     results = []
     for seed in seeds:  # seeds outer: a bench stopped early already compares every method
         for variant in variants:

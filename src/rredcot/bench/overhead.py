@@ -46,7 +46,7 @@ def _sync(device: torch.device) -> None:
 
 def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
     """Interleave full trainer steps of every method; write ``overhead.json`` / ``overhead.md``."""
-    from rredcot.bench.learn import LearnBenchConfig, _base_init
+    from rredcot.bench.learn import LearnBenchConfig, base_init
     from rredcot.config import TrainConfig, resolve_config
     from rredcot.trainer import Trainer
 
@@ -55,7 +55,7 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
         variants.insert(0, Variant("uniform", "uniform"))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    init = _base_init(
+    init = base_init(
         LearnBenchConfig(
             init=cfg.init,
             config=cfg.config,

@@ -81,7 +81,8 @@ def _peak_rss_bytes(*seen: int) -> int:
 
 def _resolve(cfg: PeerBenchConfig, log) -> tuple[Any, str, int]:
     """(task, model directory, completion length) shared by both trainers."""
-    from rredcot.models import default_policy_source, resolve_model_dir
+    from rredcot.models import resolve_model_dir
+    from rredcot.sft import default_policy_source
     from rredcot.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_args)
