@@ -358,3 +358,21 @@ def test_value_pretrain_with_a_method_that_learns_nothing_is_an_error(init_dir, 
     cfg.credit.value_pretrain_steps = 1
     with pytest.raises(ValueError, match="learns nothing"):
         Trainer(cfg, log=lambda *_: None).train()
+
+
+def test_threads_follow_the_idle_cores(monkeypatch):
+    """threads=0 takes the cores the load average leaves idle (at least one); an explicit
+    count wins; accelerators keep torch's default."""
+    import os
+
+    from rredcot.trainer import choose_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert choose_threads(0, torch.device("cpu")) == 4
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 0.0, 0.0))
+    assert choose_threads(0, torch.device("cpu")) == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    assert choose_threads(0, torch.device("cpu")) == 1
+    assert choose_threads(3, torch.device("cpu")) == 3
+    assert choose_threads(0, torch.device("meta")) is None

@@ -50,6 +50,19 @@ from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
 
 
+def choose_threads(requested: int, device: torch.device) -> int | None:
+    """Torch's CPU thread count: ``requested`` if given; on the CPU otherwise the cores this
+    process may use that the 1-minute load average leaves idle (at least 1), since threads
+    beyond the free cores only contend with other jobs; None (torch's default) on accelerators."""
+    if requested:
+        return requested
+    if device.type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cores or 1, round((cores or 1) - busy)))
+
+
 def resolve_device(name: str) -> torch.device:
     """The torch device of ``--device``; a device this machine does not have is a ``UserError``
     (training on the CPU instead would be a silent surprise)."""
@@ -129,15 +142,17 @@ class Trainer:
         self.accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")
         self.device = self.accelerator.device
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        threads = choose_threads(cfg.threads, self.device)
+        if threads:
+            torch.set_num_threads(threads)
+            self.log(
+                f"torch threads: {threads}" + ("" if cfg.threads else " (auto: the idle cores)")
+            )
         seed_everything(cfg.seed)
 
         self.task = get_task(cfg.task, **cfg.task_args)
         resolve_max_new_tokens(cfg, self.task)
         self.policy, self.tokenizer = self._load_policy()
-        if not cfg.threads and self.device.type == "cpu" and _num_params(self.policy) < 20_000_000:
-            torch.set_num_threads(1)  # tiny models: more threads only add contention
         self.policy.to(self.device)
         self.reference = None
         if cfg.kl_coef > 0:
@@ -710,10 +725,6 @@ class Trainer:
             "stopped_by_budget": self.budget_spent(),
             "run_dir": str(self.run_dir),
         }
-
-
-def _num_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
