@@ -165,3 +165,42 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     monkeypatch.setattr(rredcot.trainer, "train", broken)
     with pytest.raises(RuntimeError, match="a bug in rredcot"):
         main(["train", "--out", str(tmp_path / "r")])
+
+
+def test_every_config_field_has_help_text():
+    """Configs describe themselves: every flag the generator makes has its help (issue 19)."""
+    import dataclasses
+
+    from rredcot.bench.cli import SPECIAL_FIELDS
+    from rredcot.bench.configs import (
+        CreditBenchConfig,
+        LearnBenchConfig,
+        OverheadBenchConfig,
+        PeerBenchConfig,
+    )
+    from rredcot.config import CreditConfig, ModelConfig, SamplingConfig, TrainConfig
+    from rredcot.sft import SFTConfig
+
+    configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
+    configs += [CreditBenchConfig, LearnBenchConfig, OverheadBenchConfig, PeerBenchConfig]
+    missing = [
+        f"{cls.__name__}.{f.name}"
+        for cls in configs
+        for f in dataclasses.fields(cls)
+        if f.name not in SPECIAL_FIELDS
+        and not dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None)
+        and f.name not in ("model", "sampling", "credit")
+        and not f.metadata.get("help")
+    ]
+    assert missing == []
+
+
+def test_bench_flags_take_either_spelling():
+    from rredcot.bench.cli import bench_config
+
+    parser = build_parser()
+    for flag in ("--first-seed", "--first_seed"):
+        args = parser.parse_args(["bench", "learn", flag, "100", "--set", "lr=0.1"])
+        cfg = bench_config("learn", args, {"num_steps": "12"})
+        assert cfg.first_seed == 100 and cfg.overrides == {"lr": "0.1"}
+        assert cfg.task_args == {"num_steps": "12"} and cfg.budget_tokens == 500_000

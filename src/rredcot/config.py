@@ -27,8 +27,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("RREDCOT_CACHE", Path.home() / ".cache" / "rredcot"))
 
 
-def help_field(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
+def help_field(text: str, flags: tuple[str, ...] = (), **kw: Any) -> Any:
+    """A dataclass field with its help text (and extra flag spellings) for the CLI generator."""
+    return field(metadata={"help": text, "flags": tuple(flags)}, **kw)
 
 
 @dataclass
@@ -555,22 +556,30 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     return value
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add one ``--prefix.field`` flag per field (nested dataclasses recurse); defaults are unset
-    (``argparse.SUPPRESS``) so that only flags actually given override a YAML file."""
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()
+) -> None:
+    """Add one ``--prefix.field`` flag per field (nested dataclasses recurse), also spelled with
+    hyphens (``--eval-every`` for ``--eval_every``) and with any ``flags`` aliases the field's
+    metadata names. Defaults are unset (``argparse.SUPPRESS``): only flags actually given
+    override a YAML file or the dataclass's own defaults. ``skip``: fields set another way."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             add_dataclass_flags(parser, hint, prefix=f"{prefix}{f.name}.")
             continue
-        if f.name == "task_args":
-            continue  # free-form --task.KEY VALUE, parsed separately
+        if f.name == "task_args" or f.name in skip:
+            continue  # task_args: free-form --task.KEY VALUE, parsed separately
         default = f.default if f.default is not dataclasses.MISSING else "(computed)"
         text = f"{f.metadata.get('help', '')} (default: {default})"
         extra = {"nargs": "?", "const": "true"} if hint is bool else {}  # `--overwrite` alone
+        names = [f"--{prefix}{f.name}"]
+        if "_" in f.name:
+            names.append(f"--{prefix}{f.name.replace('_', '-')}")
+        names += list(f.metadata.get("flags", ()))
         parser.add_argument(
-            f"--{prefix}{f.name}",
+            *names,
             dest=f"{prefix}{f.name}",
             default=argparse.SUPPRESS,
             metavar=_metavar(hint),

@@ -1,38 +1,73 @@
-"""The benchmarks' configurations, free of torch so that ``rredcot bench --help`` (whose flag
-defaults come from them) starts fast. Each benchmark module re-exports its own:
+"""The benchmarks' configurations, free of torch so that ``rredcot bench --help`` (whose flags and
+help come from them) starts fast. Every field carries its help text; ``rredcot.bench.cli``
+turns each dataclass into its subcommand's flags with the same generator as ``rredcot train``
+(``rredcot.config.add_dataclass_flags``). Each benchmark module re-exports its own:
 ``rredcot.bench.credit.CreditBenchConfig``, ``rredcot.bench.learn.LearnBenchConfig``,
 ``rredcot.bench.overhead.OverheadBenchConfig``, ``rredcot.bench.peer.PeerBenchConfig``.
+
+Fields that are not plain flags: ``task`` (``--task NAME``), ``task_args`` (``--task.KEY VALUE``),
+``overrides`` (``--set KEY=VALUE``, repeatable) and ``trl_overrides`` (``--trl-set KEY=VALUE``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rredcot.config import help_field
+
+METHODS_HELP = (
+    "Comma-separated credit methods or named variants name=method:key=value:..., e.g. "
+    "'uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off:"
+    "value_shared_prefixes=false'."
+)
+# the reported long-chain setting (benchmarks/results/long_chain): what `bench learn` runs
+# with no further flags
+LEARN_BUDGET_TOKENS = 500_000
+LEARN_EVAL_EVERY = 5
+LEARN_EVAL_SIZE = 256
+
 
 @dataclass
 class CreditBenchConfig:
-    checkpoint: str
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo,gradient,attention,first_last"
-    segmenters: str = "newline"
-    task: str | None = None  # default: the checkpoint's task, else arithmetic
+    checkpoint: str = help_field(
+        "Policy: model, checkpoint or run directory (required).", default=""
+    )
+    methods: str = help_field(
+        METHODS_HELP,
+        default="uniform,value_head,answer_likelihood,monte_carlo,gradient,attention,first_last",
+    )
+    segmenters: str = help_field(
+        "Comma-separated segmenters.", flags=("--segmenter",), default="newline"
+    )
+    task: str | None = help_field(
+        "Task name (default: the checkpoint's task, else arithmetic).", default=None
+    )
     task_args: dict = field(default_factory=dict)
-    prompts: int = 32
-    samples: int = 8
-    mc_k: int = 32
-    lam: float = 0.0
-    out: str = "bench/credit"
-    seed: int = 0
-    value_fit_batches: int = 20
-    value_fit_prompts: int = 16
-    run: str | None = None  # load learned method states from this training run instead
-    max_new_tokens: int | None = None  # default: the run's sampling.max_new_tokens, else 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    blame_threshold: float = 0.0
-    chunk_prompts: int = 16
-    examples: int = 2
-    overrides: dict = field(default_factory=dict)  # dotted credit.* defaults for every variant
-    device: str = "auto"
+    prompts: int = help_field("Held-out prompts N.", default=32)
+    samples: int = help_field("Completions per prompt G.", default=8)
+    mc_k: int = help_field("Ground-truth Monte Carlo rollouts per boundary.", default=32)
+    lam: float = help_field("Lambda of every comparison (0: A_k = r_k).", default=0.0)
+    out: str = help_field("Output directory.", default="bench/credit")
+    seed: int = help_field("Seed of the prompts and samples.", default=0)
+    value_fit_batches: int = help_field(
+        "Fresh batches the value head is fitted on before scoring (0: untrained).", default=20
+    )
+    value_fit_prompts: int = help_field("Prompts per fit batch.", default=16)
+    run: str | None = help_field(
+        "Load learned method states (value head) from this training run instead.", default=None
+    )
+    max_new_tokens: int | None = help_field(
+        "Completion length (default: the run's sampling.max_new_tokens, else 64).", default=None
+    )
+    temperature: float = help_field("Sampling temperature.", default=1.0)
+    top_p: float = help_field("Sampling top-p.", default=1.0)
+    blame_threshold: float = help_field(
+        "correct_acc: a segment below this advantage counts as blamed.", default=0.0
+    )
+    chunk_prompts: int = help_field("Prompts per forward chunk.", default=16)
+    examples: int = help_field("Traces per example page.", default=2)
+    overrides: dict = field(default_factory=dict)  # dotted credit.* defaults (--set)
+    device: str = help_field("Device: auto, cpu, cuda, mps.", default="auto")
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "mc_k", "chunk_prompts"):
@@ -47,26 +82,48 @@ class CreditBenchConfig:
 
 @dataclass
 class LearnBenchConfig:
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
-    seeds: int = 3
-    first_seed: int = 0
-    budget_tokens: int = 200_000
-    init: str | None = None  # default: the train config's init, else the default warm-start
-    out: str = "bench/learn"
-    steps_max: int = 1000
-    eval_every: int | None = None  # default: the train config's
-    eval_size: int | None = None
-    target_acc: float | None = None  # default: mean warm-start accuracy + target_delta
-    target_delta: float = 0.1
-    config: str | None = None  # YAML TrainConfig every run starts from
+    methods: str = help_field(
+        METHODS_HELP, default="uniform,value_head,answer_likelihood,monte_carlo"
+    )
+    seeds: int = help_field("Seeds per method.", default=3)
+    first_seed: int = help_field(
+        "First seed (tuning seeds are below 100; report on seeds from 100 up).", default=0
+    )
+    budget_tokens: int = help_field(
+        "Sampled tokens per run (policy rollouts + credit-method generations).",
+        default=LEARN_BUDGET_TOKENS,
+    )
+    init: str | None = help_field(
+        "Warm-start checkpoint (default: the train config's init, else the task setting's "
+        "default warm-start, built and cached).",
+        default=None,
+    )
+    out: str = help_field("Output directory (run directories inside).", default="bench/learn")
+    steps_max: int = help_field("Step cap per run.", default=1000)
+    eval_every: int | None = help_field(
+        "Steps between held-out evaluations (None: the train config's).", default=LEARN_EVAL_EVERY
+    )
+    eval_size: int | None = help_field(
+        "Held-out prompts per evaluation (None: the train config's).", default=LEARN_EVAL_SIZE
+    )
+    target_acc: float | None = help_field(
+        "Target accuracy of tokens-to-target (default: mean warm-start accuracy + target_delta).",
+        default=None,
+    )
+    target_delta: float = help_field("Target = warm-start accuracy + this.", default=0.1)
+    config: str | None = help_field("YAML TrainConfig every run starts from.", default=None)
     overrides: dict = field(default_factory=dict)  # dotted TrainConfig overrides (--set)
-    task: str | None = None
+    task: str | None = help_field(
+        "Task name (default: the config's task, else arithmetic).", default=None
+    )
     task_args: dict = field(default_factory=dict)
-    variance_probes: int = 3
-    variance_prompts: int = 8
-    variance_minibatch: int = 2
-    variance_bootstrap: int = 200
-    progress: bool = False
+    variance_probes: int = help_field(
+        "Budget points where the policy-gradient variance is measured (0: off).", default=0
+    )
+    variance_prompts: int = help_field("Prompts per variance probe.", default=8)
+    variance_minibatch: int = help_field("Prompts per gradient in a variance probe.", default=2)
+    variance_bootstrap: int = help_field("Bootstrap resamples of the variance.", default=200)
+    progress: bool = help_field("Progress bars.", default=False)
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
@@ -83,16 +140,22 @@ class LearnBenchConfig:
 
 @dataclass
 class OverheadBenchConfig:
-    methods: str = "uniform,value_head,answer_likelihood,monte_carlo"
-    steps: int = 20
-    warmup: int = 2
-    init: str | None = None
-    out: str = "bench/overhead"
-    seed: int = 0
-    reset_policy: bool = True
-    config: str | None = None
-    overrides: dict = field(default_factory=dict)
-    task: str | None = None
+    methods: str = help_field(
+        METHODS_HELP, default="uniform,value_head,answer_likelihood,monte_carlo"
+    )
+    steps: int = help_field("Timed rounds.", default=20)
+    warmup: int = help_field("Untimed rounds first.", default=2)
+    init: str | None = help_field("Warm-start checkpoint (default: built/cached).", default=None)
+    out: str = help_field("Output directory.", default="bench/overhead")
+    seed: int = help_field("Seed.", default=0)
+    reset_policy: bool = help_field(
+        "Reset every policy to the warm-start before each step (false: let each train on, so "
+        "that their lengths drift apart).",
+        default=True,
+    )
+    config: str | None = help_field("YAML TrainConfig every method starts from.", default=None)
+    overrides: dict = field(default_factory=dict)  # dotted TrainConfig overrides (--set)
+    task: str | None = help_field("Task name (default: arithmetic).", default=None)
     task_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,21 +167,29 @@ class OverheadBenchConfig:
 
 @dataclass
 class PeerBenchConfig:
-    model: str | None = None  # default: the task's default model (tiny warm-start on arithmetic)
-    task: str = "arithmetic"
+    model: str | None = help_field(
+        "Model (directory, .gguf, shipped alias such as smollm2-135m-instruct, 'tiny'); default: "
+        "the task's default (the tiny warm-start on arithmetic).",
+        default=None,
+    )
+    task: str = help_field("Task name.", default="arithmetic")
     task_args: dict = field(default_factory=dict)
-    prompts: int = 16
-    generations: int = 8
-    max_new_tokens: int | None = None  # default: the task's suggestion, else 64
-    steps: int = 20
-    warmup: int = 3
-    repeats: int = 4
-    threads: int = 0
-    lr: float = 1e-5
-    seed: int = 0
-    trl_overrides: dict = field(default_factory=dict)
-    out: str = "bench/peer"
-    timeout: float = 7200.0  # per process
+    prompts: int = help_field("Prompts per step.", default=16)
+    generations: int = help_field("Completions per prompt.", default=8)
+    max_new_tokens: int | None = help_field(
+        "Completion length (default: the task's suggestion, else 64).", default=None
+    )
+    steps: int = help_field("Timed steps per process.", default=20)
+    warmup: int = help_field("Untimed steps first.", default=3)
+    repeats: int = help_field("Processes per trainer.", default=4)
+    threads: int = help_field(
+        "torch threads of both trainers (0: each trainer's own default).", default=0
+    )
+    lr: float = help_field("Learning rate of both.", default=1e-5)
+    seed: int = help_field("Seed.", default=0)
+    trl_overrides: dict = field(default_factory=dict)  # GRPOConfig overrides (--trl-set)
+    out: str = help_field("Output directory.", default="bench/peer")
+    timeout: float = help_field("Seconds each process may run.", default=7200.0)
 
     def __post_init__(self) -> None:
         for name in ("prompts", "generations", "steps", "repeats"):

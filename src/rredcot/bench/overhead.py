@@ -7,7 +7,7 @@ method always goes first. Each method has its own :class:`~rredcot.trainer.Train
 optimiser and credit state), all from the same warm-start and config. By default each policy is
 reset to the warm-start weights before each step, so that in round ``r`` every method samples
 *the same* completions (same prompts, same seed, same weights): the times then differ only by what
-the credit method costs. ``--no-reset`` lets each policy train on (its lengths then drift apart).
+the credit method costs. ``--reset_policy false`` lets each policy train on (its lengths then drift apart).
 
 The first ``--warmup`` rounds are not timed (allocator warm-up, the value head's replay filling).
 Per method: the median over timed rounds of ``step_seconds`` and of each phase
