@@ -353,54 +353,59 @@ class Trainer:
             ).logprobs
 
     def train_step(self, step: int) -> dict[str, Any]:
-        """rollout -> (scoring pass) -> credit -> loss -> update -> the method's own update."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
+        """One RL step, top to bottom: rollout -> forward -> credit -> loss and update -> the
+        credit method's own update -> the step's record."""
+        clock = _StepClock()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
-        seed_everything(step_seed(cfg.seed, step, salt=self.rank))
-        batch, stats = self.rollout(problems, forward=False)
+        seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
+        batch, stats = self.rollout(problems, forward=False)  # sample, verify, segment
         if batch.size == 0:
             raise RuntimeError(
                 f"step {step}: the verifier rejected every sample (errors or non-finite rewards); "
                 "fix the task's verify() so that it returns a finite reward for model output"
             )
-        t_rollout = time.perf_counter()
-        ref_logprobs = self._reference_logprobs(batch)
-        loss_forward = None
-        t_forward = 0.0
-        if self.single_pass():
-            # Methods that read the forward (value head, entropy cuts) get it before the loss is
-            # formed; the others compute their credit first (they run their own passes, if any).
-            forward_first = self.method.needs_hidden_states or self.segmenter.uses_entropy
-            t_old = time.perf_counter()
-            if forward_first:
-                batch, loss_forward = self._loss_forward(batch)
-                t_forward = time.perf_counter() - t_old
-                t_old = time.perf_counter()
-            credit_out = self.method.compute(batch)
-            t_credit = time.perf_counter()
-            if loss_forward is None:
-                batch, loss_forward = self._loss_forward(batch)
-        else:
-            batch = self._fill_forward(batch)
-            t_old = time.perf_counter()
-            credit_out = self.method.compute(batch)
-            t_credit = time.perf_counter()
-        advantages = credit_out.advantages.detach()
-        stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / batch.size
-        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
-        t_update = time.perf_counter()
-        value_stats = self.method.update(batch)
-        t_end = time.perf_counter()
+        clock.lap("rollout")
+        ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
+        clock.lap("reference")
 
+        # The forward the credit reads: on-policy, the loss forward itself (run first only for
+        # methods that read it: hidden states, entropy cuts); otherwise a no-grad scoring pass.
+        loss_forward = None
+        if not self.single_pass():
+            batch = self._fill_forward(batch)
+            clock.lap("old_logprobs")
+        elif self.method.needs_hidden_states or self.segmenter.uses_entropy:
+            batch, loss_forward = self._loss_forward(batch)
+            clock.lap("update")
+
+        credit_out = self.method.compute(batch)
+        clock.lap("credit")
+
+        if self.single_pass() and loss_forward is None:
+            batch, loss_forward = self._loss_forward(batch)
+        advantages = credit_out.advantages.detach()
+        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
+        clock.lap("update")
+
+        value_stats = self.method.update(batch)
+        clock.lap("value_update")
+        return self._record(
+            step, batch, stats, credit_out, update_stats, value_stats, clock, loss_forward is None
+        )
+
+    def _record(
+        self, step, batch, stats, credit_out, update_stats, value_stats, clock, scoring_pass
+    ) -> dict[str, Any]:
+        """Count the step into the run's totals and return its metrics record."""
         B = batch.size
         self.samples_seen += B
         self.tokens_generated += int(stats["rollout/tokens"])
         self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
         self.skipped_total += int(stats["rollout/skipped_samples"])
+        stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / B
         mask = batch.response_mask
-        zero_var_groups = _zero_variance_groups(batch.rewards, batch.group_ids)
-        record = {
+        advantages = credit_out.advantages.detach()
+        return {
             "step": step,
             "samples_seen": self.samples_seen,
             "tokens_generated": self.tokens_generated,
@@ -411,21 +416,16 @@ class Trainer:
             "advantage_abs_mean": float(credit_algebra.masked_mean(advantages.abs(), mask))
             if mask.any()
             else 0.0,
-            "zero_variance_groups": zero_var_groups,
+            "zero_variance_groups": _zero_variance_groups(batch.rewards, batch.group_ids),
             "skipped_samples_total": self.skipped_total,
             "lr": self.scheduler.get_last_lr()[0],
             **stats,
             **credit_out.metrics,
             **value_stats,
-            "forward/scoring_pass": 0.0 if loss_forward is not None else 1.0,
-            "time/rollout": t_rollout - t0,
-            "time/old_logprobs": 0.0 if loss_forward is not None else t_old - t_rollout,
-            "time/credit": t_credit - t_old,
-            "time/update": t_update - t_credit + t_forward,
-            "time/value_update": t_end - t_update,
-            "step_seconds": t_end - t0,
+            "forward/scoring_pass": 1.0 if scoring_pass else 0.0,
+            **{f"time/{name}": seconds for name, seconds in clock.laps.items()},
+            "step_seconds": clock.total,
         }
-        return record
 
     def _loss_forward(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
         """The single pass: the loss forward over the whole batch (with grad). Returns the batch
@@ -725,6 +725,25 @@ class Trainer:
             "stopped_by_budget": self.budget_spent(),
             "run_dir": str(self.run_dir),
         }
+
+
+class _StepClock:
+    """Seconds of a step by phase: each :meth:`lap` adds the time since the last one."""
+
+    PHASES = ("rollout", "reference", "old_logprobs", "credit", "update", "value_update")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.laps = dict.fromkeys(self.PHASES, 0.0)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] += now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
 
 
 def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
