@@ -30,7 +30,10 @@ from rredcot.rollout import fill_forward
 
 
 def make_method(policy, tokenizer, **overrides) -> ValueHeadCredit:
-    cfg = CreditConfig(**{"normalization": "batch_std", **overrides})
+    """The head on its own (shared-prefix values off, tested in their own tests below)."""
+    cfg = CreditConfig(
+        **{"normalization": "batch_std", "value_shared_prefixes": False, **overrides}
+    )
     return build_credit("value_head", cfg, CreditContext(policy=policy, tokenizer=tokenizer))
 
 
@@ -782,3 +785,44 @@ def test_defaults_are_grpo_until_the_head_earns_trust(tiny_policy, char_tokenize
     assert not torch.allclose(trusted.advantages, grpo)
     first = mixed_batch.segment_ids == 0
     torch.testing.assert_close(trusted.advantages[first], grpo[first])
+
+
+# ---------------------------------------------------------------------------------------------
+# shared-prefix values (the default)
+
+
+def test_shared_prefixes_set_the_values_where_samples_agree(
+    tiny_policy, char_tokenizer, mixed_batch
+):
+    """With the default ``value_shared_prefixes`` the method's credit is the algebra's
+    ``combine_shared_prefix`` of the batch's prefix ids, the head (scaled by its hand-over weight)
+    filling the boundaries only one sample reached."""
+    method = make_method(tiny_policy, char_tokenizer, value_shared_prefixes=True)
+    assert mixed_batch.prefix_ids is not None  # segment_batch fills them
+    torch.nn.init.normal_(method.head.fc2.weight)
+    method.reliability = 0.4
+    out = method.compute(mixed_batch)
+    _, anchored, mask = method._raw_and_anchored(mixed_batch)
+    shared, counts = credit.shared_prefix_values(mixed_batch.prefix_ids, mixed_batch.rewards)
+    values, lam = credit.combine_shared_prefix(shared, counts, anchored, mask, 0.4)
+    seg_adv, _, _ = credit.segment_advantages_from_values(values, mask, mixed_batch.rewards, lam)
+    assert torch.equal(out.segment_advantages, seg_adv)
+    assert torch.equal(out.values, values)
+    assert 0.0 <= out.metrics["credit/shared_boundary_fraction"] <= 1.0
+
+
+def test_nothing_shared_and_no_trust_is_grpo(tiny_policy, char_tokenizer, mixed_batch):
+    """Rows that share no prefix beyond s_0 (a task whose samples part in their first words)
+    get GRPO's advantages while the head has earned no trust, whatever it predicts."""
+    method = make_method(tiny_policy, char_tokenizer, value_shared_prefixes=True)
+    torch.nn.init.normal_(method.head.fc2.weight)
+    unique = mixed_batch.prefix_ids.clone()
+    unique[:, 1:] = torch.where(
+        unique[:, 1:] >= 0, 10_000 + torch.arange(unique[:, 1:].numel()).view_as(unique[:, 1:]), -1
+    )
+    batch = mixed_batch.replace(prefix_ids=unique)
+    uniform = UniformCredit(
+        CreditConfig(normalization="batch_std"),
+        CreditContext(policy=tiny_policy, tokenizer=char_tokenizer),
+    )
+    assert torch.equal(method.compute(batch).advantages, uniform.compute(batch).advantages)
