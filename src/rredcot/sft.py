@@ -260,7 +260,9 @@ def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
     return out
 
 
-def default_policy_source(task, name_or_path: str | None = None, log=print) -> str:
+def default_policy_source(
+    task, name_or_path: str | None = None, log=print, tiny_shape: dict | None = None
+) -> str:
     """What to load when the user names `name_or_path` (or nothing) for `task`.
 
     - `tiny` (`TINY_MODEL`): the built-in character-level Llama warm-started on `task` (built
@@ -271,6 +273,9 @@ def default_policy_source(task, name_or_path: str | None = None, log=print) -> s
       a `ValueError` saying which `--model.name_or_path` to pass and how to install the shipped
       model. The character model only makes sense on arithmetic: a silent warm-start of it on
       GSM8K would take hours and learn nothing useful.
+
+    ``tiny_shape`` (``hidden_size``, ``num_layers``, ``num_heads``: ``--model.tiny_*``) sizes
+    the tiny model of a warm-start that has to be built (each shape is cached on its own).
     """
     from rredcot.models import (
         DEFAULT_REAL_MODEL,
@@ -283,7 +288,7 @@ def default_policy_source(task, name_or_path: str | None = None, log=print) -> s
         return str(name_or_path)
     task_name = getattr(task, "name", str(task))
     if name_or_path or task_name == "arithmetic":
-        return str(default_warmstart(task, log=log))
+        return str(default_warmstart(task, log=log, **(tiny_shape or {})))
     if shipped_model_available(DEFAULT_REAL_MODEL):
         log(
             f"no model named for task {task_name!r}: using the shipped {DEFAULT_REAL_MODEL} "

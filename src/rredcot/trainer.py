@@ -213,7 +213,9 @@ class Trainer:
         if cfg.init:
             source = cfg.init
         else:  # the tiny model's warm-start on arithmetic, the shipped real model elsewhere
-            source = default_policy_source(self.task, cfg.model.name_or_path, log=self.log)
+            source = default_policy_source(
+                self.task, cfg.model.name_or_path, log=self.log, tiny_shape=cfg.model.tiny_shape()
+            )
         dtype = getattr(torch, cfg.model.dtype)
         attn = cfg.model.attn_implementation or (
             "eager" if cfg.credit_method == "attention" else None

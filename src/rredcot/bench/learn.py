@@ -221,7 +221,9 @@ def base_init(cfg: LearnBenchConfig, log) -> str:
     from rredcot.sft import default_policy_source
 
     task = get_task(base.task, **base.task_args)
-    return default_policy_source(task, base.model.name_or_path, log=log)
+    return default_policy_source(
+        task, base.model.name_or_path, log=log, tiny_shape=base.model.tiny_shape()
+    )
 
 
 def _task_override(cfg: LearnBenchConfig, overrides: dict) -> dict:
