@@ -522,7 +522,7 @@ def test_handover_zero_is_uniform_grpo_bit_for_bit(
 ):
     policy = _policy(char_tokenizer)
     method = _method(policy, char_tokenizer, wide_task, lam=lam)
-    assert method.blend == 0.0  # no reliability measured yet
+    assert method.handover_weight == 0.0  # no reliability measured yet
     out = method.compute(mixed_trace_batch)
     uniform = get_credit("uniform")(CreditConfig(lam=lam), CreditContext(policy, char_tokenizer))
     ref = uniform.compute(mixed_trace_batch)
@@ -532,7 +532,7 @@ def test_handover_zero_is_uniform_grpo_bit_for_bit(
         mixed_trace_batch.rewards, mixed_trace_batch.group_ids, mixed_trace_batch.response_mask
     )
     assert torch.equal(out.advantages, grpo)
-    assert out.metrics["credit/blend"] == 0.0 and out.values is not None
+    assert out.metrics["credit/handover_weight"] == 0.0 and out.values is not None
 
 
 def test_anchored_values_give_each_trace_grpos_total(char_tokenizer, wide_task, mixed_trace_batch):
@@ -592,7 +592,7 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     expected = prediction_slope(first.values, first.value_mask, batch.rewards, mean)
     assert expected == expected and stats["value/slope"] == pytest.approx(expected)
     assert method.reliability == pytest.approx(0.5 * min(max(expected, 0.0), 1.0))
-    assert first.metrics["credit/blend"] == 0.0
+    assert first.metrics["credit/handover_weight"] == 0.0
     # the next step blends by the measured reliability
     method.reliability = 0.25
     off = _method(model, char_tokenizer, task, answer_cue="think", handover="off")
@@ -604,7 +604,7 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     )
     torch.testing.assert_close(out.segment_advantages, seg)
     assert not torch.allclose(out.segment_advantages, uniform.compute(batch).segment_advantages)
-    assert out.metrics["credit/blend"] == 0.25
+    assert out.metrics["credit/handover_weight"] == 0.25
     # state round trip and pretraining on fresh batches
     again = _method(model, char_tokenizer, task, answer_cue="think")
     again.load_state_dict(method.state_dict())

@@ -78,7 +78,7 @@ def test_shapes_masks_and_metrics(tiny_policy, char_tokenizer, mixed_batch):
     assert out.advantages.abs().sum() > 0
     m = out.metrics
     assert m["credit/extra_forward_tokens"] == 0.0 and m["credit/extra_generated_tokens"] == 0.0
-    assert m["credit/blend"] == 1.0
+    assert m["credit/handover_weight"] == 1.0
     for key in (
         "value/reliability",
         "value/calibration_error",
@@ -422,14 +422,14 @@ def test_head_init_does_not_touch_the_global_rng(tiny_policy, char_tokenizer):
 def test_blend_zero_is_exactly_uniform(tiny_policy, char_tokenizer, mixed_batch):
     for normalization in ("batch_std", "whiten", "none"):
         method = make_method(tiny_policy, char_tokenizer, normalization=normalization, lam=0.5)
-        assert method.blend == 0.0  # no reliability earned yet
+        assert method.handover_weight == 0.0  # no reliability earned yet
         cfg = CreditConfig(normalization=normalization)
         uniform = UniformCredit(cfg, CreditContext(policy=tiny_policy, tokenizer=char_tokenizer))
         out = method.compute(mixed_batch)
         ref = uniform.compute(mixed_batch)
         assert torch.equal(out.advantages, ref.advantages)
         assert torch.equal(out.segment_advantages, ref.segment_advantages)
-        assert out.metrics["credit/blend"] == 0.0
+        assert out.metrics["credit/handover_weight"] == 0.0
         assert out.values is not None  # the head's values are still reported
 
 
@@ -462,7 +462,7 @@ def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mix
         0.25 * off.compute(mixed_batch).advantages + 0.75 * uniform.compute(mixed_batch).advantages
     )
     torch.testing.assert_close(out.advantages, expected)
-    assert out.metrics["credit/blend"] == 0.25
+    assert out.metrics["credit/handover_weight"] == 0.25
 
 
 def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer, mixed_batch):
@@ -492,7 +492,7 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     assert stats["value/skill_vs_group_mean"] == pytest.approx(vs_group, abs=1e-6)
     assert method.reliability == pytest.approx(0.5 * min(expected, 1.0))
     out = method.compute(batch)  # the next step's credit uses the earned weight
-    assert out.metrics["credit/blend"] == pytest.approx(method.reliability)
+    assert out.metrics["credit/handover_weight"] == pytest.approx(method.reliability)
     assert out.metrics["value/reliability"] == pytest.approx(method.reliability)
 
 

@@ -918,7 +918,7 @@ class Values:
             (:func:`segment_gae`).
         anchor: ``(B,)`` or None. Shift each row so that ``V(s_0)`` is ``anchor`` (the group's
             mean reward: every trace keeps GRPO's total ``R - anchor``; :func:`anchor_values`).
-        trust: hand-over weight in [0, 1]: the credit is ``A_gr + trust (A - A_gr)`` with
+        handover_weight: in [0, 1]: the credit is ``A_gr + handover_weight (A - A_gr)`` with
             ``A_gr`` GRPO's segment advantages ``R - mean(R_group)``; 0 gives GRPO exactly.
     """
 
@@ -926,7 +926,7 @@ class Values:
     mask: Tensor
     lam: float | Tensor = 1.0
     anchor: Tensor | None = None
-    trust: float = 1.0
+    handover_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -979,7 +979,7 @@ def token_credit(
 ) -> TokenCredit:
     """The one path from a method's estimate to token advantages.
 
-    Values: anchor -> redistribute -> segment GAE -> hand-over to GRPO by ``trust``.
+    Values: anchor -> redistribute -> segment GAE -> hand-over from GRPO by ``handover_weight``.
     Weights: ``r_k = w_k (R - mean(R_group))`` -> segment GAE with lambda 0.
     Then every token of segment ``k`` gets ``A_k`` and the batch is normalised.
 
@@ -1004,9 +1004,9 @@ def token_credit(
         seg_adv, seg_mask, seg_rewards = segment_advantages_from_values(
             values, estimate.mask, rewards.to(values.device), estimate.lam
         )
-        trust = float(estimate.trust)
+        trust = float(estimate.handover_weight)
         if not 0.0 <= trust <= 1.0:
-            raise ValueError(f"Values.trust={trust} must be in [0, 1]")
+            raise ValueError(f"Values.handover_weight={trust} must be in [0, 1]")
         if trust < 1.0:
             grpo = (rewards - mean).to(seg_adv.device)[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))

@@ -313,7 +313,7 @@ def explain_checkpoint(
         policy, batch, hidden_layers=method.hidden_layers if method.needs_hidden_states else None
     )
     out = method.compute(batch)
-    blend = out.metrics.get("credit/blend")
+    blend = out.metrics.get("credit/handover_weight")
     blend_note = "" if blend is None or blend >= 1.0 else f", blended {blend:.2f} with uniform"
     correct = int(sum(float(r) >= 1.0 for r in batch.rewards))
     sections = []

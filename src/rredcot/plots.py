@@ -17,7 +17,7 @@ CURVES = [
     ("kl", "KL to the reference"),
     ("value/loss", "value-head loss"),
     ("value/reliability", "value-head reliability"),
-    ("credit/blend", "weight of value-based credit"),
+    ("credit/handover_weight", "weight of value-based credit"),
 ]
 
 

@@ -849,17 +849,17 @@ class AnswerLikelihoodCredit(CreditMethod):
 
     # -- credit ---------------------------------------------------------------------------------
     @property
-    def blend(self) -> float:
+    def handover_weight(self) -> float:
         """Weight of answer-likelihood credit against uniform credit (1 with handover off)."""
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
         """Values from :meth:`segment_values` (which an integration may override with values it
         computed elsewhere: they are anchored here, which leaves anchored values as they are),
-        handed over from uniform credit by :attr:`blend`."""
+        handed over from uniform credit by :attr:`handover_weight`."""
         values, mask = self.segment_values(batch)
         values = self._anchored(values, mask, batch)
-        w = self.blend
+        w = self.handover_weight
         self._scored = (
             values.detach(),
             mask,
@@ -872,9 +872,9 @@ class AnswerLikelihoodCredit(CreditMethod):
             extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0),
             extra_generated_tokens=stats.pop("credit/extra_generated_tokens", 0.0),
         )
-        stats.update({"value/reliability": float(self.reliability), "credit/blend": w})
+        stats.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
         return Estimate(
-            Values(values, mask, lam=self.lam, trust=min(max(w, 0.0), 1.0)), cost, stats
+            Values(values, mask, lam=self.lam, handover_weight=min(max(w, 0.0), 1.0)), cost, stats
         )
 
     def _last_scored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:

@@ -535,19 +535,19 @@ class ValueHeadCredit(CreditMethod):
 
     # -- credit ---------------------------------------------------------------------------------
     @property
-    def blend(self) -> float:
+    def handover_weight(self) -> float:
         """Weight of value credit against uniform credit this step (1 with handover off)."""
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
-        """The head's anchored values, handed over from uniform credit by :attr:`blend`; with
+        """The head's anchored values, handed over from uniform credit by :attr:`handover_weight`; with
         ``credit.value_shared_prefixes`` the group's shared prefixes set the values where
         several samples pass through them (:func:`credit.combine_shared_prefix`)."""
         raw, values, mask = self._raw_and_anchored(batch)
         rewards = batch.rewards.to(raw.device)
-        w = min(max(self.blend, 0.0), 1.0)
+        w = min(max(self.handover_weight, 0.0), 1.0)
         metrics = self._fresh_diagnostics(raw, mask, rewards, batch)
-        metrics.update({"value/reliability": float(self.reliability), "credit/blend": w})
+        metrics.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
         if self.config.value_shared_prefixes and batch.prefix_ids is not None:
             min_count = self.config.value_shared_min_count
             shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(raw.device), rewards)
@@ -561,7 +561,7 @@ class ValueHeadCredit(CreditMethod):
             )
             estimate = Values(combined, mask, lam=lam)
         else:
-            estimate = Values(values, mask, lam=self.lam, trust=w)
+            estimate = Values(values, mask, lam=self.lam, handover_weight=w)
         alik_tokens = self._alik_forward_tokens if self.config.value_alik_feature else 0.0
         return Estimate(estimate, Cost(extra_forward_tokens=alik_tokens), metrics)
 
