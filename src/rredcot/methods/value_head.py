@@ -1,56 +1,36 @@
-"""RREDCoT with a learned value head (docs/method.md, value sources).
+"""RREDCoT with a learned value head (docs/method.md, value sources; measured figures live in
+benchmarks/results/, not here).
 
 A small fp32 MLP reads the policy's hidden state at the last token of each prefix ``s_k`` (column
 0: the last prompt token; column k: token ``b_k - 1``) and predicts ``V(s_k)``, the chance that the
-trace ends correct. The hidden states come from the no-grad forward pass that already computes the
-old log-probs (``rollout.fill_forward``), so values cost no extra forward pass and no generation.
+trace ends correct. The hidden states come from the forward pass the step already runs (on-policy:
+the loss forward itself), so values cost no extra forward pass and no generation.
 
 By default (``credit.value_logprob_features``) the head also reads four numbers per prefix from
 that same pass: the mean and the minimum of the policy's log-probs of the tokens of the last
-segment and of the whole response so far. A step the policy itself found unlikely is the clearest
-sign of a wrong step; on the tiny CPU testbed the hidden state alone hardly shows one (a probe
-trained on step-correctness labels reached AUC 0.65-0.78) and the head then blamed the first wrong
-step at chance level, while with these features it did so for ~75% of wrong traces (chance 33%).
-
-With ``credit.value_alik_feature`` (off by default) it also reads the answer-likelihood value of
-each prefix (``answer_likelihood.prefix_features``: ``V`` and its squashed log, from one packed
-probe forward per batch with the reference answers only, so that no outcome of the group leaks
-in; ``s_n`` reads 0). That forward is the feature's cost.
+segment and of the whole response so far (a step the policy itself found unlikely is the clearest
+sign of a wrong step). With ``credit.value_alik_feature`` (off by default) it also reads the
+answer-likelihood value of each prefix, from one packed probe forward per batch with the
+reference answers only (that forward is the feature's cost).
 
 Per RL step the trainer calls, in this order:
 
-1. ``compute(batch)``: values of the fresh batch from the head as it stands (trained only on
-   earlier batches, so the credit never sees this batch's outcomes), turned into advantages by
-   :mod:`rredcot.credit`. With ``handover="reliability"`` the value credit is blended with uniform
-   (GRPO) credit by the head's earned reliability ``w``: ``A = w A_value + (1 - w) A_uniform``.
+1. ``estimate(batch)`` (through ``compute``): values of the fresh batch from the head as it stands
+   (trained only on earlier batches, so the credit never sees this batch's outcomes), anchored on
+   the group's mean reward, with the hand-over weight ``w`` the head has earned. By default
+   (``credit.value_shared_prefixes``) the group's shared prefixes set the values wherever several
+   samples pass through the same prefix, and the head's (``w``-scaled) values are baselines in
+   between (:func:`rredcot.credit.combine_shared_prefix`).
 2. ``update(batch)``: first measure how well the head, not yet trained on this batch, predicts
-   its outcomes, fold that into the reliability EMA, then train the head by TD(lambda_v) over
-   segment boundaries, with replay of recent batches.
+   its outcomes (the slope or explained variance of :mod:`rredcot.methods.handover`), fold that
+   into ``reliability`` (the EMA the hand-over weight follows), then train the head by
+   TD(lambda_v) over segment boundaries, with replay of recent batches.
 
-By default (``credit.value_anchor="group"``) the values are anchored on the group's mean reward
-ḡ: ``V'(s_k) = V(s_k) - V(s_0) + ḡ``. Every trace then gets GRPO's total credit ``R - ḡ``, and
-the head only decides how it is spread over the trace's segments; its errors about how hard a
-prompt is (the same at every boundary) cancel.
-
-The hand-over weight tracks how far the head's prediction can be trusted on fresh traces, measured
-before it trains on them, against the baseline uniform credit already has (b = ḡ when anchored,
-the batch mean if not). By default (``credit.handover_score="slope"``) it is the least-squares
-weight ``w`` in ``R - b ≈ w (V'(s_{n-1}) - b)``, clipped to [0, 1] and smoothed across steps:
-``A = A_uniform + w (A_value - A_uniform)`` then shrinks the head's departures from uniform
-credit by exactly the factor that best predicts the outcomes, which is also the control-variate
-coefficient that minimises the variance of ``R - b - w d`` (``d = V'(s_{n-1}) - b``). With
-``lam = 1`` and anchoring this makes the credit GRPO's advantage minus ``w`` times the head's
-value gain before each segment: unbiased for any head, GRPO itself while ``w = 0``.
-``handover_score="explained_variance"`` uses ``1 - MSE(V'(s_{n-1}), R) / MSE(b, R)`` instead, which
-stays at 0 for a head that points the right way but over-shoots (on the CPU testbed: a blend of
-~0.06 after 60 steps where the slope gave 0.43-0.54; benchmarks/results/learn_pilots).
-
-Both ask what docs/method.md (failure modes) says goes wrong: a head that cannot see an error before the
-last segment dumps the blame of a wrong trace on that segment. (A Brier skill of all boundary
-values against the group mean, reported as ``value/skill_vs_group_mean``, was never positive on
-the CPU testbed, even for a head that blamed the first wrong step in 80% of wrong traces: the
-group mean knows each prompt's realised success rate, which no prefix value can match at
-``s_0``; anchoring removes that comparison from the credit.)
+Anchoring (``credit.value_anchor="group"``): ``V'(s_k) = V(s_k) - V(s_0) + mean(R_group)``, so
+every trace gets GRPO's total credit and the head only decides how it is spread over the trace;
+its errors about a prompt's difficulty cancel. With ``lam = 1`` and anchoring the credit is GRPO's
+advantage minus ``w`` times the head's value gain before each segment: unbiased for any head,
+GRPO itself while ``w = 0`` (docs/method.md, the guards).
 
 The pure tensor helpers (``gather_boundary_features``, ``td_lambda_targets``, ...) are public so
 that tests and benchmarks can check them against plain loops.
