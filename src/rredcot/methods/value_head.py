@@ -531,7 +531,9 @@ class ValueHeadCredit(CreditMethod):
         if self.config.value_shared_prefixes and batch.prefix_ids is not None:
             min_count = self.config.value_shared_min_count
             shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(raw.device), rewards)
-            combined, lam = credit.combine_shared_prefix(shared, counts, values, mask, w, min_count)
+            combined, lam = credit.combine_shared_prefix(
+                shared, counts, values, mask, w, min_count, self.config.value_shared_lam
+            )
             interior = mask.clone()
             interior[:, 0] = False
             interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
