@@ -849,7 +849,7 @@ def normalize_advantages(
 
 
 # --------------------------------------------------------------------------------------
-# The entry point of value-based credit methods
+# Values straight to tokens (a convenience over token_credit)
 # --------------------------------------------------------------------------------------
 
 
@@ -884,16 +884,13 @@ def token_advantages_from_values(
         token advantages ``(B, T)``, 0 on padding.
     """
     get_normalizer(normalization)  # fail before any work on a typo
-    segment_advantages, segment_mask, _ = segment_advantages_from_values(
-        values, value_mask, rewards, lam
-    )
     _check_ndim(segment_ids, 2, "segment_ids", "(B, T)")
     if segment_ids.shape[0] != values.shape[0]:
         raise ValueError(
             f"segment_ids (B, T) = {tuple(segment_ids.shape)} and values (B, S+1) = "
             f"{tuple(values.shape)} disagree on B"
         )
-    num_segments = segment_mask.sum(dim=1)
+    num_segments = _as_bool(value_mask).sum(dim=1) - 1
     used = segment_ids.max(dim=1).values + 1 if segment_ids.shape[1] else num_segments * 0
     if bool((used != num_segments).any()):
         row = int((used != num_segments).nonzero()[0])
@@ -902,10 +899,17 @@ def token_advantages_from_values(
             f"{int(num_segments[row])} (n + 1 values for n segments); build both from the same "
             "boundaries"
         )
-    token_advantages = segments_to_tokens(segment_advantages, segment_ids, response_mask)
-    return normalize_advantages(
-        token_advantages, response_mask, rewards, group_ids, normalization, eps=eps, min_std=min_std
+    out = token_credit(
+        Values(values, value_mask, lam=lam),
+        rewards,
+        group_ids,
+        segment_ids,
+        response_mask,
+        normalization,
+        eps=eps,
+        min_std=min_std,
     )
+    return out.advantages
 
 
 # --------------------------------------------------------------------------------------
@@ -978,10 +982,12 @@ class TokenCredit:
 def token_credit(
     estimate: Values | Weights,
     rewards: Tensor,
-    group_ids: Tensor,
+    group_ids: Tensor | None,
     segment_ids: Tensor,
     response_mask: Tensor,
     normalization: str,
+    eps: float | None = None,
+    min_std: float | None = None,
 ) -> TokenCredit:
     """The one path from a method's estimate to token advantages.
 
@@ -994,14 +1000,20 @@ def token_credit(
         rewards: ``(B,)``; group_ids: ``(B,)`` integer.
         segment_ids: ``(B, T)`` long, ``-1`` on padding, row ``b`` using segments ``0..n_b-1``.
         response_mask: ``(B, T)``.
-        normalization: a registered normalizer name (:func:`normalize_advantages`).
+        normalization: a registered normalizer name (:func:`normalize_advantages`); ``eps`` /
+            ``min_std``: its settings (None: the normalizer's defaults).
 
     Returns:
         :class:`TokenCredit`.
     """
     get_normalizer(normalization)  # fail before any work on a typo
     rewards = _as_float(rewards)
-    mean, _ = group_mean_std(rewards, group_ids.to(rewards.device))
+
+    def group_mean() -> Tensor:
+        if group_ids is None:
+            raise ValueError("the hand-over to GRPO and weights need group_ids (B,)")
+        return group_mean_std(rewards, group_ids.to(rewards.device))[0]
+
     values = None
     if isinstance(estimate, Values):
         values = estimate.values
@@ -1014,19 +1026,25 @@ def token_credit(
         if not 0.0 <= trust <= 1.0:
             raise ValueError(f"Values.handover_weight={trust} must be in [0, 1]")
         if trust < 1.0:
-            grpo = (rewards - mean).to(seg_adv.device)[:, None].expand_as(seg_adv)
+            grpo = (rewards - group_mean()).to(seg_adv.device)[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
             seg_adv = grpo if trust == 0.0 else grpo + trust * (seg_adv - grpo)
     elif isinstance(estimate, Weights):
         seg_mask = _as_bool(estimate.mask)
         seg_rewards = weights_to_segment_rewards(
-            estimate.weights, seg_mask, rewards.to(estimate.weights.device), mean
+            estimate.weights, seg_mask, rewards.to(estimate.weights.device), group_mean()
         )
         seg_adv = segment_gae(seg_rewards, seg_mask, 0.0)
     else:
         raise TypeError(f"estimate must be Values or Weights, got {type(estimate).__name__}")
     tokens = segments_to_tokens(seg_adv, segment_ids.to(seg_adv.device), response_mask)
     advantages = normalize_advantages(
-        tokens, response_mask, rewards.to(tokens.device), group_ids, normalization
+        tokens,
+        response_mask,
+        rewards.to(tokens.device),
+        group_ids,
+        normalization,
+        eps=eps,
+        min_std=min_std,
     )
     return TokenCredit(advantages, seg_adv, seg_mask, seg_rewards, values)
