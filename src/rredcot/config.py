@@ -276,6 +276,20 @@ class CreditConfig:
             )
         if not 0.0 <= self.value_shared_lam <= 1.0:
             raise ValueError(f"credit.value_shared_lam={self.value_shared_lam} must be in [0, 1]")
+        if not self.value_layer_indices:
+            raise ValueError(
+                "credit.value_layers is empty; give layer indices like '-1' or '-1,-2'"
+            )
+        if self.value_epochs < 1:
+            raise ValueError(f"credit.value_epochs={self.value_epochs} must be >= 1")
+        if self.value_replay < 0:
+            raise ValueError(f"credit.value_replay={self.value_replay} must be >= 0")
+        if not 0.0 <= self.value_ema < 1.0:
+            raise ValueError(f"credit.value_ema={self.value_ema} must be in [0, 1)")
+        if self.value_loss == "bce" and self.value_output != "sigmoid":
+            raise ValueError(
+                "credit.value_loss=bce needs credit.value_output=sigmoid (or use value_loss=mse)"
+            )
         if self.value_loss not in ("bce", "mse"):
             raise ValueError("credit.value_loss must be bce or mse")
         if self.value_output not in ("sigmoid", "linear"):

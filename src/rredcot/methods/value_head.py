@@ -337,21 +337,7 @@ class ValueHeadCredit(CreditMethod):
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
-        self.hidden_layers = tuple(config.value_layer_indices)
-        if not self.hidden_layers:
-            raise ValueError(
-                "credit.value_layers is empty; give layer indices like '-1' or '-1,-2'"
-            )
-        if config.value_epochs < 1:
-            raise ValueError(f"credit.value_epochs={config.value_epochs} must be >= 1")
-        if config.value_replay < 0:
-            raise ValueError(f"credit.value_replay={config.value_replay} must be >= 0")
-        if not 0.0 <= config.value_ema < 1.0:
-            raise ValueError(f"credit.value_ema={config.value_ema} must be in [0, 1)")
-        if config.value_loss == "bce" and config.value_output != "sigmoid":
-            raise ValueError(
-                "credit.value_loss=bce needs credit.value_output=sigmoid (or use value_loss=mse)"
-            )
+        self.hidden_layers = tuple(config.value_layer_indices)  # checked by CreditConfig
         self.device = torch.device(context.device)
         self.head: ValueMLP | None = None
         self.target: ValueMLP | None = None  # EMA copy when value_ema > 0
