@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rredcot import credit
@@ -59,6 +58,7 @@ from rredcot.methods.handover import (
     prediction_slope,
     smoothed_reliability,
 )
+from rredcot.methods.value_fit import ValueFit, ValueMLP, td_lambda_targets
 
 __all__ = [
     "ValueHeadCredit",
@@ -78,38 +78,12 @@ __all__ = [
 
 HEAD_FRACTION = 0.01  # auto width: the head has about this share of the policy's parameters
 MIN_HIDDEN = 8  # ... but never fewer hidden units than this
-INIT_SEED = 0  # the head's initial weights do not depend on (or consume) the global RNG
 NUM_LOGPROB_FEATURES = 4  # segment mean, segment min, prefix mean, prefix min
 NUM_ALIK_FEATURES = 2  # answer-likelihood V(s_k) and its squashed log
 
 
 # ---------------------------------------------------------------------------------------------
 # the head
-
-
-class ValueMLP(nn.Module):
-    """``x (..., D + E) -> logit (...)``: a parameter-free LayerNorm over the D hidden-state
-    features (the E extra features pass as they are), Linear(D + E, h), GELU, Linear(h, 1).
-
-    The LayerNorm puts hidden states of different models on one scale without adding parameters;
-    the last layer starts at zero so every first prediction is the neutral logit 0.
-    """
-
-    def __init__(self, input_size: int, hidden_size: int, extra_size: int = 0) -> None:
-        super().__init__()
-        self.input_size = input_size
-        self.extra_size = extra_size
-        self.hidden_size = hidden_size
-        self.norm = nn.LayerNorm(input_size, elementwise_affine=False)
-        self.fc1 = nn.Linear(input_size + extra_size, hidden_size)
-        self.fc2 = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.fc2.weight)
-        nn.init.zeros_(self.fc2.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        hidden, extra = x.split([self.input_size, self.extra_size], dim=-1)
-        x = torch.cat([self.norm(hidden), extra], dim=-1)
-        return self.fc2(F.gelu(self.fc1(x))).squeeze(-1)
 
 
 def auto_hidden_size(
@@ -229,47 +203,6 @@ def logprob_features(
     return out
 
 
-def td_lambda_targets(
-    target_values: Tensor, value_mask: Tensor, rewards: Tensor, lam: float
-) -> tuple[Tensor, Tensor]:
-    """TD(lambda) targets over segment boundaries (gamma = 1, reward only at the end).
-
-    With ``V̄(s_n) := R``: ``G_k = (1 - lam) V̄(s_{k+1}) + lam G_{k+1}``, ``G_n = R``, i.e.
-    ``G_k = (1-lam) sum_{m>=1} lam^(m-1) V̄(s_{k+m}) + lam^(n-k-1) R`` truncated at ``s_n``.
-    ``lam = 1`` regresses every boundary on ``R``; ``lam = 0`` is TD(0), ``G_k = V̄(s_{k+1})``.
-
-    Args:
-        target_values: ``(B, S+1)`` stop-gradient values ``V̄(s_k)`` (whatever sits at ``s_n`` and
-            beyond is ignored).
-        value_mask: ``(B, S+1)`` prefix mask, ``n_b + 1`` True entries per row.
-        rewards: ``(B,)`` outcomes.
-        lam: lambda_v in ``[0, 1]``.
-
-    Returns:
-        targets ``(B, S+1)`` and target_mask ``(B, S+1)`` bool: valid for ``k = 0 .. n_b - 1``
-        (``s_n`` has no target, it *is* the outcome); targets are 0 elsewhere.
-    """
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"TD lambda must be in [0, 1], got {lam}")
-    mask = value_mask.bool()
-    last = mask.sum(dim=1) - 1  # (B,) column of s_n
-    cols = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
-    target_mask = mask & (cols < last.unsqueeze(1))
-    r = rewards.to(target_values.dtype)
-    # V̄ with V̄(s_n) := R and zeros beyond.
-    vbar = torch.where(cols == last.unsqueeze(1), r.unsqueeze(1), target_values)
-    vbar = torch.where(mask, vbar, torch.zeros_like(vbar))
-    targets = torch.zeros_like(vbar)
-    running = r.clone()  # G_{k+1}; at the last valid column this is G_n = R
-    for k in reversed(range(mask.shape[1] - 1)):
-        nxt = vbar[:, k + 1]
-        g = (1.0 - lam) * nxt + lam * running
-        # At k = n - 1 the recursion gives (1-lam) R + lam R = R; rows where k >= n keep R.
-        running = torch.where(target_mask[:, k], g, r)
-        targets[:, k] = running
-    return torch.where(target_mask, targets, torch.zeros_like(targets)), target_mask
-
-
 def expected_calibration_error(
     pred: Tensor, target: Tensor, mask: Tensor, num_bins: int = 10
 ) -> float:
@@ -339,10 +272,7 @@ class ValueHeadCredit(CreditMethod):
         super().__init__(config, context)
         self.hidden_layers = tuple(config.value_layer_indices)  # checked by CreditConfig
         self.device = torch.device(context.device)
-        self.head: ValueMLP | None = None
-        self.target: ValueMLP | None = None  # EMA copy when value_ema > 0
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.replay: deque[dict[str, Tensor]] = deque(maxlen=max(config.value_replay, 1))
+        self.fit = ValueFit(config, self.device)  # the network and its TD fit
         self.reliability = 0.0  # EMA of the clipped fresh-batch skill; the hand-over weight
         self.num_updates = 0
         self._alik_cache: tuple[weakref.ref, Tensor] | None = None
@@ -423,14 +353,24 @@ class ValueHeadCredit(CreditMethod):
         return feats
 
     def _build(self, input_size: int, hidden_size: int) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(INIT_SEED)
-            head = ValueMLP(input_size, hidden_size, extra_size=self.extra_size)
-        self.head = head.to(self.device)
-        self.target = (
-            copy.deepcopy(self.head).requires_grad_(False) if self.config.value_ema > 0 else None
-        )
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.config.value_lr)
+        self.fit.build(input_size, hidden_size, self.extra_size)
+
+    # the fit's parts, as the benchmarks, the TRL adapter and the tests read them
+    @property
+    def head(self) -> ValueMLP | None:
+        return self.fit.head
+
+    @property
+    def target(self) -> ValueMLP | None:
+        return self.fit.target
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.fit.optimizer
+
+    @property
+    def replay(self) -> deque[dict[str, Tensor]]:
+        return self.fit.replay
 
     @property
     def num_head_parameters(self) -> int:
@@ -471,10 +411,7 @@ class ValueHeadCredit(CreditMethod):
         return feats, mask
 
     def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
-        return self._activation(net(feats))
-
-    def _activation(self, logits: Tensor) -> Tensor:
-        return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
+        return self.fit.predict(net, feats)
 
     @torch.no_grad()
     def head_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
@@ -565,24 +502,7 @@ class ValueHeadCredit(CreditMethod):
         return {"features": feats[live], "mask": mask[live], "rewards": rewards[live]}
 
     def _loss(self, entry: dict[str, Tensor]) -> Tensor:
-        feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
-        logits = self.head(feats)
-        lam_v = self.config.value_td_lambda
-        if lam_v < 1.0:
-            with torch.no_grad():
-                vbar = self._predict(self.target if self.target is not None else self.head, feats)
-        else:
-            vbar = torch.zeros_like(logits)  # lam_v = 1: targets are R, V̄ is not used
-        targets, target_mask = td_lambda_targets(vbar, mask, rewards, lam_v)
-        if self.config.value_loss == "bce":
-            per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
-        else:
-            per = (self._activation(logits) - targets) ** 2
-        return credit.masked_mean(per, target_mask)
-
-    @staticmethod
-    def _has_targets(entry: dict[str, Tensor]) -> bool:
-        return bool((entry["mask"].sum(dim=1) > 1).any())
+        return self.fit.loss(entry)
 
     def _measure_reliability(self, entry: dict[str, Tensor], batch: RolloutBatch) -> dict:
         """Score the head on the fresh batch (before it trains on it) against uniform credit's
@@ -612,41 +532,14 @@ class ValueHeadCredit(CreditMethod):
         """Measure the head on the fresh batch, then train it (TD(lambda_v), replay)."""
         entry = self._entry(batch)
         metrics: dict[str, float] = {}
-        if self._has_targets(entry):
+        if self.fit.has_targets(entry):
             with torch.no_grad():
-                metrics["value/loss_fresh"] = float(self._loss(entry))
+                metrics["value/loss_fresh"] = float(self.fit.loss(entry))
         metrics.update(self._measure_reliability(entry, batch))
-        data = [{k: v.to(self.device) for k, v in e.items()} for e in self.replay]
-        data = [e for e in data + [entry] if self._has_targets(e)]
-        losses = []
-        self.head.train()
-        for _ in range(self.config.value_epochs):
-            for e in data:
-                loss = self._loss(e)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-                self._ema_step()
-                losses.append(float(loss.detach()))
-        if self.config.value_replay > 0 and self._has_targets(entry):
-            self.replay.append({k: v.detach().cpu() for k, v in entry.items()})
+        metrics.update(self.fit.fit(entry))
         self.num_updates += 1
-        metrics.update(
-            {
-                "value/loss": sum(losses) / len(losses) if losses else float("nan"),
-                "value/reliability_after": float(self.reliability),
-                "value/replay_batches": float(len(data)),
-            }
-        )
+        metrics["value/reliability_after"] = float(self.reliability)
         return metrics
-
-    @torch.no_grad()
-    def _ema_step(self) -> None:
-        if self.target is None:
-            return
-        decay = self.config.value_ema
-        for t, p in zip(self.target.parameters(), self.head.parameters()):
-            t.mul_(decay).add_(p.detach(), alpha=1.0 - decay)
 
     def pretrain(self, sample_batch: Callable[[], RolloutBatch], steps: int) -> dict[str, float]:
         """Fit the head on ``steps`` batches from ``sample_batch()`` (the warm-start policy's own
@@ -679,13 +572,7 @@ class ValueHeadCredit(CreditMethod):
         change it)."""
         state = {
             "version": 1,
-            "input_size": None if self.head is None else self.head.input_size,
-            "extra_size": None if self.head is None else self.head.extra_size,
-            "hidden_size": None if self.head is None else self.head.hidden_size,
-            "head": None if self.head is None else self.head.state_dict(),
-            "target": None if self.target is None else self.target.state_dict(),
-            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-            "replay": list(self.replay),
+            **self.fit.state_dict(),
             "reliability": float(self.reliability),
             "num_updates": self.num_updates,
         }
@@ -697,27 +584,13 @@ class ValueHeadCredit(CreditMethod):
             raise ValueError(
                 f"value_head state has version {state.get('version')!r}; this code reads 1"
             )
-        if state["head"] is not None:
-            if state["extra_size"] != self.extra_size:
-                raise ValueError(
-                    f"the saved value head reads {state['extra_size']} extra features but "
-                    f"credit.value_logprob_features={self.config.value_logprob_features} and "
-                    f"credit.value_alik_feature={self.config.value_alik_feature} give "
-                    f"{self.extra_size}; resume with the run's own config"
-                )
-            if (
-                self.head is None
-                or self.head.input_size != state["input_size"]
-                or self.head.hidden_size != state["hidden_size"]
-            ):
-                self._build(state["input_size"], state["hidden_size"])
-            self.head.load_state_dict(state["head"])
-            if self.target is not None:
-                self.target.load_state_dict(
-                    state["target"] if state["target"] is not None else state["head"]
-                )
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.replay.clear()
-        self.replay.extend(state["replay"])
+        if state["head"] is not None and state["extra_size"] != self.extra_size:
+            raise ValueError(
+                f"the saved value head reads {state['extra_size']} extra features but "
+                f"credit.value_logprob_features={self.config.value_logprob_features} and "
+                f"credit.value_alik_feature={self.config.value_alik_feature} give "
+                f"{self.extra_size}; resume with the run's own config"
+            )
+        self.fit.load_state_dict(state)
         self.reliability = float(state["reliability"])
         self.num_updates = int(state["num_updates"])
