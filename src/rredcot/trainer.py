@@ -453,78 +453,74 @@ class Trainer:
     def _optimise(
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
     ) -> dict[str, float]:
-        """Epochs x minibatches x micro-batches of the clipped PG loss. With ``loss_forward`` (the
-        single pass, :meth:`single_pass`) its graph is the one micro-batch's forward."""
+        """Epochs x minibatches of optimiser steps; returns each metric's mean over the steps.
+        With ``loss_forward`` (the single pass, :meth:`single_pass`) the one minibatch is the
+        whole batch in its own order and its graph is that forward's."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
-        B = batch.size
-        T_max = cfg.sampling.max_new_tokens
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
-        sums: dict[str, float] = {}
-        count = 0
+        steps: list[dict[str, float]] = []
         for _ in range(cfg.epochs_per_batch):
-            order = torch.randperm(B, generator=gen)
+            order = torch.randperm(batch.size, generator=gen)
             if loss_forward is not None:
-                order = torch.arange(B)  # the forward already ran over the rows in batch order
-            for mb in order.chunk(cfg.minibatches):
-                mb = mb.to(self.device)
-                num_tokens = float(batch.response_mask[mb].sum())
-                self.optimizer.zero_grad(set_to_none=True)
-                loss_total, entropy_sum, micro_stats = 0.0, 0.0, {}
-                micros = mb.chunk(cfg.grad_accumulation)
-                for i, micro in enumerate(micros):
-                    sync = i == len(micros) - 1
-                    ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
-                    with ctx:
-                        fwd = (
-                            loss_forward
-                            if loss_forward is not None
-                            else policy_forward(
-                                self.model,
-                                batch.input_ids[micro],
-                                batch.attention_mask[micro],
-                                batch.prompt_len,
-                                with_entropy=True,
-                                temperature=cfg.sampling.temperature,
-                            )
-                        )
-                        rmask = batch.response_mask[micro]
-                        loss, st = policy_loss(
-                            fwd.logprobs,
-                            batch.old_logprobs[micro],
-                            advantages[micro],
-                            rmask,
-                            clip_eps_low=cfg.clip_eps_low,
-                            clip_eps_high=cfg.clip_eps_high,
-                            loss_agg=cfg.loss_agg,
-                            num_rows=len(mb),
-                            num_tokens=num_tokens,
-                            max_len=T_max,
-                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
-                            kl_coef=cfg.kl_coef,
-                        )
-                        self.accelerator.backward(loss)
-                        loss_total += loss.item()
-                        entropy_sum += float((fwd.entropy.detach() * rmask).sum())
-                        for k, v in st.items():
-                            micro_stats[k] = micro_stats.get(k, 0.0) + v * float(rmask.sum()) / max(
-                                num_tokens, 1.0
-                            )
-                params = [p for p in self.policy.parameters() if p.requires_grad]
-                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = float(self.accelerator.clip_grad_norm_(params, max_norm))
-                self.optimizer.step()
-                self.scheduler.step()
-                entries = {
-                    "policy_loss": loss_total,
-                    "entropy": entropy_sum / max(num_tokens, 1.0),
-                    "grad_norm": grad_norm,
-                    **micro_stats,
-                }
-                for k, v in entries.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-        return {k: v / max(count, 1) for k, v in sums.items()}
+                order = torch.arange(batch.size)  # the forward already ran in batch order
+            for rows in order.chunk(cfg.minibatches):
+                steps.append(
+                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward)
+                )
+        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
+
+    def _minibatch_step(
+        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
+    ) -> dict[str, float]:
+        """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
+        (gradients are synchronised across processes on the last one only)."""
+        cfg = self.cfg
+        rows = rows.to(self.device)
+        num_tokens = float(batch.response_mask[rows].sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {"policy_loss": 0.0, "entropy": 0.0}
+        micros = rows.chunk(cfg.grad_accumulation)
+        for i, micro in enumerate(micros):
+            last = i == len(micros) - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
+                fwd = loss_forward
+                if fwd is None:
+                    fwd = policy_forward(
+                        self.model,
+                        batch.input_ids[micro],
+                        batch.attention_mask[micro],
+                        batch.prompt_len,
+                        with_entropy=True,
+                        temperature=cfg.sampling.temperature,
+                    )
+                rmask = batch.response_mask[micro]
+                loss, stats = policy_loss(
+                    fwd.logprobs,
+                    batch.old_logprobs[micro],
+                    advantages[micro],
+                    rmask,
+                    clip_eps_low=cfg.clip_eps_low,
+                    clip_eps_high=cfg.clip_eps_high,
+                    loss_agg=cfg.loss_agg,
+                    num_rows=len(rows),
+                    num_tokens=num_tokens,
+                    max_len=cfg.sampling.max_new_tokens,
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
+                    kl_coef=cfg.kl_coef,
+                )
+                self.accelerator.backward(loss)
+            share = float(rmask.sum()) / max(num_tokens, 1.0)  # this micro-batch's token share
+            totals["policy_loss"] += loss.item()
+            totals["entropy"] += float((fwd.entropy.detach() * rmask).sum()) / max(num_tokens, 1.0)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v * share
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        totals["grad_norm"] = float(self.accelerator.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        return totals
 
     def _pretrain_credit(self) -> None:
         """Fit a learned estimator (the value head) on the warm-start policy's own samples before
