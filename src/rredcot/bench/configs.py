@@ -101,10 +101,12 @@ class LearnBenchConfig:
     out: str = help_field("Output directory (run directories inside).", default="bench/learn")
     steps_max: int = help_field("Step cap per run.", default=1000)
     eval_every: int | None = help_field(
-        "Steps between held-out evaluations (None: the train config's).", default=LEARN_EVAL_EVERY
+        "Steps between held-out evaluations (None, or --set eval_every=N: the train config's).",
+        default=LEARN_EVAL_EVERY,
     )
     eval_size: int | None = help_field(
-        "Held-out prompts per evaluation (None: the train config's).", default=LEARN_EVAL_SIZE
+        "Held-out prompts per evaluation (None, or --set eval_size=N: the train config's).",
+        default=LEARN_EVAL_SIZE,
     )
     target_acc: float | None = help_field(
         "Target accuracy of tokens-to-target (default: mean warm-start accuracy + target_delta).",

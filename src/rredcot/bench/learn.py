@@ -244,11 +244,12 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
         "max_tokens_generated": cfg.budget_tokens,
         "progress": cfg.progress,
     }
-    if cfg.eval_every is not None:
-        fixed["eval_every"] = cfg.eval_every
-    if cfg.eval_size is not None:
-        fixed["eval_size"] = cfg.eval_size
-    overrides = {**variant.train_overrides(_task_override(cfg, cfg.overrides)), **fixed}
+    variant_overrides = variant.train_overrides(_task_override(cfg, cfg.overrides))
+    # the bench's evaluation settings, unless --set or the variant names them itself
+    for name in ("eval_every", "eval_size"):
+        if getattr(cfg, name) is not None and name not in variant_overrides:
+            fixed[name] = getattr(cfg, name)
+    overrides = {**variant_overrides, **fixed}
     tcfg = resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
     if tcfg.sampling.max_new_tokens == 0:
         from rredcot.tasks import get_task
