@@ -64,6 +64,7 @@ from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
+from rredcot.rollout import build_rollout_batch, fill_forward, segment_batch
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -138,33 +139,11 @@ def value_errors(
 
 
 def resegment(batch: RolloutBatch, tokenizer, segmenter) -> RolloutBatch:
-    """The same traces cut by another segmenter (boundaries, segment ids and segment starts are
-    recomputed exactly as :func:`rredcot.rollout.build_rollout_batch` does; hidden states are
-    dropped, the next ``fill_forward`` recomputes them)."""
-    from rredcot.segment import token_offsets
-
-    P, eos = batch.prompt_len, tokenizer.eos_token_id
-    boundaries, char_starts = [], []
-    for row in range(batch.size):
-        length = int(batch.response_mask[row].sum())
-        ids = batch.input_ids[row, P : P + length].tolist()
-        content = ids[:-1] if ids and ids[-1] == eos else ids
-        text = batch.completions[row]
-        offsets = token_offsets(tokenizer, content)
-        bounds = segmenter.boundaries(text, offsets) if content else [0]
-        if length > len(content):
-            bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
-        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
-        boundaries.append(bounds)
-    segment_ids = credit_algebra.boundaries_to_segment_ids(boundaries, batch.response_len)
-    return dataclasses.replace(
-        batch,
-        boundaries=boundaries,
-        segment_ids=segment_ids.to(batch.input_ids.device),
-        segment_char_starts=char_starts,
-        old_logprobs=None,
-        hidden_states=None,
-    )
+    """The same traces cut by another segmenter (:func:`rredcot.rollout.segment_batch`, the one
+    segmentation entry point: boundaries, segment ids, segment starts and shared-prefix ids);
+    hidden states are dropped, the next ``fill_forward`` recomputes them."""
+    cut = segment_batch(batch, tokenizer, segmenter)
+    return cut.replace(old_logprobs=None, hidden_states=None)
 
 
 def _rows(t: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
@@ -370,7 +349,6 @@ def evaluate_method(
 ) -> _Collected:
     """Run ``method`` on every chunk as the trainer would (forward, then ``compute``), timed."""
     from rredcot.explain_model import segment_credits
-    from rredcot.rollout import fill_forward
 
     layers = method.hidden_layers if method.needs_hidden_states else None
     col = _Collected(values=[])
@@ -429,7 +407,6 @@ def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer
     """Make a learned method meaningful on the frozen policy: load it from ``--run`` or fit it
     on the fresh ``fit_batches`` (each scored before the head trains on it). Returns a summary."""
     from rredcot.explain_model import load_method_state
-    from rredcot.rollout import fill_forward
 
     if not method.state_dict():
         return {}
@@ -463,7 +440,6 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     )
     from rredcot.methods.base import build_credit
     from rredcot.models import load_policy
-    from rredcot.rollout import build_rollout_batch, fill_forward
     from rredcot.trainer import resolve_device
 
     variants = parse_variants(cfg.methods)

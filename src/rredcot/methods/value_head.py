@@ -453,6 +453,12 @@ class ValueHeadCredit(CreditMethod):
         metrics.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
         if self.config.value_shared_prefixes and batch.prefix_ids is not None:
             min_count = self.config.value_shared_min_count
+            if tuple(batch.prefix_ids.shape) != tuple(mask.shape):
+                raise ValueError(
+                    f"batch.prefix_ids {tuple(batch.prefix_ids.shape)} do not match its "
+                    f"{tuple(mask.shape)} boundaries: segment the batch with "
+                    "rollout.segment_batch, which fills both"
+                )
             shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(raw.device), rewards)
             combined, lam = credit.combine_shared_prefix(
                 shared, counts, values, mask, w, min_count, self.config.value_shared_lam
