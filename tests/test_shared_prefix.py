@@ -138,3 +138,25 @@ def test_a_shared_chain_blames_the_step_where_a_sample_left_it():
     )
     adv1, _, _ = credit.segment_advantages_from_values(values1, mask, rewards, lam1)
     assert torch.allclose(adv1[2], torch.tensor([0.0, 0.0, -2 / 3, 0.0]))
+
+
+def test_credit_moved_back_onto_a_shared_prefix_sums_to_zero_over_its_samples():
+    """Why lambda 0 at known boundaries loses nothing: with any lambda there, the extra credit
+    that flows back onto a shared segment sums to zero over the samples sharing it (they hold the
+    same tokens there, so the update is the same)."""
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9, 9], [1, 7, 7, 7]])
+    bounds = [[0, 1, 2, 3, 4]] * 4
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    prefix_ids = credit.shared_prefix_ids(ids, torch.ones(4, 4), bounds, torch.zeros(4).long())
+    shared, counts = credit.shared_prefix_values(prefix_ids, rewards)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    values, lam = credit.combine_shared_prefix(shared, counts, torch.zeros(4, 5), mask, 0.0)
+    a0, _, _ = credit.segment_advantages_from_values(values, mask, rewards, lam)
+    lam_half = torch.where(lam == 0, torch.full_like(lam, 0.5), lam)
+    a5, _, _ = credit.segment_advantages_from_values(values, mask, rewards, lam_half)
+    for k in range(4):  # segment k+1, shared by the rows whose prefix ids agree at s_(k+1)
+        for pid in prefix_ids[:, k + 1].unique():
+            rows = prefix_ids[:, k + 1] == pid
+            if rows.sum() >= 2:
+                assert float((a5[rows, k] - a0[rows, k]).sum()) == pytest.approx(0.0, abs=1e-6)
+    assert not torch.allclose(a0, a5)  # the rows' credit does differ

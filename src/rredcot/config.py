@@ -182,11 +182,6 @@ class CreditConfig:
         "samples part in their first words, that is the first segment).",
         default=2,
     )
-    value_shared_lam: float = help_field(
-        "Lambda at the boundaries whose value the shared prefixes give (0: the credit stops "
-        "there, each segment gets its value change; 1: none of them localise).",
-        default=0.0,
-    )
     value_lr: float = help_field("Learning rate of the value head's own optimiser.", default=1e-3)
     value_td_lambda: float = help_field(
         "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
@@ -274,8 +269,6 @@ class CreditConfig:
             raise ValueError(
                 f"credit.value_shared_min_count={self.value_shared_min_count} must be >= 1"
             )
-        if not 0.0 <= self.value_shared_lam <= 1.0:
-            raise ValueError(f"credit.value_shared_lam={self.value_shared_lam} must be in [0, 1]")
         if not self.value_layer_indices:
             raise ValueError(
                 "credit.value_layers is empty; give layer indices like '-1' or '-1,-2'"

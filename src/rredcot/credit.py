@@ -322,7 +322,6 @@ def combine_shared_prefix(
     value_mask: Tensor,
     fallback_weight: float,
     min_count: int = 2,
-    known_lam: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Values and per-boundary lambda from the group's shared prefixes, with a fallback estimator
     between them.
@@ -342,8 +341,7 @@ def combine_shared_prefix(
         fallback_weight: in ``[0, 1]``, how far to trust the fallback's changes.
         min_count: samples that must share a prefix for it to be known (usually 2: a prefix
             only one sample reached has that sample's own outcome as value; 1 trusts it).
-        known_lam: lambda at known boundaries (0: credit stops there; between 0 and 1 a share
-            of the credit after it flows back).
+
 
     Returns:
         values ``(B, S+1)`` (0 on padding) and lam ``(B, S)`` for :func:`segment_gae`.
@@ -372,10 +370,10 @@ def combine_shared_prefix(
         last_value = torch.where(here, shared[:, k], last_value)
         last_fallback = torch.where(here, fallback[:, k], last_fallback)
     values = torch.where(mask, values, torch.zeros_like(values))
-    known_lam = _check_lam(known_lam)
-    lam = torch.where(
-        known[:, 1:], torch.full_like(shared[:, 1:], known_lam), torch.ones_like(shared[:, 1:])
-    )
+    # lam 0 at known boundaries. Any other lam there would not change the update: the samples
+    # that share a prefix hold the same tokens in it, and the credit lam would move back onto
+    # them sums to zero over those samples (their values average to the shared one).
+    lam = torch.where(known[:, 1:], torch.zeros_like(shared[:, 1:]), torch.ones_like(shared[:, 1:]))
     return values, lam
 
 

@@ -460,9 +460,7 @@ class ValueHeadCredit(CreditMethod):
                     "rollout.segment_batch, which fills both"
                 )
             shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(raw.device), rewards)
-            combined, lam = credit.combine_shared_prefix(
-                shared, counts, values, mask, w, min_count, self.config.value_shared_lam
-            )
+            combined, lam = credit.combine_shared_prefix(shared, counts, values, mask, w, min_count)
             interior = mask.clone()
             interior[:, 0] = False
             interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
