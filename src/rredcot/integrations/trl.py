@@ -705,6 +705,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 extra = 0.0
             self._metrics[mode]["rredcot/extra_forward"].append(extra)
             batch = batch.replace(hidden_states=captured)
+            self.last_batch = batch
             feats = self._global_features(_boundary_batch(batch).hidden_states, rows)
             out, advantages = self._credit(batch, rows, feats=feats)
         else:
