@@ -361,18 +361,23 @@ def test_value_pretrain_with_a_method_that_learns_nothing_is_an_error(init_dir, 
 
 
 def test_threads_follow_the_idle_cores(monkeypatch):
-    """threads=0 takes the cores the load average leaves idle (at least one); an explicit
-    count wins; accelerators keep torch's default."""
+    """threads=0 takes the cores idle right now (at least one); an explicit count wins;
+    accelerators keep torch's default; so does a machine whose idleness cannot be read."""
     import os
 
-    from rredcot.trainer import choose_threads
+    import rredcot.trainer as trainer
+    from rredcot.trainer import choose_threads, idle_cores
 
+    free = idle_cores(0.05)
+    assert free is None or 0.0 <= free <= os.cpu_count() + 0.5  # a real reading of /proc/stat
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: 3.8)
     assert choose_threads(0, torch.device("cpu")) == 4
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 0.0, 0.0))
+    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: 1.4)
     assert choose_threads(0, torch.device("cpu")) == 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: 0.1)
     assert choose_threads(0, torch.device("cpu")) == 1
+    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: None)
+    assert choose_threads(0, torch.device("cpu")) is None
     assert choose_threads(3, torch.device("cpu")) == 3
     assert choose_threads(0, torch.device("meta")) is None

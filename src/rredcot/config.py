@@ -414,10 +414,10 @@ class TrainConfig:
     device: str = help_field("Device: auto, cpu, cuda, mps.", default="auto")
     progress: bool = help_field("Show a progress bar.", default=True)
     threads: int = help_field(
-        "CPU threads for torch. 0 (auto): on the CPU, the cores that the load average leaves "
-        "idle when the run starts (at least 1; on an idle 2-core machine the tiny model's steps "
-        "are about 1.5x faster with 2 threads than with 1, and threads beyond the idle cores "
-        "only contend with other jobs); torch's default on accelerators.",
+        "CPU threads for torch. 0 (auto): on the CPU, the cores that are idle when the run "
+        "starts (measured over a quarter second; at least 1): on an idle 2-core machine the "
+        "tiny model's steps are about 1.5x faster with 2 threads than with 1, and threads "
+        "beyond the idle cores only contend with other jobs; torch's default on accelerators.",
         default=0,
     )
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -50,17 +50,40 @@ from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
 
 
+def idle_cores(window: float = 0.25) -> float | None:
+    """How many CPU cores sat idle over the last ``window`` seconds (Linux ``/proc/stat``), or
+    None where that cannot be read. Unlike the load average, which lags by a minute and counts
+    the jobs that just finished, this is what is free now."""
+
+    def times() -> tuple[float, float]:
+        with open("/proc/stat") as fh:
+            fields = [float(x) for x in fh.readline().split()[1:]]
+        return sum(fields[3:5]), sum(fields[:8])  # idle + iowait, everything but guest time
+
+    try:
+        idle0, total0 = times()
+        time.sleep(window)
+        idle1, total1 = times()
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = total1 - total0
+    return (cores or 1) * (idle1 - idle0) / busy if busy > 0 else None
+
+
 def choose_threads(requested: int, device: torch.device) -> int | None:
-    """Torch's CPU thread count: ``requested`` if given; on the CPU otherwise the cores this
-    process may use that the 1-minute load average leaves idle (at least 1), since threads
-    beyond the free cores only contend with other jobs; None (torch's default) on accelerators."""
+    """Torch's CPU thread count: ``requested`` if given; on the CPU otherwise the cores that are
+    idle right now (at least 1), since threads beyond the free cores only contend with other
+    jobs; None (torch's default) on accelerators or where idleness cannot be read."""
     if requested:
         return requested
     if device.type != "cpu":
         return None
+    free = idle_cores()
+    if free is None:
+        return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(cores or 1, round((cores or 1) - busy)))
+    return max(1, min(cores or 1, round(free)))
 
 
 def resolve_device(name: str) -> torch.device:
