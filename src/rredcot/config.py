@@ -424,6 +424,16 @@ class TrainConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
 
+    def loss_settings(self) -> dict[str, Any]:
+        """The clipped PG term's settings, as ``loss.policy_loss`` takes them (the KL term, which
+        needs a reference, is passed on its own)."""
+        return {
+            "clip_eps_low": self.clip_eps_low,
+            "clip_eps_high": self.clip_eps_high,
+            "loss_agg": self.loss_agg,
+            "max_len": self.sampling.max_new_tokens,
+        }
+
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError("steps must be >= 0")

@@ -50,6 +50,12 @@ from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def idle_cores(window: float = 0.25) -> float | None:
     """How many CPU cores sat idle over the last ``window`` seconds (Linux ``/proc/stat``), or
     None where that cannot be read. Unlike the load average, which lags by a minute and counts
@@ -66,9 +72,8 @@ def idle_cores(window: float = 0.25) -> float | None:
         idle1, total1 = times()
     except (OSError, ValueError, IndexError):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     busy = total1 - total0
-    return (cores or 1) * (idle1 - idle0) / busy if busy > 0 else None
+    return usable_cores() * (idle1 - idle0) / busy if busy > 0 else None
 
 
 def choose_threads(requested: int, device: torch.device) -> int | None:
@@ -82,8 +87,7 @@ def choose_threads(requested: int, device: torch.device) -> int | None:
     free = idle_cores()
     if free is None:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, round(free)))
+    return max(1, min(usable_cores(), round(free)))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -523,12 +527,9 @@ class Trainer:
                     batch.old_logprobs[micro],
                     advantages[micro],
                     rmask,
-                    clip_eps_low=cfg.clip_eps_low,
-                    clip_eps_high=cfg.clip_eps_high,
-                    loss_agg=cfg.loss_agg,
                     num_rows=len(rows),
                     num_tokens=num_tokens,
-                    max_len=cfg.sampling.max_new_tokens,
+                    **cfg.loss_settings(),
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
                     kl_coef=cfg.kl_coef,
                 )

@@ -118,12 +118,9 @@ def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.
             fwd.logprobs.detach(),
             advantages[idx],
             mask,
-            clip_eps_low=cfg.clip_eps_low,
-            clip_eps_high=cfg.clip_eps_high,
-            loss_agg=cfg.loss_agg,
             num_rows=len(rows),
             num_tokens=float(mask.sum()),
-            max_len=cfg.sampling.max_new_tokens,
+            **cfg.loss_settings(),
         )
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         flat = torch.cat(

@@ -142,8 +142,15 @@ def run_rredcot(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
                     "reward_mean": rec.get("reward_mean"),
                 }
             )
+    return _child_result("rredcot", model_dir, length, rss_import, rss_setup, steps)
+
+
+def _child_result(
+    trainer: str, model_dir: str, length: int, rss_import: int, rss_setup: int, steps: list
+) -> dict[str, Any]:
+    """What one timed child process reports to the parent."""
     return {
-        "trainer": "rredcot",
+        "trainer": trainer,
         "threads": _threads(),
         "model": model_dir,
         "max_new_tokens": length,
@@ -298,16 +305,7 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
         )
         rss_setup = _rss_bytes()
         trainer.train()
-    return {
-        "trainer": "trl",
-        "threads": _threads(),
-        "model": model_dir,
-        "max_new_tokens": length,
-        "rss_after_import": rss_import,
-        "rss_after_setup": rss_setup,
-        "peak_rss": _peak_rss_bytes(rss_import, rss_setup),
-        "steps": steps,
-    }
+    return _child_result("trl", model_dir, length, rss_import, rss_setup, steps)
 
 
 def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:
