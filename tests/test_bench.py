@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from rredcot.bench.configs import LEARN_LR
 from rredcot.bench.credit import (
     per_trace_spearman,
     resegment,
@@ -18,11 +19,12 @@ from rredcot.bench.credit import (
     spearman,
     value_errors,
 )
-from rredcot.bench.learn import LearnBenchConfig, bootstrap_trace_cov, run_learn_bench
+from rredcot.bench.learn import LearnBenchConfig, bootstrap_trace_cov, run_learn_bench, train_config
 from rredcot.bench.overhead import PHASES, OverheadBenchConfig, run_overhead_bench
 from rredcot.bench.report import fmt, interpolate_runs, markdown_table
 from rredcot.bench.variants import parse_set, parse_variants
 from rredcot.cli import main
+from rredcot.config import TrainConfig
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.base import Problem, Task
 
@@ -440,3 +442,16 @@ def test_bench_peer_workers_and_summary(init_dir, tmp_path):
     }
     with pytest.raises(ValueError, match="not GRPOConfig fields"):
         parse_trl_overrides(["nonsense=1"])
+
+
+def test_learn_bench_learning_rate_is_the_reported_one_unless_overridden(tmp_path):
+    def lr_of(spec: str, **kwargs) -> float:
+        cfg = LearnBenchConfig(methods=spec, out=str(tmp_path), **kwargs)
+        (variant,) = parse_variants(spec)
+        return train_config(cfg, variant, 100, "init", tmp_path / "run").lr
+
+    assert lr_of("uniform") == LEARN_LR
+    assert lr_of("uniform", lr=3e-5) == 3e-5
+    assert lr_of("uniform", overrides={"lr": "7e-5"}) == 7e-5  # --set lr=...
+    assert lr_of("value_head:lr=2e-4") == 2e-4  # the variant's own wins
+    assert lr_of("uniform", lr=None) == TrainConfig().lr  # None: the train config's

@@ -1092,3 +1092,25 @@ def test_cli_segment_entropy_errors(tmp_path, capsys):
     argv = ["--strategy", "entropy", "--checkpoint", str(missing), str(trace)]
     assert run_segment(_cli_args(argv)) == 2
     assert "no model directory" in capsys.readouterr().err
+
+
+def test_a_task_supplies_its_own_answer_line_to_the_segmenter():
+    from rredcot.config import CreditConfig
+    from rredcot.segment import segmenter_from_config
+    from rredcot.tasks import get_task
+
+    text = "He has 8 + 5 = 13 apples.\nHe eats 2, so 13 - 2 = 11.\nThe answer is 11."
+    credit = CreditConfig(segmenter="newline", separate_answer=True, min_chars=15)
+    pieces = lambda seg: [text[a:b] for a, b in seg.split(text)]  # noqa: E731
+    # the default pattern does not know "The answer is": the short line merges into the last step
+    assert (
+        pieces(segmenter_from_config(credit))[-1] == "He eats 2, so 13 - 2 = 11.\nThe answer is 11."
+    )
+    # the word-problem task's pattern keeps it a segment of its own
+    task = get_task("word_problems")
+    assert (
+        pieces(segmenter_from_config(credit, task.answer_line_pattern))[-1] == "The answer is 11."
+    )
+    # arithmetic keeps the default ("A:18"); the strategy argument replaces the config's
+    assert get_task("arithmetic").answer_line_pattern is None
+    assert segmenter_from_config(credit, strategy="sentence").strategy == "sentence"

@@ -228,7 +228,7 @@ def explain_checkpoint(
     from rredcot.methods.base import CreditContext, build_credit
     from rredcot.models import load_policy
     from rredcot.rollout import build_rollout_batch, fill_forward
-    from rredcot.segment import get_segmenter
+    from rredcot.segment import segmenter_from_config
     from rredcot.tasks.base import Problem
 
     if args.samples < 1:
@@ -244,12 +244,7 @@ def explain_checkpoint(
         sampling = saved[2]
     attn = "eager" if args.method == "attention" else None
     policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
-    segmenter = get_segmenter(
-        credit_cfg.segmenter,
-        min_chars=credit_cfg.min_chars,
-        max_segments=credit_cfg.max_segments or None,
-        separate_answer=credit_cfg.separate_answer,
-    )
+    segmenter = segmenter_from_config(credit_cfg, task.answer_line_pattern)
     method = build_credit(
         args.method,
         credit_cfg,

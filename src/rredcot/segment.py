@@ -65,6 +65,7 @@ __all__ = [
     "cut_entropies",
     "decode_with_offsets",
     "get_segmenter",
+    "segmenter_from_config",
     "list_segmenters",
     "register_segmenter",
     "spans_to_boundaries",
@@ -801,6 +802,22 @@ class Segmenter:
 def get_segmenter(strategy: str = "newline", **options: Any) -> Segmenter:
     """The ``Segmenter`` for a strategy name such as ``"sentence"`` or ``"tokens:16"``."""
     return Segmenter(strategy, **options)
+
+
+def segmenter_from_config(
+    credit: Any, answer_pattern: str | None = None, strategy: str | None = None
+) -> Segmenter:
+    """The one way a run builds its segmenter: ``credit`` is a ``CreditConfig`` (its
+    ``segmenter``, ``min_chars``, ``max_segments`` and ``separate_answer``); ``answer_pattern`` is
+    the task's own final-answer line (``Task.answer_line_pattern``; None: the default pattern);
+    ``strategy`` replaces the config's (the credit benchmark's resegmentation)."""
+    return Segmenter(
+        strategy or credit.segmenter,
+        min_chars=credit.min_chars,
+        max_segments=credit.max_segments or None,
+        separate_answer=credit.separate_answer,
+        answer_pattern=DEFAULT_ANSWER_PATTERN if answer_pattern is None else answer_pattern,
+    )
 
 
 def split_text(

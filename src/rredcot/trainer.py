@@ -45,7 +45,7 @@ from rredcot.rollout import (
     train_mode_without_dropout,
 )
 from rredcot.seeding import seed_everything, step_seed
-from rredcot.segment import get_segmenter
+from rredcot.segment import segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
 
@@ -184,16 +184,10 @@ class Trainer:
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        c = cfg.credit
-        self.segmenter = get_segmenter(
-            c.segmenter,
-            min_chars=c.min_chars,
-            max_segments=c.max_segments or None,
-            separate_answer=c.separate_answer,
-        )
+        self.segmenter = segmenter_from_config(cfg.credit, self.task.answer_line_pattern)
         self.method = build_credit(
             cfg.credit_method,
-            c,
+            cfg.credit,
             CreditContext(
                 policy=self.policy,
                 tokenizer=self.tokenizer,

@@ -65,6 +65,7 @@ from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.rollout import build_rollout_batch, fill_forward, segment_batch
+from rredcot.segment import segmenter_from_config
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -213,17 +214,6 @@ def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, 
         segmenter=segmenter,
         sampling=sampling,
         device=device,
-    )
-
-
-def _make_segmenter(name: str, credit_cfg):
-    from rredcot.segment import get_segmenter
-
-    return get_segmenter(
-        name,
-        min_chars=credit_cfg.min_chars,
-        max_segments=credit_cfg.max_segments or None,
-        separate_answer=credit_cfg.separate_answer,
     )
 
 
@@ -469,8 +459,10 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         f"ground truth K={cfg.mc_k}, methods {', '.join(v.name for v in variants)}"
     )
 
+    pattern = task.answer_line_pattern
+
     def sample_batches(problems, seed: int) -> list[RolloutBatch]:
-        first = _make_segmenter(segmenter_names[0], base_credit)
+        first = segmenter_from_config(base_credit, pattern, segmenter_names[0])
         batches = []
         for i in range(0, len(problems), cfg.chunk_prompts):
             torch.manual_seed(seed + i)
@@ -516,7 +508,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     gt_summary: dict[str, Any] = {}
     example_pages: dict[str, str] = {}
     for seg_name in segmenter_names:
-        segmenter = _make_segmenter(seg_name, base_credit)
+        segmenter = segmenter_from_config(base_credit, pattern, seg_name)
         traces = _Traces.of([resegment(b, tokenizer, segmenter) for b in sampled])
         # 2. ground truth
         gt = ground_truth(policy, tokenizer, task, traces, cfg)

@@ -242,8 +242,8 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
         "progress": cfg.progress,
     }
     variant_overrides = variant.train_overrides(_task_override(cfg, cfg.overrides))
-    # the bench's evaluation settings, unless --set or the variant names them itself
-    for name in ("eval_every", "eval_size"):
+    # the bench's evaluation settings and learning rate, unless --set or the variant names them
+    for name in ("eval_every", "eval_size", "lr"):
         if getattr(cfg, name) is not None and name not in variant_overrides:
             fixed[name] = getattr(cfg, name)
     overrides = {**variant_overrides, **fixed}

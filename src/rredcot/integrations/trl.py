@@ -53,7 +53,7 @@ from rredcot.methods.base import (
     build_credit,
     get_credit,
 )
-from rredcot.segment import get_segmenter
+from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
@@ -503,13 +503,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         c = args.credit_config
-        self.segmenter = get_segmenter(
-            c.segmenter,
-            min_chars=c.min_chars,
-            max_segments=c.max_segments or None,
-            separate_answer=c.separate_answer,
-        )
         self.task: Task | None = get_task(args.task, **args.task_args) if args.task else None
+        self.segmenter = segmenter_from_config(c, getattr(self.task, "answer_line_pattern", None))
         self.credit_method = build_credit(
             args.credit_method,
             c,

@@ -57,7 +57,7 @@ from rredcot.integrations._batch import (
     span_mask,
 )
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit
-from rredcot.segment import Segmenter, get_segmenter
+from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem
 
@@ -136,13 +136,10 @@ def task_settings(config: Any = None):
     return get_task(str(name), **{str(k): v for k, v in dict(args).items()})
 
 
-def make_segmenter(cfg: CreditConfig) -> Segmenter:
-    return get_segmenter(
-        cfg.segmenter,
-        min_chars=cfg.min_chars,
-        max_segments=cfg.max_segments or None,
-        separate_answer=cfg.separate_answer,
-    )
+def make_segmenter(cfg: CreditConfig, task=None) -> Segmenter:
+    """The estimator's segmenter (``segment.segmenter_from_config``), with the task's answer line
+    when ``algorithm.rredcot.task`` names one."""
+    return segmenter_from_config(cfg, getattr(task, "answer_line_pattern", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,7 +480,10 @@ def compute_advantage_for_data(
     if "response_mask" not in batch.keys():  # noqa: SIM118 - TensorDict has no `in`
         raise ValueError("data.batch needs 'response_mask' (verl's compute_response_mask)")
     segment_ids = segment_responses(
-        batch["responses"], batch["response_mask"], tokenizer, make_segmenter(cfg)
+        batch["responses"],
+        batch["response_mask"],
+        tokenizer,
+        make_segmenter(cfg, task_settings(config)),
     )
     values = batch["values"] if "values" in batch.keys() else None  # noqa: SIM118
     estimator = core_algos.get_adv_estimator_fn(ESTIMATOR)
@@ -674,7 +674,10 @@ def _register_trainer() -> type | None:
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
             ).to_padded_tensor()
             segment_ids = segment_responses(
-                data["responses"], data["response_mask"], self.tokenizer, make_segmenter(cfg)
+                data["responses"],
+                data["response_mask"],
+                self.tokenizer,
+                make_segmenter(cfg, task_settings(self.config.algorithm)),
             )
             values = data["values"] if "values" in data.keys() else None  # noqa: SIM118
             metrics["rredcot/mean_segments"] = float(

@@ -93,6 +93,10 @@ class Task:
     Params: ClassVar[type] = NoParams
     answer_cue: ClassVar[str] = "A:"
     """Text that opens the final-answer line; probes append `render_answer(a)` after a prefix."""
+    answer_line_pattern: ClassVar[str | None] = None
+    """Regex (``re.search``) of the task's final-answer line, for segmentation: the line is kept
+    whole and, with ``credit.separate_answer``, is a segment of its own. None: the segmenter's
+    default (``A:``, ``Answer:``, ``####``, ``<answer>``, ``\\boxed{``)."""
 
     def __init__(self, **params: Any) -> None:
         self.params = make_params(self.Params, params, owner=f"task {self.name!r}")

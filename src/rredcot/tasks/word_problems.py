@@ -41,6 +41,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from rredcot.segment import DEFAULT_ANSWER_PATTERN
 from rredcot.tasks.base import Problem, Task, Verdict, register_task
 
 NAMES = (
@@ -253,6 +254,7 @@ class WordProblemTask(Task):
 
     Params = WordProblemParams
     answer_cue = "The answer is "
+    answer_line_pattern = DEFAULT_ANSWER_PATTERN + r"|\banswer is\b"  # the model's closing line
     params: WordProblemParams
 
     def render_answer(self, answer: str) -> str:
