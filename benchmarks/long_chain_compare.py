@@ -4,9 +4,10 @@ ran in its own): per-seed mean accuracy over training and final accuracy, paired
 
     python benchmarks/long_chain_compare.py \
         '{"uniform": ["bench/report12", "uniform"], "oracle": ["bench/report12_oracle", "oracle"]}' \
-        100 105      # seeds 100..104; the first entry is the reference
+        100 105      # seeds 100..104; the first entry is the reference; a root may be a glob
 """
 
+import glob
 import json
 import sys
 from pathlib import Path
@@ -16,11 +17,16 @@ from rredcot.bench.learn import run_curve
 
 
 def per_seed(run_root, method, seeds):
+    """Per-seed figures of ``method``; ``run_root`` may be a glob (``bench/report5e5*``: the
+    seeds of one comparison split over several --out directories)."""
+    roots = sorted(glob.glob(run_root)) or [run_root]
     out = {}
     for s in seeds:
-        d = Path(run_root) / "runs" / method / f"seed{s}"
-        if not (d / "metrics.jsonl").exists():
+        found = [Path(r) / "runs" / method / f"seed{s}" for r in roots]
+        found = [d for d in found if (d / "metrics.jsonl").exists()]
+        if not found:
             continue
+        d = found[0]
         c = run_curve(d)
         acc = c["accuracy"]
         if len(acc) < 2:
