@@ -104,14 +104,39 @@ class CreditMethod:
 
     # -- the one path through the credit algebra --------------------------------------------
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        est = self.estimate(batch)
-        out = credit.token_credit(
-            est.credit,
+        """The batch's :meth:`estimate` through :meth:`credit_output`."""
+        return self.credit_output(
+            self.estimate(batch),
             batch.rewards,
             batch.group_ids,
             batch.segment_ids,
             batch.response_mask,
-            self.normalization,
+        )
+
+    def credit_output(
+        self,
+        est: Estimate,
+        rewards: torch.Tensor,
+        group_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        normalization: str | None = None,
+    ) -> CreditOutput:
+        """An estimate through :func:`rredcot.credit.token_credit` with this method's
+        normalisation (or ``normalization``), with the credit's diagnostics: what ``compute``
+        returns, for callers that hold tensors rather than a batch (the integrations).
+
+        Args:
+            rewards: ``(B,)``; group_ids: ``(B,)`` long.
+            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
+        """
+        out = credit.token_credit(
+            est.credit,
+            rewards,
+            group_ids,
+            segment_ids,
+            response_mask,
+            self.normalization if normalization is None else normalization,
         )
         seg_mask = out.segment_mask
         metrics = {
