@@ -49,13 +49,13 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict
-from rredcot.integrations._batch import overridden_method as _overridden
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import (
     CreditContext,
     RolloutBatch,
     build_credit,
     get_credit,
+    uniform_values,
 )
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
@@ -176,8 +176,8 @@ class RREDCoTGRPOConfig(GRPOConfig):
     def credit_config(self) -> CreditConfig:
         """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones).
         ``value_logprob_features`` is off unless ``credit`` turns it on (the head then also reads
-        the log-probs of TRL's pass, as in rredcot's trainer). ``normalization="auto"`` (the default) follows TRL's ``scale_rewards``
-        (:func:`normalization_for_scale_rewards`)."""
+        the log-probs of TRL's pass, as in rredcot's trainer). ``normalization="auto"`` (the
+        default) follows TRL's ``scale_rewards`` (:func:`normalization_for_scale_rewards`)."""
         fields = {"value_logprob_features": False, **_as_dict(self.credit, "credit")}
         if fields.get("normalization", "auto") == "auto":
             fields["normalization"] = normalization_for_scale_rewards(
@@ -316,26 +316,6 @@ def _no_checkpointing(model, kwargs):
     return disable_gradient_checkpointing(model, kwargs)
 
 
-def _segment_rows(rows: _GlobalRows) -> RolloutBatch:
-    """Every process's rows at segment resolution, for the methods whose values are given or
-    read only rewards and groups (uniform, answer likelihood): row ``b`` has ``counts[b]``
-    one-token segments, so its ``(N, S)`` token advantages are its segment advantages. It carries
-    no token ids and no features (``prompt_len = 0``): the value head reads its features from
-    each process's own batch instead (:meth:`RREDCoTGRPOTrainer._global_features`)."""
-    segment_ids, response_mask = rows.segment_layout(rows.rewards.device)
-    boundaries = [list(range(int(n) + 1)) if int(n) > 0 else [0] for n in rows.counts]
-    return RolloutBatch(
-        input_ids=torch.zeros(segment_ids.shape, dtype=torch.long, device=segment_ids.device),
-        attention_mask=response_mask.long(),
-        prompt_len=0,
-        response_mask=response_mask,
-        rewards=rows.rewards,
-        group_ids=rows.group_ids,
-        boundaries=boundaries,
-        segment_ids=segment_ids,
-    )
-
-
 class _Collective:
     """The cross-process operations of the credit (accelerate's; the identity on one process)."""
 
@@ -412,7 +392,8 @@ class _GlobalRows:
     def segment_layout(self, device) -> tuple[Tensor, Tensor]:
         """``(segment_ids (N, S) long, mask (N, S) float)`` with one column per segment
         (``segment_ids[b, k] = k`` for ``k < counts[b]``, else -1): the algebra's token layout at
-        segment resolution, so its token advantages are the segment advantages."""
+        segment resolution, so its token advantages are the segment advantages (each process
+        then spreads its rows' over their tokens)."""
         cols = torch.arange(self.width - 1).unsqueeze(0)
         present = cols < self.counts.unsqueeze(1)
         segment_ids = torch.where(present, cols, torch.full_like(cols, -1))
@@ -527,7 +508,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         self.collective = _Collective(self.accelerator)
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
-        self.last_credit = None  # its CreditOutput (over the global compact batch)
+        self.last_credit = None  # its CreditOutput (over the segments of every process's rows)
         self._rewards_per_func: Tensor | None = None
         self._capture_armed = False
         self._captured: list[Tensor] = []
@@ -755,22 +736,21 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         the anchor, the hand-over and the normalisation see whole groups even where they span
         processes; its segment advantages are then spread over the local tokens. ``whiten`` is
         applied over every process's tokens afterwards."""
-        whiten = self.credit_method.normalization == "whiten"
-        normalization = "none" if whiten else None
+        method = self.credit_method
+        whiten = method.normalization == "whiten"
+        device = feats.device if feats is not None else rows.rewards.device
+        value_mask, rewards, group_ids = rows.value_tensors(device)
+        live = rows.live(device)
         if feats is not None:
-            method = self.credit_method
-            estimate = method.estimate_from_features(
-                feats, *rows.value_tensors(feats.device), live=rows.live(feats.device)
-            )
-            segment_ids, segment_mask = rows.segment_layout(feats.device)
-            rewards, group_ids = rows.rewards.to(feats.device), rows.group_ids.to(feats.device)
-            out = method.credit_output(
-                estimate, rewards, group_ids, segment_ids, segment_mask, normalization
-            )
+            estimate = method.estimate_from_features(feats, value_mask, rewards, group_ids, live)
         else:
-            compact = _segment_rows(rows)
-            with _overridden(self.credit_method, values, normalization) as method:
-                out = method.compute(compact)
+            if values is None:  # uniform: GRPO's values, from every process's rewards
+                values = uniform_values(rewards, group_ids, rows.counts)
+            estimate = method.estimate_from_values(*values, rewards, group_ids, live)
+        segment_ids, segment_mask = rows.segment_layout(device)
+        out = method.credit_output(
+            estimate, rewards, group_ids, segment_ids, segment_mask, "none" if whiten else None
+        )
         seg_adv = out.advantages[rows.local].to(batch.segment_ids.device)
         tokens = credit.segments_to_tokens(seg_adv, batch.segment_ids, batch.response_mask)
         if whiten:
@@ -796,16 +776,22 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self._log_credit(self.collective.mean_metrics(out.metrics), mode)
         self._log_row_advantages(advantages, loss_mask)
         if mode == "train":
-            self._log_credit(self._update_credit(rows, feats), mode)
+            self._log_credit(self._update_credit(rows, feats, out), mode)
 
-    def _update_credit(self, rows: _GlobalRows, feats: Tensor | None) -> dict[str, float]:
-        """Train the credit method on this step's outcomes, over every process's rows (every
-        process holds the same head)."""
+    def _update_credit(self, rows: _GlobalRows, feats: Tensor | None, out) -> dict[str, float]:
+        """Let the credit method learn from this step's outcomes, over every process's rows
+        (every process holds the same head): the value head from the gathered features, other
+        methods from the values their credit used."""
+        device = feats.device if feats is not None else rows.rewards.device
+        value_mask, rewards, group_ids = rows.value_tensors(device)
+        live = rows.live(device)
         if feats is not None:
             return self.credit_method.update_from_features(
-                feats, *rows.value_tensors(feats.device), live=rows.live(feats.device)
+                feats, value_mask, rewards, group_ids, live
             )
-        return self.credit_method.update(_segment_rows(rows))
+        return self.credit_method.update_from_values(  # every TRL method's estimate is Values
+            out.values, out.value_mask, rewards, group_ids, live
+        )
 
     # -- the credit from the loss forward (no pass of TRL to read hidden states from) ---------
     def _defer(self, output: dict, batch, rows: _GlobalRows, loss_mask: Tensor, mode: str):
