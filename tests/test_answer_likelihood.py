@@ -807,11 +807,9 @@ def test_config_names_the_fix(field, value, message):
 
 
 def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed_trace_batch):
-    """TRL and verl compute the probe values elsewhere and pass them through
-    ``overridden_method``: ``compute`` anchors them (the policy is not needed) and ``update``
-    scores what ``compute`` used, on a new batch object over the same rows."""
-    from rredcot.integrations._batch import overridden_method
-
+    """TRL and verl compute the probe values elsewhere and hand them over as tensors:
+    ``estimate_from_values`` anchors them (the policy is not needed) and
+    ``update_from_values`` scores what the estimate used, given the same rows again."""
     batch = mixed_trace_batch
     n = batch.num_segments
     S1 = int(n.max()) + 1
@@ -820,10 +818,15 @@ def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed
     raw = torch.where(mask, 0.2 + 0.5 * steps * batch.rewards.unsqueeze(1), 0.0)
     ctx = CreditContext(policy=None, tokenizer=None, task=wide_task)
     method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, handover="off"), ctx)
-    with overridden_method(method, (raw, mask)):
-        out = method.compute(batch)
+    live = batch.response_mask.sum(-1) > 0
+    est = method.estimate_from_values(raw, mask, batch.rewards, batch.group_ids, live)
+    out = method.credit_output(
+        est, batch.rewards, batch.group_ids, batch.segment_ids, batch.response_mask
+    )
     mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
     torch.testing.assert_close(out.values, credit.anchor_values(raw, mask, mean))
-    stats = method.update(copy.copy(batch))
+    stats = method.update_from_values(
+        raw, mask, batch.rewards.clone(), batch.group_ids.clone(), live
+    )
     expected = prediction_slope(out.values, mask, batch.rewards, mean)
     assert stats["value/slope"] == pytest.approx(expected) and method.num_updates == 1

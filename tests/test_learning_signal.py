@@ -139,8 +139,10 @@ def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_d
     target_params = [p.detach().clone() for p in method.target.parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(head_params, target_params))
 
-    entry = method._entry(batch)
-    feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
+    feats, mask = method.boundary_features(batch)
+    live = (batch.response_mask.sum(-1) > 0).to(feats.device)  # what the head trains on
+    feats, mask, rewards = feats[live], mask[live], batch.rewards.to(feats.device)[live].float()
+    entry = {"features": feats, "mask": mask, "rewards": rewards}
     with torch.no_grad():
         logits = method.head(feats)
         vbar = torch.sigmoid(method.target(feats))

@@ -263,6 +263,42 @@ def test_checkpoints_carry_a_manifest_written_last(finished_run):
     assert runio.find_checkpoint(finished_run) == (ckpt, [])
 
 
+def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_copy):
+    """``trainer_state.pt`` keeps the keys runs have always written; a checkpoint from before
+    ``extra_tokens_generated`` was counted (no such key) resumes and reruns the same steps."""
+    import torch
+
+    ckpt = run_copy / "checkpoints" / "step_000002"
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    assert list(state) == [
+        "step",
+        "samples_seen",
+        "tokens_generated",
+        "extra_tokens_generated",
+        "skipped_total",
+        "optimizer",
+        "scheduler",
+        "credit_method",
+        "rng",
+    ]
+    assert sorted(p.name for p in (ckpt / "policy").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    del state["extra_tokens_generated"]
+    runio.atomic_torch_save(state, ckpt / "trainer_state.pt")
+    runio.write_manifest(ckpt, 2)
+    shutil.rmtree(run_copy / "checkpoints" / "step_000004")
+    lines = []
+    result = _resume(run_copy, log=lines.append)
+    assert f"resumed from {ckpt} at step 2" in lines
+    assert result["steps"] == 4 and result["extra_tokens_generated"] == 0
+    assert _records(run_copy) == _records(finished_run)
+
+
 def test_out_that_is_a_file_is_refused(init_dir, tmp_path):
     path = tmp_path / "a_file"
     path.write_text("x")

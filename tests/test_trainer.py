@@ -365,19 +365,19 @@ def test_threads_follow_the_idle_cores(monkeypatch):
     accelerators keep torch's default; so does a machine whose idleness cannot be read."""
     import os
 
-    import rredcot.trainer as trainer
-    from rredcot.trainer import choose_threads, idle_cores
+    import rredcot.train_setup as train_setup
+    from rredcot.train_setup import choose_threads, idle_cores
 
     free = idle_cores(0.05)
     assert free is None or 0.0 <= free <= os.cpu_count() + 0.5  # a real reading of /proc/stat
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: 3.8)
+    monkeypatch.setattr(train_setup, "idle_cores", lambda window=0.25: 3.8)
     assert choose_threads(0, torch.device("cpu")) == 4
-    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: 1.4)
+    monkeypatch.setattr(train_setup, "idle_cores", lambda window=0.25: 1.4)
     assert choose_threads(0, torch.device("cpu")) == 1
-    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: 0.1)
+    monkeypatch.setattr(train_setup, "idle_cores", lambda window=0.25: 0.1)
     assert choose_threads(0, torch.device("cpu")) == 1
-    monkeypatch.setattr(trainer, "idle_cores", lambda window=0.25: None)
+    monkeypatch.setattr(train_setup, "idle_cores", lambda window=0.25: None)
     assert choose_threads(0, torch.device("cpu")) is None
     assert choose_threads(3, torch.device("cpu")) == 3
     assert choose_threads(0, torch.device("meta")) is None

@@ -14,10 +14,10 @@ from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
     RREDCoTGRPOConfig,
     RREDCoTGRPOTrainer,
-    _boundary_batch,
     task_reward,
 )
 from rredcot.methods.base import CreditContext, build_credit
+from rredcot.rollout import fill_forward, segment_batch
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +189,50 @@ def test_hidden_states_come_from_trls_own_forward(tiny_model_dir, arithmetic_dat
     assert history and all(h["rredcot/extra_forward"] == 0.0 for h in history)
 
 
+def test_value_head_features_equal_the_trainers(tiny_model_dir, arithmetic_dataset, tmp_path):
+    """With ``credit.value_logprob_features`` the TRL path's value head reads what rredcot's own
+    trainer gives it for the same completions: the same segments, and the same boundary features
+    (hidden states at the prefix ends, then the log-prob features) as ``rollout.fill_forward``."""
+
+    class Compare(SpyTrainer):
+        def _apply_credit(self, inputs, output):
+            output = super()._apply_credit(inputs, output)
+            batch, method = self.last_batch, self.credit_method
+            plain = batch.replace(hidden_states=None, old_logprobs=None)
+            ours = fill_forward(
+                self.model, plain, method.hidden_layers, temperature=self.temperature
+            )
+            ours = segment_batch(ours, self._tokenizer, self.segmenter)
+            self.records[-1].update(
+                features_trl=method.boundary_features(batch),
+                features_trainer=method.boundary_features(ours),
+                boundaries_trainer=ours.boundaries,
+            )
+            return output
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        cls=Compare,
+        credit={"value_logprob_features": True},
+        steps_per_generation=2,  # TRL runs its old-log-prob pass: hidden states and log-probs
+        max_steps=1,
+    )
+    trainer.train()
+    rec = trainer.records[0]
+    batch = rec["batch"]
+    assert batch.prompt_len > 1 and batch.old_logprobs is not None  # the real batch
+    assert batch.boundaries == rec["boundaries_trainer"]
+    (trl, trl_mask), (ours, our_mask) = rec["features_trl"], rec["features_trainer"]
+    hidden = trainer.model.config.hidden_size
+    assert trl.shape[-1] == hidden + trainer.credit_method.extra_size == hidden + 4
+    assert torch.equal(trl_mask, our_mask)
+    torch.testing.assert_close(trl, ours, rtol=1e-4, atol=1e-5)
+    assert trl[..., hidden:].abs().sum() > 0  # the log-prob features are there, not zeros
+    assert trainer.credit_method.num_updates == 1
+
+
 def test_value_head_saved_with_checkpoints_and_resumed(
     tiny_model_dir, arithmetic_dataset, tmp_path
 ):
@@ -238,19 +282,37 @@ def test_answer_likelihood_is_selectable(tiny_model_dir, arithmetic_dataset, tmp
     assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the probes' one pass
 
 
-def test_boundary_batch_trains_the_head_like_the_full_batch(
-    tiny_policy, char_tokenizer, arithmetic_task
+@pytest.mark.parametrize("logprob_features", [False, True])
+def test_gathered_features_train_the_head_like_the_full_batch(
+    tiny_policy, char_tokenizer, arithmetic_task, logprob_features
 ):
+    """The adapter hands the head tensors: the batch's own boundary features, zero-padded to
+    the widest row of every process. Credit and training on them equal the batch's own."""
     batch = make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, segmenter="tokens:5")
-    cfg = CreditConfig(handover="off", value_replay=0, value_epochs=2, value_logprob_features=False)
+    cfg = CreditConfig(
+        handover="off",
+        value_replay=0,
+        value_epochs=2,
+        value_logprob_features=logprob_features,
+        value_shared_prefixes=False,  # prefix ids are the trainer's own (not gathered)
+    )
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
-    full, compact = build_credit("value_head", cfg, ctx), build_credit("value_head", cfg, ctx)
-    small = _boundary_batch(batch)
-    assert small.hidden_states.shape[1] == max(len(b) for b in batch.boundaries)
-    torch.testing.assert_close(full.segment_values(batch)[0], compact.segment_values(small)[0])
+    full, tensors = build_credit("value_head", cfg, ctx), build_credit("value_head", cfg, ctx)
+    feats, mask = tensors.boundary_features(batch)
+    width = feats.shape[1] + 2  # another process had longer rows
+    feats = torch.cat([feats, feats.new_zeros(feats.shape[0], 2, feats.shape[2])], dim=1)
+    mask = torch.cat([mask, mask.new_zeros(mask.shape[0], 2)], dim=1)
+    assert feats.shape[1] == width
+    assert feats.shape[2] == tensors.head.input_size + tensors.extra_size
+    live = batch.response_mask.sum(-1) > 0
+    expected = full.estimate(batch).credit
+    got = tensors.estimate_from_features(feats, mask, batch.rewards, batch.group_ids, live).credit
+    S1 = expected.values.shape[1]
+    torch.testing.assert_close(got.values[:, :S1], expected.values)
+    assert torch.equal(got.mask[:, :S1], expected.mask) and not got.mask[:, S1:].any()
     full.update(batch)
-    compact.update(small)
-    for a, b in zip(full.head.parameters(), compact.head.parameters()):
+    tensors.update_from_features(feats, mask, batch.rewards, batch.group_ids, live)
+    for a, b in zip(full.head.parameters(), tensors.head.parameters()):
         torch.testing.assert_close(a, b)
 
 
@@ -392,11 +454,9 @@ def test_loss_forward_credit_equals_a_fresh_forward(tiny_model_dir, arithmetic_d
             output = super()._apply_credit(inputs, output)
             pending = self._pending
             assert pending is not None  # deferred to the loss forwards
-            batch = pending.batch
-            batch = batch.replace(hidden_states=self._extra_forward_hidden_states(output, "train"))
-            from rredcot.integrations.trl import _boundary_batch as boundary
-
-            feats = self._global_features(boundary(batch).hidden_states, pending.rows)
+            hidden, logps = self._extra_forward(output, "train")
+            batch = pending.batch.replace(hidden_states=hidden, old_logprobs=logps)
+            feats = self._global_features(batch, pending.rows)
             _, ref = self._credit(batch, pending.rows, feats=feats)
             self.records[-1]["reference"] = ref * pending.loss_mask
             return output

@@ -802,7 +802,7 @@ def test_shared_prefixes_set_the_values_where_samples_agree(
     torch.nn.init.normal_(method.head.fc2.weight)
     method.reliability = 0.4
     out = method.compute(mixed_batch)
-    _, anchored, mask = method._raw_and_anchored(mixed_batch)
+    anchored, mask = method.segment_values(mixed_batch)
     shared, counts = credit.shared_prefix_values(mixed_batch.prefix_ids, mixed_batch.rewards)
     values, lam = credit.combine_shared_prefix(shared, counts, anchored, mask, 0.4)
     seg_adv, _, _ = credit.segment_advantages_from_values(values, mask, mixed_batch.rewards, lam)

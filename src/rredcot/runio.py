@@ -6,10 +6,15 @@ continues without duplicated or truncated lines.
   and host of the first. The kernel drops the lock when its process dies, however it dies.
 - ``claim_run_dir``: a directory that holds a run already is refused unless the run is resumed
   or explicitly overwritten.
+- ``write_run_config``: ``config.yaml``, rewritten only when the run's config changes.
 - ``save_checkpoint`` writes ``checkpoints/step_N`` through a temporary directory, with
   ``manifest.json`` (every file's size and SHA-256) written last, then a rename;
   ``find_checkpoint`` returns the newest checkpoint that matches its manifest and says why it
-  skipped the newer ones.
+  skipped the newer ones; ``resume_checkpoint`` is the one a resume starts from.
+- ``MetricsLog``: ``metrics.jsonl``; ``MetricSink``: the same records to TensorBoard or W&B.
+
+What a trainer checkpoint holds (optimiser, schedule, credit method, counters) is
+``rredcot.checkpoint``'s.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from rredcot.config import TrainConfig, read_yaml_file, to_dict
 from rredcot.config import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
 
@@ -94,6 +101,45 @@ class MetricsLog:
         """Keep only complete records with ``step <= step`` (what the checkpoint has seen)."""
         kept = [r for r in self.read() if r.get("step", -1) <= step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+class MetricSink:
+    """Optional TensorBoard / Weights & Biases logging (``report_to``) of the records that
+    ``MetricsLog`` writes (always); ``none`` logs nothing."""
+
+    def __init__(self, kind: str, run_dir: Path) -> None:
+        self.kind = kind
+        self.writer = None
+        if kind == "tensorboard":
+            try:  # optional: tensorboard
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError(
+                    "report_to=tensorboard needs tensorboard: pip install tensorboard"
+                ) from err
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        elif kind == "wandb":
+            try:  # optional: wandb
+                import wandb
+            except ImportError as err:
+                raise ImportError("report_to=wandb needs wandb: pip install wandb") from err
+            self.writer = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "rredcot"), dir=str(run_dir)
+            )
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        if self.writer is None:
+            return
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.kind == "tensorboard":
+            for k, v in numeric.items():
+                self.writer.add_scalar(k, v, step)
+        else:
+            self.writer.log(numeric, step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            (self.writer.close if self.kind == "tensorboard" else self.writer.finish)()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +255,19 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunL
         lock.release()
         raise
     return lock
+
+
+def write_run_config(run_dir: str | Path, cfg: TrainConfig) -> None:
+    """``config.yaml``, written atomically, and only when it changes (a resume with more
+    steps); ``out``/``resume``/``overwrite`` say how a run was started, not what it is."""
+    path = Path(run_dir) / CONFIG
+    record = to_dict(cfg)
+    record.update(resume=None, overwrite=False)
+    if cfg.resume and path.exists():
+        record["out"] = (read_yaml_file(path) or {}).get("out", record["out"])
+    text = yaml.safe_dump(record, sort_keys=False)
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        atomic_write_text(path, text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +408,31 @@ def find_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest valid checkpoint of a run (``find_checkpoint``), or ``None``."""
     return find_checkpoint(run_dir)[0]
+
+
+def resume_checkpoint(run_dir: str | Path, *, log=print, main: bool = True) -> Path | None:
+    """The newest valid checkpoint to resume ``run_dir`` from, saying (on the main process)
+    which newer ones were skipped and why; ``None`` for a run that recorded no step yet. A
+    resume that would restart over recorded steps is a ``UserError``."""
+    run_dir = Path(run_dir)
+    ckpt, skipped = find_checkpoint(run_dir)
+    for path, reason in skipped if main else []:
+        log(f"skipping checkpoint {path.name}: {reason}")
+    if ckpt is not None:
+        if skipped and main:
+            log(f"resuming from the older checkpoint {ckpt.name} instead")
+        return ckpt
+    recorded = [r["step"] for r in MetricsLog(run_dir / METRICS).read() if r.get("step", 0) > 0]
+    if recorded or skipped:
+        why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none found"
+        raise UserError(
+            f"--resume {run_dir}: no valid checkpoint left ({why}) but {METRICS} records steps "
+            f"up to {max(recorded, default=0)}; resuming would restart over that history. Start "
+            "the run again with --overwrite, or pick another --out"
+        )
+    if main:
+        log(f"{run_dir}: no checkpoint and no step recorded yet: from step 0")
+    return None
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -133,8 +133,9 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
     import torch
 
+    from rredcot.evaluation import greedy_accuracy
     from rredcot.models import build_char_tokenizer, build_tiny_llama, count_parameters
-    from rredcot.rollout import greedy_accuracy, render_prompt
+    from rredcot.rollout import render_prompt
     from rredcot.seeding import seed_everything
 
     _check_out(Path(cfg.out))  # before minutes of training, not after

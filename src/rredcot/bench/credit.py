@@ -430,7 +430,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     )
     from rredcot.methods.base import build_credit
     from rredcot.models import load_policy
-    from rredcot.trainer import resolve_device
+    from rredcot.train_setup import resolve_device
 
     variants = parse_variants(cfg.methods)
     if "uniform" not in [v.name for v in variants]:

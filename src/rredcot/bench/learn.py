@@ -250,7 +250,7 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
     tcfg = resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
     if tcfg.sampling.max_new_tokens == 0:
         from rredcot.tasks import get_task
-        from rredcot.trainer import resolve_max_new_tokens
+        from rredcot.train_setup import resolve_max_new_tokens
 
         resolve_max_new_tokens(tcfg, get_task(tcfg.task, **tcfg.task_args))
     return tcfg

@@ -10,22 +10,18 @@ trainer sampled it. Nothing here knows about TRL or verl.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
-from rredcot.methods.base import CreditMethod
 from rredcot.segment import Segmenter, decode_with_offsets
 from rredcot.tasks.base import Problem, Verdict
 
 __all__ = [
     "group_ids_from_keys",
-    "overridden_method",
     "rollout_batch_from_tensors",
     "segment_completions",
     "span_mask",
@@ -166,27 +162,6 @@ def rollout_batch_from_tensors(
         old_logprobs=old_logprobs,
         hidden_states=hidden_states,
     )
-
-
-@contextlib.contextmanager
-def overridden_method(
-    method: CreditMethod,
-    values: tuple[Tensor, Tensor] | None = None,
-    normalization: str | None = None,
-) -> Iterator[CreditMethod]:
-    """While active, ``method.segment_values`` returns the given ``(values, mask)`` (computed
-    elsewhere: on the local rows, by a PRM, ...) and/or ``method.normalization`` is replaced, so
-    that the method's own ``compute`` (anchor, hand-over, GAE, normalisation) runs on them."""
-    saved_config = method.config
-    if normalization is not None:
-        method.config = dataclasses.replace(saved_config, normalization=normalization)
-    if values is not None:
-        method.segment_values = lambda batch: values  # type: ignore[method-assign]
-    try:
-        yield method
-    finally:
-        method.config = saved_config
-        method.__dict__.pop("segment_values", None)
 
 
 def span_mask(response_mask: Tensor) -> Tensor:

@@ -15,14 +15,18 @@ Per generation batch:
    normalisation);
 2. each process decodes its completions with token offsets and segments them
    (``rredcot.integrations._batch``);
-3. the credit method runs on one compact row per completion of every process (gathered boundary
-   hidden states, or values computed on each process), so groups may span processes as in TRL;
-   each process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto
-   the normalisation (:func:`normalization_for_scale_rewards`);
-4. the value head's hidden states come from TRL's no-grad old-log-prob pass when TRL runs one,
-   else from the training (loss) forward of each micro-batch: detached, read by a hook, and the
-   advantages written into the micro-batch before the loss is formed. No extra forward either
-   way (``rredcot/extra_forward`` = 0; 1 only with the Liger loss);
+3. the credit runs over every process's completions, so groups may span processes as in TRL:
+   the value head reads the features of each process's own batch (real prompt and token
+   positions: ``ValueHeadCredit.boundary_features``, the hidden states at the prefix ends and,
+   with ``credit.value_logprob_features``, the log-prob features, exactly as in rredcot's own
+   trainer), gathered as tensors (``estimate_from_features``); other methods' values are computed
+   on each process's rows and gathered. The algebra runs on the segments of every row, and each
+   process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto the
+   normalisation (:func:`normalization_for_scale_rewards`);
+4. the value head's hidden states and log-probs come from TRL's no-grad old-log-prob pass when
+   TRL runs one, else from the training (loss) forward of each micro-batch: detached, read by a
+   hook, and the advantages written into the micro-batch before the loss is formed. No extra
+   forward either way (``rredcot/extra_forward`` = 0; 1 only with the Liger loss);
 5. in training only, the method learns (``update``; the value head trains after the credit of the
    step, on the gathered boundary features, so every process holds the same head).
 
@@ -45,13 +49,13 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict
-from rredcot.integrations._batch import overridden_method as _overridden
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import (
     CreditContext,
     RolloutBatch,
     build_credit,
     get_credit,
+    uniform_values,
 )
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -144,11 +148,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 f"credit_method={self.credit_method!r} is not supported in TRL (it needs rredcot's "
                 f"own sampling loop); use one of: {', '.join(TRL_METHODS)}"
             )
-        if self.credit.get("value_logprob_features"):
+        if self.credit.get("value_alik_feature"):
             raise ValueError(
-                "credit.value_logprob_features is not supported in TRL yet (the head trains on "
-                "boundary features gathered across processes, which carry no log-probs); leave it "
-                "unset"
+                "credit.value_alik_feature is not supported in TRL (its probe forwards would run "
+                "per micro-batch and unevenly across processes); leave it unset"
             )
         if self.credit_config.value_pretrain_steps:
             raise ValueError(
@@ -172,9 +175,9 @@ class RREDCoTGRPOConfig(GRPOConfig):
     @property
     def credit_config(self) -> CreditConfig:
         """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones).
-        The value head reads hidden states only here: ``value_logprob_features`` is off.
-        ``normalization="auto"`` (the default) follows TRL's ``scale_rewards``
-        (:func:`normalization_for_scale_rewards`)."""
+        ``value_logprob_features`` is off unless ``credit`` turns it on (the head then also reads
+        the log-probs of TRL's pass, as in rredcot's trainer). ``normalization="auto"`` (the
+        default) follows TRL's ``scale_rewards`` (:func:`normalization_for_scale_rewards`)."""
         fields = {"value_logprob_features": False, **_as_dict(self.credit, "credit")}
         if fields.get("normalization", "auto") == "auto":
             fields["normalization"] = normalization_for_scale_rewards(
@@ -313,60 +316,6 @@ def _no_checkpointing(model, kwargs):
     return disable_gradient_checkpointing(model, kwargs)
 
 
-def _boundary_batch(batch: RolloutBatch) -> RolloutBatch:
-    """A compact batch holding only the hidden states at the segment boundaries.
-
-    Row ``b`` becomes ``[s_0 | s_1 ... s_n]``: ``prompt_len = 1`` and boundaries ``[0, 1, ..., n]``,
-    so ``boundary_positions`` of the compact batch point at the same features as those of the
-    full batch. What a value head trains on is unchanged; it is small enough to gather across
-    processes.
-    """
-    positions, mask = batch.boundary_positions()
-    hs = batch.hidden_states
-    rows = torch.arange(batch.size, device=hs.device).unsqueeze(1)
-    feats = hs[rows, positions.clamp(min=0).to(hs.device)]
-    feats = torch.where(mask.to(hs.device).unsqueeze(-1), feats, torch.zeros_like(feats))
-    counts = batch.num_segments
-    return _compact_from(feats, counts, batch.rewards, batch.group_ids)
-
-
-def _compact_from(
-    feats: Tensor | None,
-    counts: Tensor,
-    rewards: Tensor,
-    group_ids: Tensor,
-    width: int | None = None,
-) -> RolloutBatch:
-    """A compact batch over segment boundaries: row ``b`` has ``counts[b]`` one-"token" segments,
-    so its ``(B, S)`` token advantages are its segment advantages. ``feats (B, S+1, D)`` are the
-    boundary hidden states (``None`` for methods that read none); ``width`` is ``S + 1``
-    (default: ``feats``' or ``max(counts) + 1``)."""
-    counts = counts.to("cpu").long()
-    B = counts.shape[0]
-    if width is None:
-        width = (
-            feats.shape[1]
-            if feats is not None
-            else (int(counts.max()) if counts.numel() else 0) + 1
-        )
-    device = feats.device if feats is not None else rewards.device
-    boundaries = [list(range(int(n) + 1)) if int(n) > 0 else [0] for n in counts]
-    cols = torch.arange(max(width - 1, 0)).unsqueeze(0)
-    response_mask = (cols < counts.unsqueeze(1)).float().to(device)
-    attention_mask = torch.cat([torch.ones(B, 1, device=device), response_mask], dim=1).long()
-    return RolloutBatch(
-        input_ids=torch.zeros(B, width, dtype=torch.long, device=device),
-        attention_mask=attention_mask,
-        prompt_len=1,
-        response_mask=response_mask,
-        rewards=rewards.to(device),
-        group_ids=group_ids.to(device),
-        boundaries=boundaries,
-        segment_ids=credit.boundaries_to_segment_ids(boundaries, width - 1, device=device),
-        hidden_states=feats,
-    )
-
-
 class _Collective:
     """The cross-process operations of the credit (accelerate's; the identity on one process)."""
 
@@ -428,8 +377,27 @@ class _GlobalRows:
 
     @property
     def width(self) -> int:
-        """``S + 1`` of the global compact layout."""
+        """``S + 1``: the most boundaries of any row."""
         return (int(self.counts.max()) if self.counts.numel() else 0) + 1
+
+    def live(self, device) -> Tensor:
+        """``(N,)`` bool: rows with a response (unscorable and empty rows have no segment)."""
+        return (self.counts > 0).to(device)
+
+    def value_tensors(self, device) -> tuple[Tensor, Tensor, Tensor]:
+        """``(value mask (N, S+1) bool, rewards (N,), group_ids (N,))`` on ``device``."""
+        mask = torch.arange(self.width).unsqueeze(0) <= self.counts.unsqueeze(1)
+        return mask.to(device), self.rewards.to(device), self.group_ids.to(device)
+
+    def segment_layout(self, device) -> tuple[Tensor, Tensor]:
+        """``(segment_ids (N, S) long, mask (N, S) float)`` with one column per segment
+        (``segment_ids[b, k] = k`` for ``k < counts[b]``, else -1): the algebra's token layout at
+        segment resolution, so its token advantages are the segment advantages (each process
+        then spreads its rows' over their tokens)."""
+        cols = torch.arange(self.width - 1).unsqueeze(0)
+        present = cols < self.counts.unsqueeze(1)
+        segment_ids = torch.where(present, cols, torch.full_like(cols, -1))
+        return segment_ids.to(device), present.float().to(device)
 
 
 @dataclass
@@ -535,7 +503,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         self.collective = _Collective(self.accelerator)
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
-        self.last_credit = None  # its CreditOutput (over the global compact batch)
+        self.last_credit = None  # its CreditOutput (over the segments of every process's rows)
         self._rewards_per_func: Tensor | None = None
         self._capture_armed = False
         self._captured: list[Tensor] = []
@@ -576,7 +544,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             store: list[Tensor] = []
             with _capture_hidden_states(model, self._hidden_layers, store):
                 result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-            self._deferred_credit(inputs, torch.cat(store, dim=0))
+            self._deferred_credit(inputs, torch.cat(store, dim=0), result[0].detach())
             return result
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
@@ -606,9 +574,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self._capture_armed = False
         return self._apply_credit(inputs, output)
 
-    def _extra_forward_hidden_states(self, output: dict, mode: str) -> Tensor:
-        """``(B, P+T, D)`` hidden states of the local rows by one no-grad forward of our own
-        (only where neither TRL's pass nor the loss forward can give them: the Liger loss)."""
+    def _extra_forward(self, output: dict, mode: str) -> tuple[Tensor, Tensor]:
+        """``(hidden states (B, P+T, D), log-probs (B, T))`` of the local rows by one no-grad
+        forward of our own (only where neither TRL's pass nor the loss forward can give them:
+        the Liger loss)."""
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         store: list[Tensor] = []
@@ -622,10 +591,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             _no_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
             _capture_hidden_states(self.model, self._hidden_layers, store),
         ):
-            super()._get_per_token_logps_and_entropies(
+            logps, _, _ = super()._get_per_token_logps_and_entropies(
                 self.model, ids, mask, output["completion_ids"].size(1), batch_size=batch_size
             )
-        return torch.cat(store, dim=0)
+        return torch.cat(store, dim=0), logps
 
     def _global_rows(self, batch: RolloutBatch, num_generations: int) -> _GlobalRows:
         """Rewards and groups of every process's rows (TRL already gathered the rewards) and the
@@ -689,19 +658,20 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
         if self._hidden_layers is not None:
             captured = torch.cat(self._captured, dim=0) if self._captured else None
+            logps = output.get("old_per_token_logps")  # from the same pass of TRL's
             self._captured = []
             full = tuple(batch.input_ids.shape)
-            if captured is None or tuple(captured.shape[:2]) != full:
+            if captured is None or tuple(captured.shape[:2]) != full or logps is None:
                 if self._defers_to_loss_forward():
                     return self._defer(output, batch, rows, loss_mask, mode)
-                captured = self._extra_forward_hidden_states(output, mode)
+                captured, logps = self._extra_forward(output, mode)
                 extra = 1.0
             else:
                 extra = 0.0
             self._metrics[mode]["rredcot/extra_forward"].append(extra)
-            batch = batch.replace(hidden_states=captured)
+            batch = batch.replace(hidden_states=captured, old_logprobs=logps.detach())
             self.last_batch = batch
-            feats = self._global_features(_boundary_batch(batch).hidden_states, rows)
+            feats = self._global_features(batch, rows)
             out, advantages = self._credit(batch, rows, feats=feats)
         else:
             feats, values = None, None
@@ -713,10 +683,12 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         return output
 
     # -- credit over the global rows ----------------------------------------------------------
-    def _global_features(self, local_feats: Tensor, rows: _GlobalRows) -> Tensor:
-        """``(N, S+1, D)`` boundary hidden states of every process's rows."""
-        feats = self.collective.gather_padded(local_feats, dim=1)
-        return _fit_columns(feats, rows.width)
+    def _global_features(self, batch: RolloutBatch, rows: _GlobalRows) -> Tensor:
+        """``(N, S+1, F)`` value-head features of every process's rows: each process's
+        ``boundary_features`` of its own batch (hidden states and log-probs filled), gathered."""
+        local, _ = self.credit_method.boundary_features(batch)
+        local = _fit_columns(local, rows.width)
+        return _fit_columns(self.collective.gather_padded(local, dim=1), rows.width)
 
     def _local_values(self, batch: RolloutBatch, rows: _GlobalRows) -> tuple[Tensor, Tensor]:
         """The method's values of the local rows, gathered to ``(N, S+1)``. Forwards the method
@@ -751,17 +723,29 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         feats: Tensor | None = None,
         values: tuple[Tensor, Tensor] | None = None,
     ):
-        """``(CreditOutput over the global compact batch, (B, T) local token advantages)``.
+        """``(CreditOutput over the segments of every process's rows, (B, T) local token
+        advantages)``.
 
-        The method runs on one row per completion of every process (boundary features, or
-        values computed elsewhere), so group statistics, the anchor, the hand-over and the
-        normalisation see whole groups even where they span processes; its segment
-        advantages are then spread over the local tokens. ``whiten`` is applied over every
-        process's tokens afterwards."""
-        compact = _compact_from(feats, rows.counts, rows.rewards, rows.group_ids, rows.width)
-        whiten = self.credit_method.normalization == "whiten"
-        with _overridden(self.credit_method, values, "none" if whiten else None) as method:
-            out = method.compute(compact)
+        The method runs on one row per completion of every process (the value head on the
+        gathered features, other methods on values computed elsewhere), so group statistics,
+        the anchor, the hand-over and the normalisation see whole groups even where they span
+        processes; its segment advantages are then spread over the local tokens. ``whiten`` is
+        applied over every process's tokens afterwards."""
+        method = self.credit_method
+        whiten = method.normalization == "whiten"
+        device = feats.device if feats is not None else rows.rewards.device
+        value_mask, rewards, group_ids = rows.value_tensors(device)
+        live = rows.live(device)
+        if feats is not None:
+            estimate = method.estimate_from_features(feats, value_mask, rewards, group_ids, live)
+        else:
+            if values is None:  # uniform: GRPO's values, from every process's rewards
+                values = uniform_values(rewards, group_ids, rows.counts)
+            estimate = method.estimate_from_values(*values, rewards, group_ids, live)
+        segment_ids, segment_mask = rows.segment_layout(device)
+        out = method.credit_output(
+            estimate, rewards, group_ids, segment_ids, segment_mask, "none" if whiten else None
+        )
         seg_adv = out.advantages[rows.local].to(batch.segment_ids.device)
         tokens = credit.segments_to_tokens(seg_adv, batch.segment_ids, batch.response_mask)
         if whiten:
@@ -787,13 +771,22 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self._log_credit(self.collective.mean_metrics(out.metrics), mode)
         self._log_row_advantages(advantages, loss_mask)
         if mode == "train":
-            self._log_credit(self._update_credit(rows, feats), mode)
+            self._log_credit(self._update_credit(rows, feats, out), mode)
 
-    def _update_credit(self, rows: _GlobalRows, feats: Tensor | None) -> dict[str, float]:
-        """Train the credit method on this step's outcomes, over every process's rows (every
-        process holds the same head)."""
-        compact = _compact_from(feats, rows.counts, rows.rewards, rows.group_ids, rows.width)
-        return self.credit_method.update(compact)
+    def _update_credit(self, rows: _GlobalRows, feats: Tensor | None, out) -> dict[str, float]:
+        """Let the credit method learn from this step's outcomes, over every process's rows
+        (every process holds the same head): the value head from the gathered features, other
+        methods from the values their credit used."""
+        device = feats.device if feats is not None else rows.rewards.device
+        value_mask, rewards, group_ids = rows.value_tensors(device)
+        live = rows.live(device)
+        if feats is not None:
+            return self.credit_method.update_from_features(
+                feats, value_mask, rewards, group_ids, live
+            )
+        return self.credit_method.update_from_values(  # every TRL method's estimate is Values
+            out.values, out.value_mask, rewards, group_ids, live
+        )
 
     # -- the credit from the loss forward (no pass of TRL to read hidden states from) ---------
     def _defer(self, output: dict, batch, rows: _GlobalRows, loss_mask: Tensor, mode: str):
@@ -814,9 +807,9 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["rredcot/extra_forward"].append(0.0)
         return output
 
-    def _deferred_credit(self, inputs: dict, hidden: Tensor) -> None:
-        """Credit of one micro-batch from the detached hidden states of its loss forward, written
-        into ``inputs["advantages"]`` before TRL forms the loss.
+    def _deferred_credit(self, inputs: dict, hidden: Tensor, logps: Tensor) -> None:
+        """Credit of one micro-batch from the detached hidden states and log-probs of its loss
+        forward, written into ``inputs["advantages"]`` before TRL forms the loss.
 
         A row's value-head credit depends only on its own boundary features and on the rewards
         (group mean, normalisation), all known, so rows not yet forwarded (other micro-batches)
@@ -829,8 +822,9 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 f"rredcot: the loss forward's hidden states are {tuple(hidden.shape[:2])}, the "
                 f"micro-batch is {tuple(sub.input_ids.shape)} (TRL internals changed?)"
             )
-        sub = sub.replace(hidden_states=hidden.detach())
-        local_feats = _fit_columns(_boundary_batch(sub).hidden_states, pending.rows.width)
+        sub = sub.replace(hidden_states=hidden.detach(), old_logprobs=logps)
+        local_feats, _ = self.credit_method.boundary_features(sub)
+        local_feats = _fit_columns(local_feats, pending.rows.width)
         device = self.accelerator.device
         every_rows = self.collective.gather((local_rows + pending.rows.start).to(device)).cpu()
         every_feats = self.collective.gather(local_feats.contiguous())

@@ -46,17 +46,15 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
-from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, from_dict
 from rredcot.credit import Values
 from rredcot.integrations._batch import (
     group_ids_from_keys,
-    overridden_method,
     rollout_batch_from_tensors,
     segment_completions,
     span_mask,
 )
-from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit
+from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem
@@ -240,14 +238,17 @@ def rredcot_segments(
 # the estimator
 
 
-def critic_boundary_values(token_values: Tensor, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+def critic_boundary_values(
+    token_values: Tensor, boundaries: list[list[int]]
+) -> tuple[Tensor, Tensor]:
     """``(values (B, S+1), mask (B, S+1))``: verl's critic read at the segment starts
-    (``V(s_k) = token_values[:, b_k]``; column ``n`` is replaced by ``R`` in the algebra)."""
-    n = batch.num_segments
+    (``V(s_k) = token_values[:, b_k]``; column ``n`` is replaced by ``R`` in the algebra).
+    ``boundaries``: per row ``[0, b_1, ..., b_n]``."""
+    n = torch.tensor([len(b) - 1 for b in boundaries], dtype=torch.long)
     S = int(n.max()) if len(n) else 0
     T = token_values.shape[1]
-    starts = torch.zeros(batch.size, S + 1, dtype=torch.long)
-    for row, bounds in enumerate(batch.boundaries):
+    starts = torch.zeros(len(boundaries), S + 1, dtype=torch.long)
+    for row, bounds in enumerate(boundaries):
         starts[row, : len(bounds)] = torch.tensor(bounds).clamp(max=max(T - 1, 0))
     mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
     values = token_values.float().gather(1, starts.to(token_values.device))
@@ -289,15 +290,12 @@ def dense_prefix_rewards(
     return prefix
 
 
-def _with_dense_rewards(
-    method: CreditMethod, batch: RolloutBatch, prefix: Tensor
-) -> tuple[Tensor, Tensor] | None:
-    """The method's own values plus the dense rewards received so far (None if there are none)."""
+def _with_dense_rewards(values: Tensor, mask: Tensor, prefix: Tensor) -> Tensor:
+    """``values (B, S+1)`` plus the dense rewards received so far (:func:`dense_prefix_rewards`)."""
     if not bool((prefix != 0).any()):
-        return None
-    values, mask = method.segment_values(batch)
+        return values
     shifted = values + prefix[:, : values.shape[1]].to(values.device)
-    return torch.where(mask, shifted, values), mask
+    return torch.where(mask, shifted, values)
 
 
 _METHOD_CACHE: dict[tuple, CreditMethod] = {}
@@ -385,24 +383,20 @@ def compute_rredcot_advantage(
         group_ids = torch.arange(B)
     else:
         group_ids = group_ids_from_keys(list(np.asarray(index, dtype=object)))
+    # The rows as tensors: outcomes, groups, segments (verl's estimator sees no token ids).
     rewards = token_level_rewards.float().sum(dim=-1)
-    batch = RolloutBatch(
-        input_ids=torch.zeros(B, T, dtype=torch.long, device=mask.device),
-        attention_mask=mask.long(),
-        prompt_len=0,
-        response_mask=mask.float(),
-        rewards=rewards,
-        group_ids=group_ids.to(mask.device),
-        boundaries=boundaries,
-        segment_ids=segment_ids,
-    )
-    prefix = dense_prefix_rewards(token_level_rewards, filled, batch.num_segments)
+    group_ids = group_ids.to(mask.device)
+    response_mask = mask.float()
+    num_segments = torch.tensor([len(b) - 1 for b in boundaries], dtype=torch.long)
+    live = mask.any(dim=-1)
+    prefix = dense_prefix_rewards(token_level_rewards, filled, num_segments)
     if method_name in ("uniform", "answer_likelihood"):
         if method_name == "uniform" and index is None:
             raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
         method = _method_for(method_name, cfg, config)
-        given = None
-        if method_name == "answer_likelihood":
+        if method_name == "uniform":
+            given, given_mask = uniform_values(rewards, group_ids, num_segments)
+        else:
             if boundary_values is None:
                 raise ValueError(
                     "algorithm.rredcot.credit_method=answer_likelihood needs the probe values: "
@@ -411,16 +405,14 @@ def compute_rredcot_advantage(
                     "with probe_values(...) and pass them as boundary_values (or through "
                     "rredcot_segments(segment_ids, boundary_values=...))"
                 )
-            S1 = int(batch.num_segments.max()) + 1 if B else 1
-            given = (
-                _fit_width(boundary_values.to(mask.device).float(), S1, 0.0),
-                torch.arange(S1, device=mask.device).unsqueeze(0)
-                <= batch.num_segments.to(mask.device).unsqueeze(1),
-            )
-        with overridden_method(method, given):
-            shifted = _with_dense_rewards(method, batch, prefix)
-        with overridden_method(method, shifted or given):
-            out = method.compute(batch)
+            S1 = int(num_segments.max()) + 1 if B else 1
+            given = _fit_width(boundary_values.to(mask.device).float(), S1, 0.0)
+            given_mask = torch.arange(S1, device=mask.device).unsqueeze(0) <= num_segments.to(
+                mask.device
+            ).unsqueeze(1)
+        given = _with_dense_rewards(given, given_mask, prefix)
+        estimate = method.estimate_from_values(given, given_mask, rewards, group_ids, live)
+        out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
         return out.advantages, out.advantages
     if values is None:
         raise ValueError(
@@ -430,26 +422,33 @@ def compute_rredcot_advantage(
     values = _fit_width(values.to(mask.device).float(), T, 0.0)
     # The critic is one more value source through the same algebra: anchored on the group's
     # mean reward like every rredcot value (credit.value_anchor), dense rewards kept.
-    raw, raw_mask = critic_boundary_values(values, batch)
+    raw, raw_mask = critic_boundary_values(values, boundaries)
     anchor = None
     if cfg.value_anchor == "group":
-        anchor, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        anchor, _ = credit.group_mean_std(rewards, group_ids)
     anchored = raw if anchor is None else credit.anchor_values(raw, raw_mask, anchor)
     estimate = Values(anchored + prefix[:, : raw.shape[1]].to(raw.device), raw_mask, lam=cfg.lam)
     normalization = (
         CreditMethod.default_normalization if cfg.normalization == "auto" else cfg.normalization
     )
     out = credit.token_credit(
-        estimate, rewards, batch.group_ids, batch.segment_ids, batch.response_mask, normalization
+        estimate, rewards, group_ids, segment_ids, response_mask, normalization
     )
     # The critic predicts the return still to come: its targets exclude rewards already received.
-    returns = _critic_returns(raw + prefix, raw_mask, rewards, batch, cfg.value_td_lambda)
-    received = credit.segments_to_tokens(prefix[:, :-1], batch.segment_ids, batch.response_mask)
+    returns = _critic_returns(
+        raw + prefix, raw_mask, rewards, segment_ids, response_mask, cfg.value_td_lambda
+    )
+    received = credit.segments_to_tokens(prefix[:, :-1], segment_ids, response_mask)
     return out.advantages, torch.where(mask, returns - received, torch.zeros_like(returns))
 
 
 def _critic_returns(
-    values: Tensor, value_mask: Tensor, rewards: Tensor, batch: RolloutBatch, lam_v: float
+    values: Tensor,
+    value_mask: Tensor,
+    rewards: Tensor,
+    segment_ids: Tensor,
+    response_mask: Tensor,
+    lam_v: float,
 ) -> Tensor:
     """``(B, T)`` critic targets: every token of segment ``k+1`` gets the TD(``lam_v``) target
     ``G_k`` of the state ``s_k`` where the segment starts (``lam_v = 1``: ``R``)."""
@@ -457,7 +456,7 @@ def _critic_returns(
     # G_k = V(s_k) + sum_j lam_v^(j-k) r_{j+1}: the lam_v-return, by segment GAE.
     targets = values[:, :-1] + credit.segment_gae(seg_rewards, seg_mask, lam_v)
     targets = torch.where(seg_mask, targets, torch.zeros_like(targets))
-    return credit.segments_to_tokens(targets, batch.segment_ids, batch.response_mask)
+    return credit.segments_to_tokens(targets, segment_ids, response_mask)
 
 
 core_algos.register_adv_est(ESTIMATOR)(compute_rredcot_advantage)

@@ -90,6 +90,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.credit import Cost, Values
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
@@ -854,18 +855,28 @@ class AnswerLikelihoodCredit(CreditMethod):
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
-        """Values from :meth:`segment_values` (which an integration may override with values it
-        computed elsewhere: they are anchored here, which leaves anchored values as they are),
-        handed over from uniform credit by :attr:`handover_weight`."""
+        """:meth:`estimate_from_values` of the batch's :meth:`segment_values`."""
         values, mask = self.segment_values(batch)
-        values = self._anchored(values, mask, batch)
+        return self.estimate_from_values(
+            values, mask, batch.rewards, batch.group_ids, live_rows(batch)
+        )
+
+    def estimate_from_values(
+        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
+    ) -> Estimate:
+        """Answer-likelihood values (this method's probes, or values an integration computed
+        elsewhere: anchored here, which leaves anchored values as they are), handed over from
+        uniform credit by :attr:`handover_weight`; the arguments as
+        :meth:`CreditMethod.estimate_from_values`'."""
+        mean, _ = credit.group_mean_std(rewards, group_ids)
+        values = anchor(values, mask, mean, self.config.value_anchor)
         w = self.handover_weight
         self._scored = (
             values.detach(),
             mask,
-            batch.rewards.detach().clone(),
-            batch.group_ids.detach().clone(),
-            live_rows(batch),
+            rewards.detach().clone(),
+            group_ids.detach().clone(),
+            live,
         )
         stats = dict(self._cache[3]) if self._cache is not None else {}  # the probe pass
         cost = Cost(
@@ -877,16 +888,18 @@ class AnswerLikelihoodCredit(CreditMethod):
             Values(values, mask, lam=self.lam, handover_weight=min(max(w, 0.0), 1.0)), cost, stats
         )
 
-    def _last_scored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(values, mask, live)`` of the last :meth:`compute` if it ran on these rows (same
+    def _last_scored(
+        self, rewards: Tensor, group_ids: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(values, mask, live)`` of the last :meth:`estimate` if it ran on these rows (same
         rewards and groups: the trainer's and the integrations' update batch)."""
         if self._scored is None:
             return None
-        values, mask, rewards, groups, live = self._scored
+        values, mask, scored_rewards, groups, live = self._scored
         same = (
-            rewards.shape == batch.rewards.shape
-            and torch.equal(rewards, batch.rewards.detach().to(rewards.device))
-            and torch.equal(groups, batch.group_ids.detach().to(groups.device))
+            scored_rewards.shape == rewards.shape
+            and torch.equal(scored_rewards, rewards.detach().to(scored_rewards.device))
+            and torch.equal(groups, group_ids.detach().to(groups.device))
         )
         return (values, mask, live) if same else None
 
@@ -894,18 +907,33 @@ class AnswerLikelihoodCredit(CreditMethod):
         """Score the values the last :meth:`compute` used (or, for a batch it did not see, the
         batch's own anchored values) on the batch's outcomes and fold the score into the
         reliability (the next batches' hand-over weight). Learns nothing else."""
-        found = self._last_scored(batch)
+        found = self._last_scored(batch.rewards, batch.group_ids)
         if found is None:
             scored, mask = self.segment_values(batch)
             scored = self._anchored(scored, mask, batch)
-            live = live_rows(batch)
-        else:
-            scored, mask, live = found
+            found = scored, mask, live_rows(batch)
+        return self._score(*found, batch.rewards, batch.group_ids)
+
+    def update_from_values(
+        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
+    ) -> dict[str, float]:
+        """:meth:`update` for rows whose values were computed elsewhere: scores the values the
+        last :meth:`estimate_from_values` used on these rows (else ``values``, anchored)."""
+        found = self._last_scored(rewards, group_ids)
+        if found is None:
+            mean, _ = credit.group_mean_std(rewards, group_ids)
+            found = anchor(values, mask, mean, self.config.value_anchor), mask, live
+        return self._score(*found, rewards, group_ids)
+
+    def _score(
+        self, scored: Tensor, mask: Tensor, live: Tensor, rewards: Tensor, group_ids: Tensor
+    ) -> dict[str, float]:
+        """Fold the slope of ``scored`` values on the outcomes into the reliability."""
         device = scored.device
         live = live.to(device)
-        mean = group_mean(batch).to(device)
+        mean = credit.group_mean_std(rewards, group_ids)[0].to(device)
         baseline = None if self.config.value_anchor == "none" else mean[live]
-        rewards = batch.rewards.to(device)[live]
+        rewards = rewards.to(device)[live]
         score, slope, skill = handover_scores(
             scored[live],
             mask.to(device)[live],

@@ -17,6 +17,7 @@ import torch
 from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.credit import Cost, Values, Weights
+from rredcot.methods.handover import live_rows
 
 if TYPE_CHECKING:
     from rredcot.config import CreditConfig, SamplingConfig
@@ -98,20 +99,58 @@ class CreditMethod:
         """Values (with this method's lambda) or weights of the batch; no extra cost."""
         if type(self).segment_values is not CreditMethod.segment_values:
             values, mask = self.segment_values(batch)
-            return Estimate(Values(values, mask, lam=self.lam))
+            return self.estimate_from_values(
+                values, mask, batch.rewards, batch.group_ids, live_rows(batch)
+            )
         weights = self.segment_weights(batch)
         return Estimate(Weights(weights, segment_mask(batch, weights.device)))
 
+    # -- values computed elsewhere, as tensors (the integrations) ---------------------------
+    def estimate_from_values(
+        self, values: torch.Tensor, mask: torch.Tensor, rewards, group_ids, live
+    ) -> Estimate:
+        """The estimate from values ``(B, S+1)`` with ``mask (B, S+1)`` computed elsewhere (on
+        each process's rows, by a PRM, by verl's driver), for rows with outcomes ``rewards
+        (B,)``, groups ``group_ids (B,)`` and ``live (B,)`` bool (rows with a response). By
+        default the values as they are, with this method's lambda; methods with guards (the
+        anchor, the hand-over) apply them here."""
+        return Estimate(Values(values, mask, lam=self.lam))
+
     # -- the one path through the credit algebra --------------------------------------------
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        est = self.estimate(batch)
-        out = credit.token_credit(
-            est.credit,
+        """The batch's :meth:`estimate` through :meth:`credit_output`."""
+        return self.credit_output(
+            self.estimate(batch),
             batch.rewards,
             batch.group_ids,
             batch.segment_ids,
             batch.response_mask,
-            self.normalization,
+        )
+
+    def credit_output(
+        self,
+        est: Estimate,
+        rewards: torch.Tensor,
+        group_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        normalization: str | None = None,
+    ) -> CreditOutput:
+        """An estimate through :func:`rredcot.credit.token_credit` with this method's
+        normalisation (or ``normalization``), with the credit's diagnostics: what ``compute``
+        returns, for callers that hold tensors rather than a batch (the integrations).
+
+        Args:
+            rewards: ``(B,)``; group_ids: ``(B,)`` long.
+            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
+        """
+        out = credit.token_credit(
+            est.credit,
+            rewards,
+            group_ids,
+            segment_ids,
+            response_mask,
+            self.normalization if normalization is None else normalization,
         )
         seg_mask = out.segment_mask
         metrics = {
@@ -139,11 +178,36 @@ class CreditMethod:
         """Learn from the batch after its credit was computed (value heads train here)."""
         return {}
 
+    def update_from_values(
+        self, values: torch.Tensor, mask: torch.Tensor, rewards, group_ids, live
+    ) -> dict[str, float]:
+        """:meth:`update` for rows whose values were computed elsewhere (the arguments of
+        :meth:`estimate_from_values`); learns nothing by default."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
+
+
+def uniform_values(
+    rewards: torch.Tensor, group_ids: torch.Tensor, num_segments: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's values: ``V(s_k)`` is the group's mean reward at every boundary.
+
+    Args:
+        rewards: ``(B,)``; group_ids: ``(B,)`` long; num_segments: ``(B,)`` long, ``n_b``.
+
+    Returns:
+        ``(values (B, S+1), mask (B, S+1) bool)``, ``mask[b, k] = k <= n_b``.
+    """
+    mean, _ = credit.group_mean_std(rewards, group_ids)
+    max_s = int(num_segments.max()) if len(num_segments) else 0
+    mask = torch.arange(max_s + 1).unsqueeze(0) <= num_segments.cpu().unsqueeze(1)
+    values = mean.unsqueeze(1).expand(-1, max_s + 1).clone()
+    return values, mask.to(values.device)
 
 
 def segment_mask(batch: RolloutBatch, device: torch.device | None = None) -> torch.Tensor:
@@ -209,9 +273,4 @@ class UniformCredit(CreditMethod):
     default_normalization = "group_std"
 
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
-        n = batch.num_segments
-        max_s = int(n.max()) if len(n) else 0
-        mask = torch.arange(max_s + 1).unsqueeze(0) <= n.unsqueeze(1)
-        values = mean.unsqueeze(1).expand(-1, max_s + 1).clone()
-        return values, mask.to(values.device)
+        return uniform_values(batch.rewards, batch.group_ids, batch.num_segments)

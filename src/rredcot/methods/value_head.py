@@ -55,6 +55,7 @@ from rredcot.methods.handover import (
     anchor,
     explained_variance,
     handover_scores,
+    live_rows,
     prediction_slope,
     smoothed_reliability,
 )
@@ -413,27 +414,32 @@ class ValueHeadCredit(CreditMethod):
     def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
         return self.fit.predict(net, feats)
 
-    @torch.no_grad()
     def head_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """``(values (B, S+1), mask (B, S+1))``: the head's own predictions as it stands (before
         this batch's update), not anchored; 0 on padding."""
-        feats, mask = self.boundary_features(batch)
-        values = self._predict(self.head, feats)
+        return self._head_values(*self.boundary_features(batch))
+
+    @torch.no_grad()
+    def _head_values(self, features: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        values = self._predict(self.head, features)
         return torch.where(mask, values, torch.zeros_like(values)), mask
 
     def _anchor(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
         return anchor(values, mask, group_mean, self.config.value_anchor)
 
-    def _raw_and_anchored(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+    def _raw_and_anchored(
+        self, features: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``(head values, the values credit uses, mask)``, all ``(B, S+1)``."""
-        raw, mask = self.head_values(batch)
-        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        raw, mask = self._head_values(features, mask)
+        group_mean, _ = credit.group_mean_std(rewards, group_ids)
         return raw, self._anchor(raw, mask, group_mean), mask
 
     def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """The values credit uses: :meth:`head_values`, anchored on the group mean reward
         (``credit.value_anchor``)."""
-        _, values, mask = self._raw_and_anchored(batch)
+        feats, mask = self.boundary_features(batch)
+        _, values, mask = self._raw_and_anchored(feats, mask, batch.rewards, batch.group_ids)
         return values, mask
 
     # -- credit ---------------------------------------------------------------------------------
@@ -443,23 +449,46 @@ class ValueHeadCredit(CreditMethod):
         return 1.0 if self.config.handover == "off" else float(self.reliability)
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
+        """:meth:`estimate_from_features` of the batch's :meth:`boundary_features`."""
+        feats, mask = self.boundary_features(batch)
+        return self.estimate_from_features(
+            feats, mask, batch.rewards, batch.group_ids, live_rows(batch), batch.prefix_ids
+        )
+
+    def estimate_from_features(
+        self,
+        features: Tensor,
+        mask: Tensor,
+        rewards: Tensor,
+        group_ids: Tensor,
+        live: Tensor,
+        prefix_ids: Tensor | None = None,
+    ) -> Estimate:
         """The head's anchored values, handed over from uniform credit by :attr:`handover_weight`; with
-        ``credit.value_shared_prefixes`` the group's shared prefixes set the values where
-        several samples pass through them (:func:`credit.combine_shared_prefix`)."""
-        raw, values, mask = self._raw_and_anchored(batch)
-        rewards = batch.rewards.to(raw.device)
+        ``credit.value_shared_prefixes`` and ``prefix_ids`` the group's shared prefixes set the
+        values where several samples pass through them (:func:`credit.combine_shared_prefix`).
+
+        Args:
+            features: ``(B, S+1, F)`` boundary features (:meth:`boundary_features`); mask:
+                ``(B, S+1)`` bool, the valid prefixes.
+            rewards: ``(B,)`` outcomes; group_ids: ``(B,)`` long prompt groups.
+            live: ``(B,)`` bool, rows with a response (the others are not scored).
+            prefix_ids: ``(B, S+1)`` :func:`credit.shared_prefix_ids`, or None.
+        """
+        raw, values, mask = self._raw_and_anchored(features, mask, rewards, group_ids)
+        rewards = rewards.to(raw.device)
         w = min(max(self.handover_weight, 0.0), 1.0)
-        metrics = self._fresh_diagnostics(raw, mask, rewards, batch)
+        metrics = self._fresh_diagnostics(raw, mask, rewards, live)
         metrics.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
-        if self.config.value_shared_prefixes and batch.prefix_ids is not None:
+        if self.config.value_shared_prefixes and prefix_ids is not None:
             min_count = self.config.value_shared_min_count
-            if tuple(batch.prefix_ids.shape) != tuple(mask.shape):
+            if tuple(prefix_ids.shape) != tuple(mask.shape):
                 raise ValueError(
-                    f"batch.prefix_ids {tuple(batch.prefix_ids.shape)} do not match its "
+                    f"batch.prefix_ids {tuple(prefix_ids.shape)} do not match its "
                     f"{tuple(mask.shape)} boundaries: segment the batch with "
                     "rollout.segment_batch, which fills both"
                 )
-            shared, counts = credit.shared_prefix_values(batch.prefix_ids.to(raw.device), rewards)
+            shared, counts = credit.shared_prefix_values(prefix_ids.to(raw.device), rewards)
             combined, lam = credit.combine_shared_prefix(shared, counts, values, mask, w, min_count)
             interior = mask.clone()
             interior[:, 0] = False
@@ -475,10 +504,10 @@ class ValueHeadCredit(CreditMethod):
         return Estimate(estimate, Cost(extra_forward_tokens=alik_tokens), metrics)
 
     def _fresh_diagnostics(
-        self, values: Tensor, mask: Tensor, rewards: Tensor, batch: RolloutBatch
+        self, values: Tensor, mask: Tensor, rewards: Tensor, live: Tensor
     ) -> dict[str, float]:
         """Calibration and shape of the head's own pre-update values on the batch's outcomes."""
-        live = (batch.response_mask.sum(-1) > 0).to(values.device)
+        live = live.to(values.device)
         _, target_mask = td_lambda_targets(values, mask, rewards, 1.0)
         target_mask = target_mask & live.unsqueeze(1)
         r = rewards.unsqueeze(1).expand_as(values)
@@ -492,12 +521,13 @@ class ValueHeadCredit(CreditMethod):
         }
 
     # -- training -----------------------------------------------------------------------------
-    def _entry(self, batch: RolloutBatch) -> dict[str, Tensor]:
+    def _entry(
+        self, feats: Tensor, mask: Tensor, rewards: Tensor, live: Tensor
+    ) -> dict[str, Tensor]:
         """What training needs from a batch (and all the replay buffer keeps): boundary features,
         masks and rewards; rows whose response was skipped are dropped."""
-        feats, mask = self.boundary_features(batch)
-        live = (batch.response_mask.sum(-1) > 0).to(self.device)
-        rewards = batch.rewards.to(self.device, torch.float32)
+        live = live.to(self.device)
+        rewards = rewards.to(self.device, torch.float32)
         if self.config.value_loss == "bce" and bool(((rewards < 0) | (rewards > 1))[live].any()):
             raise ValueError(
                 "credit.value_loss=bce needs rewards in [0, 1]; for other rewards use "
@@ -508,12 +538,13 @@ class ValueHeadCredit(CreditMethod):
     def _loss(self, entry: dict[str, Tensor]) -> Tensor:
         return self.fit.loss(entry)
 
-    def _measure_reliability(self, entry: dict[str, Tensor], batch: RolloutBatch) -> dict:
+    def _measure_reliability(
+        self, entry: dict[str, Tensor], rewards: Tensor, group_ids: Tensor, live: Tensor
+    ) -> dict:
         """Score the head on the fresh batch (before it trains on it) against uniform credit's
         baseline and fold the ``handover_score`` (slope or explained variance), clipped to [0, 1],
         into the reliability EMA. Undefined scores leave the EMA as it is."""
-        live = batch.response_mask.sum(-1) > 0
-        group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        group_mean, _ = credit.group_mean_std(rewards, group_ids)
         group_mean = group_mean[live].to(self.device, torch.float32)
         with torch.no_grad():
             values = self._predict(self.head, entry["features"])
@@ -533,13 +564,23 @@ class ValueHeadCredit(CreditMethod):
         return {"value/skill": skill, "value/slope": slope, "value/skill_vs_group_mean": vs_group}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Measure the head on the fresh batch, then train it (TD(lambda_v), replay)."""
-        entry = self._entry(batch)
+        """:meth:`update_from_features` of the batch's :meth:`boundary_features`."""
+        feats, mask = self.boundary_features(batch)
+        return self.update_from_features(
+            feats, mask, batch.rewards, batch.group_ids, live_rows(batch)
+        )
+
+    def update_from_features(
+        self, features: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
+    ) -> dict[str, float]:
+        """Measure the head on a fresh batch, then train it (TD(lambda_v), replay); the
+        arguments as :meth:`estimate_from_features`'."""
+        entry = self._entry(features, mask, rewards, live)
         metrics: dict[str, float] = {}
         if self.fit.has_targets(entry):
             with torch.no_grad():
                 metrics["value/loss_fresh"] = float(self.fit.loss(entry))
-        metrics.update(self._measure_reliability(entry, batch))
+        metrics.update(self._measure_reliability(entry, rewards, group_ids, live))
         metrics.update(self.fit.fit(entry))
         self.num_updates += 1
         metrics["value/reliability_after"] = float(self.reliability)
@@ -559,7 +600,8 @@ class ValueHeadCredit(CreditMethod):
         for _ in range(steps):
             batch = sample_batch()
             values, mask = self.head_values(batch)
-            diag = self._fresh_diagnostics(values, mask, batch.rewards.to(values.device), batch)
+            rewards = batch.rewards.to(values.device)
+            diag = self._fresh_diagnostics(values, mask, rewards, live_rows(batch))
             last = {**diag, **self.update(batch)}
             fresh.append(last.get("value/loss_fresh", float("nan")))
         return {

@@ -1,0 +1,292 @@
+"""Everything ``rredcot train`` is built from, before its first step: the device and threads, the
+policy (and its LoRA adapter), the frozen KL reference, the segmenter and credit method, the
+optimiser and learning-rate schedule, and the training and evaluation prompts that fit the
+context. :func:`build_train_parts` returns them as one :class:`TrainParts`; the RL loop
+(``rredcot.trainer``) only reads them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors import SafetensorError
+
+from rredcot.config import TrainConfig
+from rredcot.errors import UserError
+from rredcot.loss import lr_lambda
+from rredcot.methods.base import CreditContext, CreditMethod, build_credit
+from rredcot.models import load_policy
+from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt
+from rredcot.seeding import seed_everything
+from rredcot.segment import Segmenter, segmenter_from_config
+from rredcot.sft import default_policy_source
+from rredcot.tasks import get_task
+from rredcot.tasks.base import Problem, Task
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# processes, devices, threads
+
+
+def is_main_process() -> bool:
+    """Rank 0 of an ``accelerate launch`` / ``torchrun`` job (or a plain single process)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
+def idle_cores(window: float = 0.25) -> float | None:
+    """How many CPU cores sat idle over the last ``window`` seconds (Linux ``/proc/stat``), or
+    None where that cannot be read. Unlike the load average, which lags by a minute and counts
+    the jobs that just finished, this is what is free now."""
+
+    def times() -> tuple[float, float]:
+        with open("/proc/stat") as fh:
+            fields = [float(x) for x in fh.readline().split()[1:]]
+        return sum(fields[3:5]), sum(fields[:8])  # idle + iowait, everything but guest time
+
+    try:
+        idle0, total0 = times()
+        time.sleep(window)
+        idle1, total1 = times()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = total1 - total0
+    return usable_cores() * (idle1 - idle0) / busy if busy > 0 else None
+
+
+def choose_threads(requested: int, device: torch.device) -> int | None:
+    """Torch's CPU thread count: ``requested`` if given; on the CPU otherwise the cores that are
+    idle right now (at least 1), since threads beyond the free cores only contend with other
+    jobs; None (torch's default) on accelerators or where idleness cannot be read."""
+    if requested:
+        return requested
+    if device.type != "cpu":
+        return None
+    free = idle_cores()
+    if free is None:
+        return None
+    return max(1, min(usable_cores(), round(free)))
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device``; a device this machine does not have is a ``UserError``
+    (training on the CPU instead would be a silent surprise)."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or mps") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(
+                f"--device {name}: no CUDA GPU is visible on this machine "
+                "(torch.cuda.is_available() is False); use --device cpu or auto"
+            )
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s); use cuda:0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu or auto")
+    return device
+
+
+def resolve_max_new_tokens(cfg: TrainConfig, task: Task) -> None:
+    """Fill ``sampling.max_new_tokens = 0`` (auto) from the task's suggestion, in place."""
+    if cfg.sampling.max_new_tokens == 0:
+        cfg.sampling.max_new_tokens = task.suggested_max_new_tokens() or DEFAULT_MAX_NEW_TOKENS
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy and the prompts
+
+
+def load_train_policy(cfg: TrainConfig, task: Task, log=print) -> tuple[Any, Any, str]:
+    """The policy to train, its tokenizer and where it came from: ``--init``, else the model's
+    default source for the task (the tiny model's warm-start on arithmetic, the shipped real
+    model elsewhere); with a LoRA adapter when ``model.lora_r > 0``."""
+    if cfg.init:
+        source = cfg.init
+    else:
+        source = default_policy_source(
+            task, cfg.model.name_or_path, log=log, tiny_shape=cfg.model.tiny_shape()
+        )
+    dtype = getattr(torch, cfg.model.dtype)
+    attn = cfg.model.attn_implementation or ("eager" if cfg.credit_method == "attention" else None)
+    flag = "--init" if cfg.init else "--model.name_or_path"
+    local = Path(source).expanduser()
+    if local.is_dir() and not (local / "config.json").exists():
+        raise UserError(
+            f"{flag} {source}: no model there (no config.json); pass a directory written by "
+            "`rredcot sft` or save_pretrained, or a hub model id"
+        )
+    if local.is_file():
+        raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
+    try:
+        policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
+    except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"{flag} {source}: the model does not load ({first})") from err
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if cfg.model.lora_r > 0:
+        try:  # optional: the `lora` extra
+            from peft import LoraConfig, get_peft_model
+        except ImportError as err:
+            raise ImportError("model.lora_r > 0 needs peft: pip install 'rredcot[lora]'") from err
+        policy = get_peft_model(
+            policy,
+            LoraConfig(
+                r=cfg.model.lora_r,
+                lora_alpha=cfg.model.lora_alpha,
+                target_modules=cfg.model.lora_target_modules.split(","),
+                task_type="CAUSAL_LM",
+            ),
+        )
+    return policy, tokenizer, source
+
+
+def prompts_that_fit(
+    problems: list[Problem], policy, tokenizer, max_new_tokens: int, name: str, log=print
+) -> list[Problem]:
+    """``problems`` without the prompts that leave no room for ``max_new_tokens`` in the
+    policy's context (all of them where the context is unbounded); ``name`` (``train_pool`` or
+    ``eval_set``) says which set in the messages. Nothing left is a ``ValueError``."""
+    limit = context_limit(policy)
+    if limit is None:
+        return problems
+    budget = limit - max_new_tokens
+    special = prompt_special_tokens(tokenizer)
+
+    def fits(problem: Problem) -> bool:
+        text = render_prompt(problem, tokenizer)
+        return len(tokenizer(text, add_special_tokens=special)["input_ids"]) <= budget
+
+    kept = [p for p in problems if fits(p)]
+    if not kept:
+        raise ValueError(
+            f"every {'training' if name == 'train_pool' else 'evaluation'} prompt is longer "
+            f"than the context allows ({limit} positions minus sampling.max_new_tokens="
+            f"{max_new_tokens}); shorten the prompts or lower sampling.max_new_tokens"
+        )
+    if len(kept) < len(problems):
+        log(f"skipping {len(problems) - len(kept)} {name} prompts longer than {budget} tokens")
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts of a run
+
+
+@dataclass(frozen=True)
+class TrainParts:
+    """What one ``rredcot train`` process trains with (:func:`build_train_parts`)."""
+
+    accelerator: Accelerator
+    device: torch.device
+    rank: int  # this process's index among ``world`` (``accelerate launch``; 0 of 1 otherwise)
+    world: int
+    task: Task
+    source: str  # where the policy was loaded from
+    policy: Any  # the plain policy: sampling, credit, evaluation, checkpoints
+    model: Any  # the same policy as ``accelerator.prepare`` wraps it (DDP): the loss forward
+    tokenizer: Any
+    reference: Any | None  # a frozen copy of the initial policy (None when kl_coef == 0)
+    segmenter: Segmenter
+    method: CreditMethod
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_pool: list[Problem]  # the prompts the steps draw from (prompts that fit)
+    eval_set: list[Problem]  # the greedy-accuracy prompts (prompts that fit)
+
+
+def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
+    """Build a run's parts from its config, in a fixed order (the seed is set before the task,
+    the policy and the credit method, so a seeded run is the same run). Fills
+    ``sampling.max_new_tokens = 0`` from the task, in ``cfg``."""
+    accelerator = Accelerator(cpu=resolve_device(cfg.device).type == "cpu")
+    device = accelerator.device
+    threads = choose_threads(cfg.threads, device)
+    if threads:
+        torch.set_num_threads(threads)
+        log(f"torch threads: {threads}" + ("" if cfg.threads else " (auto: the idle cores)"))
+    seed_everything(cfg.seed)
+
+    task = get_task(cfg.task, **cfg.task_args)
+    resolve_max_new_tokens(cfg, task)
+    policy, tokenizer, source = load_train_policy(cfg, task, log=log)
+    policy.to(device)
+    reference = None
+    if cfg.kl_coef > 0:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    c = cfg.credit
+    segmenter = segmenter_from_config(c, task.answer_line_pattern)
+    method = build_credit(
+        cfg.credit_method,
+        c,
+        CreditContext(
+            policy=policy,
+            tokenizer=tokenizer,
+            task=task,
+            segmenter=segmenter,
+            sampling=cfg.sampling,
+            device=device,
+        ),
+    )
+
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(policy, optimizer)
+    per_step = cfg.epochs_per_batch * cfg.minibatches  # optimiser steps per RL step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps * per_step, cfg.steps * per_step)
+    )
+
+    train_pool = task.train_problems(max(4096, cfg.prompts_per_step * 8), seed=cfg.seed)
+    eval_set = task.eval_problems(cfg.eval_size, seed=cfg.seed)
+    if not train_pool:
+        raise ValueError(f"task {cfg.task!r} produced no training problems; check its data")
+    max_new = cfg.sampling.max_new_tokens
+    train_pool = prompts_that_fit(train_pool, policy, tokenizer, max_new, "train_pool", log)
+    eval_set = prompts_that_fit(eval_set, policy, tokenizer, max_new, "eval_set", log)
+
+    if cfg.sampling.num_generations == 1:
+        log(
+            "warning: sampling.num_generations=1: each prompt's group is one sample, so its "
+            "mean reward is the sample's own and every uniform (GRPO) advantage is 0: the run "
+            "learns nothing from group baselines; use 2 or more (default 8)"
+        )
+    return TrainParts(
+        accelerator=accelerator,
+        device=device,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
+        task=task,
+        source=source,
+        policy=policy,
+        model=model,
+        tokenizer=tokenizer,
+        reference=reference,
+        segmenter=segmenter,
+        method=method,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_pool=train_pool,
+        eval_set=eval_set,
+    )
