@@ -132,7 +132,7 @@ def test_parse_variants_names_methods_and_overrides():
         "credit.handover": "off",
     }
     c = vs[1].credit_config({"credit.lam": "0.7", "credit.min_chars": "3"})
-    assert (c.lam, c.separate_answer, c.handover, c.min_chars) == (0.0, True, "off", 3)
+    assert (c.lam, c.separate_answer, c.handover.mode, c.min_chars) == (0.0, True, "off", 3)
     assert vs[2].train_overrides({"steps": "5"}) == {
         "steps": "5",
         "lr": "1e-5",
