@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from rredcot import credit
-from rredcot.config import CreditConfig
+from rredcot.config import (
+    AnswerLikelihoodConfig,
+    CreditConfig,
+    HandoverConfig,
+    ValueHeadConfig,
+    from_dict,
+)
 from rredcot.methods.answer_likelihood import (
     ProbeFormat,
     _trunk_and_head,
@@ -238,7 +244,7 @@ def test_method_detects_a_model_that_ignores_the_mask(char_tokenizer, wide_task,
         wrong, expected, rtol=1e-3, atol=0
     )  # the mask is what makes packing right
     ctx = CreditContext(policy=ignoring, tokenizer=char_tokenizer, task=wide_task)
-    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, value_anchor="none"), ctx)
+    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, anchor="none"), ctx)
     with pytest.warns(UserWarning, match="differ from unpacked"):
         out = method.compute(trace_batch)
     torch.testing.assert_close(out.values, expected, atol=1e-6, rtol=1e-4)
@@ -249,7 +255,9 @@ def test_method_through_the_registry(char_tokenizer, wide_task, trace_batch):
     policy = _policy(char_tokenizer)
     policy.train()
     ctx = CreditContext(policy=policy, tokenizer=char_tokenizer, task=wide_task)
-    unguarded = CreditConfig(lam=0.0, normalization="none", value_anchor="none", handover="off")
+    unguarded = CreditConfig(
+        lam=0.0, normalization="none", anchor="none", handover=HandoverConfig(mode="off")
+    )
     method = get_credit("answer_likelihood")(unguarded, ctx)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -512,8 +520,9 @@ def mixed_trace_batch(trace_batch):
 
 
 def _method(policy, tokenizer, task, **cfg):
+    """``cfg``: ``CreditConfig`` fields, sections as dicts (``handover=dict(mode="off")``)."""
     ctx = CreditContext(policy=policy, tokenizer=tokenizer, task=task)
-    return get_credit("answer_likelihood")(CreditConfig(**cfg), ctx)
+    return get_credit("answer_likelihood")(from_dict(CreditConfig, cfg), ctx)
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
@@ -538,7 +547,7 @@ def test_handover_zero_is_uniform_grpo_bit_for_bit(
 def test_anchored_values_give_each_trace_grpos_total(char_tokenizer, wide_task, mixed_trace_batch):
     policy = _policy(char_tokenizer)
     method = _method(
-        policy, char_tokenizer, wide_task, lam=0.0, handover="off", normalization="none"
+        policy, char_tokenizer, wide_task, lam=0.0, normalization="none", handover=dict(mode="off")
     )
     raw, mask, _ = answer_values(policy, char_tokenizer, wide_task, mixed_trace_batch)
     out = method.compute(mixed_trace_batch)
@@ -580,7 +589,13 @@ def test_reliability_is_the_slope_measured_after_the_credit(
 ):
     model, task = think_model
     batch = think_groups
-    method = _method(model, char_tokenizer, task, answer_cue="think", handover_smoothing=0.5)
+    method = _method(
+        model,
+        char_tokenizer,
+        task,
+        answer_likelihood=dict(cue="think"),
+        handover=dict(smoothing=0.5),
+    )
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, out: calls.append(1))
     first = method.compute(batch)
@@ -595,7 +610,9 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     assert first.metrics["credit/handover_weight"] == 0.0
     # the next step blends by the measured reliability
     method.reliability = 0.25
-    off = _method(model, char_tokenizer, task, answer_cue="think", handover="off")
+    off = _method(
+        model, char_tokenizer, task, answer_likelihood=dict(cue="think"), handover=dict(mode="off")
+    )
     uniform = get_credit("uniform")(CreditConfig(), CreditContext(model, char_tokenizer))
     out = method.compute(batch)
     seg = (
@@ -606,7 +623,7 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     assert not torch.allclose(out.segment_advantages, uniform.compute(batch).segment_advantages)
     assert out.metrics["credit/handover_weight"] == 0.25
     # state round trip and pretraining on fresh batches
-    again = _method(model, char_tokenizer, task, answer_cue="think")
+    again = _method(model, char_tokenizer, task, answer_likelihood=dict(cue="think"))
     again.load_state_dict(method.state_dict())
     assert again.reliability == 0.25 and again.num_updates == 1
     fit = again.pretrain(lambda: batch, 2)
@@ -644,7 +661,7 @@ def test_never_divides_by_a_near_zero_group_std(char_tokenizer, think_model, thi
     segments, and that credit is divided by the batch's reward std, not by ~0."""
     model, task = think_model
     batch = think_groups
-    cfg = {"answer_cue": "think", "lam": 0.0, "handover": "off"}
+    cfg = {"answer_likelihood": {"cue": "think"}, "lam": 0.0, "handover": {"mode": "off"}}
     method = _method(model, char_tokenizer, task, **cfg)
     assert method.normalization == "group_or_batch_std"
     out = method.compute(batch)
@@ -763,7 +780,10 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
 
     model, task = think_model
     batch = fill_forward(model, copy.copy(think_groups), hidden_layers=(-1,))
-    cfg = CreditConfig(value_alik_feature=True, answer_cue="think")
+    cfg = CreditConfig(
+        value_head=ValueHeadConfig(alik_feature=True),
+        answer_likelihood=AnswerLikelihoodConfig(cue="think"),
+    )
     ctx = CreditContext(policy=model, tokenizer=char_tokenizer, task=task)
     method = get_credit("value_head")(cfg, ctx)
     assert method.extra_size == NUM_LOGPROB_FEATURES + 2
@@ -793,17 +813,18 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("answer_eos", "maybe", "answer_eos='maybe' must be auto, true or false"),
-        ("answer_cue", "", "answer_cue is empty"),
-        ("answer_chunk_tokens", 0, "answer_chunk_tokens=0 must be >= 1"),
-        ("answer_logits_mb", 0, "answer_logits_mb=0 must be >= 1"),
+        ("eos", "maybe", "answer_likelihood.eos='maybe' must be auto, true or false"),
+        ("cue", "", "answer_likelihood.cue is empty"),
+        ("chunk_tokens", 0, "answer_likelihood.chunk_tokens=0 must be >= 1"),
+        ("logits_mb", 0, "answer_likelihood.logits_mb=0 must be >= 1"),
     ],
 )
 def test_config_names_the_fix(field, value, message):
     with pytest.raises(ValueError, match=message):
-        CreditConfig(**{field: value})
-    assert CreditConfig(answer_eos=False).answer_eos == "false"  # a YAML boolean
-    assert ProbeFormat.from_config(CreditConfig(answer_cue="think")) == ProbeFormat("think")
+        AnswerLikelihoodConfig(**{field: value})
+    assert AnswerLikelihoodConfig(eos=False).eos == "false"  # a YAML boolean
+    assert ProbeFormat.from_config(AnswerLikelihoodConfig(cue="think")) == ProbeFormat("think")
+    assert ProbeFormat.from_config(CreditConfig().answer_likelihood) == ProbeFormat()
 
 
 def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed_trace_batch):
@@ -817,7 +838,7 @@ def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed
     steps = torch.arange(S1, dtype=torch.float).unsqueeze(0) / S1
     raw = torch.where(mask, 0.2 + 0.5 * steps * batch.rewards.unsqueeze(1), 0.0)
     ctx = CreditContext(policy=None, tokenizer=None, task=wide_task)
-    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, handover="off"), ctx)
+    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, handover=HandoverConfig(mode="off")), ctx)
     live = batch.response_mask.sum(-1) > 0
     est = method.estimate_from_values(raw, mask, batch.rewards, batch.group_ids, live)
     out = method.credit_output(

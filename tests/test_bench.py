@@ -124,17 +124,17 @@ def test_bootstrap_trace_cov_matches_its_expectation():
 
 def test_parse_variants_names_methods_and_overrides():
     vs = parse_variants(
-        "uniform, vh0=value_head:lam=0:separate_answer=true:handover=off, value_head:lr=1e-5"
+        "uniform, vh0=value_head:lam=0:separate_answer=true:handover.mode=off, value_head:lr=1e-5"
     )
     assert [v.name for v in vs] == ["uniform", "vh0", "value_head:lr=1e-5"]
     assert [v.method for v in vs] == ["uniform", "value_head", "value_head"]
     assert vs[1].overrides == {
         "credit.lam": "0",
         "credit.separate_answer": "true",
-        "credit.handover": "off",
+        "credit.handover.mode": "off",
     }
     c = vs[1].credit_config({"credit.lam": "0.7", "credit.min_chars": "3"})
-    assert (c.lam, c.separate_answer, c.handover, c.min_chars) == (0.0, True, "off", 3)
+    assert (c.lam, c.separate_answer, c.handover.mode, c.min_chars) == (0.0, True, "off", 3)
     assert vs[2].train_overrides({"steps": "5"}) == {
         "steps": "5",
         "lr": "1e-5",
@@ -212,7 +212,7 @@ def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokeniz
 
 def test_bench_credit_end_to_end(init_dir, tmp_path, capsys):
     out = tmp_path / "credit"
-    methods = "uniform,mc=monte_carlo:mc_rollouts=16,value_head,first_last,attention"
+    methods = "uniform,mc=monte_carlo:monte_carlo.rollouts=16,value_head,first_last,attention"
     argv = ["bench", "credit", "--checkpoint", str(init_dir), "--task", "bench_first_char"]
     argv += ["--methods", methods, "--segmenter", "tokens:4,tokens:8", "--prompts", "3"]
     argv += ["--samples", "4", "--mc-k", "16", "--value-fit-batches", "1"]
@@ -281,7 +281,7 @@ def _tiny_train_overrides() -> dict[str, str]:
 
 def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
     cfg = LearnBenchConfig(
-        methods="uniform,mc=monte_carlo:mc_rollouts=2",
+        methods="uniform,mc=monte_carlo:monte_carlo.rollouts=2",
         seeds=1,
         budget_tokens=40,
         init=str(init_dir),

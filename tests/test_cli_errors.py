@@ -170,6 +170,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
 def test_every_config_field_has_help_text():
     """Configs describe themselves: every flag the generator makes has its help (issue 19)."""
     import dataclasses
+    import typing
 
     from rredcot.bench.cli import SPECIAL_FIELDS
     from rredcot.bench.configs import (
@@ -178,21 +179,37 @@ def test_every_config_field_has_help_text():
         OverheadBenchConfig,
         PeerBenchConfig,
     )
-    from rredcot.config import CreditConfig, ModelConfig, SamplingConfig, TrainConfig
+    from rredcot.config import (
+        AnswerLikelihoodConfig,
+        CreditConfig,
+        HandoverConfig,
+        ModelConfig,
+        MonteCarloConfig,
+        SamplingConfig,
+        TrainConfig,
+        ValueHeadConfig,
+    )
     from rredcot.sft import SFTConfig
 
     configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
+    configs += [ValueHeadConfig, HandoverConfig, AnswerLikelihoodConfig, MonteCarloConfig]
     configs += [CreditBenchConfig, LearnBenchConfig, OverheadBenchConfig, PeerBenchConfig]
     missing = [
         f"{cls.__name__}.{f.name}"
         for cls in configs
         for f in dataclasses.fields(cls)
         if f.name not in SPECIAL_FIELDS
-        and not dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None)
-        and f.name not in ("model", "sampling", "credit")
+        and not dataclasses.is_dataclass(typing.get_type_hints(cls)[f.name])  # a section
         and not f.metadata.get("help")
     ]
     assert missing == []
+    nested = {
+        name: hint
+        for cls in configs
+        for name, hint in typing.get_type_hints(cls).items()
+        if dataclasses.is_dataclass(hint)
+    }
+    assert set(nested.values()) <= set(configs)  # every section is checked too
 
 
 def test_bench_flags_take_either_spelling():

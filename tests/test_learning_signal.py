@@ -90,7 +90,7 @@ def test_reward_rises_under_the_updates_and_falls_when_advantages_are_negated(in
 def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(init_dir, tmp_path):
     cfg = _config(init_dir, tmp_path / "run", credit_method="value_head", steps=3)
     # Credit = the head's values alone, over several segments, so that they show in advantages.
-    cfg.credit.handover = "off"
+    cfg.credit.handover.mode = "off"
     cfg.credit.lam = 0.0
     cfg.credit.segmenter = "tokens:2"
     cfg.sampling.max_new_tokens = 8
@@ -123,8 +123,8 @@ def test_value_head_credit_uses_values_from_before_the_head_saw_the_outcomes(ini
 
 def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_dir, tmp_path):
     cfg = _config(init_dir, tmp_path / "run", credit_method="value_head", steps=1)
-    cfg.credit.value_td_lambda = 0.5
-    cfg.credit.value_ema = 0.9
+    cfg.credit.value_head.td_lambda = 0.5
+    cfg.credit.value_head.ema = 0.9
     cfg.credit.segmenter = "tokens:2"  # several boundaries per trace: TD targets differ from R
     cfg.sampling.max_new_tokens = 8
     trainer = Trainer(cfg, log=lambda *_: None)
@@ -162,8 +162,8 @@ def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_d
         assert math.isclose(float(method._loss(entry)), total / count, rel_tol=1e-5)
 
     # One update step moves the target by EMA: target' = 0.9 target + 0.1 head'.
-    method.config.value_replay = 0
-    method.config.value_epochs = 1
+    method.options.replay = 0
+    method.options.epochs = 1
     method.replay.clear()
     method.update(batch)
     for t_old, p_new, t_new in zip(
@@ -301,7 +301,7 @@ def test_single_forward_step_equals_the_two_pass_step(init_dir, tmp_path, method
     for single in (True, False):
         cfg = _config(init_dir, tmp_path / f"run{single}", credit_method=method, steps=1)
         cfg.single_forward = single
-        cfg.credit.handover = "off"
+        cfg.credit.handover.mode = "off"
         cfg.credit.lam = 0.5
         cfg.credit.segmenter = "tokens:2"
         cfg.sampling.max_new_tokens = 8

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_rollout_batch
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
-from rredcot.config import CreditConfig, SamplingConfig
+from rredcot.config import CreditConfig, MonteCarloConfig, SamplingConfig
 from rredcot.methods import monte_carlo
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.monte_carlo import estimated_boundaries, mc_values, prefix_token_ids
@@ -25,8 +25,8 @@ def test_estimated_boundaries():
     assert estimated_boundaries(0, 2) == []
     with pytest.raises(ValueError, match="max_boundaries"):
         estimated_boundaries(3, -1)
-    with pytest.raises(ValueError, match="mc_max_boundaries"):
-        CreditConfig(mc_max_boundaries=-1)
+    with pytest.raises(ValueError, match="monte_carlo.max_boundaries"):
+        MonteCarloConfig(max_boundaries=-1)
 
 
 class Script:
@@ -196,7 +196,9 @@ def test_determinism_and_the_registered_method(warm, arithmetic_task):
     )
     sampling = SamplingConfig(max_new_tokens=24)
     ctx = CreditContext(policy=policy, tokenizer=tokenizer, task=arithmetic_task, sampling=sampling)
-    method = get_credit("monte_carlo")(CreditConfig(mc_rollouts=4, lam=0.0), ctx)
+    method = get_credit("monte_carlo")(
+        CreditConfig(lam=0.0, monte_carlo=MonteCarloConfig(rollouts=4)), ctx
+    )
     runs = []
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
@@ -276,7 +278,9 @@ def test_monte_carlo_blames_the_first_wrong_step(warm_checkpoint, arithmetic_tas
     )
     sampling = SamplingConfig(max_new_tokens=48)
     ctx = CreditContext(policy=policy, tokenizer=tokenizer, task=arithmetic_task, sampling=sampling)
-    method = get_credit("monte_carlo")(CreditConfig(mc_rollouts=8, lam=0.0), ctx)
+    method = get_credit("monte_carlo")(
+        CreditConfig(lam=0.0, monte_carlo=MonteCarloConfig(rollouts=8)), ctx
+    )
     torch.manual_seed(0)
     out = method.compute(batch)
     first_errors = [v.first_error_step for v in batch.verdicts]

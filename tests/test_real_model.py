@@ -222,7 +222,7 @@ def test_trl_adapter_two_steps(real_model, task, tmp_path):
         save_strategy="no",
         seed=0,
         credit_method="value_head",
-        credit={"segmenter": "sentence", "handover": "off", "lam": 0.5},
+        credit={"segmenter": "sentence", "handover": {"mode": "off"}, "lam": 0.5},
         task="word_problems",
         disable_tqdm=True,
     )

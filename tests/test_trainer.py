@@ -337,7 +337,7 @@ def test_value_head_is_pretrained_on_warm_start_samples(init_dir, tmp_path):
     cfg = micro_config(
         init_dir, tmp_path / "run", task="test_parity", credit_method="value_head", steps=1
     )
-    cfg.credit.value_pretrain_steps = 2
+    cfg.credit.value_head.pretrain_steps = 2
     trainer = Trainer(cfg, log=lambda *_: None)
     head_before = trainer.method.state_dict()["head"]  # the head is built with the method
     trainer.train()
@@ -355,7 +355,7 @@ def test_value_head_is_pretrained_on_warm_start_samples(init_dir, tmp_path):
 
 def test_value_pretrain_with_a_method_that_learns_nothing_is_an_error(init_dir, tmp_path):
     cfg = micro_config(init_dir, tmp_path / "run", credit_method="uniform", steps=1)
-    cfg.credit.value_pretrain_steps = 1
+    cfg.credit.value_head.pretrain_steps = 1
     with pytest.raises(ValueError, match="learns nothing"):
         Trainer(cfg, log=lambda *_: None).train()
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
-from rredcot.config import CreditConfig
+from rredcot import config as config_module
+from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
     RREDCoTGRPOConfig,
@@ -78,7 +79,7 @@ class SpyTrainer(RREDCoTGRPOTrainer):
 def make_trainer(model_dir, dataset, out_dir, method="value_head", cls=SpyTrainer, **overrides):
     from rredcot.models import build_char_tokenizer
 
-    credit = {"segmenter": "tokens:4", "handover": "off", "lam": 0.5}
+    credit = {"segmenter": "tokens:4", "handover": {"mode": "off"}, "lam": 0.5}
     credit.update(overrides.pop("credit", {}))
     kwargs = dict(
         output_dir=str(out_dir),
@@ -290,11 +291,13 @@ def test_gathered_features_train_the_head_like_the_full_batch(
     the widest row of every process. Credit and training on them equal the batch's own."""
     batch = make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, segmenter="tokens:5")
     cfg = CreditConfig(
-        handover="off",
-        value_replay=0,
-        value_epochs=2,
-        value_logprob_features=logprob_features,
-        value_shared_prefixes=False,  # prefix ids are the trainer's own (not gathered)
+        handover=HandoverConfig(mode="off"),
+        value_head=ValueHeadConfig(
+            replay=0,
+            epochs=2,
+            logprob_features=logprob_features,
+            shared_prefixes=False,  # prefix ids are the trainer's own (not gathered)
+        ),
     )
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
     full, tensors = build_credit("value_head", cfg, ctx), build_credit("value_head", cfg, ctx)
@@ -334,6 +337,25 @@ def test_config_errors_name_the_problem(tmp_path):
 
     with pytest.raises(TypeError, match="RREDCoTGRPOConfig"):
         RREDCoTGRPOTrainer(model="unused", args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
+def test_credit_dict_takes_sections_and_the_old_flat_names(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(config_module, "NOTED_RENAMES", set())  # notes print once a process
+
+    def credit_config(credit):
+        return RREDCoTGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, credit=credit
+        ).credit_config
+
+    new = credit_config({"value_head": {"lr": 0.003}, "handover": {"mode": "off"}})
+    old = credit_config('{"value_lr": 0.003, "handover": "off"}')
+    assert new == old
+    assert (new.value_head.lr, new.handover.mode) == (0.003, "off")
+    assert new.value_head.logprob_features is False  # TRL's boundary features carry none
+    assert "credit.value_lr -> credit.value_head.lr" in capsys.readouterr().err
+    for credit in ({"value_head": {"logprob_features": True}}, {"value_logprob_features": True}):
+        with pytest.raises(ValueError, match="logprob_features is not supported in TRL"):
+            credit_config(credit)
 
 
 def test_task_reward_scores_with_the_verifier():
@@ -500,7 +522,9 @@ def test_head_width_does_not_depend_on_sharding(char_tokenizer, sharding):
     from rredcot.models import build_tiny_llama
 
     def width(model):
-        cfg = CreditConfig(handover="off", value_logprob_features=False)
+        cfg = CreditConfig(
+            handover=HandoverConfig(mode="off"), value_head=ValueHeadConfig(logprob_features=False)
+        )
         return build_credit(
             "value_head", cfg, CreditContext(model, char_tokenizer)
         ).head.hidden_size

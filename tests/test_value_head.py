@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_rollout_batch
 from rredcot import credit
-from rredcot.config import CreditConfig
+from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig, from_dict
 from rredcot.methods.base import CreditContext, UniformCredit, build_credit, get_credit
 from rredcot.methods.value_head import (
     MIN_HIDDEN,
@@ -30,10 +30,11 @@ from rredcot.rollout import fill_forward
 
 
 def make_method(policy, tokenizer, **overrides) -> ValueHeadCredit:
-    """The head on its own (shared-prefix values off, tested in their own tests below)."""
-    cfg = CreditConfig(
-        **{"normalization": "batch_std", "value_shared_prefixes": False, **overrides}
-    )
+    """The head on its own (shared-prefix values off, tested in their own tests below).
+    ``overrides``: ``CreditConfig`` fields, sections as dicts (``value_head=dict(lr=1e-2)``)."""
+    settings = {"normalization": "batch_std", **overrides}
+    settings["value_head"] = {"shared_prefixes": False, **settings.get("value_head", {})}
+    cfg = from_dict(CreditConfig, settings)
     return build_credit("value_head", cfg, CreditContext(policy=policy, tokenizer=tokenizer))
 
 
@@ -56,14 +57,14 @@ def head_params(method: ValueHeadCredit) -> list[torch.Tensor]:
 
 def test_registered_and_reads_hidden_states(tiny_policy, char_tokenizer):
     assert get_credit("value_head") is ValueHeadCredit
-    method = make_method(tiny_policy, char_tokenizer, value_layers="-1,-2")
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(layers="-1,-2"))
     assert method.needs_hidden_states
     assert method.hidden_layers == (-1, -2)
     assert method.head.input_size == 2 * tiny_policy.config.hidden_size  # built from the config
 
 
 def test_shapes_masks_and_metrics(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, handover="off")
+    method = make_method(tiny_policy, char_tokenizer, handover=dict(mode="off"))
     out = method.compute(mixed_batch)
     B, T = mixed_batch.response_mask.shape
     positions, mask = mixed_batch.boundary_positions()
@@ -103,7 +104,9 @@ def test_values_read_the_hidden_state_at_each_prefix_end(
         rollout_batch.boundary_positions()[1].shape[1],
     )
     for with_logprobs in (False, True):
-        method = make_method(tiny_policy, char_tokenizer, value_logprob_features=with_logprobs)
+        method = make_method(
+            tiny_policy, char_tokenizer, value_head=dict(logprob_features=with_logprobs)
+        )
         torch.nn.init.normal_(method.head.fc2.weight)  # a non-constant head
         values, mask = method.head_values(rollout_batch)
         for row, bounds in enumerate(rollout_batch.boundaries):
@@ -199,7 +202,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
 
 
 def test_values_are_computed_before_the_update(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, handover="off")
+    method = make_method(tiny_policy, char_tokenizer, handover=dict(mode="off"))
     first = method.compute(mixed_batch)
     again = method.compute(mixed_batch)  # compute has no side effects
     assert torch.equal(first.values, again.values)
@@ -223,7 +226,7 @@ def test_values_are_computed_before_the_update(tiny_policy, char_tokenizer, mixe
 def test_missing_or_mismatched_hidden_states_are_clear_errors(
     tiny_policy, char_tokenizer, rollout_batch
 ):
-    method = make_method(tiny_policy, char_tokenizer, value_layers="-1,-2")
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(layers="-1,-2"))
     with pytest.raises(ValueError, match="hidden_layers=method.hidden_layers"):
         method.compute(rollout_batch)  # the batch holds one layer, the head reads two
     bare = copy.copy(rollout_batch)
@@ -231,23 +234,23 @@ def test_missing_or_mismatched_hidden_states_are_clear_errors(
     with pytest.raises(ValueError, match="fill_forward"):
         method.compute(bare)
     with pytest.raises(ValueError, match="indices must lie in"):
-        make_method(tiny_policy, char_tokenizer, value_layers="-1,7")
-    with pytest.raises(ValueError, match="value_layers"):
-        make_method(tiny_policy, char_tokenizer, value_layers="last")
+        make_method(tiny_policy, char_tokenizer, value_head=dict(layers="-1,7"))
+    with pytest.raises(ValueError, match="value_head.layers"):
+        make_method(tiny_policy, char_tokenizer, value_head=dict(layers="last"))
     bad = copy.copy(rollout_batch)
     bad = bad.replace(rewards=torch.full_like(rollout_batch.rewards, 2.0))
-    with pytest.raises(ValueError, match="value_loss mse"):
+    with pytest.raises(ValueError, match="value_head.loss mse"):
         make_method(tiny_policy, char_tokenizer).update(bad)
-    with pytest.raises(ValueError, match="value_output=sigmoid"):
-        make_method(tiny_policy, char_tokenizer, value_output="linear")
-    mse = make_method(tiny_policy, char_tokenizer, value_loss="mse", value_output="linear")
+    with pytest.raises(ValueError, match="value_head.output=sigmoid"):
+        make_method(tiny_policy, char_tokenizer, value_head=dict(output="linear"))
+    mse = make_method(tiny_policy, char_tokenizer, value_head=dict(loss="mse", output="linear"))
     assert math.isfinite(mse.update(bad)["value/loss"])  # any reward scale with mse + linear
-    with pytest.raises(ValueError, match="handover_smoothing"):
-        CreditConfig(handover_smoothing=1.0)
+    with pytest.raises(ValueError, match="handover.smoothing"):
+        CreditConfig(handover=HandoverConfig(smoothing=1.0))
 
 
 def test_lazy_build_without_a_policy_config(char_tokenizer, rollout_batch):
-    cfg = CreditConfig(value_hidden_size=12)
+    cfg = CreditConfig(value_head=ValueHeadConfig(hidden_size=12))
     method = build_credit("value_head", cfg, CreditContext(policy=None, tokenizer=char_tokenizer))
     assert method.head is None
     values, _ = method.head_values(rollout_batch)
@@ -264,7 +267,7 @@ def test_head_is_about_one_percent_of_the_policy(tiny_policy, char_tokenizer):
     assert method.head.hidden_size >= MIN_HIDDEN
     assert auto_hidden_size(10_000_000, 4096) == round((100_000 - 1) / 4098)
     assert auto_hidden_size(1000, 4096) == MIN_HIDDEN  # never fewer than a few units
-    fixed = make_method(tiny_policy, char_tokenizer, value_hidden_size=7)
+    fixed = make_method(tiny_policy, char_tokenizer, value_head=dict(hidden_size=7))
     assert fixed.head.hidden_size == 7
 
 
@@ -303,9 +306,7 @@ def test_td_targets_match_the_formula(lam):
 
 
 def test_update_reduces_the_value_loss(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(
-        tiny_policy, char_tokenizer, value_lr=1e-2, value_replay=0, value_epochs=10
-    )
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(lr=1e-2, replay=0, epochs=10))
     first = method.update(mixed_batch)
     for _ in range(5):
         last = method.update(mixed_batch)
@@ -318,7 +319,7 @@ def test_update_reduces_the_value_loss(tiny_policy, char_tokenizer, mixed_batch)
 @pytest.mark.parametrize("td_lambda,ema", [(0.0, 0.0), (0.5, 0.9)])
 def test_td_and_ema_training_runs(tiny_policy, char_tokenizer, rollout_batch, td_lambda, ema):
     method = make_method(
-        tiny_policy, char_tokenizer, value_td_lambda=td_lambda, value_ema=ema, value_replay=0
+        tiny_policy, char_tokenizer, value_head=dict(td_lambda=td_lambda, ema=ema, replay=0)
     )
     before = head_params(method)
     method.update(rollout_batch)
@@ -334,7 +335,7 @@ def test_replay_keeps_boundary_features_only(tiny_policy, char_tokenizer):
     from rredcot.tasks import get_task
 
     task = get_task("arithmetic", num_steps=3)
-    method = make_method(tiny_policy, char_tokenizer, value_replay=2, value_epochs=1)
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(replay=2, epochs=1))
     counts = []
     for seed in range(3):
         batch = make_rollout_batch(tiny_policy, char_tokenizer, task, num_prompts=2, seed=seed)
@@ -358,8 +359,8 @@ def test_skipped_rows_do_not_train_the_head(tiny_policy, char_tokenizer, mixed_b
     flipped = copy.copy(skipped)
     flipped = flipped.replace(rewards=skipped.rewards.clone())
     flipped.rewards[0] = 1.0 - flipped.rewards[0]
-    a = make_method(tiny_policy, char_tokenizer, value_replay=0)
-    b = make_method(tiny_policy, char_tokenizer, value_replay=0)
+    a = make_method(tiny_policy, char_tokenizer, value_head=dict(replay=0))
+    b = make_method(tiny_policy, char_tokenizer, value_head=dict(replay=0))
     a.update(skipped)
     b.update(flipped)
     for pa, pb in zip(a.head.parameters(), b.head.parameters()):
@@ -375,7 +376,7 @@ def test_state_dict_round_trip_reproduces_exactly(tiny_policy, char_tokenizer, a
         make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, num_prompts=2, seed=s)
         for s in range(4)
     ]
-    kw = dict(value_td_lambda=0.5, value_ema=0.5, value_replay=2, value_epochs=2)
+    kw = dict(value_head=dict(td_lambda=0.5, ema=0.5, replay=2, epochs=2))
     original = make_method(tiny_policy, char_tokenizer, **kw)
     for batch in batches[:2]:
         original.update(batch)
@@ -434,7 +435,7 @@ def test_blend_zero_is_exactly_uniform(tiny_policy, char_tokenizer, mixed_batch)
 
 
 def test_handover_off_is_pure_value_credit(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, handover="off", lam=0.5)
+    method = make_method(tiny_policy, char_tokenizer, lam=0.5, handover=dict(mode="off"))
     torch.nn.init.normal_(method.head.fc2.weight)
     values, mask = method.segment_values(mixed_batch)
     expected = credit.token_advantages_from_values(
@@ -453,7 +454,7 @@ def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mix
     method = make_method(tiny_policy, char_tokenizer, lam=0.0)
     torch.nn.init.normal_(method.head.fc2.weight)
     method.reliability = 0.25
-    off = make_method(tiny_policy, char_tokenizer, lam=0.0, handover="off")
+    off = make_method(tiny_policy, char_tokenizer, lam=0.0, handover=dict(mode="off"))
     off.load_state_dict(method.state_dict())
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
     uniform = UniformCredit(CreditConfig(normalization="batch_std"), ctx)
@@ -469,9 +470,8 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     method = make_method(
         tiny_policy,
         char_tokenizer,
-        handover_smoothing=0.5,
-        value_anchor="none",
-        handover_score="explained_variance",
+        anchor="none",
+        handover=dict(smoothing=0.5, score="explained_variance"),
     )
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)  # confident, spread-out values
     values, mask = method.segment_values(mixed_batch)  # before the head sees the outcomes
@@ -499,7 +499,7 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
 def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenizer, mixed_batch):
     """Anchored on the group mean, the segment rewards of every trace sum to R - mean(R_group)
     (GRPO's credit), whatever the head predicts; only their split follows the head."""
-    method = make_method(tiny_policy, char_tokenizer, handover="off", lam=0.0)
+    method = make_method(tiny_policy, char_tokenizer, lam=0.0, handover=dict(mode="off"))
     torch.nn.init.normal_(method.head.fc2.weight, std=2.0)
     out = method.compute(mixed_batch)
     seg_rewards, seg_mask = credit.redistribute(out.values, out.value_mask, mixed_batch.rewards)
@@ -514,7 +514,7 @@ def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenize
     torch.testing.assert_close(
         (out.values[:, 2] - out.values[:, 1])[mask[:, 2]], (raw[:, 2] - raw[:, 1])[mask[:, 2]]
     )
-    unanchored = make_method(tiny_policy, char_tokenizer, handover="off", value_anchor="none")
+    unanchored = make_method(tiny_policy, char_tokenizer, anchor="none", handover=dict(mode="off"))
     unanchored.load_state_dict(method.state_dict())
     assert torch.equal(unanchored.segment_values(mixed_batch)[0], raw)
 
@@ -525,9 +525,8 @@ def test_anchored_reliability_is_skill_beyond_the_group_mean(
     method = make_method(
         tiny_policy,
         char_tokenizer,
-        handover_smoothing=0.0,
         segmenter="tokens:4",
-        handover_score="explained_variance",
+        handover=dict(smoothing=0.0, score="explained_variance"),
     )
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)
     batch = make_rollout_batch(
@@ -574,7 +573,7 @@ def test_prediction_slope():
 
 
 def test_slope_sets_the_handover_weight(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, handover_smoothing=0.5)
+    method = make_method(tiny_policy, char_tokenizer, handover=dict(smoothing=0.5))
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)
     values, mask = method.segment_values(mixed_batch)  # anchored on the group mean
     group_mean, _ = credit.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
@@ -630,7 +629,7 @@ def test_calibration_error_and_monotone_fraction():
 
 
 def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_batch):
-    method = make_method(tiny_policy, char_tokenizer, value_lr=3e-3)
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(lr=3e-3))
     calls = []
 
     def sample_batch():
@@ -672,7 +671,7 @@ def _warm_method(warm_checkpoint):
     policy.eval()
     # lam = 0: a segment's credit is its own redistributed reward r_k = V(s_k) - V(s_(k-1)), so
     # the most-blamed segment is where the value drops most.
-    cfg = CreditConfig(lam=0.0, handover="off")
+    cfg = CreditConfig(lam=0.0, handover=HandoverConfig(mode="off"))
     method = build_credit("value_head", cfg, CreditContext(policy=policy, tokenizer=tokenizer))
     return method, policy, tokenizer
 
@@ -757,16 +756,19 @@ def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arit
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "message"),
+    ("cls", "field", "value", "message"),
     [
-        ("value_anchor", "prompt", "value_anchor must be 'group' or 'none'"),
-        ("handover_score", "r2", "handover_score must be 'slope' or 'explained_variance'"),
-        ("handover", "on", "handover must be 'reliability' or 'off'"),
+        (CreditConfig, "anchor", "prompt", "credit.anchor must be 'group' or 'none'"),
+        (HandoverConfig, "score", "r2", "handover.score must be 'slope' or 'explained_variance'"),
+        (HandoverConfig, "mode", "on", "handover.mode must be 'reliability' or 'off'"),
+        (ValueHeadConfig, "loss", "huber", "value_head.loss must be bce or mse"),
+        (ValueHeadConfig, "epochs", 0, "value_head.epochs=0 must be >= 1"),
+        (ValueHeadConfig, "shared_min_count", 0, "value_head.shared_min_count=0 must be >= 1"),
     ],
 )
-def test_config_names_the_valid_choices(field, value, message):
+def test_config_names_the_valid_choices(cls, field, value, message):
     with pytest.raises(ValueError, match=message):
-        CreditConfig(**{field: value})
+        cls(**{field: value})
 
 
 def test_defaults_are_grpo_until_the_head_earns_trust(tiny_policy, char_tokenizer, mixed_batch):
@@ -794,10 +796,10 @@ def test_defaults_are_grpo_until_the_head_earns_trust(tiny_policy, char_tokenize
 def test_shared_prefixes_set_the_values_where_samples_agree(
     tiny_policy, char_tokenizer, mixed_batch
 ):
-    """With the default ``value_shared_prefixes`` the method's credit is the algebra's
+    """With the default ``value_head.shared_prefixes`` the method's credit is the algebra's
     ``combine_shared_prefix`` of the batch's prefix ids, the head (scaled by its hand-over weight)
     filling the boundaries only one sample reached."""
-    method = make_method(tiny_policy, char_tokenizer, value_shared_prefixes=True)
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(shared_prefixes=True))
     assert mixed_batch.prefix_ids is not None  # segment_batch fills them
     torch.nn.init.normal_(method.head.fc2.weight)
     method.reliability = 0.4
@@ -814,7 +816,7 @@ def test_shared_prefixes_set_the_values_where_samples_agree(
 def test_nothing_shared_and_no_trust_is_grpo(tiny_policy, char_tokenizer, mixed_batch):
     """Rows that share no prefix beyond s_0 (a task whose samples part in their first words)
     get GRPO's advantages while the head has earned no trust, whatever it predicts."""
-    method = make_method(tiny_policy, char_tokenizer, value_shared_prefixes=True)
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(shared_prefixes=True))
     torch.nn.init.normal_(method.head.fc2.weight)
     unique = mixed_batch.prefix_ids.clone()
     unique[:, 1:] = torch.where(

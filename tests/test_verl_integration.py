@@ -103,7 +103,9 @@ def test_one_token_segments_reproduce_verls_gae():
     expected_adv, expected_ret = core_algos.compute_gae_advantage_return(
         rewards, values, mask, gamma=1.0, lam=lam
     )
-    cfg = algo_config(lam=lam, normalization="whiten", value_td_lambda=lam, value_anchor="none")
+    cfg = algo_config(
+        lam=lam, normalization="whiten", anchor="none", value_head=dict(td_lambda=lam)
+    )
     adv, ret = rv.compute_rredcot_advantage(
         rewards, mask, index=np.arange(B), config=cfg, segment_ids=segment_ids, values=values
     )

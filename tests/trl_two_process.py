@@ -61,7 +61,7 @@ def run(model_dir: str, out: str, method: str) -> dict:
         seed=0,
         reward_weights=[0.5, 0.5],
         credit_method=method,
-        credit={"segmenter": "tokens:4", "handover": "off", "lam": 0.5},
+        credit={"segmenter": "tokens:4", "handover": {"mode": "off"}, "lam": 0.5},
         task="arithmetic",
         task_args={"num_steps": 2},
         disable_tqdm=True,

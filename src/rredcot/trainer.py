@@ -110,7 +110,7 @@ class Trainer:
                 self.log(f"the run is at step {self.step} already (steps={cfg.steps})")
         elif main:
             self.metrics.truncate_after(-1)
-        if self.step == 0 and cfg.credit.value_pretrain_steps > 0:
+        if self.step == 0 and cfg.credit.value_head.pretrain_steps > 0:
             self._pretrain_credit()
         if self.step == 0 and main:
             acc0 = self.evaluate()
@@ -408,8 +408,8 @@ class Trainer:
         pretrain = getattr(self.method, "pretrain", None)
         if pretrain is None:
             raise ValueError(
-                f"credit.value_pretrain_steps > 0, but credit method {self.cfg.credit_method!r} "
-                "learns nothing; set it to 0"
+                "credit.value_head.pretrain_steps > 0, but credit method "
+                f"{self.cfg.credit_method!r} learns nothing; set it to 0"
             )
         cfg = self.cfg
         counter = iter(range(1, 1 << 30))
@@ -424,7 +424,7 @@ class Trainer:
             self.extra_tokens_generated += int(stats["rollout/tokens"])
             return batch
 
-        stats = pretrain(sample_batch, cfg.credit.value_pretrain_steps)
+        stats = pretrain(sample_batch, cfg.credit.value_head.pretrain_steps)
         self.log(
             "value pretraining: "
             + ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in stats.items())

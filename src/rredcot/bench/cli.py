@@ -3,8 +3,10 @@
 Each subcommand's flags are generated from its config dataclass (``rredcot.bench.configs``) by
 the generator ``rredcot train`` uses, so every flag has its help text and its default from one
 place. Task parameters go as ``--task.NAME VALUE`` (``rredcot.cli`` pulls them out before
-parsing); ``--set key=value`` (repeatable) overrides any ``TrainConfig`` / ``CreditConfig`` field
-for every method, e.g. ``--set credit.lam=0.5 --set sampling.num_generations=4``.
+parsing). The credit settings of every method are flags as in ``rredcot train``
+(``--credit.lam 0.5``, ``--credit.value_head.lr 1e-3``); ``--set key=value`` (repeatable) overrides
+any ``TrainConfig`` / ``CreditConfig`` field for every method, e.g. ``--set
+sampling.num_generations=4``. A variant's own ``key=value`` wins over both.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from rredcot.bench.configs import (
     OverheadBenchConfig,
     PeerBenchConfig,
 )
-from rredcot.config import add_dataclass_flags, from_dict
+from rredcot.config import CreditConfig, add_dataclass_flags, from_dict
 from rredcot.errors import UserError
 
 # name -> (config, runner module, runner, help, description)
@@ -56,6 +58,8 @@ SUBCOMMANDS = {
 }
 # fields filled from flags of their own, not from the generator
 SPECIAL_FIELDS = ("task", "task_args", "overrides", "trl_overrides")
+# credit fields a subcommand sets with flags of its own (bench credit: --segmenters, --lam)
+CREDIT_FLAGS_SKIP = {"credit": ("segmenter", "lam")}
 
 
 def add_bench_parser(sub) -> None:
@@ -89,6 +93,14 @@ def add_bench_parser(sub) -> None:
                 metavar="KEY=VALUE",
                 help="Config override for every method (repeatable), e.g. --set credit.lam=0.5.",
             )
+            group = p.add_argument_group(
+                "credit",
+                "Credit settings of every method, as for `rredcot train` (the same as --set "
+                "credit.KEY=VALUE; a variant's own key=value wins).",
+            )
+            skip = CREDIT_FLAGS_SKIP.get(name, ())
+            # no old flat spellings: the bench took credit settings only through --set before
+            add_dataclass_flags(p, CreditConfig, "credit.", skip, group, old_names=False)
         if "trl_overrides" in fields:
             p.add_argument(
                 "--trl-set",
@@ -113,7 +125,8 @@ def bench_config(command: str, args: argparse.Namespace, task_args: dict):
     if "task_args" in names:
         given["task_args"] = task_args
     if "overrides" in names:
-        given["overrides"] = parse_set(getattr(args, "set_pairs", []))
+        credit_flags = {k: v for k, v in vars(args).items() if k.startswith("credit.")}
+        given["overrides"] = {**parse_set(getattr(args, "set_pairs", [])), **credit_flags}
     if "trl_overrides" in names:
         from rredcot.bench.peer import parse_trl_overrides
 

@@ -17,8 +17,8 @@ from rredcot.config import help_field
 
 METHODS_HELP = (
     "Comma-separated credit methods or named variants name=method:key=value:..., e.g. "
-    "'uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off:"
-    "value_shared_prefixes=false'."
+    "'uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover.mode=off:"
+    "value_head.shared_prefixes=false'."
 )
 # the reported long-chain setting (benchmarks/results/long_chain): what `bench learn` runs
 # with no further flags

@@ -3,12 +3,13 @@
 A variant is a credit method plus config overrides, so that, say, the collapse configuration of
 docs/method.md (failure modes) runs next to the default::
 
-    --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover=off:value_shared_prefixes=false"
+    --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover.mode=off:value_head.shared_prefixes=false"
 
-Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...), dotted ``TrainConfig``
-paths (``sampling.temperature``) or top-level ``TrainConfig`` fields (``lr``). Without a name the
-variant is called by its whole spec (``value_head:lam=0``), or by the method when there are no
-overrides.
+Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...) or of its sections
+(``value_head.lr``, ``handover.mode``), dotted ``TrainConfig`` paths (``sampling.temperature``) or
+top-level ``TrainConfig`` fields (``lr``); the old flat credit names (``value_lr``, ``handover``)
+still work, with a note naming the new one. Without a name the variant is called by its whole
+spec (``value_head:lam=0``), or by the method when there are no overrides.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from rredcot.config import CreditConfig, TrainConfig, from_dict
+from rredcot.config import (
+    CreditConfig,
+    TrainConfig,
+    current_key,
+    from_dict,
+    merge_overrides,
+    valid_keys,
+)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
@@ -33,7 +41,7 @@ class Variant:
         variant's own (which win); non-credit keys are ignored here."""
         merged = {**(base or {}), **self.overrides}
         fields = {k[len("credit.") :]: v for k, v in merged.items() if k.startswith("credit.")}
-        return from_dict(CreditConfig, fields, where="credit.")
+        return from_dict(CreditConfig, merge_overrides({}, fields), where="credit.")
 
     def train_overrides(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """Dotted ``TrainConfig`` overrides: ``base``, then the variant's, then its method."""
@@ -41,17 +49,19 @@ class Variant:
 
 
 def _dotted_key(key: str) -> str:
+    """A variant's or ``--set``'s key as a dotted ``TrainConfig`` name: credit fields and
+    sections (``lam``, ``value_head.lr``) get ``credit.``; old flat credit names
+    (``value_shared_min_count``, ``handover``) are read as their new ones, with a note."""
     credit_fields = {f.name for f in dataclasses.fields(CreditConfig)}
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    if "." in key:
-        return key
-    if key in credit_fields:
-        return f"credit.{key}"
-    if key in train_fields:
-        return key
+    head = key.split(".", 1)[0]
+    if head in credit_fields or key in CreditConfig.RENAMED:
+        return current_key(f"credit.{key}")
+    if "." in key or key in train_fields:
+        return current_key(key)
     raise ValueError(
-        f"unknown variant key {key!r}; use a credit field ({', '.join(sorted(credit_fields))}), "
-        "a top-level train field, or a dotted path like sampling.temperature"
+        f"unknown variant key {key!r}; use a credit field ({valid_keys(CreditConfig)}), a "
+        "top-level train field, or a dotted path like sampling.temperature"
     )
 
 

@@ -18,7 +18,7 @@ Per generation batch:
 3. the credit runs over every process's completions, so groups may span processes as in TRL:
    the value head reads the features of each process's own batch (real prompt and token
    positions: ``ValueHeadCredit.boundary_features``, the hidden states at the prefix ends and,
-   with ``credit.value_logprob_features``, the log-prob features, exactly as in rredcot's own
+   with ``credit.value_head.logprob_features``, the log-prob features, exactly as in rredcot's own
    trainer), gathered as tensors (``estimate_from_features``); other methods' values are computed
    on each process's rows and gathered. The algebra runs on the segments of every row, and each
    process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto the
@@ -40,6 +40,7 @@ import contextlib
 import json
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
-from rredcot.config import CreditConfig, from_dict
+from rredcot.config import CreditConfig, from_dict, upgrade_renamed
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import (
     CreditContext,
@@ -103,11 +104,11 @@ class RREDCoTGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the rredcot credit settings.
 
     ``credit`` holds fields of :class:`rredcot.config.CreditConfig` (``segmenter``, ``lam``,
-    ``normalization``, ``value_*``, ``handover``, ...), as a dict in Python or a JSON string on
-    the command line, e.g. ``--credit '{"segmenter": "sentence", "lam": 0.5}'``. With
-    ``credit["normalization"]`` unset (``auto``) TRL's ``scale_rewards`` decides
-    (:func:`normalization_for_scale_rewards`); an explicit one wins, with a warning if it
-    disagrees with a non-default ``scale_rewards``.
+    ``normalization``, ``value_head``, ``handover``, ...), as a dict in Python or a JSON string on
+    the command line, e.g. ``--credit '{"segmenter": "sentence", "value_head": {"lr": 0.003}}'``
+    (the old flat names, ``value_lr``, still work). With ``credit["normalization"]`` unset
+    (``auto``) TRL's ``scale_rewards`` decides (:func:`normalization_for_scale_rewards`); an
+    explicit one wins, with a warning if it disagrees with a non-default ``scale_rewards``.
     """
 
     credit_method: str = field(
@@ -120,7 +121,7 @@ class RREDCoTGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Fields of rredcot.config.CreditConfig (segmenter, lam, normalization, "
-            "value_lr, ...) as a dict or a JSON object string."
+            "value_head: {lr: ...}, ...) as a dict or a JSON object string."
         },
     )
     task: str | None = field(
@@ -148,15 +149,15 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 f"credit_method={self.credit_method!r} is not supported in TRL (it needs rredcot's "
                 f"own sampling loop); use one of: {', '.join(TRL_METHODS)}"
             )
-        if self.credit.get("value_alik_feature"):
+        if self.credit_config.value_head.alik_feature:
             raise ValueError(
-                "credit.value_alik_feature is not supported in TRL (its probe forwards would run "
+                "credit.value_head.alik_feature is not supported in TRL (its probe forwards would run "
                 "per micro-batch and unevenly across processes); leave it unset"
             )
-        if self.credit_config.value_pretrain_steps:
+        if self.credit_config.value_head.pretrain_steps:
             raise ValueError(
-                "credit.value_pretrain_steps is not supported in TRL (the head trains on TRL's "
-                "batches from the first step; the reliability hand-over starts it on uniform "
+                "credit.value_head.pretrain_steps is not supported in TRL (the head trains on "
+                "TRL's batches from the first step; the reliability hand-over starts it on uniform "
                 "credit); leave it 0"
             )
         if self.multi_objective_aggregation != "sum_then_normalize":
@@ -175,10 +176,13 @@ class RREDCoTGRPOConfig(GRPOConfig):
     @property
     def credit_config(self) -> CreditConfig:
         """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones).
-        ``value_logprob_features`` is off unless ``credit`` turns it on (the head then also reads
+        ``value_head.logprob_features`` is off unless ``credit`` turns it on (the head then also reads
         the log-probs of TRL's pass, as in rredcot's trainer). ``normalization="auto"`` (the
         default) follows TRL's ``scale_rewards`` (:func:`normalization_for_scale_rewards`)."""
-        fields = {"value_logprob_features": False, **_as_dict(self.credit, "credit")}
+        fields = upgrade_renamed(CreditConfig, _as_dict(self.credit, "credit"), "credit.")
+        head = fields.get("value_head")
+        if head is None or isinstance(head, Mapping):  # else from_dict names the bad section
+            fields["value_head"] = {"logprob_features": False, **(head or {})}
         if fields.get("normalization", "auto") == "auto":
             fields["normalization"] = normalization_for_scale_rewards(
                 self.scale_rewards, self.credit_method

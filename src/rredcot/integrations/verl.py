@@ -22,8 +22,8 @@ Values. Where rredcot's own loop and TRL use the small value head or answer like
 driver holds no model: the value estimate here is **verl's critic** (``critic.enable=True``), a
 full value model that verl shards and trains itself. Its per-token values ``values[:, t] =
 V(prompt + response[:t])`` give ``V(s_k) = values[:, b_k]`` at every segment start, and the
-estimator returns TD(``value_td_lambda``) targets at segment starts as the critic's ``returns``
-(``value_td_lambda = 1``, the default: every token regresses on ``R``). Credit methods:
+estimator returns TD(``value_head.td_lambda``) targets at segment starts as the critic's ``returns``
+(``value_head.td_lambda = 1``, the default: every token regresses on ``R``). Credit methods:
 
 - ``critic``: segment values from the critic, ``A_k`` by segment GAE with ``lam``;
 - ``uniform``: GRPO through rredcot's algebra (no critic needed).
@@ -421,10 +421,10 @@ def compute_rredcot_advantage(
         )
     values = _fit_width(values.to(mask.device).float(), T, 0.0)
     # The critic is one more value source through the same algebra: anchored on the group's
-    # mean reward like every rredcot value (credit.value_anchor), dense rewards kept.
+    # mean reward like every rredcot value (credit.anchor), dense rewards kept.
     raw, raw_mask = critic_boundary_values(values, boundaries)
     anchor = None
-    if cfg.value_anchor == "group":
+    if cfg.anchor == "group":
         anchor, _ = credit.group_mean_std(rewards, group_ids)
     anchored = raw if anchor is None else credit.anchor_values(raw, raw_mask, anchor)
     estimate = Values(anchored + prefix[:, : raw.shape[1]].to(raw.device), raw_mask, lam=cfg.lam)
@@ -436,7 +436,7 @@ def compute_rredcot_advantage(
     )
     # The critic predicts the return still to come: its targets exclude rewards already received.
     returns = _critic_returns(
-        raw + prefix, raw_mask, rewards, segment_ids, response_mask, cfg.value_td_lambda
+        raw + prefix, raw_mask, rewards, segment_ids, response_mask, cfg.value_head.td_lambda
     )
     received = credit.segments_to_tokens(prefix[:, :-1], segment_ids, response_mask)
     return out.advantages, torch.where(mask, returns - received, torch.zeros_like(returns))

@@ -3,7 +3,8 @@
 ``V(s_k) = sum_{a in A+} pi(probe(a) | s_k)``: the probability that the policy, made to answer
 right after the prefix ``s_k``, states a correct answer.
 
-**The probe** is ``cue ⊕ a ⊕ close ⊕ eos`` (``credit.answer_cue``, ``credit.answer_eos``):
+**The probe** is ``cue ⊕ a ⊕ close ⊕ eos`` (``credit.answer_likelihood.cue``,
+``credit.answer_likelihood.eos``):
 
 - ``task``: the task's own answer line ``task.render_answer(a)`` (``A:15``, ``#### 15``,
   ``\\boxed{15}``) on a line of its own, so ``\\nA:15`` after a prefix that ends mid-line and
@@ -26,21 +27,21 @@ probe does not end in a closing bracket or tag (``A:15<eos>`` must not count ``A
 is a prefix of another one (``A:1`` of ``A:15``) already counts its mass, so the longer one is
 dropped.
 
-**The correct answers** ``A+`` (``credit.answer_source``): ``reference`` the problem's reference
-answer, ``group`` the distinct parsed answers of the group's verified-correct completions,
-``both`` their union. With ``credit.answer_renderings`` each answer also brings its equivalent
-renderings (:func:`rredcot.tasks.answers.equivalent_renderings`: ``20``, ``20.0``, ``$20``,
-``1,000``, ``3/4``, ``\\frac{3}{4}``) that the task's verifier accepts on the task's own answer
-line (the arithmetic verifier takes integers only, so there ``A+`` stays ``{15}``). Probes with
-the same token ids count once. A group with an empty ``A+`` (``group`` source, no correct sample)
-gets ``V = 0`` at every boundary.
+**The correct answers** ``A+`` (``credit.answer_likelihood.source``): ``reference`` the problem's
+reference answer, ``group`` the distinct parsed answers of the group's verified-correct completions,
+``both`` their union. With ``credit.answer_likelihood.renderings`` each answer also brings its
+equivalent renderings (:func:`rredcot.tasks.answers.equivalent_renderings`: ``20``, ``20.0``,
+``$20``, ``1,000``, ``3/4``, ``\\frac{3}{4}``) that the task's verifier accepts on the task's own
+answer line (the arithmetic verifier takes integers only, so there ``A+`` stays ``{15}``). Probes
+with the same token ids count once. A group with an empty ``A+`` (``group`` source, no correct
+sample) gets ``V = 0`` at every boundary.
 
 The estimate can only **under**-estimate the probability of answering correctly: a correct answer
 written in a way that is not probed is missed. Measured (``benchmarks/answer_likelihood_probes.py``
 on the model of ``test_missing_renderings_under_estimate``): a tiny Llama taught to write
 ``\\boxed{15}`` and ``\\boxed{15.0}`` about equally often gets, on 12 gold traces right before
 ``</think>``, a mean ``V = 0.083`` from the reference rendering alone and ``0.167`` with
-``answer_renderings``: half of its probability of answering correctly was missed.
+``credit.answer_likelihood.renderings``: half of its probability of answering correctly was missed.
 
 Where it works: a model that has learned to answer from a partial chain (warm-start with
 ``early_answer_prob > 0``), or a reasoning model probed with the cue it answers after. A model
@@ -48,31 +49,30 @@ that only ever copies its final running result into the answer line gives every 
 probe a probability near zero, and the estimator then cannot tell good steps from bad ones
 (docs/method.md, failure modes).
 
-**Safe credit** (the value head's guards, :mod:`rredcot.methods.handover`): the values are
-anchored on the group's mean reward (``credit.value_anchor=group``: ``V'(s_k) = V(s_k) - V(s_0) +
-mean R_group``, so every trace gets GRPO's total credit); the credit is handed over from uniform
-(GRPO) credit by a weight ``w`` that tracks the estimator's measured reliability on fresh outcomes
-(the slope ``prediction_slope`` of the batch's outcomes on ``V'(s_{n-1})``, measured in
-``update`` after the step's credit was computed, smoothed across steps, clipped to [0, 1];
-``credit.handover``); and the advantages are divided by the group's reward std, or by the batch's
-where a group's rewards agree (``group_or_batch_std``). With ``w = 0`` (the first step) the credit
-is uniform GRPO credit bit for bit. A batch whose values hardly depart from the baseline (root mean
-square of ``V'(s_{n-1}) - mean R_group`` below ``MIN_DEPARTURE_RMS = 0.01``) leaves the reliability
-as it is: on the default warm-start, which never answers early, every probe before the last step
-is near 0, and over the 20 fit batches of ``rredcot bench credit`` the slope of those tiny
-departures averaged 3,417; clipped to 1 it handed over (reliability 0.69) an estimator with
-nothing to say, and at ``lam < 1`` its credit is the all-blame-on-the-last-
-segment credit of docs/method.md, failure modes.
+**Safe credit** (the value head's guards, :mod:`rredcot.methods.handover`): the values are anchored
+on the group's mean reward (``credit.anchor=group``: ``V'(s_k) = V(s_k) - V(s_0) + mean R_group``,
+so every trace gets GRPO's total credit); the credit is handed over from uniform (GRPO) credit by a
+weight ``w`` that tracks the estimator's measured reliability on fresh outcomes (the slope
+``prediction_slope`` of the batch's outcomes on ``V'(s_{n-1})``, measured in ``update`` after the
+step's credit was computed, smoothed across steps, clipped to [0, 1]; ``credit.handover.mode``); and
+the advantages are divided by the group's reward std, or by the batch's where a group's rewards
+agree (``group_or_batch_std``). With ``w = 0`` (the first step) the credit is uniform GRPO credit
+bit for bit. A batch whose values hardly depart from the baseline (root mean square of ``V'(s_{n-1})
+- mean R_group`` below ``MIN_DEPARTURE_RMS = 0.01``) leaves the reliability as it is: on the default
+warm-start, which never answers early, every probe before the last step is near 0, and over the 20
+fit batches of ``rredcot bench credit`` the slope of those tiny departures averaged 3,417; clipped
+to 1 it handed over (reliability 0.69) an estimator with nothing to say, and at ``lam < 1`` its
+credit is the all-blame-on-the-last-segment credit of docs/method.md, failure modes.
 
-**Cost and memory**: no generation. All probes of a trace (``n`` boundaries x ``|A+|`` answers)
-go into **one** packed forward pass: ``[prompt | response up to b_{n-1} | probe_0 | probe_1 |
-...]`` with a 4D float attention mask (0 allowed, dtype-min elsewhere) under which each probe sees
-the prompt, the response up to its boundary and its own earlier tokens, and position ids that
-continue from its prefix. Models whose attention does not take a custom 4D mask (or whose packed
-log-probs do not match the unpacked ones on a first check) fall back to one row per probe with a
-warning. Rows are grouped into forwards of at most ``credit.answer_chunk_tokens`` tokens. The
-forward runs the model's trunk only (``get_decoder()``); the output head is applied to the hidden
-states of the scored positions alone, at most ``credit.answer_logits_mb`` MiB of fp32 logits at a
+**Cost and memory**: no generation. All probes of a trace (``n`` boundaries x ``|A+|`` answers) go
+into **one** packed forward pass: ``[prompt | response up to b_{n-1} | probe_0 | probe_1 | ...]``
+with a 4D float attention mask (0 allowed, dtype-min elsewhere) under which each probe sees the
+prompt, the response up to its boundary and its own earlier tokens, and position ids that continue
+from its prefix. Models whose attention does not take a custom 4D mask (or whose packed log-probs do
+not match the unpacked ones on a first check) fall back to one row per probe with a warning. Rows
+are grouped into forwards of at most ``credit.answer_likelihood.chunk_tokens`` tokens. The forward
+runs the model's trunk only (``get_decoder()``); the output head is applied to the hidden states of
+the scored positions alone, at most ``credit.answer_likelihood.logits_mb`` MiB of fp32 logits at a
 time, so no ``(rows, length, vocab)`` logits tensor is ever built (models whose trunk and head do
 not reproduce their logits on a first check use the full forward). ``V(s_n)`` is not probed: the
 credit algebra sets it to the outcome ``R``.
@@ -92,6 +92,7 @@ from torch import Tensor, nn
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.config import AnswerLikelihoodConfig
 from rredcot.credit import Cost, Values
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
@@ -142,9 +143,9 @@ class ProbeFormat:
             raise ValueError(f"answer eos={self.eos!r}: use auto, true or false")
 
     @classmethod
-    def from_config(cls, config: Any) -> ProbeFormat:
-        """From ``credit.answer_cue``, ``credit.answer_eos`` and ``credit.answer_renderings``."""
-        return cls(config.answer_cue, config.answer_eos, bool(config.answer_renderings))
+    def from_config(cls, config: AnswerLikelihoodConfig) -> ProbeFormat:
+        """From ``credit.answer_likelihood``'s ``cue``, ``eos`` and ``renderings``."""
+        return cls(config.cue, config.eos, bool(config.renderings))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +448,7 @@ def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
             f"answer_likelihood: {type(model).__name__}'s trunk and output head "
             f"(get_decoder(), get_output_embeddings()) {why}; probes are scored from the full "
             "logits, whose memory grows with rows x length x vocabulary (lower "
-            "credit.answer_chunk_tokens if it runs out)",
+            "credit.answer_likelihood.chunk_tokens if it runs out)",
             stacklevel=3,
         )
     _SPLIT_CHECKED[model] = split
@@ -747,7 +748,7 @@ def prefix_features(values: Tensor, value_mask: Tensor) -> Tensor:
 # The credit method
 
 
-@register_credit("answer_likelihood")
+@register_credit("answer_likelihood", options=AnswerLikelihoodConfig)
 class AnswerLikelihoodCredit(CreditMethod):
     """Values from the policy's probability of answering correctly right after each prefix, with
     the value head's guards (anchor, hand-over, safe normalisation; module docstring).
@@ -769,7 +770,7 @@ class AnswerLikelihoodCredit(CreditMethod):
                 "answer_likelihood needs the task (its render_answer writes the probes); "
                 "pass CreditContext(task=...)"
             )
-        self.probe = ProbeFormat.from_config(config)
+        self.probe = ProbeFormat.from_config(self.options)
         self._packing = "auto"
         self._checked = False
         self.reliability = 0.0  # EMA of the clipped fresh-batch score; the hand-over weight
@@ -779,7 +780,7 @@ class AnswerLikelihoodCredit(CreditMethod):
 
     @property
     def max_batch_tokens(self) -> int:
-        return int(self.config.answer_chunk_tokens)
+        return int(self.options.chunk_tokens)
 
     def _check_packing(self, batch: RolloutBatch) -> None:
         """Compare packed and unpacked log-probs on the first row that has probes."""
@@ -787,7 +788,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         ctx = self.context
         if not packing_supported(ctx.policy):
             return
-        answers = probe_answers(batch, ctx.task, self.config.answer_source, self.probe.renderings)
+        answers = probe_answers(batch, ctx.task, self.options.source, self.probe.renderings)
         probes, _ = build_probes(batch, ctx.tokenizer, ctx.task, answers, self.probe)
         if not probes:
             self._checked = False  # nothing to compare yet
@@ -795,7 +796,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         first = [p for p in probes if p.row == probes[0].row]
         budget = {
             "max_batch_tokens": self.max_batch_tokens,
-            "logits_mb": self.config.answer_logits_mb,
+            "logits_mb": self.options.logits_mb,
         }
         with torch.no_grad(), eval_mode(ctx.policy):
             try:
@@ -830,21 +831,21 @@ class AnswerLikelihoodCredit(CreditMethod):
             ctx.tokenizer,
             ctx.task,
             batch,
-            answer_source=self.config.answer_source,
+            answer_source=self.options.source,
             packing=self._packing,
             max_batch_tokens=self.max_batch_tokens,
             probe=self.probe,
-            logits_mb=self.config.answer_logits_mb,
+            logits_mb=self.options.logits_mb,
         )
         self._cache = (weakref.ref(batch), values, mask, stats)
         return values, mask, stats
 
     def _anchored(self, values: Tensor, mask: Tensor, batch: RolloutBatch) -> Tensor:
-        return anchor(values, mask, group_mean(batch), self.config.value_anchor)
+        return anchor(values, mask, group_mean(batch), self.config.anchor)
 
     def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """The values credit uses: :meth:`probe_values`, anchored on the group mean reward
-        (``credit.value_anchor``)."""
+        (``credit.anchor``)."""
         values, mask, _ = self.probe_values(batch)
         return self._anchored(values, mask, batch), mask
 
@@ -852,7 +853,7 @@ class AnswerLikelihoodCredit(CreditMethod):
     @property
     def handover_weight(self) -> float:
         """Weight of answer-likelihood credit against uniform credit (1 with handover off)."""
-        return 1.0 if self.config.handover == "off" else float(self.reliability)
+        return 1.0 if self.config.handover.mode == "off" else float(self.reliability)
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
         """:meth:`estimate_from_values` of the batch's :meth:`segment_values`."""
@@ -869,7 +870,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         uniform credit by :attr:`handover_weight`; the arguments as
         :meth:`CreditMethod.estimate_from_values`'."""
         mean, _ = credit.group_mean_std(rewards, group_ids)
-        values = anchor(values, mask, mean, self.config.value_anchor)
+        values = anchor(values, mask, mean, self.config.anchor)
         w = self.handover_weight
         self._scored = (
             values.detach(),
@@ -922,7 +923,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         found = self._last_scored(rewards, group_ids)
         if found is None:
             mean, _ = credit.group_mean_std(rewards, group_ids)
-            found = anchor(values, mask, mean, self.config.value_anchor), mask, live
+            found = anchor(values, mask, mean, self.config.anchor), mask, live
         return self._score(*found, rewards, group_ids)
 
     def _score(
@@ -932,18 +933,18 @@ class AnswerLikelihoodCredit(CreditMethod):
         device = scored.device
         live = live.to(device)
         mean = credit.group_mean_std(rewards, group_ids)[0].to(device)
-        baseline = None if self.config.value_anchor == "none" else mean[live]
+        baseline = None if self.config.anchor == "none" else mean[live]
         rewards = rewards.to(device)[live]
         score, slope, skill = handover_scores(
             scored[live],
             mask.to(device)[live],
             rewards,
             baseline,
-            self.config.handover_score,
+            self.config.handover.score,
             min_rms=MIN_DEPARTURE_RMS,
         )
         self.reliability = smoothed_reliability(
-            self.reliability, score, self.config.handover_smoothing
+            self.reliability, score, self.config.handover.smoothing
         )
         self.num_updates += 1
         self._cache = self._scored = None

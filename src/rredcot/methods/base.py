@@ -66,6 +66,9 @@ class CreditMethod:
     through :func:`rredcot.credit.token_credit`."""
 
     name: ClassVar[str] = ""
+    # the dataclass of the method's own options (a section of CreditConfig, e.g.
+    # ValueHeadConfig = credit.value_head), set by register_credit; read as ``self.options``
+    options_class: ClassVar[type | None] = None
     needs_hidden_states: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = (-1,)
     default_lam: ClassVar[float | None] = None  # a method may force its own lambda (uniform: 1)
@@ -76,6 +79,8 @@ class CreditMethod:
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config
         self.context = context
+        cls = type(self).options_class
+        self.options: Any = None if cls is None else config.section(cls)
 
     @property
     def lam(self) -> float:
@@ -234,15 +239,24 @@ _LAZY = {
 }
 
 
-def register_credit(name: str):
-    """Class decorator: make a credit method available as ``--credit NAME``."""
+def register_credit(name: str, options: type | None = None):
+    """Class decorator: make a credit method available as ``--credit NAME``, with ``options``
+    the dataclass of its own settings (a section of :class:`rredcot.config.CreditConfig`, e.g.
+    ``ValueHeadConfig`` for ``--credit.value_head.*``), which the method reads as
+    ``self.options``."""
 
     def wrap(cls: type[CreditMethod]) -> type[CreditMethod]:
         cls.name = name
+        cls.options_class = options
         _CREDIT_METHODS[name] = cls
         return cls
 
     return wrap
+
+
+def credit_options(name: str) -> type | None:
+    """The options dataclass the method ``name`` was registered with (None: it has none)."""
+    return get_credit(name).options_class
 
 
 def credit_names() -> list[str]:

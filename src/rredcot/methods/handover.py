@@ -5,7 +5,7 @@ Used by :mod:`rredcot.methods.value_head` and :mod:`rredcot.methods.answer_likel
 both estimators are made safe the same way:
 
 - :func:`anchor` shifts the values so that ``V(s_0)`` is the group's mean reward
-  (``credit.value_anchor="group"``): every trace gets GRPO's total credit ``R - mean R_group``
+  (``credit.anchor="group"``): every trace gets GRPO's total credit ``R - mean R_group``
   and the estimator only moves it between the trace's segments.
 - :func:`handover_scores` measures, on a batch's outcomes, how far the estimator's last prefix
   value ``V(s_{n-1})`` can be trusted beyond the baseline uniform credit already has: the
@@ -40,7 +40,7 @@ __all__ = [
 
 
 def anchor(values: Tensor, value_mask: Tensor, group_mean: Tensor, mode: str) -> Tensor:
-    """``credit.value_anchor``: ``"group"`` gives ``V(s_k) - V(s_0) + group_mean``, ``"none"``
+    """``credit.anchor``: ``"group"`` gives ``V(s_k) - V(s_0) + group_mean``, ``"none"``
     the values as they are.
 
     Args:
@@ -49,7 +49,7 @@ def anchor(values: Tensor, value_mask: Tensor, group_mean: Tensor, mode: str) ->
     if mode == "none":
         return values
     if mode != "group":
-        raise ValueError(f"credit.value_anchor={mode!r}: use 'group' or 'none'")
+        raise ValueError(f"credit.anchor={mode!r}: use 'group' or 'none'")
     return credit.anchor_values(values, value_mask, group_mean.to(values.device, values.dtype))
 
 
@@ -131,7 +131,7 @@ def handover_scores(
     min_rms: float = 0.0,
 ) -> tuple[float, float, float]:
     """``(score, slope, explained variance)`` of values scored against fresh outcomes; ``score``
-    is the one ``kind`` (``credit.handover_score``: ``"slope"`` or ``"explained_variance"``) names.
+    is the one ``kind`` (``credit.handover.score``: ``"slope"`` or ``"explained_variance"``) names.
 
     Args:
         values: ``(B, S+1)`` the values credit uses (anchored when the method anchors);
@@ -140,7 +140,7 @@ def handover_scores(
         :func:`prediction_slope`.
     """
     if kind not in ("slope", "explained_variance"):
-        raise ValueError(f"credit.handover_score={kind!r}: use 'slope' or 'explained_variance'")
+        raise ValueError(f"credit.handover.score={kind!r}: use 'slope' or 'explained_variance'")
     slope = prediction_slope(values, value_mask, rewards, baseline, min_rms)
     skill = explained_variance(values, value_mask, rewards, baseline)
     return (slope if kind == "slope" else skill), slope, skill

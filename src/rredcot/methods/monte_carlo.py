@@ -10,11 +10,12 @@ Identical prefixes (same problem, same prompt and prefix token ids) are estimate
 whole batch: the ``G`` samples of one prompt share ``s_0``, and samples that agree on their first
 steps share those prefixes too.
 
-``max_boundaries`` (``credit.mc_max_boundaries``, 0 = all) caps the boundaries estimated per trace:
-an evenly spaced subset ``k = floor(i * n / m)``, ``i = 0..m-1`` (``s_0`` always included) is
-estimated, and every skipped boundary takes the value of the nearest estimated boundary before it,
-so the segments after a skipped boundary get credit ``0`` and the one after the next estimated
-boundary gets the whole change (credit moves to coarser segments; it is never created or lost).
+``max_boundaries`` (``credit.monte_carlo.max_boundaries``, 0 = all) caps the boundaries estimated
+per trace: an evenly spaced subset ``k = floor(i * n / m)``, ``i = 0..m-1`` (``s_0`` always
+included) is estimated, and every skipped boundary takes the value of the nearest estimated boundary
+before it, so the segments after a skipped boundary get credit ``0`` and the one after the next
+estimated boundary gets the whole change (credit moves to coarser segments; it is never created or
+lost).
 
 ``V(s_n)`` is not estimated: the credit algebra sets it to the outcome ``R``.
 Cost: ``K * n`` generations per trace (fewer after de-duplication), reported as
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from rredcot.batch import RolloutBatch
-from rredcot.config import SamplingConfig
+from rredcot.config import MonteCarloConfig, SamplingConfig
 from rredcot.credit import Cost, Values
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.rollout import checked_verify, eval_mode, response_mask_from_ids
@@ -216,9 +217,10 @@ def mc_values(
     return values.to(device), mask.to(device), stats
 
 
-@register_credit("monte_carlo")
+@register_credit("monte_carlo", options=MonteCarloConfig)
 class MonteCarloCredit(CreditMethod):
-    """VinePPO: ``V(s_k)`` = mean reward of ``credit.mc_rollouts`` continuations from ``s_k``."""
+    """VinePPO: ``V(s_k)`` = mean reward of ``credit.monte_carlo.rollouts`` continuations from
+    ``s_k``."""
 
     batch_size: int = 256
 
@@ -249,10 +251,10 @@ class MonteCarloCredit(CreditMethod):
             ctx.tokenizer,
             ctx.task,
             batch,
-            self.config.mc_rollouts,
+            self.options.rollouts,
             temperature=s.temperature,
             top_p=s.top_p,
             max_new_tokens=s.max_new_tokens,
-            max_boundaries=self.config.mc_max_boundaries,
+            max_boundaries=self.options.max_boundaries,
             batch_size=self.batch_size,
         )

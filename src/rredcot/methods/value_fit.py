@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rredcot import credit
+from rredcot.config import ValueHeadConfig
 
 __all__ = ["INIT_SEED", "ValueFit", "ValueMLP", "td_lambda_targets"]
 
@@ -86,17 +87,17 @@ def td_lambda_targets(
 
 
 class ValueFit:
-    """The value network and how it learns: the head, its EMA target (``credit.value_ema``), its
-    optimiser and a replay buffer of recent batches' boundary features, fitted by TD(lambda_v)
-    over segment boundaries (``credit.value_td_lambda``; 1 regresses every boundary on R)."""
+    """The value network and how it learns: the head, its EMA target (``credit.value_head.ema``),
+    its optimiser and a replay buffer of recent batches' boundary features, fitted by TD(lambda_v)
+    over segment boundaries (``credit.value_head.td_lambda``; 1 regresses every boundary on R)."""
 
-    def __init__(self, config, device: torch.device) -> None:
+    def __init__(self, config: ValueHeadConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
         self.head: ValueMLP | None = None
-        self.target: ValueMLP | None = None  # EMA copy when value_ema > 0
+        self.target: ValueMLP | None = None  # EMA copy when ema > 0
         self.optimizer: torch.optim.Optimizer | None = None
-        self.replay: deque[dict[str, Tensor]] = deque(maxlen=max(config.value_replay, 1))
+        self.replay: deque[dict[str, Tensor]] = deque(maxlen=max(config.replay, 1))
 
     def build(self, input_size: int, hidden_size: int, extra_size: int) -> None:
         """A fresh head (its initial weights do not consume the global RNG), target, optimiser."""
@@ -105,12 +106,12 @@ class ValueFit:
             head = ValueMLP(input_size, hidden_size, extra_size=extra_size)
         self.head = head.to(self.device)
         self.target = (
-            copy.deepcopy(self.head).requires_grad_(False) if self.config.value_ema > 0 else None
+            copy.deepcopy(self.head).requires_grad_(False) if self.config.ema > 0 else None
         )
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.config.value_lr)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.config.lr)
 
     def activation(self, logits: Tensor) -> Tensor:
-        return torch.sigmoid(logits) if self.config.value_output == "sigmoid" else logits
+        return torch.sigmoid(logits) if self.config.output == "sigmoid" else logits
 
     def predict(self, net: nn.Module, feats: Tensor) -> Tensor:
         return self.activation(net(feats))
@@ -119,14 +120,14 @@ class ValueFit:
         """The TD(lambda_v) loss of one entry (``features``, ``mask``, ``rewards``)."""
         feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
         logits = self.head(feats)
-        lam_v = self.config.value_td_lambda
+        lam_v = self.config.td_lambda
         if lam_v < 1.0:
             with torch.no_grad():
                 vbar = self.predict(self.target if self.target is not None else self.head, feats)
         else:
             vbar = torch.zeros_like(logits)  # lam_v = 1: targets are R, V̄ is not used
         targets, target_mask = td_lambda_targets(vbar, mask, rewards, lam_v)
-        if self.config.value_loss == "bce":
+        if self.config.loss == "bce":
             per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
         else:
             per = (self.activation(logits) - targets) ** 2
@@ -137,12 +138,12 @@ class ValueFit:
         return bool((entry["mask"].sum(dim=1) > 1).any())
 
     def fit(self, entry: dict[str, Tensor]) -> dict[str, float]:
-        """``value_epochs`` passes over the replayed entries and this one, then keep it."""
+        """``epochs`` passes over the replayed entries and this one, then keep it."""
         data = [{k: v.to(self.device) for k, v in e.items()} for e in self.replay]
         data = [e for e in data + [entry] if self.has_targets(e)]
         losses = []
         self.head.train()
-        for _ in range(self.config.value_epochs):
+        for _ in range(self.config.epochs):
             for e in data:
                 loss = self.loss(e)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -150,7 +151,7 @@ class ValueFit:
                 self.optimizer.step()
                 self.ema_step()
                 losses.append(float(loss.detach()))
-        if self.config.value_replay > 0 and self.has_targets(entry):
+        if self.config.replay > 0 and self.has_targets(entry):
             self.replay.append({k: v.detach().cpu() for k, v in entry.items()})
         return {
             "value/loss": sum(losses) / len(losses) if losses else float("nan"),
@@ -161,7 +162,7 @@ class ValueFit:
     def ema_step(self) -> None:
         if self.target is None:
             return
-        decay = self.config.value_ema
+        decay = self.config.ema
         for t, p in zip(self.target.parameters(), self.head.parameters()):
             t.mul_(decay).add_(p.detach(), alpha=1.0 - decay)
 

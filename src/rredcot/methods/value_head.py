@@ -6,10 +6,10 @@ A small fp32 MLP reads the policy's hidden state at the last token of each prefi
 trace ends correct. The hidden states come from the forward pass the step already runs (on-policy:
 the loss forward itself), so values cost no extra forward pass and no generation.
 
-By default (``credit.value_logprob_features``) the head also reads four numbers per prefix from
+By default (``credit.value_head.logprob_features``) the head also reads four numbers per prefix from
 that same pass: the mean and the minimum of the policy's log-probs of the tokens of the last
 segment and of the whole response so far (a step the policy itself found unlikely is the clearest
-sign of a wrong step). With ``credit.value_alik_feature`` (off by default) it also reads the
+sign of a wrong step). With ``credit.value_head.alik_feature`` (off by default) it also reads the
 answer-likelihood value of each prefix, from one packed probe forward per batch with the
 reference answers only (that forward is the feature's cost).
 
@@ -18,15 +18,15 @@ Per RL step the trainer calls, in this order:
 1. ``estimate(batch)`` (through ``compute``): values of the fresh batch from the head as it stands
    (trained only on earlier batches, so the credit never sees this batch's outcomes), anchored on
    the group's mean reward, with the hand-over weight ``w`` the head has earned. By default
-   (``credit.value_shared_prefixes``) the group's shared prefixes set the values wherever several
-   samples pass through the same prefix, and the head's (``w``-scaled) values are baselines in
-   between (:func:`rredcot.credit.combine_shared_prefix`).
+   (``credit.value_head.shared_prefixes``) the group's shared prefixes set the values wherever
+   several samples pass through the same prefix, and the head's (``w``-scaled) values are baselines
+   in between (:func:`rredcot.credit.combine_shared_prefix`).
 2. ``update(batch)``: first measure how well the head, not yet trained on this batch, predicts
    its outcomes (the slope or explained variance of :mod:`rredcot.methods.handover`), fold that
    into ``reliability`` (the EMA the hand-over weight follows), then train the head by
    TD(lambda_v) over segment boundaries, with replay of recent batches.
 
-Anchoring (``credit.value_anchor="group"``): ``V'(s_k) = V(s_k) - V(s_0) + mean(R_group)``, so
+Anchoring (``credit.anchor="group"``): ``V'(s_k) = V(s_k) - V(s_0) + mean(R_group)``, so
 every trace gets GRPO's total credit and the head only decides how it is spread over the trace;
 its errors about a prompt's difficulty cancel. With ``lam = 1`` and anchoring the credit is GRPO's
 advantage minus ``w`` times the head's value gain before each segment: unbiased for any head,
@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.config import ValueHeadConfig
 from rredcot.credit import Cost, Values
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
@@ -258,7 +259,7 @@ def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: 
 # the credit method
 
 
-@register_credit("value_head")
+@register_credit("value_head", options=ValueHeadConfig)
 class ValueHeadCredit(CreditMethod):
     """Segment values from a learned head on the policy's hidden states, trained by TD(lambda).
 
@@ -271,17 +272,17 @@ class ValueHeadCredit(CreditMethod):
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
-        self.hidden_layers = tuple(config.value_layer_indices)  # checked by CreditConfig
+        self.hidden_layers = tuple(self.options.layer_indices)  # checked by ValueHeadConfig
         self.device = torch.device(context.device)
-        self.fit = ValueFit(config, self.device)  # the network and its TD fit
+        self.fit = ValueFit(self.options, self.device)  # the network and its TD fit
         self.reliability = 0.0  # EMA of the clipped fresh-batch skill; the hand-over weight
         self.num_updates = 0
         self._alik_cache: tuple[weakref.ref, Tensor] | None = None
         self._alik_forward_tokens = 0.0  # the probe pass of the last batch (feature on)
-        if config.value_alik_feature and context.task is None:
+        if self.options.alik_feature and context.task is None:
             raise ValueError(
-                "credit.value_alik_feature needs the task (its answer line writes the probes); "
-                "pass CreditContext(task=...) or turn the feature off"
+                "credit.value_head.alik_feature needs the task (its answer line writes the "
+                "probes); pass CreditContext(task=...) or turn the feature off"
             )
         input_size = self._input_size_from_policy()
         if input_size is not None:
@@ -296,15 +297,15 @@ class ValueHeadCredit(CreditMethod):
             bad = [i for i in self.hidden_layers if not -(layers + 1) <= i <= layers]
             if bad:
                 raise ValueError(
-                    f"credit.value_layers={self.config.value_layers!r}: the policy has "
+                    f"credit.value_head.layers={self.options.layers!r}: the policy has "
                     f"{layers} layers, so indices must lie in [{-(layers + 1)}, {layers}] "
                     f"(0 = embeddings, -1 = last layer); got {bad}"
                 )
         return None if hidden is None else int(hidden) * len(self.hidden_layers)
 
     def _hidden_size_for(self, input_size: int) -> int:
-        if self.config.value_hidden_size > 0:
-            return int(self.config.value_hidden_size)
+        if self.options.hidden_size > 0:
+            return int(self.options.hidden_size)
         policy = self.context.policy
         if policy is None or not hasattr(policy, "parameters"):
             return 64  # no policy to size against (a head built lazily from a batch)
@@ -312,8 +313,8 @@ class ValueHeadCredit(CreditMethod):
 
     @property
     def extra_size(self) -> int:
-        size = NUM_LOGPROB_FEATURES if self.config.value_logprob_features else 0
-        return size + (NUM_ALIK_FEATURES if self.config.value_alik_feature else 0)
+        size = NUM_LOGPROB_FEATURES if self.options.logprob_features else 0
+        return size + (NUM_ALIK_FEATURES if self.options.alik_feature else 0)
 
     def _alik_features(self, batch: RolloutBatch, num_columns: int) -> Tensor:
         """``(B, S+1, 2)`` answer-likelihood features of the batch (cached for the last batch:
@@ -329,7 +330,7 @@ class ValueHeadCredit(CreditMethod):
 
         if len(batch.problems) != batch.size:
             raise ValueError(
-                "credit.value_alik_feature needs the batch's problems and token ids (the full "
+                "credit.value_head.alik_feature needs the batch's problems and token ids (the full "
                 "RolloutBatch, not a compact one of boundary states); turn it off here"
             )
         ctx = self.context
@@ -339,9 +340,9 @@ class ValueHeadCredit(CreditMethod):
             ctx.task,
             batch,
             answer_source="reference",
-            max_batch_tokens=self.config.answer_chunk_tokens,
-            probe=ProbeFormat.from_config(self.config),
-            logits_mb=self.config.answer_logits_mb,
+            max_batch_tokens=self.config.answer_likelihood.chunk_tokens,
+            probe=ProbeFormat.from_config(self.config.answer_likelihood),
+            logits_mb=self.config.answer_likelihood.logits_mb,
         )
         feats = prefix_features(values, mask)
         if feats.shape[1] != num_columns:
@@ -381,7 +382,7 @@ class ValueHeadCredit(CreditMethod):
     def boundary_features(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """``(features (B, S+1, D + E) fp32 on the head's device, mask (B, S+1) bool)``: the
         hidden states at the prefix ends, then the log-prob features (if enabled)."""
-        needs_logprobs = self.config.value_logprob_features
+        needs_logprobs = self.options.logprob_features
         if batch.hidden_states is None or (needs_logprobs and batch.old_logprobs is None):
             raise ValueError(
                 "value_head needs batch.hidden_states and batch.old_logprobs: run "
@@ -401,12 +402,12 @@ class ValueHeadCredit(CreditMethod):
                 f"{self.hidden_layers} of the policy); fill the batch with "
                 "hidden_layers=method.hidden_layers"
             )
-        if self.config.value_logprob_features:
+        if self.options.logprob_features:
             extra = logprob_features(
                 batch.old_logprobs, batch.response_mask, batch.segment_ids, mask.shape[1]
             )
             feats = torch.cat([feats, extra.to(self.device)], dim=-1)
-        if self.config.value_alik_feature:
+        if self.options.alik_feature:
             alik = self._alik_features(batch, mask.shape[1])
             feats = torch.cat([feats, alik.to(self.device)], dim=-1)
         return feats, mask
@@ -425,7 +426,7 @@ class ValueHeadCredit(CreditMethod):
         return torch.where(mask, values, torch.zeros_like(values)), mask
 
     def _anchor(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
-        return anchor(values, mask, group_mean, self.config.value_anchor)
+        return anchor(values, mask, group_mean, self.config.anchor)
 
     def _raw_and_anchored(
         self, features: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor
@@ -437,7 +438,7 @@ class ValueHeadCredit(CreditMethod):
 
     def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """The values credit uses: :meth:`head_values`, anchored on the group mean reward
-        (``credit.value_anchor``)."""
+        (``credit.anchor``)."""
         feats, mask = self.boundary_features(batch)
         _, values, mask = self._raw_and_anchored(feats, mask, batch.rewards, batch.group_ids)
         return values, mask
@@ -446,7 +447,7 @@ class ValueHeadCredit(CreditMethod):
     @property
     def handover_weight(self) -> float:
         """Weight of value credit against uniform credit this step (1 with handover off)."""
-        return 1.0 if self.config.handover == "off" else float(self.reliability)
+        return 1.0 if self.config.handover.mode == "off" else float(self.reliability)
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
         """:meth:`estimate_from_features` of the batch's :meth:`boundary_features`."""
@@ -465,7 +466,7 @@ class ValueHeadCredit(CreditMethod):
         prefix_ids: Tensor | None = None,
     ) -> Estimate:
         """The head's anchored values, handed over from uniform credit by :attr:`handover_weight`; with
-        ``credit.value_shared_prefixes`` and ``prefix_ids`` the group's shared prefixes set the
+        ``credit.value_head.shared_prefixes`` and ``prefix_ids`` the group's shared prefixes set the
         values where several samples pass through them (:func:`credit.combine_shared_prefix`).
 
         Args:
@@ -480,8 +481,8 @@ class ValueHeadCredit(CreditMethod):
         w = min(max(self.handover_weight, 0.0), 1.0)
         metrics = self._fresh_diagnostics(raw, mask, rewards, live)
         metrics.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
-        if self.config.value_shared_prefixes and prefix_ids is not None:
-            min_count = self.config.value_shared_min_count
+        if self.options.shared_prefixes and prefix_ids is not None:
+            min_count = self.options.shared_min_count
             if tuple(prefix_ids.shape) != tuple(mask.shape):
                 raise ValueError(
                     f"batch.prefix_ids {tuple(prefix_ids.shape)} do not match its "
@@ -500,7 +501,7 @@ class ValueHeadCredit(CreditMethod):
             estimate = Values(combined, mask, lam=lam)
         else:
             estimate = Values(values, mask, lam=self.lam, handover_weight=w)
-        alik_tokens = self._alik_forward_tokens if self.config.value_alik_feature else 0.0
+        alik_tokens = self._alik_forward_tokens if self.options.alik_feature else 0.0
         return Estimate(estimate, Cost(extra_forward_tokens=alik_tokens), metrics)
 
     def _fresh_diagnostics(
@@ -528,10 +529,10 @@ class ValueHeadCredit(CreditMethod):
         masks and rewards; rows whose response was skipped are dropped."""
         live = live.to(self.device)
         rewards = rewards.to(self.device, torch.float32)
-        if self.config.value_loss == "bce" and bool(((rewards < 0) | (rewards > 1))[live].any()):
+        if self.options.loss == "bce" and bool(((rewards < 0) | (rewards > 1))[live].any()):
             raise ValueError(
-                "credit.value_loss=bce needs rewards in [0, 1]; for other rewards use "
-                "--credit.value_loss mse --credit.value_output linear"
+                "credit.value_head.loss=bce needs rewards in [0, 1]; for other rewards use "
+                "--credit.value_head.loss mse --credit.value_head.output linear"
             )
         return {"features": feats[live], "mask": mask[live], "rewards": rewards[live]}
 
@@ -542,21 +543,22 @@ class ValueHeadCredit(CreditMethod):
         self, entry: dict[str, Tensor], rewards: Tensor, group_ids: Tensor, live: Tensor
     ) -> dict:
         """Score the head on the fresh batch (before it trains on it) against uniform credit's
-        baseline and fold the ``handover_score`` (slope or explained variance), clipped to [0, 1],
+        baseline and fold the ``credit.handover.score`` (slope or explained variance), clipped to
+        [0, 1],
         into the reliability EMA. Undefined scores leave the EMA as it is."""
         group_mean, _ = credit.group_mean_std(rewards, group_ids)
         group_mean = group_mean[live].to(self.device, torch.float32)
         with torch.no_grad():
             values = self._predict(self.head, entry["features"])
-        if self.config.value_anchor == "none":
+        if self.config.anchor == "none":
             scored, baseline = values, None
         else:
             scored, baseline = self._anchor(values, entry["mask"], group_mean), group_mean
         score, slope, skill = handover_scores(
-            scored, entry["mask"], entry["rewards"], baseline, self.config.handover_score
+            scored, entry["mask"], entry["rewards"], baseline, self.config.handover.score
         )
         self.reliability = smoothed_reliability(
-            self.reliability, score, self.config.handover_smoothing
+            self.reliability, score, self.config.handover.smoothing
         )
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
         baseline = group_mean.unsqueeze(1).expand_as(values)
@@ -633,8 +635,8 @@ class ValueHeadCredit(CreditMethod):
         if state["head"] is not None and state["extra_size"] != self.extra_size:
             raise ValueError(
                 f"the saved value head reads {state['extra_size']} extra features but "
-                f"credit.value_logprob_features={self.config.value_logprob_features} and "
-                f"credit.value_alik_feature={self.config.value_alik_feature} give "
+                f"credit.value_head.logprob_features={self.options.logprob_features} and "
+                f"credit.value_head.alik_feature={self.options.alik_feature} give "
                 f"{self.extra_size}; resume with the run's own config"
             )
         self.fit.load_state_dict(state)
