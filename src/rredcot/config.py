@@ -79,6 +79,10 @@ class ModelConfig:
         }
 
 
+DECODERS = ("auto", "fast", "hf")
+"""The values of ``sampling.decoder`` (``rollout.resolve_decoder`` says what auto picks)."""
+
+
 @dataclass
 class SamplingConfig:
     num_generations: int = help_field(
@@ -101,6 +105,15 @@ class SamplingConfig:
         "loss scores (plain temperature / top-p), making the update silently off-policy.",
         default=False,
     )
+    decoder: str = help_field(
+        "The decoding loop: 'fast' (rredcot's loop for Llama-family models, llama and qwen2: a "
+        "static KV cache written in place, one prefill per prompt for its G samples, a stop as "
+        "soon as every sample has ended; the same tokens as Hugging Face generate for the same "
+        "seed), 'hf' (transformers' generate: any model) or 'auto' (fast where the model is "
+        "supported and use_model_generation_config is off, else hf; the run's log says which "
+        "and why).",
+        default="auto",
+    )
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -111,6 +124,8 @@ class SamplingConfig:
             raise ValueError("sampling.top_p must be in (0, 1]")
         if self.max_new_tokens < 0:
             raise ValueError("sampling.max_new_tokens must be >= 1 (0: the task's suggestion)")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"sampling.decoder={self.decoder!r}: use {', '.join(DECODERS)}")
 
 
 @dataclass
@@ -355,7 +370,7 @@ class TrainConfig:
     resume: str | None = help_field(
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
-        "report_to, progress, threads and device may change.",
+        "report_to, progress, threads, device and sampling.decoder may change.",
         default=None,
     )
     overwrite: bool = help_field(
@@ -471,6 +486,7 @@ RESUMABLE_FIELDS = (
     "progress",
     "threads",
     "device",
+    "sampling.decoder",
 )
 """Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
 is evaluated, checkpointed, logged and placed, never what it trains."""

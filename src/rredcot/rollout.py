@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rredcot import credit
+from rredcot import credit, decode
 from rredcot.batch import RolloutBatch
 from rredcot.segment import Segmenter, token_offsets
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
@@ -157,6 +157,23 @@ def plain_generation_config(policy):
         policy.generation_config = own
 
 
+def resolve_decoder(
+    policy, requested: str = "auto", use_model_generation_config: bool = False
+) -> tuple[str, str]:
+    """The decoding loop that runs (``"fast"`` or ``"hf"``) for ``sampling.decoder =
+    requested``, and why, in a phrase. ``auto`` and ``fast`` take rredcot's loop
+    (:mod:`rredcot.decode`) where the model is supported and sampling is plain temperature /
+    top-p (no model ``generation_config``); otherwise Hugging Face ``generate``."""
+    if requested == "hf":
+        return "hf", "asked for"
+    if use_model_generation_config:
+        return "hf", "sampling.use_model_generation_config needs generate's logits processors"
+    why = decode.unsupported_reason(policy)
+    if why is not None:
+        return "hf", f"the fast loop does not support this model: {why}"
+    return "fast", "a supported Llama-family model" if requested == "auto" else "asked for"
+
+
 @torch.no_grad()
 def sample(
     policy,
@@ -170,19 +187,72 @@ def sample(
     greedy: bool = False,
     device=None,
     use_model_generation_config: bool = False,
+    decoder: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
 
     Sampling is plain temperature / top-p sampling, the distribution the loss scores: a hub
     model's ``generation_config`` (repetition penalty, top-k, min-p, ...) is ignored unless
-    ``use_model_generation_config``.
+    ``use_model_generation_config``. ``decoder`` is ``sampling.decoder`` (auto, fast or hf;
+    :func:`resolve_decoder`): both loops draw the same tokens from the same RNG state.
 
     Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
     """
     device = device or next(policy.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    if resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast":
+        response_ids = decode.generate(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            num_return_sequences=num_generations,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            greedy=greedy,
+            temperature=temperature,
+            top_p=top_p,
+        )
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    else:
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+        response_ids = _hf_generate(
+            policy,
+            tokenizer,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+            use_model_generation_config=use_model_generation_config,
+        )
+    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    # Padding after EOS is replaced by the pad id so that the sequence is well formed.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.where(
+        response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
+    )
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, prompt_ids.shape[1], response_mask
+
+
+def _hf_generate(
+    policy,
+    tokenizer,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    use_model_generation_config: bool,
+) -> torch.Tensor:
+    """Hugging Face ``generate``'s new tokens ``(B, T)`` after the prompts ``(B, P)``."""
     kwargs = (
         dict(do_sample=False)
         if greedy
@@ -200,19 +270,7 @@ def sample(
             eos_token_id=tokenizer.eos_token_id,
             **kwargs,
         )
-    P = prompt_ids.shape[1]
-    response_ids = out[:, P:]
-    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
-    if response_ids.shape[1] == 0:  # nothing generated at all
-        response_mask = torch.zeros(out.shape[0], 0, device=out.device)
-    # Padding after EOS is replaced by the pad id so that the sequence is well formed.
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    response_ids = torch.where(
-        response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
-    )
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    return input_ids, attention_mask, P, response_mask
+    return out[:, prompt_ids.shape[1] :]
 
 
 def checked_verify(task: Task, problem: Problem, completion: str) -> tuple[Verdict, bool]:
@@ -315,6 +373,7 @@ def build_rollout_batch(
     temperature: float = 1.0,
     top_p: float = 1.0,
     use_model_generation_config: bool = False,
+    decoder: str = "auto",
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
 
@@ -334,6 +393,7 @@ def build_rollout_batch(
         temperature=temperature,
         top_p=top_p,
         use_model_generation_config=use_model_generation_config,
+        decoder=decoder,
     )
     B, T = response_mask.shape
     generated_tokens = float(response_mask.sum())
@@ -419,6 +479,7 @@ def greedy_accuracy(
     problems: list[Problem],
     max_new_tokens: int,
     batch_size: int = 64,
+    decoder: str = "auto",
 ) -> float:
     """Fraction of problems the policy solves with greedy decoding."""
     if not problems:
@@ -436,6 +497,7 @@ def greedy_accuracy(
             num_generations=1,
             max_new_tokens=max_new_tokens,
             greedy=True,
+            decoder=decoder,
         )
         for row, problem in enumerate(chunk):
             length = int(response_mask[row].sum())

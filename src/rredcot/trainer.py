@@ -41,6 +41,7 @@ from rredcot.rollout import (
     policy_forward,
     prompt_special_tokens,
     render_prompt,
+    resolve_decoder,
     segment_batch,
     train_mode_without_dropout,
 )
@@ -181,6 +182,10 @@ class Trainer:
         resolve_max_new_tokens(cfg, self.task)
         self.policy, self.tokenizer = self._load_policy()
         self.policy.to(self.device)
+        self.decoder, why = resolve_decoder(
+            self.policy, cfg.sampling.decoder, cfg.sampling.use_model_generation_config
+        )
+        self.log(f"sampling decoder: {self.decoder} ({why})")
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -337,6 +342,7 @@ class Trainer:
             temperature=s.temperature,
             top_p=s.top_p,
             use_model_generation_config=s.use_model_generation_config,
+            decoder=self.decoder,
         )
         if forward:
             batch = self._fill_forward(batch)
@@ -579,7 +585,12 @@ class Trainer:
     # -- evaluation, checkpoints, the loop ----------------------------------------------------
     def evaluate(self) -> float:
         return greedy_accuracy(
-            self.policy, self.tokenizer, self.task, self.eval_set, self.cfg.sampling.max_new_tokens
+            self.policy,
+            self.tokenizer,
+            self.task,
+            self.eval_set,
+            self.cfg.sampling.max_new_tokens,
+            decoder=self.decoder,
         )
 
     def save(self) -> Path:
