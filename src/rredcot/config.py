@@ -370,7 +370,8 @@ class TrainConfig:
     resume: str | None = help_field(
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
-        "report_to, progress, threads, device and sampling.decoder may change.",
+        "report_to, progress, threads, device, sampling.decoder and shared_prompt_forward may "
+        "change.",
         default=None,
     )
     overwrite: bool = help_field(
@@ -400,6 +401,14 @@ class TrainConfig:
         "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
         "credit before the loss is formed. False: a separate no-grad scoring pass as well "
         "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        default=True,
+    )
+    shared_prompt_forward: bool = help_field(
+        "Policy forwards (loss, scoring, KL reference) compute each distinct prompt once for "
+        "all of its samples, on the Llama-family models the fast decoder supports: the same "
+        "loss and gradients to float rounding for G-fold less work on the prompt tokens. Falls "
+        "back to the model's own forward elsewhere (other models, gradient checkpointing, "
+        "distributed wrappers). False: always the model's own forward.",
         default=True,
     )
     max_grad_norm: float = help_field("Gradient clipping norm (0: off).", default=1.0)
@@ -487,6 +496,7 @@ RESUMABLE_FIELDS = (
     "threads",
     "device",
     "sampling.decoder",
+    "shared_prompt_forward",
 )
 """Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
 is evaluated, checkpointed, logged and placed, never what it trains."""

@@ -39,7 +39,7 @@ _LAYER_PARTS = (
 )
 
 
-def _base_model(policy):
+def base_model(policy):
     """The transformers model under a peft wrapper (LoRA layers stay in place inside it)."""
     get_base = getattr(policy, "get_base_model", None)
     return get_base() if callable(get_base) else policy
@@ -47,7 +47,7 @@ def _base_model(policy):
 
 def unsupported_reason(policy) -> str | None:
     """Why the fast loop cannot decode ``policy``, in a phrase; None when it can."""
-    model = _base_model(policy)
+    model = base_model(policy)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -74,7 +74,7 @@ def unsupported_reason(policy) -> str | None:
     return None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -127,7 +127,7 @@ class _Decoder:
     :meth:`step` one new token per row; both return the last position's float32 logits."""
 
     def __init__(self, policy, batch: int, length: int, like: torch.Tensor) -> None:
-        model = _base_model(policy)
+        model = base_model(policy)
         config = model.config
         self.inner, self.lm_head = model.model, model.lm_head
         self.heads = config.num_attention_heads
@@ -155,7 +155,7 @@ class _Decoder:
         q = attn.q_proj(h).view(B, n, self.heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(B, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(B, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def prefill(self, ids, positions, bias, repeats: int) -> torch.Tensor:
         """The prompts ``ids (B', P)`` (``B' = B / repeats``) at rotary ``positions (B', P)``;
@@ -244,7 +244,7 @@ def generate(
         return (empty, empty.float()) if return_logprobs else empty
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    like = next(p for p in _base_model(policy).parameters() if p.is_floating_point())
+    like = next(p for p in base_model(policy).parameters() if p.is_floating_point())
     decoder = _Decoder(policy, B, P + max_new_tokens, like)
 
     # the prefill: a query sees the prompt's earlier tokens (a padding query only itself)

@@ -7,6 +7,7 @@ sampling, the loss and the credit methods agree on positions and masks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rredcot import credit, decode
+from rredcot import shared_prompt as shared_prompt_forward
 from rredcot.batch import RolloutBatch
 from rredcot.segment import Segmenter, token_offsets
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
@@ -105,27 +107,66 @@ def policy_forward(
     with_entropy: bool = False,
     hidden_layers: tuple[int, ...] | None = None,
     temperature: float = 1.0,
+    shared_prompt: bool = True,
 ) -> ForwardOutput:
     """One forward pass over ``[prompt | response]``: response log-probs (and optionally the
-    entropy and the hidden states of the chosen layers, concatenated on the last dim)."""
+    entropy and the hidden states of the chosen layers, concatenated on the last dim).
+
+    With ``shared_prompt`` (and a model :mod:`rredcot.shared_prompt` supports) the rows that
+    share a prompt compute it once; the output head only ever runs where a response token is
+    scored. The entropy is a metric (and the entropy segmenters' input): computed without a
+    graph."""
+    logits, hidden = None, None
+    if shared_prompt and shared_prompt_forward.unsupported_reason(policy) is None:
+        shared = shared_prompt_forward.forward(
+            policy, input_ids, attention_mask, prompt_len, hidden_layers
+        )
+        if shared is not None:
+            logits, hidden = shared
+    if logits is None:
+        logits, hidden = _plain_forward(
+            policy, input_ids, attention_mask, prompt_len, hidden_layers
+        )
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_len:]
+    logp_all = F.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return ForwardOutput(logprobs, entropy, hidden)
+
+
+def _keeps_logits(policy) -> bool:
+    """Whether ``policy``'s forward takes ``logits_to_keep`` (most transformers LMs)."""
+    model = decode.base_model(getattr(policy, "module", policy))
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _plain_forward(policy, input_ids, attention_mask, prompt_len, hidden_layers):
+    """The model's own forward: ``(logits (B, T, V) of the response tokens, hidden | None)``,
+    the output head applied only from the prompt's last position on where the model allows."""
+    T = input_ids.shape[1] - prompt_len
+    keep = {"logits_to_keep": T + 1} if _keeps_logits(policy) else {}
     out = policy(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         output_hidden_states=hidden_layers is not None,
         use_cache=False,
+        **keep,
     )
-    logits = out.logits[:, prompt_len - 1 : -1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, prompt_len:]
-    logp_all = F.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    logits = out.logits[:, :-1] if keep else out.logits[:, prompt_len - 1 : -1]
     hidden = None
     if hidden_layers is not None:
         hidden = torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1)
-    return ForwardOutput(logprobs, entropy, hidden)
+    return logits, hidden
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
@@ -452,6 +493,7 @@ def fill_forward(
     hidden_layers: tuple[int, ...] | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    shared_prompt: bool = True,
 ) -> RolloutBatch:
     """The no-grad scoring pass over a fresh batch: old log-probs (at the sampling temperature,
     so they score what was sampled), optionally the hidden states the value head reads and the
@@ -465,6 +507,7 @@ def fill_forward(
             hidden_layers=hidden_layers,
             temperature=temperature,
             with_entropy=with_entropy,
+            shared_prompt=shared_prompt,
         )
     return batch.replace(
         entropies=fwd.entropy, old_logprobs=fwd.logprobs, hidden_states=fwd.hidden_states

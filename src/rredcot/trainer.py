@@ -356,6 +356,7 @@ class Trainer:
             batch,
             hidden_layers=layers,
             temperature=self.cfg.sampling.temperature,
+            shared_prompt=self.cfg.shared_prompt_forward,
             with_entropy=self.segmenter.uses_entropy,
         )
         if self.segmenter.uses_entropy:
@@ -385,6 +386,7 @@ class Trainer:
                 batch.attention_mask,
                 batch.prompt_len,
                 temperature=self.cfg.sampling.temperature,
+                shared_prompt=self.cfg.shared_prompt_forward,
             ).logprobs
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -476,6 +478,7 @@ class Trainer:
             with_entropy=True,
             hidden_layers=layers,
             temperature=self.cfg.sampling.temperature,
+            shared_prompt=self.cfg.shared_prompt_forward,
         )
         hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
         batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
@@ -526,6 +529,7 @@ class Trainer:
                         batch.prompt_len,
                         with_entropy=True,
                         temperature=cfg.sampling.temperature,
+                        shared_prompt=cfg.shared_prompt_forward,
                     )
                 rmask = batch.response_mask[micro]
                 loss, stats = policy_loss(
