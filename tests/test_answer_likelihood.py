@@ -838,7 +838,9 @@ def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed
     steps = torch.arange(S1, dtype=torch.float).unsqueeze(0) / S1
     raw = torch.where(mask, 0.2 + 0.5 * steps * batch.rewards.unsqueeze(1), 0.0)
     ctx = CreditContext(policy=None, tokenizer=None, task=wide_task)
-    method = get_credit("answer_likelihood")(CreditConfig(lam=0.0, handover=HandoverConfig(mode="off")), ctx)
+    method = get_credit("answer_likelihood")(
+        CreditConfig(lam=0.0, handover=HandoverConfig(mode="off")), ctx
+    )
     live = batch.response_mask.sum(-1) > 0
     est = method.estimate_from_values(raw, mask, batch.rewards, batch.group_ids, live)
     out = method.credit_output(

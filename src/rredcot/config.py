@@ -87,6 +87,10 @@ class ModelConfig:
         }
 
 
+DECODERS = ("auto", "fast", "hf")
+"""The values of ``sampling.decoder`` (``rollout.resolve_decoder`` says what auto picks)."""
+
+
 @dataclass
 class SamplingConfig:
     """How completions are sampled (and scored: the loss uses the same temperature)."""
@@ -111,6 +115,15 @@ class SamplingConfig:
         "loss scores (plain temperature / top-p), making the update silently off-policy.",
         default=False,
     )
+    decoder: str = help_field(
+        "The decoding loop: 'fast' (rredcot's loop for Llama-family models, llama and qwen2: a "
+        "static KV cache written in place, one prefill per prompt for its G samples, a stop as "
+        "soon as every sample has ended; the same tokens as Hugging Face generate for the same "
+        "seed), 'hf' (transformers' generate: any model) or 'auto' (fast where the model is "
+        "supported and use_model_generation_config is off, else hf; the run's log says which "
+        "and why).",
+        default="auto",
+    )
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -121,6 +134,8 @@ class SamplingConfig:
             raise ValueError("sampling.top_p must be in (0, 1]")
         if self.max_new_tokens < 0:
             raise ValueError("sampling.max_new_tokens must be >= 1 (0: the task's suggestion)")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"sampling.decoder={self.decoder!r}: use {', '.join(DECODERS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,7 +469,8 @@ class TrainConfig:
     resume: str | None = help_field(
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
-        "report_to, progress, threads and device may change.",
+        "report_to, progress, threads, device, sampling.decoder and shared_prompt_forward may "
+        "change.",
         default=None,
     )
     overwrite: bool = help_field(
@@ -484,6 +500,14 @@ class TrainConfig:
         "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
         "credit before the loss is formed. False: a separate no-grad scoring pass as well "
         "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        default=True,
+    )
+    shared_prompt_forward: bool = help_field(
+        "Policy forwards (loss, scoring, KL reference) compute each distinct prompt once for "
+        "all of its samples, on the Llama-family models the fast decoder supports: the same "
+        "loss and gradients to float rounding for G-fold less work on the prompt tokens. Falls "
+        "back to the model's own forward elsewhere (other models, gradient checkpointing, "
+        "distributed wrappers). False: always the model's own forward.",
         default=True,
     )
     max_grad_norm: float = help_field("Gradient clipping norm (0: off).", default=1.0)
@@ -570,6 +594,8 @@ RESUMABLE_FIELDS = (
     "progress",
     "threads",
     "device",
+    "sampling.decoder",
+    "shared_prompt_forward",
 )
 """Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
 is evaluated, checkpointed, logged and placed, never what it trains."""

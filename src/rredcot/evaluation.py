@@ -17,8 +17,10 @@ def greedy_accuracy(
     problems: list[Problem],
     max_new_tokens: int,
     batch_size: int = 64,
+    decoder: str = "auto",
 ) -> float:
-    """Fraction of problems the policy solves with greedy decoding."""
+    """Fraction of problems the policy solves with greedy decoding (``decoder``: the sampling
+    loop, ``rollout.resolve_decoder``)."""
     if not problems:
         raise ValueError("evaluation set is empty")
     was_training = policy.training
@@ -34,6 +36,7 @@ def greedy_accuracy(
             num_generations=1,
             max_new_tokens=max_new_tokens,
             greedy=True,
+            decoder=decoder,
         )
         for row, problem in enumerate(chunk):
             length = int(response_mask[row].sum())

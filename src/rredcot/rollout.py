@@ -7,13 +7,15 @@ sampling, the loss and the credit methods agree on positions and masks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from rredcot import credit
+from rredcot import credit, decode
+from rredcot import shared_prompt as shared_prompt_forward
 from rredcot.batch import RolloutBatch
 from rredcot.segment import Segmenter, token_offsets
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
@@ -105,27 +107,66 @@ def policy_forward(
     with_entropy: bool = False,
     hidden_layers: tuple[int, ...] | None = None,
     temperature: float = 1.0,
+    shared_prompt: bool = True,
 ) -> ForwardOutput:
     """One forward pass over ``[prompt | response]``: response log-probs (and optionally the
-    entropy and the hidden states of the chosen layers, concatenated on the last dim)."""
+    entropy and the hidden states of the chosen layers, concatenated on the last dim).
+
+    With ``shared_prompt`` (and a model :mod:`rredcot.shared_prompt` supports) the rows that
+    share a prompt compute it once; the output head only ever runs where a response token is
+    scored. The entropy is a metric (and the entropy segmenters' input): computed without a
+    graph."""
+    logits, hidden = None, None
+    if shared_prompt and shared_prompt_forward.unsupported_reason(policy) is None:
+        shared = shared_prompt_forward.forward(
+            policy, input_ids, attention_mask, prompt_len, hidden_layers
+        )
+        if shared is not None:
+            logits, hidden = shared
+    if logits is None:
+        logits, hidden = _plain_forward(
+            policy, input_ids, attention_mask, prompt_len, hidden_layers
+        )
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_len:]
+    logp_all = F.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return ForwardOutput(logprobs, entropy, hidden)
+
+
+def _keeps_logits(policy) -> bool:
+    """Whether ``policy``'s forward takes ``logits_to_keep`` (most transformers LMs)."""
+    model = decode.base_model(getattr(policy, "module", policy))
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _plain_forward(policy, input_ids, attention_mask, prompt_len, hidden_layers):
+    """The model's own forward: ``(logits (B, T, V) of the response tokens, hidden | None)``,
+    the output head applied only from the prompt's last position on where the model allows."""
+    T = input_ids.shape[1] - prompt_len
+    keep = {"logits_to_keep": T + 1} if _keeps_logits(policy) else {}
     out = policy(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         output_hidden_states=hidden_layers is not None,
         use_cache=False,
+        **keep,
     )
-    logits = out.logits[:, prompt_len - 1 : -1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, prompt_len:]
-    logp_all = F.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    logits = out.logits[:, :-1] if keep else out.logits[:, prompt_len - 1 : -1]
     hidden = None
     if hidden_layers is not None:
         hidden = torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1)
-    return ForwardOutput(logprobs, entropy, hidden)
+    return logits, hidden
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
@@ -157,6 +198,23 @@ def plain_generation_config(policy):
         policy.generation_config = own
 
 
+def resolve_decoder(
+    policy, requested: str = "auto", use_model_generation_config: bool = False
+) -> tuple[str, str]:
+    """The decoding loop that runs (``"fast"`` or ``"hf"``) for ``sampling.decoder =
+    requested``, and why, in a phrase. ``auto`` and ``fast`` take rredcot's loop
+    (:mod:`rredcot.decode`) where the model is supported and sampling is plain temperature /
+    top-p (no model ``generation_config``); otherwise Hugging Face ``generate``."""
+    if requested == "hf":
+        return "hf", "asked for"
+    if use_model_generation_config:
+        return "hf", "sampling.use_model_generation_config needs generate's logits processors"
+    why = decode.unsupported_reason(policy)
+    if why is not None:
+        return "hf", f"the fast loop does not support this model: {why}"
+    return "fast", "a supported Llama-family model" if requested == "auto" else "asked for"
+
+
 @torch.no_grad()
 def sample(
     policy,
@@ -170,19 +228,72 @@ def sample(
     greedy: bool = False,
     device=None,
     use_model_generation_config: bool = False,
+    decoder: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
 
     Sampling is plain temperature / top-p sampling, the distribution the loss scores: a hub
     model's ``generation_config`` (repetition penalty, top-k, min-p, ...) is ignored unless
-    ``use_model_generation_config``.
+    ``use_model_generation_config``. ``decoder`` is ``sampling.decoder`` (auto, fast or hf;
+    :func:`resolve_decoder`): both loops draw the same tokens from the same RNG state.
 
     Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
     """
     device = device or next(policy.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    if resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast":
+        response_ids = decode.generate(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            num_return_sequences=num_generations,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            greedy=greedy,
+            temperature=temperature,
+            top_p=top_p,
+        )
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    else:
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+        response_ids = _hf_generate(
+            policy,
+            tokenizer,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+            use_model_generation_config=use_model_generation_config,
+        )
+    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    # Padding after EOS is replaced by the pad id so that the sequence is well formed.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.where(
+        response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
+    )
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, prompt_ids.shape[1], response_mask
+
+
+def _hf_generate(
+    policy,
+    tokenizer,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    use_model_generation_config: bool,
+) -> torch.Tensor:
+    """Hugging Face ``generate``'s new tokens ``(B, T)`` after the prompts ``(B, P)``."""
     kwargs = (
         dict(do_sample=False)
         if greedy
@@ -200,19 +311,7 @@ def sample(
             eos_token_id=tokenizer.eos_token_id,
             **kwargs,
         )
-    P = prompt_ids.shape[1]
-    response_ids = out[:, P:]
-    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
-    if response_ids.shape[1] == 0:  # nothing generated at all
-        response_mask = torch.zeros(out.shape[0], 0, device=out.device)
-    # Padding after EOS is replaced by the pad id so that the sequence is well formed.
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    response_ids = torch.where(
-        response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
-    )
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    return input_ids, attention_mask, P, response_mask
+    return out[:, prompt_ids.shape[1] :]
 
 
 def checked_verify(task: Task, problem: Problem, completion: str) -> tuple[Verdict, bool]:
@@ -315,6 +414,7 @@ def build_rollout_batch(
     temperature: float = 1.0,
     top_p: float = 1.0,
     use_model_generation_config: bool = False,
+    decoder: str = "auto",
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
 
@@ -334,6 +434,7 @@ def build_rollout_batch(
         temperature=temperature,
         top_p=top_p,
         use_model_generation_config=use_model_generation_config,
+        decoder=decoder,
     )
     B, T = response_mask.shape
     generated_tokens = float(response_mask.sum())
@@ -392,6 +493,7 @@ def fill_forward(
     hidden_layers: tuple[int, ...] | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    shared_prompt: bool = True,
 ) -> RolloutBatch:
     """The no-grad scoring pass over a fresh batch: old log-probs (at the sampling temperature,
     so they score what was sampled), optionally the hidden states the value head reads and the
@@ -405,7 +507,48 @@ def fill_forward(
             hidden_layers=hidden_layers,
             temperature=temperature,
             with_entropy=with_entropy,
+            shared_prompt=shared_prompt,
         )
     return batch.replace(
         entropies=fwd.entropy, old_logprobs=fwd.logprobs, hidden_states=fwd.hidden_states
     )
+<<<<<<< ours
+=======
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    policy,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    decoder: str = "auto",
+) -> float:
+    """Fraction of problems the policy solves with greedy decoding."""
+    if not problems:
+        raise ValueError("evaluation set is empty")
+    was_training = policy.training
+    policy.eval()
+    correct = 0.0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = [render_prompt(p, tokenizer) for p in chunk]
+        input_ids, _, P, response_mask = sample(
+            policy,
+            tokenizer,
+            prompts,
+            num_generations=1,
+            max_new_tokens=max_new_tokens,
+            greedy=True,
+            decoder=decoder,
+        )
+        for row, problem in enumerate(chunk):
+            length = int(response_mask[row].sum())
+            text = tokenizer.decode(input_ids[row, P : P + length], skip_special_tokens=True)
+            verdict, ok = checked_verify(task, problem, text)
+            correct += float(verdict.reward) if ok else 0.0
+    policy.train(was_training)
+    return correct / len(problems)
+>>>>>>> theirs

@@ -23,7 +23,7 @@ from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_policy
-from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt
+from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt, resolve_decoder
 from rredcot.seeding import seed_everything
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.sft import default_policy_source
@@ -207,6 +207,7 @@ class TrainParts:
     policy: Any  # the plain policy: sampling, credit, evaluation, checkpoints
     model: Any  # the same policy as ``accelerator.prepare`` wraps it (DDP): the loss forward
     tokenizer: Any
+    decoder: str  # the sampling loop that runs: "fast" or "hf" (rollout.resolve_decoder)
     reference: Any | None  # a frozen copy of the initial policy (None when kl_coef == 0)
     segmenter: Segmenter
     method: CreditMethod
@@ -232,6 +233,10 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     resolve_max_new_tokens(cfg, task)
     policy, tokenizer, source = load_train_policy(cfg, task, log=log)
     policy.to(device)
+    decoder, why = resolve_decoder(
+        policy, cfg.sampling.decoder, cfg.sampling.use_model_generation_config
+    )
+    log(f"sampling decoder: {decoder} ({why})")
     reference = None
     if cfg.kl_coef > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -282,6 +287,7 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         policy=policy,
         model=model,
         tokenizer=tokenizer,
+        decoder=decoder,
         reference=reference,
         segmenter=segmenter,
         method=method,

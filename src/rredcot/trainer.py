@@ -71,6 +71,7 @@ class Trainer:
         self.rank, self.world = parts.rank, parts.world
         self.task, self.source = parts.task, parts.source
         self.policy, self.model, self.tokenizer = parts.policy, parts.model, parts.tokenizer
+        self.decoder = parts.decoder
         self.reference, self.segmenter, self.method = parts.reference, parts.segmenter, parts.method
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.train_pool, self.eval_set = parts.train_pool, parts.eval_set
@@ -234,6 +235,7 @@ class Trainer:
             temperature=s.temperature,
             top_p=s.top_p,
             use_model_generation_config=s.use_model_generation_config,
+            decoder=self.decoder,
         )
         if forward:
             batch = self._fill_forward(batch)
@@ -247,6 +249,7 @@ class Trainer:
             batch,
             hidden_layers=layers,
             temperature=self.cfg.sampling.temperature,
+            shared_prompt=self.cfg.shared_prompt_forward,
             with_entropy=self.segmenter.uses_entropy,
         )
         if self.segmenter.uses_entropy:
@@ -263,6 +266,7 @@ class Trainer:
                 batch.attention_mask,
                 batch.prompt_len,
                 temperature=self.cfg.sampling.temperature,
+                shared_prompt=self.cfg.shared_prompt_forward,
             ).logprobs
 
     def single_pass(self) -> bool:
@@ -291,6 +295,7 @@ class Trainer:
             with_entropy=True,
             hidden_layers=layers,
             temperature=self.cfg.sampling.temperature,
+            shared_prompt=self.cfg.shared_prompt_forward,
         )
         hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
         batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
@@ -341,6 +346,7 @@ class Trainer:
                         batch.prompt_len,
                         with_entropy=True,
                         temperature=cfg.sampling.temperature,
+                        shared_prompt=cfg.shared_prompt_forward,
                     )
                 rmask = batch.response_mask[micro]
                 loss, stats = policy_loss(
@@ -436,7 +442,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Greedy accuracy on the evaluation set."""
         return greedy_accuracy(
-            self.policy, self.tokenizer, self.task, self.eval_set, self.cfg.sampling.max_new_tokens
+            self.policy,
+            self.tokenizer,
+            self.task,
+            self.eval_set,
+            self.cfg.sampling.max_new_tokens,
+            decoder=self.decoder,
         )
 
     def save(self) -> Path:

@@ -1,0 +1,293 @@
+"""A fast sampling loop for Llama-family decoder-only models on small hardware.
+
+Hugging Face ``generate`` spends most of a small model's decoding time outside the arithmetic:
+per token it rebuilds masks and cache bookkeeping, runs its logits processors and stopping
+criteria, and its dynamic cache grows every layer's keys and values with ``torch.cat``. This loop
+does the same arithmetic with less around it:
+
+- keys and values go into buffers preallocated for the whole completion (a static cache),
+  written in place, and each step attends only over the columns filled so far;
+- the prompt is one forward (the prefill), then one token per step for all rows at once;
+- it stops as soon as every row has produced EOS, or at ``max_new_tokens``;
+- the layers' own modules compute the projections, norms, MLPs and rotary embeddings (so LoRA
+  adapters and the model's numerics are kept); only attention and the cache are written here.
+
+The token choice is ``generate``'s, call for call: float32 logits, divided by the temperature,
+HF's top-p filter, a softmax and one ``torch.multinomial`` draw per step over the whole batch
+(finished rows included, which then get the pad id), or ``argmax`` when greedy. So with the same
+torch RNG state both loops draw the same tokens (up to float rounding of the logits).
+
+Which models it runs: :func:`unsupported_reason` says why not (None when it can).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+"""``config.model_type`` values whose layers this loop knows: pre-norm blocks of rotary
+multi-head (or grouped-query) self-attention and a gated MLP."""
+
+_LAYER_PARTS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp",
+)
+
+
+def base_model(policy):
+    """The transformers model under a peft wrapper (LoRA layers stay in place inside it)."""
+    get_base = getattr(policy, "get_base_model", None)
+    return get_base() if callable(get_base) else policy
+
+
+def unsupported_reason(policy) -> str | None:
+    """Why the fast loop cannot decode ``policy``, in a phrase; None when it can."""
+    model = base_model(policy)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    inner = getattr(model, "model", None)
+    for part in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if getattr(inner, part, None) is None:
+            return f"the model has no model.{part}"
+    if getattr(model, "lm_head", None) is None:
+        return "the model has no lm_head"
+    for layer in inner.layers:
+        for path in _LAYER_PARTS:
+            node = layer
+            for name in path.split("."):
+                node = getattr(node, name, None)
+            if node is None:
+                return f"a decoder layer has no {path}"
+    if policy.training and getattr(config, "attention_dropout", 0.0):
+        return "the model is in training mode with attention dropout"
+    return None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def next_token_scores(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``generate``'s scores for plain sampling: ``logits (B, V)`` in float32, divided by the
+    temperature, then HF's top-p filter (tokens outside the nucleus set to -inf; the most
+    probable token always kept). Sampling draws from ``softmax`` of these."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        scores = scores.masked_fill(remove, -float("inf"))
+    return scores
+
+
+class StaticKVCache:
+    """Keys and values of every layer, preallocated as ``(layers, B * H_kv, L, D)`` (row-major
+    over ``(B, H_kv)``) and filled in place, one column per decoded token."""
+
+    def __init__(self, layers: int, batch: int, heads: int, length: int, head_dim: int, like):
+        shape = (layers, batch * heads, length, head_dim)
+        self.keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.values = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.batch, self.heads = batch, heads
+
+    def fill(self, layer: int, keys: torch.Tensor, values: torch.Tensor, repeats: int) -> None:
+        """The prompt's columns ``[0, P)`` from ``keys``, ``values (B / repeats, H_kv, P, D)``,
+        each row repeated ``repeats`` times (the samples of one prompt share its prefill)."""
+        P = keys.shape[2]
+        for buffer, new in ((self.keys, keys), (self.values, values)):
+            view = buffer[layer].view(self.batch, self.heads, -1, buffer.shape[-1])
+            view[:, :, :P] = new.repeat_interleave(repeats, dim=0)
+
+    def write(self, layer: int, column: int, keys: torch.Tensor, values: torch.Tensor):
+        """Put one new column ``keys``, ``values (B * H_kv, 1, D)`` at ``column``; returns views
+        of the columns ``[0, column]``, ``(B * H_kv, column + 1, D)``."""
+        self.keys[layer, :, column : column + 1] = keys
+        self.values[layer, :, column : column + 1] = values
+        return self.keys[layer, :, : column + 1], self.values[layer, :, : column + 1]
+
+
+class _Decoder:
+    """The layers of one model and a cache for one batch: :meth:`prefill` runs the prompts,
+    :meth:`step` one new token per row; both return the last position's float32 logits."""
+
+    def __init__(self, policy, batch: int, length: int, like: torch.Tensor) -> None:
+        model = base_model(policy)
+        config = model.config
+        self.inner, self.lm_head = model.model, model.lm_head
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.groups = self.heads // self.kv_heads
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        attn = self.inner.layers[0].self_attn
+        self.scaling = getattr(attn, "scaling", None) or self.head_dim**-0.5
+        self.cache = StaticKVCache(
+            len(self.inner.layers), batch, self.kv_heads, length, self.head_dim, like
+        )
+
+    def _rotary(self, x, positions):
+        cos, sin = self.inner.rotary_emb(x, positions)  # (B, n, D)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.inner.norm(x[:, -1:]))[:, -1].float()
+
+    def _qkv(self, attn, h, cos, sin):
+        """Rotated queries ``(B, H, n, D)`` and keys, values ``(B, H_kv, n, D)`` of ``h``."""
+        B, n, _ = h.shape
+        q = attn.q_proj(h).view(B, n, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(B, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(B, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def prefill(self, ids, positions, bias, repeats: int) -> torch.Tensor:
+        """The prompts ``ids (B', P)`` (``B' = B / repeats``) at rotary ``positions (B', P)``;
+        ``bias (B', 1, P, P)``: 0 where a query may look, -inf elsewhere. Fills the cache's
+        first ``P`` columns for all ``B`` rows; returns the logits ``(B', V)``."""
+        x = self.inner.embed_tokens(ids)
+        B, n, _ = x.shape
+        cos, sin = self._rotary(x, positions)
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
+            self.cache.fill(i, k, v, repeats)
+            q = q.reshape(B, self.kv_heads, self.groups, n, self.head_dim)
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * self.scaling
+            probs = torch.softmax(scores + bias.unsqueeze(1), dim=-1, dtype=torch.float32)
+            out = torch.matmul(probs.to(q.dtype), v.unsqueeze(2))  # (B, H_kv, G, n, D)
+            out = out.view(B, self.heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x)
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, column: int, bias) -> torch.Tensor:
+        """One token per row, ``ids (B, 1)`` at rotary ``positions (B, 1)``, into cache column
+        ``column``; ``bias (B * H_kv, 1, column + 1)``: 0 where the row may look, -inf
+        elsewhere. Returns the logits ``(B, V)``."""
+        x = self.inner.embed_tokens(ids)
+        B = x.shape[0]
+        rows, D = B * self.kv_heads, self.head_dim
+        cos, sin = self._rotary(x, positions)
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
+            keys, values = self.cache.write(i, column, k.reshape(rows, 1, D), v.reshape(rows, 1, D))
+            # query head h reads key/value head h // groups: the groups' queries side by side
+            q = q.reshape(rows, self.groups, D)
+            # (batched matrix products beat SDPA and elementwise forms here on the CPU)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.bmm(probs, values).view(B, 1, self.heads * D)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x)
+
+
+def _check_left_padded(mask: torch.Tensor) -> None:
+    if mask.shape[1] and bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError("the fast decoder needs left-padded prompts (padding before the text)")
+
+
+@torch.no_grad()
+def generate(
+    policy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+    num_return_sequences: int = 1,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    return_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sample (or greedily decode) up to ``max_new_tokens`` tokens after left-padded prompts.
+
+    Args:
+        input_ids, attention_mask: ``(B', P)`` prompts, padded on the left.
+        num_return_sequences: completions per prompt ``G``; rows come grouped by prompt
+            (``B = B' G``), and each prompt's forward runs once for its ``G`` samples.
+        return_logprobs: also return the log-probability ``(B, T)`` of each chosen token under
+            the distribution it was drawn from (``log_softmax`` of :func:`next_token_scores`;
+            0 after a row's end).
+
+    Returns the new tokens ``(B, T)``, ``T <= max_new_tokens`` (fewer when every row ended with
+    EOS): what Hugging Face's ``generate`` returns after the prompts (``[:, P:]``) for the same
+    settings and the prompts repeated ``G`` times each, the pad id after a row's EOS. Uses the
+    global torch RNG, as ``generate`` does.
+    """
+    mask = attention_mask.bool()
+    _check_left_padded(mask)
+    groups, P = input_ids.shape
+    B, device = groups * num_return_sequences, input_ids.device
+    if max_new_tokens == 0 or B == 0:
+        empty = torch.zeros(B, 0, dtype=torch.long, device=device)
+        return (empty, empty.float()) if return_logprobs else empty
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    like = next(p for p in base_model(policy).parameters() if p.is_floating_point())
+    decoder = _Decoder(policy, B, P + max_new_tokens, like)
+
+    # the prefill: a query sees the prompt's earlier tokens (a padding query only itself)
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    allowed = (causal & mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+    prefill_bias = torch.zeros(groups, 1, P, P, dtype=like.dtype, device=device)
+    prefill_bias.masked_fill_(~allowed[:, None], float("-inf"))
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = decoder.prefill(input_ids, positions, prefill_bias, num_return_sequences)
+    logits = logits.repeat_interleave(num_return_sequences, dim=0)
+    position = positions[:, -1:].repeat_interleave(num_return_sequences, dim=0)
+
+    # decoding: the prompt's padding stays masked; every generated column is visible, finished
+    # rows included (as in `generate`, whose attention mask grows by a one per step)
+    key_bias = torch.zeros(B, P + max_new_tokens, dtype=like.dtype, device=device)
+    key_bias[:, :P].masked_fill_(~mask.repeat_interleave(num_return_sequences, dim=0), -torch.inf)
+    key_bias = key_bias.repeat_interleave(decoder.kv_heads, dim=0)[:, None]  # (B * H_kv, 1, L)
+    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new_tokens, device=device) if return_logprobs else None
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    pad = torch.tensor(pad_token_id, device=device)
+    steps = max_new_tokens
+    for t in range(max_new_tokens):
+        scores = logits if greedy else next_token_scores(logits, temperature, top_p)
+        if greedy:
+            token = torch.argmax(scores, dim=-1)
+        else:
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if logprobs is not None:
+            chosen = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+            logprobs[:, t] = torch.where(unfinished, chosen, 0.0)
+        token = torch.where(unfinished, token, pad)
+        out[:, t] = token
+        if eos_token_id is not None:
+            unfinished &= token != eos_token_id
+            if not bool(unfinished.any()):
+                steps = t + 1
+                break
+        if t == max_new_tokens - 1:
+            break
+        column = P + t
+        position = position + 1
+        logits = decoder.step(token[:, None], position, column, key_bias[..., : column + 1])
+    if logprobs is not None:
+        return out[:, :steps], logprobs[:, :steps]
+    return out[:, :steps]
