@@ -161,7 +161,7 @@ def test_a_training_step_is_the_same_with_the_shared_prompt_forward(init_dir, tm
     for shared in (True, False):
         cfg = micro_config(init_dir, tmp_path / f"run{shared}", credit_method=method, kl_coef=0.1)
         cfg.shared_prompt_forward = shared
-        cfg.credit.handover = "off"
+        cfg.credit.handover.mode = "off"
         trainer = Trainer(cfg, log=lambda *_: None)
         _lively(trainer.policy)
         _lively(trainer.reference, seed=1)  # a KL gradient even where rewards agree

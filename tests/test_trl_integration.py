@@ -351,11 +351,12 @@ def test_credit_dict_takes_sections_and_the_old_flat_names(tmp_path, capsys, mon
     old = credit_config('{"value_lr": 0.003, "handover": "off"}')
     assert new == old
     assert (new.value_head.lr, new.handover.mode) == (0.003, "off")
-    assert new.value_head.logprob_features is False  # TRL's boundary features carry none
+    assert new.value_head.logprob_features is False  # off in TRL unless asked for
     assert "credit.value_lr -> credit.value_head.lr" in capsys.readouterr().err
     for credit in ({"value_head": {"logprob_features": True}}, {"value_logprob_features": True}):
-        with pytest.raises(ValueError, match="logprob_features is not supported in TRL"):
-            credit_config(credit)
+        assert credit_config(credit).value_head.logprob_features is True  # either spelling
+    with pytest.raises(ValueError, match="alik_feature is not supported in TRL"):
+        credit_config({"value_head": {"alik_feature": True}})
 
 
 def test_task_reward_scores_with_the_verifier():
