@@ -18,19 +18,13 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from rredcot import decode
 from rredcot.rollout import encode_prompts, policy_forward, resolve_decoder, sample
+from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n", "(3+4)*5-6=?\n"]  # different lengths: left padding
 
 
 def _lively(model, seed: int = 0):
-    """``model`` with its matrices redrawn at std 0.3, so that greedy decoding is not one
-    repeated token (a default-initialised tiny model's output barely depends on its input)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    return model.eval()
+    return lively(model, seed).eval()
 
 
 @pytest.fixture
@@ -52,35 +46,11 @@ def _hf_new_tokens(model, ids, mask, *, eos, pad, max_new_tokens, greedy, **samp
 
 
 def _gqa_llama(tok):
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    return _lively(LlamaForCausalLM(config), seed=1)
+    return gqa_lm(LlamaForCausalLM, LlamaConfig, tok, seed=1).eval()
 
 
 def _tiny_qwen2(tok):
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    return _lively(Qwen2ForCausalLM(config), seed=2)
+    return gqa_lm(Qwen2ForCausalLM, Qwen2Config, tok, seed=2).eval()
 
 
 def _mid_batch_eos(model, ids, mask, pad) -> int:

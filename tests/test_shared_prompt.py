@@ -16,39 +16,19 @@ from rredcot.rollout import (
     train_mode_without_dropout,
 )
 from rredcot.trainer import Trainer
+from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n"]  # different lengths: left padding
 
 
-def _lively(model, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    return model
-
-
 def _model(arch: str, tok, tiny_policy):
     if arch == "llama":
-        return _lively(tiny_policy)
+        return lively(tiny_policy)
     cls, cfg = {
         "llama_gqa": (LlamaForCausalLM, LlamaConfig),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config),
     }[arch]
-    config = cfg(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    return _lively(cls(config), seed=1)
+    return gqa_lm(cls, cfg, tok, seed=1)
 
 
 def _batch(model, tok, G=4):
@@ -118,7 +98,7 @@ def test_loss_and_gradients_equal_the_plain_forward(tiny_policy, char_tokenizer,
 def test_lora_gradients_equal_the_plain_forward(tiny_policy, char_tokenizer):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(
-        _lively(tiny_policy),
+        lively(tiny_policy),
         peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]),
     )
     for name, param in model.named_parameters():
@@ -146,7 +126,7 @@ def test_prompt_groups_find_every_distinct_prompt():
 
 
 def test_nothing_shared_or_unsupported_falls_back_to_the_plain_forward(tiny_policy, char_tokenizer):
-    model = _lively(tiny_policy)
+    model = lively(tiny_policy)
     input_ids, attention_mask, P, _ = _batch(model, char_tokenizer, G=1)
     assert shared_prompt.forward(model, input_ids, attention_mask, P) is None  # one per prompt
     model.gradient_checkpointing_enable()
@@ -163,8 +143,8 @@ def test_a_training_step_is_the_same_with_the_shared_prompt_forward(init_dir, tm
         cfg.shared_prompt_forward = shared
         cfg.credit.handover.mode = "off"
         trainer = Trainer(cfg, log=lambda *_: None)
-        _lively(trainer.policy)
-        _lively(trainer.reference, seed=1)  # a KL gradient even where rewards agree
+        lively(trainer.policy)
+        lively(trainer.reference, seed=1)  # a KL gradient even where rewards agree
         step = trainer.optimizer.step
         seen = []
 
@@ -187,7 +167,7 @@ def test_a_training_step_is_the_same_with_the_shared_prompt_forward(init_dir, tm
 def test_the_plain_forward_scores_only_response_positions_exactly(tiny_policy, char_tokenizer):
     """The output head on the scored positions alone (``logits_to_keep``) gives the log-probs of
     the full logits."""
-    model = _lively(tiny_policy).eval()
+    model = lively(tiny_policy).eval()
     input_ids, attention_mask, P, response_mask = _batch(model, char_tokenizer)
     fwd = policy_forward(model, input_ids, attention_mask, P, shared_prompt=False)
     with torch.no_grad():
