@@ -418,7 +418,7 @@ def test_bench_peer_workers_and_summary(init_dir, tmp_path):
         assert [s["step"] for s in run["steps"]] == [1, 2, 3]
         assert [s["timed"] for s in run["steps"]] == [False, True, True]
         for s in run["steps"]:
-            assert s["step_seconds"] > 0 and s["generation"] > 0
+            assert s["step_seconds"] > 0 and s["generation"] > 0 and s["cpu_seconds"] > 0
             assert s["generation"] + s["scoring"] + s["update"] == pytest.approx(s["step_seconds"])
             assert 0 < s["completion_tokens"] <= 4 * 6
         assert run["peak_rss"] >= run["rss_after_setup"] > 0
@@ -426,6 +426,9 @@ def test_bench_peer_workers_and_summary(init_dir, tmp_path):
     for which in ("rredcot", "trl"):
         assert summary[which]["timed_steps"] == 2
         assert set(summary[which]["median_phase_seconds"]) == set(PEER_PHASES)
+    assert summary["ratio_rredcot_over_trl"]["completions_per_cpu_second"] == pytest.approx(
+        summary["trl"]["median_cpu_seconds"] / summary["rredcot"]["median_cpu_seconds"]
+    )
     ratio = summary["ratio_rredcot_over_trl"]["completions_per_second"]
     assert ratio == pytest.approx(
         summary["trl"]["median_step_seconds"] / summary["rredcot"]["median_step_seconds"]
@@ -433,7 +436,7 @@ def test_bench_peer_workers_and_summary(init_dir, tmp_path):
     page = peer_markdown(
         {"summary": summary, "config": dataclasses.asdict(cfg), "model": "m", "max_new_tokens": 6}
     )
-    assert "completions / s" in page and "rredcot / TRL" in page
+    assert "completions / s" in page and "rredcot / TRL" in page and "CPU s / step" in page
     command = _worker_command("trl", cfg, tmp_path / "r.json")
     assert command[1:5] == ["-m", "rredcot.bench.peer", "--worker", "trl"]
     assert parse_trl_overrides(["bf16=true", "loss_type=grpo"]) == {

@@ -97,36 +97,41 @@ def next_token_scores(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 
 class StaticKVCache:
-    """Keys and values of every layer, preallocated as ``(layers, B * H_kv, L, D)`` (row-major
-    over ``(B, H_kv)``) and filled in place, one column per decoded token."""
+    """Keys and values of every layer, preallocated and filled in place: the prompts' once per
+    distinct prompt, ``(layers, B' * H_kv, P, D)`` (the ``G`` samples of a prompt read the same
+    ones), and the decoded tokens' per row, ``(layers, B * H_kv, T, D)``, one column per step.
+    Rows run over ``(prompt or row, kv head)``, row-major."""
 
-    def __init__(self, layers: int, batch: int, heads: int, length: int, head_dim: int, like):
-        shape = (layers, batch * heads, length, head_dim)
-        self.keys = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.values = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.batch, self.heads = batch, heads
+    def __init__(self, layers, prompts, rows, kv_heads, prompt_len, new_tokens, head_dim, like):
+        def empty(n: int, length: int) -> torch.Tensor:
+            shape = (layers, n * kv_heads, length, head_dim)
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
 
-    def fill(self, layer: int, keys: torch.Tensor, values: torch.Tensor, repeats: int) -> None:
-        """The prompt's columns ``[0, P)`` from ``keys``, ``values (B / repeats, H_kv, P, D)``,
-        each row repeated ``repeats`` times (the samples of one prompt share its prefill)."""
-        P = keys.shape[2]
-        for buffer, new in ((self.keys, keys), (self.values, values)):
-            view = buffer[layer].view(self.batch, self.heads, -1, buffer.shape[-1])
-            view[:, :, :P] = new.repeat_interleave(repeats, dim=0)
+        self.prompt_keys, self.prompt_values = (
+            empty(prompts, prompt_len),
+            empty(prompts, prompt_len),
+        )
+        self.keys, self.values = empty(rows, new_tokens), empty(rows, new_tokens)
+
+    def fill(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The prompts' keys and values ``(B', H_kv, P, D)``."""
+        self.prompt_keys[layer] = keys.flatten(0, 1)
+        self.prompt_values[layer] = values.flatten(0, 1)
 
     def write(self, layer: int, column: int, keys: torch.Tensor, values: torch.Tensor):
-        """Put one new column ``keys``, ``values (B * H_kv, 1, D)`` at ``column``; returns views
-        of the columns ``[0, column]``, ``(B * H_kv, column + 1, D)``."""
+        """Put decoded column ``column``, ``keys``, ``values (B * H_kv, 1, D)``; returns views
+        of the decoded columns so far, ``(B * H_kv, column + 1, D)``."""
         self.keys[layer, :, column : column + 1] = keys
         self.values[layer, :, column : column + 1] = values
         return self.keys[layer, :, : column + 1], self.values[layer, :, : column + 1]
 
 
 class _Decoder:
-    """The layers of one model and a cache for one batch: :meth:`prefill` runs the prompts,
-    :meth:`step` one new token per row; both return the last position's float32 logits."""
+    """The layers of one model and a cache for one batch of ``G`` samples per prompt:
+    :meth:`prefill` runs the prompts, :meth:`step` one new token per row; both return the last
+    position's float32 logits."""
 
-    def __init__(self, policy, batch: int, length: int, like: torch.Tensor) -> None:
+    def __init__(self, policy, prompts: int, samples: int, prompt_len: int, new_tokens: int):
         model = base_model(policy)
         config = model.config
         self.inner, self.lm_head = model.model, model.lm_head
@@ -138,8 +143,17 @@ class _Decoder:
         )
         attn = self.inner.layers[0].self_attn
         self.scaling = getattr(attn, "scaling", None) or self.head_dim**-0.5
+        self.prompts, self.samples = prompts, samples
+        like = next(p for p in model.parameters() if p.is_floating_point())
         self.cache = StaticKVCache(
-            len(self.inner.layers), batch, self.kv_heads, length, self.head_dim, like
+            len(self.inner.layers),
+            prompts,
+            prompts * samples,
+            self.kv_heads,
+            prompt_len,
+            new_tokens,
+            self.head_dim,
+            like,
         )
 
     def _rotary(self, x, positions):
@@ -157,17 +171,17 @@ class _Decoder:
         v = attn.v_proj(h).view(B, n, self.kv_heads, self.head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def prefill(self, ids, positions, bias, repeats: int) -> torch.Tensor:
-        """The prompts ``ids (B', P)`` (``B' = B / repeats``) at rotary ``positions (B', P)``;
-        ``bias (B', 1, P, P)``: 0 where a query may look, -inf elsewhere. Fills the cache's
-        first ``P`` columns for all ``B`` rows; returns the logits ``(B', V)``."""
+    def prefill(self, ids, positions, bias) -> torch.Tensor:
+        """The prompts ``ids (B', P)`` at rotary ``positions (B', P)``; ``bias (B', 1, P, P)``:
+        0 where a query may look, -inf elsewhere. Fills the prompts' cache; returns their
+        logits ``(B', V)``."""
         x = self.inner.embed_tokens(ids)
         B, n, _ = x.shape
         cos, sin = self._rotary(x, positions)
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
-            self.cache.fill(i, k, v, repeats)
+            self.cache.fill(i, k, v)
             q = q.reshape(B, self.kv_heads, self.groups, n, self.head_dim)
             scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * self.scaling
             probs = torch.softmax(scores + bias.unsqueeze(1), dim=-1, dtype=torch.float32)
@@ -177,25 +191,47 @@ class _Decoder:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x)
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, column: int, bias) -> torch.Tensor:
-        """One token per row, ``ids (B, 1)`` at rotary ``positions (B, 1)``, into cache column
-        ``column``; ``bias (B * H_kv, 1, column + 1)``: 0 where the row may look, -inf
-        elsewhere. Returns the logits ``(B, V)``."""
+    def _by_prompt(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B * H_kv, groups, n)`` rows of ``(sample, kv head)`` -> ``(B' * H_kv, G * groups,
+        n)``: the queries of one prompt's samples side by side, per kv head."""
+        U, G, n = self.prompts, self.samples, x.shape[-1]
+        x = x.view(U, G, self.kv_heads, self.groups, n).transpose(1, 2)
+        return x.reshape(U * self.kv_heads, G * self.groups, n)
+
+    def _by_row(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_by_prompt`."""
+        U, G, n = self.prompts, self.samples, x.shape[-1]
+        x = x.view(U, self.kv_heads, G, self.groups, n).transpose(1, 2)
+        return x.reshape(U * G * self.kv_heads, self.groups, n)
+
+    def step(self, ids, positions, column: int, prompt_bias) -> torch.Tensor:
+        """One token per row, ``ids (B, 1)`` at rotary ``positions (B, 1)``, into decoded column
+        ``column``; ``prompt_bias (B' * H_kv, 1, P)``: 0 on the prompt's tokens, -inf on its
+        padding. Returns the logits ``(B, V)``."""
         x = self.inner.embed_tokens(ids)
         B = x.shape[0]
-        rows, D = B * self.kv_heads, self.head_dim
+        rows, D, P = B * self.kv_heads, self.head_dim, prompt_bias.shape[-1]
         cos, sin = self._rotary(x, positions)
+        cache = self.cache
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
-            keys, values = self.cache.write(i, column, k.reshape(rows, 1, D), v.reshape(rows, 1, D))
-            # query head h reads key/value head h // groups: the groups' queries side by side
+            keys, values = cache.write(i, column, k.reshape(rows, 1, D), v.reshape(rows, 1, D))
+            # query head h reads key/value head h // groups: the groups' queries side by side;
+            # the prompt's keys once for all of its samples' queries
             q = q.reshape(rows, self.groups, D)
-            # (batched matrix products beat SDPA and elementwise forms here on the CPU)
-            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
+            on_prompt = torch.baddbmm(
+                prompt_bias,
+                self._by_prompt(q),
+                cache.prompt_keys[i].transpose(1, 2),
+                alpha=self.scaling,
+            )
+            on_decoded = torch.bmm(q, keys.transpose(1, 2)) * self.scaling
+            scores = torch.cat([self._by_row(on_prompt), on_decoded], dim=-1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.bmm(probs, values).view(B, 1, self.heads * D)
-            x = x + attn.o_proj(out)
+            out = self._by_row(torch.bmm(self._by_prompt(probs[..., :P]), cache.prompt_values[i]))
+            out = out + torch.bmm(probs[..., P:], values)
+            x = x + attn.o_proj(out.view(B, 1, self.heads * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x)
 
@@ -244,24 +280,23 @@ def generate(
         return (empty, empty.float()) if return_logprobs else empty
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    like = next(p for p in base_model(policy).parameters() if p.is_floating_point())
-    decoder = _Decoder(policy, B, P + max_new_tokens, like)
+    decoder = _Decoder(policy, groups, num_return_sequences, P, max_new_tokens)
+    dtype = decoder.cache.keys.dtype
 
     # the prefill: a query sees the prompt's earlier tokens (a padding query only itself)
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     allowed = (causal & mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-    prefill_bias = torch.zeros(groups, 1, P, P, dtype=like.dtype, device=device)
+    prefill_bias = torch.zeros(groups, 1, P, P, dtype=dtype, device=device)
     prefill_bias.masked_fill_(~allowed[:, None], float("-inf"))
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = decoder.prefill(input_ids, positions, prefill_bias, num_return_sequences)
+    logits = decoder.prefill(input_ids, positions, prefill_bias)
     logits = logits.repeat_interleave(num_return_sequences, dim=0)
     position = positions[:, -1:].repeat_interleave(num_return_sequences, dim=0)
 
-    # decoding: the prompt's padding stays masked; every generated column is visible, finished
+    # decoding: the prompt's padding stays masked; every decoded column is visible, finished
     # rows included (as in `generate`, whose attention mask grows by a one per step)
-    key_bias = torch.zeros(B, P + max_new_tokens, dtype=like.dtype, device=device)
-    key_bias[:, :P].masked_fill_(~mask.repeat_interleave(num_return_sequences, dim=0), -torch.inf)
-    key_bias = key_bias.repeat_interleave(decoder.kv_heads, dim=0)[:, None]  # (B * H_kv, 1, L)
+    prompt_bias = torch.zeros(groups, P, dtype=dtype, device=device).masked_fill_(~mask, -torch.inf)
+    prompt_bias = prompt_bias.repeat_interleave(decoder.kv_heads, dim=0)[:, None]
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, device=device) if return_logprobs else None
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
@@ -285,9 +320,8 @@ def generate(
                 break
         if t == max_new_tokens - 1:
             break
-        column = P + t
         position = position + 1
-        logits = decoder.step(token[:, None], position, column, key_bias[..., : column + 1])
+        logits = decoder.step(token[:, None], position, t, prompt_bias)
     if logprobs is not None:
         return out[:, :steps], logprobs[:, :steps]
     return out[:, :steps]

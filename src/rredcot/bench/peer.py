@@ -25,7 +25,9 @@ batch with no KL term, in float32. TRL runs with ``bf16=False`` and ``gradient_c
 (its defaults are True; they would change the numerics or trade speed for memory), ``beta=0``,
 ``num_iterations=1`` and ``steps_per_generation=1``; ``--trl-set key=value`` overrides any
 ``GRPOConfig`` field. ``--threads`` fixes torch's intra-op threads of both; 0 leaves each
-trainer's own default (rredcot: 1 thread for models under 20M parameters on CPU; TRL: torch's).
+trainer's own default (rredcot: the cores idle when it starts; TRL: torch's, every core).
+``cpu_seconds`` is the process's CPU time per step: on a crowded machine the wall time says
+what share each process got, the CPU time what a step cost.
 
 Writes ``peer.json`` (every step of every process) and ``peer.md`` under ``--out``.
 """
@@ -125,9 +127,9 @@ def run_rredcot(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
         steps = []
         for step in range(1, cfg.warmup + cfg.steps + 1):
             trainer.step = step
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             rec = trainer.train_step(step)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             scoring = rec.get("time/old_logprobs", 0.0) + rec.get("time/credit", 0.0)
             generation = rec.get("time/rollout", 0.0)
             steps.append(
@@ -135,6 +137,7 @@ def run_rredcot(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
                     "step": step,
                     "timed": step > cfg.warmup,
                     "step_seconds": wall,
+                    "cpu_seconds": cpu,
                     "generation": generation,
                     "scoring": scoring,
                     "update": wall - generation - scoring,
@@ -240,14 +243,14 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
-            self.last = None
+            self.last = self.last_cpu = None
             self.seen = (0.0, 0.0, 0.0)
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.last = time.perf_counter()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.process_time()
             gen, gas, tok = (
                 TimedGRPOTrainer.gen_seconds,
                 TimedGRPOTrainer.gas_seconds,
@@ -260,13 +263,14 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
                     "step": state.global_step,
                     "timed": state.global_step > cfg.warmup,
                     "step_seconds": wall,
+                    "cpu_seconds": cpu - self.last_cpu,
                     "generation": d_gen,
                     "scoring": d_gas - d_gen,
                     "update": wall - d_gas,
                     "completion_tokens": d_tok,
                 }
             )
-            self.seen, self.last = (gen, gas, tok), now
+            self.seen, self.last, self.last_cpu = (gen, gas, tok), now, cpu
 
     batch = cfg.prompts * cfg.generations
     with tempfile.TemporaryDirectory(prefix="trl-peer-") as tmp:
@@ -416,6 +420,12 @@ def summarise(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         per_repeat = [
             statistics.median(s["step_seconds"] for s in r["steps"] if s["timed"]) for r in mine
         ]
+        cpu = [s["cpu_seconds"] for s in timed if "cpu_seconds" in s]
+        per_repeat_cpu = [
+            statistics.median(s["cpu_seconds"] for s in r["steps"] if s["timed"])
+            for r in mine
+            if all("cpu_seconds" in s for s in r["steps"])
+        ]
         phases = {k: statistics.median(s[k] for s in timed) for k in PHASES}
         total = sum(statistics.fmean(s[k] for s in timed) for k in PHASES)
         out[which] = {
@@ -424,6 +434,8 @@ def summarise(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
             "median_step_seconds": median,
             "per_repeat_median_step_seconds": per_repeat,
             "completions_per_second": batch / median,
+            "median_cpu_seconds": statistics.median(cpu) if cpu else None,
+            "per_repeat_median_cpu_seconds": per_repeat_cpu,
             "median_phase_seconds": phases,
             "phase_share": {
                 k: statistics.fmean(s[k] for s in timed) / total if total else None for k in PHASES
@@ -446,6 +458,10 @@ def summarise(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
             ),
             "peak_rss": a["peak_rss_gib"] / b["peak_rss_gib"],
         }
+        if a["median_cpu_seconds"] and b["median_cpu_seconds"]:
+            out["ratio_rredcot_over_trl"]["completions_per_cpu_second"] = (
+                b["median_cpu_seconds"] / a["median_cpu_seconds"]
+            )
     return out
 
 
@@ -464,6 +480,7 @@ def peer_markdown(report: dict[str, Any]) -> str:
                 m["timed_steps"],
                 fmt(m["median_step_seconds"], ".3f"),
                 fmt(m["completions_per_second"], ".2f"),
+                fmt(m.get("median_cpu_seconds"), ".3f"),
                 *(f"{fmt(ph[k], '.3f')} ({fmt(100 * share[k], '.0f')}%)" for k in PHASES),
                 fmt(m["mean_completion_tokens"], ".1f"),
                 fmt(m["peak_rss_gib"], ".2f"),
@@ -487,6 +504,7 @@ def peer_markdown(report: dict[str, Any]) -> str:
                 "timed steps",
                 "s / step (median)",
                 "completions / s",
+                "CPU s / step",
                 "generation s",
                 "scoring s",
                 "update s",
@@ -502,7 +520,14 @@ def peer_markdown(report: dict[str, Any]) -> str:
         lines += [
             f"rredcot / TRL completions per second: **{ratio['completions_per_second']:.2f}** "
             f"(median of per-repetition ratios {ratio['completions_per_second_paired']:.2f}); "
-            f"peak memory ratio {ratio['peak_rss']:.2f}.",
+            f"peak memory ratio {ratio['peak_rss']:.2f}."
+            + (
+                f" CPU seconds per step, TRL / rredcot: "
+                f"**{ratio['completions_per_cpu_second']:.2f}** (the cost of a step whatever "
+                "share of a crowded machine each process got; threads that spin-wait count)."
+                if ratio.get("completions_per_cpu_second")
+                else ""
+            ),
             "",
         ]
     lines += [
