@@ -99,7 +99,7 @@ def next_token_scores(logits: torch.Tensor, temperature: float, top_p: float) ->
 class StaticKVCache:
     """Keys and values of every layer, preallocated and filled in place: the prompts' once per
     distinct prompt, ``(layers, B' * H_kv, P, D)`` (the ``G`` samples of a prompt read the same
-    ones), and the decoded tokens' per row, ``(layers, B * H_kv, T, D)``, one column per step.
+    ones), and the decoded tokens' per row, ``(layers, T, B * H_kv, D)``, one column per step.
     Rows run over ``(prompt or row, kv head)``, row-major."""
 
     def __init__(self, layers, prompts, rows, kv_heads, prompt_len, new_tokens, head_dim, like):
@@ -107,11 +107,13 @@ class StaticKVCache:
             shape = (layers, n * kv_heads, length, head_dim)
             return torch.empty(shape, dtype=like.dtype, device=like.device)
 
-        self.prompt_keys, self.prompt_values = (
-            empty(prompts, prompt_len),
-            empty(prompts, prompt_len),
-        )
-        self.keys, self.values = empty(rows, new_tokens), empty(rows, new_tokens)
+        self.prompt_keys = empty(prompts, prompt_len)
+        self.prompt_values = empty(prompts, prompt_len)
+        # decoded tokens position-major, (layers, T, B * H_kv, D): the columns so far are one
+        # contiguous block (a per-row batched product over a strided slice is slow on the CPU)
+        shape = (layers, new_tokens, rows * kv_heads, head_dim)
+        self.keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.values = torch.empty(shape, dtype=like.dtype, device=like.device)
 
     def fill(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The prompts' keys and values ``(B', H_kv, P, D)``."""
@@ -119,11 +121,11 @@ class StaticKVCache:
         self.prompt_values[layer] = values.flatten(0, 1)
 
     def write(self, layer: int, column: int, keys: torch.Tensor, values: torch.Tensor):
-        """Put decoded column ``column``, ``keys``, ``values (B * H_kv, 1, D)``; returns views
-        of the decoded columns so far, ``(B * H_kv, column + 1, D)``."""
-        self.keys[layer, :, column : column + 1] = keys
-        self.values[layer, :, column : column + 1] = values
-        return self.keys[layer, :, : column + 1], self.values[layer, :, : column + 1]
+        """Put decoded column ``column``, ``keys``, ``values (B * H_kv, D)``; returns the decoded
+        columns so far, ``(column + 1, B * H_kv, D)``."""
+        self.keys[layer, column] = keys
+        self.values[layer, column] = values
+        return self.keys[layer, : column + 1], self.values[layer, : column + 1]
 
 
 class _Decoder:
@@ -216,7 +218,7 @@ class _Decoder:
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
-            keys, values = cache.write(i, column, k.reshape(rows, 1, D), v.reshape(rows, 1, D))
+            keys, values = cache.write(i, column, k.reshape(rows, D), v.reshape(rows, D))
             # query head h reads key/value head h // groups: the groups' queries side by side;
             # the prompt's keys once for all of its samples' queries
             q = q.reshape(rows, self.groups, D)
@@ -226,11 +228,13 @@ class _Decoder:
                 cache.prompt_keys[i].transpose(1, 2),
                 alpha=self.scaling,
             )
-            on_decoded = torch.bmm(q, keys.transpose(1, 2)) * self.scaling
-            scores = torch.cat([self._by_row(on_prompt), on_decoded], dim=-1)
+            # (columns, rows, groups): each row's query against its own decoded keys
+            on_decoded = (keys.unsqueeze(2) * q).sum(-1) * self.scaling
+            scores = torch.cat([self._by_row(on_prompt), on_decoded.permute(1, 2, 0)], dim=-1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = self._by_row(torch.bmm(self._by_prompt(probs[..., :P]), cache.prompt_values[i]))
-            out = out + torch.bmm(probs[..., P:], values)
+            weights = probs[..., P:].permute(2, 0, 1).unsqueeze(-1)  # (columns, rows, groups, 1)
+            out = out + (weights * values.unsqueeze(2)).sum(0)
             x = x + attn.o_proj(out.view(B, 1, self.heads * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x)
