@@ -67,6 +67,21 @@ def micro_config(init_dir, out, **overrides):
     return trainer_cfg
 
 
+def train_step_with_grads(trainer, step: int = 1):
+    """``(record, grads)`` of ``trainer.train_step(step)``: its metrics and a copy of every
+    parameter's gradient as the first optimiser step sees it."""
+    seen = []
+    optimizer_step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        seen.append([p.grad.clone() for p in trainer.policy.parameters()])
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    trainer.step = step
+    return trainer.train_step(step), seen[0]
+
+
 @pytest.fixture(scope="session")
 def arithmetic_task():
     from rredcot.tasks import get_task

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import train_step_with_grads
 from rredcot.config import TrainConfig
 from rredcot.methods.base import UniformCredit, register_credit
 from rredcot.tasks import Verdict, register_task
@@ -307,17 +308,7 @@ def test_single_forward_step_equals_the_two_pass_step(init_dir, tmp_path, method
         cfg.sampling.max_new_tokens = 8
         trainer = Trainer(cfg, log=lambda *_: None)
         assert trainer.single_pass() is single
-        step = trainer.optimizer.step
-        seen = []
-
-        def capture(*args, _step=step, _seen=seen, _trainer=trainer, **kwargs):
-            _seen.append([p.grad.clone() for p in _trainer.policy.parameters()])
-            return _step(*args, **kwargs)
-
-        trainer.optimizer.step = capture
-        trainer.step = 1
-        records[single] = trainer.train_step(1)
-        grads[single] = seen[0]
+        records[single], grads[single] = train_step_with_grads(trainer)
     assert records[True]["forward/scoring_pass"] == 0.0
     assert records[False]["forward/scoring_pass"] == 1.0
     assert records[True]["policy_loss"] == pytest.approx(records[False]["policy_loss"], abs=1e-6)

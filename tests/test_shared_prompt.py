@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from conftest import micro_config
+from conftest import micro_config, train_step_with_grads
 from rredcot import shared_prompt
 from rredcot.rollout import (
     policy_forward,
@@ -145,17 +145,7 @@ def test_a_training_step_is_the_same_with_the_shared_prompt_forward(init_dir, tm
         trainer = Trainer(cfg, log=lambda *_: None)
         lively(trainer.policy)
         lively(trainer.reference, seed=1)  # a KL gradient even where rewards agree
-        step = trainer.optimizer.step
-        seen = []
-
-        def capture(*args, _step=step, _seen=seen, _trainer=trainer, **kwargs):
-            _seen.append([p.grad.clone() for p in _trainer.policy.parameters()])
-            return _step(*args, **kwargs)
-
-        trainer.optimizer.step = capture
-        trainer.step = 1
-        records[shared] = trainer.train_step(1)
-        grads[shared] = seen[0]
+        records[shared], grads[shared] = train_step_with_grads(trainer)
         trainer.release()
     for key in ("policy_loss", "advantage_abs_mean", "kl", "entropy"):
         assert records[True][key] == pytest.approx(records[False][key], rel=1e-4, abs=1e-6), key

@@ -360,3 +360,16 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy):
     assert torch.isfinite(adv).all() and adv.abs().max() > 0
     with pytest.raises(ValueError, match="build_probe_data"):
         rv.compute_advantage_for_data(_probe_source(char_tokenizer), char_tokenizer, cfg)
+
+
+def test_the_estimators_segmenter_keeps_the_named_tasks_answer_line():
+    from rredcot.tasks import get_task_class
+
+    text = "He has 8 + 5 = 13 apples.\nHe eats 2, so 13 - 2 = 11.\nThe answer is 11."
+    cfg = CreditConfig(segmenter="newline", separate_answer=True, min_chars=15)
+    named = rv.make_segmenter(cfg, {"rredcot": {"task": "word_problems"}})
+    assert named.answer_pattern == get_task_class("word_problems").answer_line_pattern
+    assert text[slice(*named.split(text)[-1])] == "The answer is 11."
+    # no task named: the default answer line, which does not know "The answer is"
+    plain = rv.make_segmenter(cfg, {"rredcot": {}})
+    assert text[slice(*plain.split(text)[-1])] == "He eats 2, so 13 - 2 = 11.\nThe answer is 11."

@@ -241,8 +241,10 @@ def sample(
     """
     device = device or next(policy.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+    repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
     if resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast":
-        response_ids = decode.generate(
+        response_ids = decode.generate(  # takes each prompt once, for its G samples
             policy,
             prompt_ids,
             prompt_mask,
@@ -254,16 +256,12 @@ def sample(
             temperature=temperature,
             top_p=top_p,
         )
-        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
     else:
-        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
         response_ids = _hf_generate(
             policy,
             tokenizer,
-            prompt_ids,
-            prompt_mask,
+            repeated_ids,
+            repeated_mask,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -276,9 +274,9 @@ def sample(
     response_ids = torch.where(
         response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
     )
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    return input_ids, attention_mask, prompt_ids.shape[1], response_mask
+    input_ids = torch.cat([repeated_ids, response_ids], dim=1)
+    attention_mask = torch.cat([repeated_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, repeated_ids.shape[1], response_mask
 
 
 def _hf_generate(

@@ -56,7 +56,7 @@ from rredcot.integrations._batch import (
 )
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
 from rredcot.segment import Segmenter, segmenter_from_config
-from rredcot.tasks import get_task
+from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem
 
 try:
@@ -134,10 +134,12 @@ def task_settings(config: Any = None):
     return get_task(str(name), **{str(k): v for k, v in dict(args).items()})
 
 
-def make_segmenter(cfg: CreditConfig, task=None) -> Segmenter:
-    """The estimator's segmenter (``segment.segmenter_from_config``), with the task's answer line
-    when ``algorithm.rredcot.task`` names one."""
-    return segmenter_from_config(cfg, getattr(task, "answer_line_pattern", None))
+def make_segmenter(cfg: CreditConfig, config: Any = None) -> Segmenter:
+    """The estimator's segmenter (``segment.segmenter_from_config``), with the answer line of the
+    task ``algorithm.rredcot.task`` names, if any (read from its class: no task is built)."""
+    name = _settings_fields(config).get("task")
+    pattern = get_task_class(str(name)).answer_line_pattern if name else None
+    return segmenter_from_config(cfg, pattern)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,7 +484,7 @@ def compute_advantage_for_data(
         batch["responses"],
         batch["response_mask"],
         tokenizer,
-        make_segmenter(cfg, task_settings(config)),
+        make_segmenter(cfg, config),
     )
     values = batch["values"] if "values" in batch.keys() else None  # noqa: SIM118
     estimator = core_algos.get_adv_estimator_fn(ESTIMATOR)
@@ -676,7 +678,7 @@ def _register_trainer() -> type | None:
                 data["responses"],
                 data["response_mask"],
                 self.tokenizer,
-                make_segmenter(cfg, task_settings(self.config.algorithm)),
+                make_segmenter(cfg, self.config.algorithm),
             )
             values = data["values"] if "values" in data.keys() else None  # noqa: SIM118
             metrics["rredcot/mean_segments"] = float(
