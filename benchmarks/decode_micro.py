@@ -4,6 +4,9 @@ new tokens, temperature 1), interleaved (hf, fast, fast, hf, ...), each repetiti
 seed for both; medians of wall and CPU seconds, and whether the two drew the same tokens.
 
     PYTHONPATH=src python benchmarks/decode_micro.py --repeats 9 --threads 1 [--out FILE]
+
+``--long-prompts N`` puts N copies of "Solve step by step. " before every prompt (a stand-in for
+a system prompt: the case where the prompt's keys dominate each step's attention).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--long-prompts", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -36,7 +40,8 @@ def main() -> None:
     model_dir = resolve_model_dir(default_policy_source(task, None, log=lambda *_: None))
     policy, tok = load_policy(model_dir)
     policy.eval()
-    prompts = [render_prompt(q, tok) for q in task.train_problems(args.prompts, seed=0)]
+    prefix = "Solve step by step. " * args.long_prompts
+    prompts = [prefix + render_prompt(q, tok) for q in task.train_problems(args.prompts, seed=0)]
 
     def run(decoder: str, seed: int):
         torch.manual_seed(seed)
@@ -71,6 +76,7 @@ def main() -> None:
         "batch": f"{args.prompts} prompts x {args.generations} samples",
         "max_new_tokens": args.max_new_tokens,
         "greedy": args.greedy,
+        "prompt_prefix_chars": len(prefix),
         "threads": args.threads,
         "repeats": args.repeats,
         "decode_steps": steps,
