@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -332,3 +333,56 @@ def test_entropy_segmentation_runs_inside_training_from_the_loss_forward(init_di
         record = trainer.train_step(1)
         assert record["rollout/mean_segments"] > 1.0  # cut at entropy peaks inside the step
         assert math.isfinite(record["policy_loss"])
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single_forward", "epochs_minibatches"])
+def test_rows_with_zero_advantage_are_left_out_of_the_loss_forward_with_the_same_update(
+    init_dir, tmp_path, single
+):
+    """Rows whose advantages are all zero add nothing to the loss or its gradient: leaving them
+    out of the forward gives the same loss and gradients (float rounding apart)."""
+    grads, records = {}, {}
+    for skip in (True, False):
+        cfg = _config(init_dir, tmp_path / f"run{skip}", steps=1, seed=3)
+        cfg.sampling.num_generations = 2  # small groups: some of them agree
+        cfg.skip_zero_advantage_rows = skip
+        if not single:
+            cfg.epochs_per_batch, cfg.minibatches = 2, 2
+        trainer = Trainer(cfg, log=lambda *_: None)
+        assert trainer.single_pass() is single
+        records[skip], grads[skip] = train_step_with_grads(trainer)
+    assert records[False]["zero_variance_groups"] > 0  # the batch has rows to leave out
+    assert records[True]["update/rows_forwarded"] < 1.0
+    assert records[False]["update/rows_forwarded"] == 1.0
+    assert records[True]["policy_loss"] == pytest.approx(records[False]["policy_loss"], abs=1e-6)
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in grads[True])
+
+
+def test_a_batch_with_no_gradient_still_takes_the_optimiser_step(init_dir, tmp_path):
+    """Every group agreeing (zero advantages everywhere): no row is forwarded, the gradients are
+    zeros rather than missing, so AdamW's momentum and weight decay move the weights exactly as
+    with the full forward."""
+    weights = {}
+    for skip in (True, False):
+        cfg = _config(init_dir, tmp_path / f"run{skip}", steps=2, seed=3)
+        cfg.skip_zero_advantage_rows = skip
+        trainer = Trainer(cfg, log=lambda *_: None)
+        trainer.step = 1
+        trainer.train_step(1)  # a step with a gradient, so that AdamW has momentum
+        zero = trainer.method.compute
+
+        def no_credit(batch, compute=zero):
+            out = compute(batch)
+            return dataclasses.replace(out, advantages=torch.zeros_like(out.advantages))
+
+        trainer.method.compute = no_credit
+        before = [p.detach().clone() for p in trainer.policy.parameters()]
+        record, grads = train_step_with_grads(trainer, step=2)
+        assert all(g is not None and not g.any() for g in grads)
+        assert record["update/rows_forwarded"] == (0.0 if skip else 1.0)
+        weights[skip] = [p.detach().clone() for p in trainer.policy.parameters()]
+        assert not all(torch.equal(a, b) for a, b in zip(before, weights[skip]))  # momentum moved
+    for a, b in zip(weights[True], weights[False]):
+        assert torch.allclose(a, b, atol=1e-7)

@@ -469,8 +469,8 @@ class TrainConfig:
     resume: str | None = help_field(
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, eval_every, eval_size, checkpoint_every, keep_checkpoints, "
-        "report_to, progress, threads, device, sampling.decoder and shared_prompt_forward may "
-        "change.",
+        "report_to, progress, threads, device, sampling.decoder, shared_prompt_forward and "
+        "skip_zero_advantage_rows may change.",
         default=None,
     )
     overwrite: bool = help_field(
@@ -500,6 +500,14 @@ class TrainConfig:
         "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
         "credit before the loss is formed. False: a separate no-grad scoring pass as well "
         "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        default=True,
+    )
+    skip_zero_advantage_rows: bool = help_field(
+        "Leave out of the loss forward the rows whose advantages are all zero (uniform credit "
+        "in a group whose samples all got the same reward): with no KL term their loss term "
+        "and its gradient are exactly zero, so the loss, gradients and update are the same for "
+        "less work. Single process only; the entropy, ratio and clip metrics then cover the rows "
+        "that were forwarded (update/rows_forwarded says what share). False: forward every row.",
         default=True,
     )
     shared_prompt_forward: bool = help_field(
@@ -596,6 +604,7 @@ RESUMABLE_FIELDS = (
     "device",
     "sampling.decoder",
     "shared_prompt_forward",
+    "skip_zero_advantage_rows",
 )
 """Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
 is evaluated, checkpointed, logged and placed, never what it trains."""

@@ -188,7 +188,7 @@ class Trainer:
 
         # The forward the credit reads: on-policy, the loss forward itself (run first only for
         # methods that read it: hidden states, entropy cuts); otherwise a no-grad scoring pass.
-        loss_forward = None
+        loss_forward, forward_rows = None, torch.arange(batch.size)
         if not self.single_pass():
             batch = self._fill_forward(batch)
             clock.lap("old_logprobs")
@@ -199,16 +199,17 @@ class Trainer:
         credit_out = self.method.compute(batch)
         clock.lap("credit")
 
-        if self.single_pass() and loss_forward is None:
-            batch, loss_forward = self._loss_forward(batch)
         advantages = credit_out.advantages.detach()
-        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
+        if self.single_pass() and loss_forward is None:
+            forward_rows = self._rows_with_gradient(batch, forward_rows, advantages, ref_logprobs)
+            batch, loss_forward = self._loss_forward(batch, forward_rows)
+        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, forward_rows)
         clock.lap("update")
 
         value_stats = self.method.update(batch)
         clock.lap("value_update")
         return self._record(
-            step, batch, stats, credit_out, update_stats, value_stats, clock, loss_forward is None
+            step, batch, stats, credit_out, update_stats, value_stats, clock, not self.single_pass()
         )
 
     def prompts_for_step(self, step: int):
@@ -281,34 +282,65 @@ class Trainer:
             and c.grad_accumulation == 1
         )
 
-    def _loss_forward(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
-        """The single pass: the loss forward over the whole batch (with grad). Returns the batch
-        with its detached log-probs, hidden states (and entropy segments) for the credit method,
-        and the forward itself, whose graph the loss uses."""
+    def _loss_forward(
+        self, batch: RolloutBatch, rows: torch.Tensor | None = None
+    ) -> tuple[RolloutBatch, Any]:
+        """The single pass: the loss forward (with grad) over the whole batch, or over ``rows``
+        once the credit is known (:meth:`_rows_with_gradient`). Returns the batch with its
+        detached log-probs (zero on rows left out), hidden states (and entropy segments) for the
+        credit method, and the forward itself, whose graph the loss uses."""
         train_mode_without_dropout(self.model)
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
+        whole = rows is None or len(rows) == batch.size
+        if not whole and len(rows) == 0:  # no row has a gradient: nothing to forward
+            return batch.replace(old_logprobs=torch.zeros_like(batch.response_mask.float())), None
         fwd = policy_forward(
             self.model,
-            batch.input_ids,
-            batch.attention_mask,
+            batch.input_ids if whole else batch.input_ids[rows],
+            batch.attention_mask if whole else batch.attention_mask[rows],
             batch.prompt_len,
             with_entropy=True,
             hidden_layers=layers,
             temperature=self.cfg.sampling.temperature,
             shared_prompt=self.cfg.shared_prompt_forward,
         )
+        if not whole:
+            old = torch.zeros_like(batch.response_mask, dtype=fwd.logprobs.dtype)
+            old[rows] = fwd.logprobs.detach()
+            return batch.replace(old_logprobs=old), fwd
         hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
         batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
         if self.segmenter.uses_entropy:
             batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
         return batch, fwd
 
+    def _rows_with_gradient(
+        self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, ref_logprobs
+    ) -> torch.Tensor:
+        """The rows of ``rows`` the loss forward needs: all of them, unless
+        ``skip_zero_advantage_rows`` holds and no KL term is formed, in which case a row whose
+        advantages are zero on every response token is left out. Its clipped PG term is zero in
+        both branches (``ratio * 0``), so it adds nothing to the loss or any gradient under
+        every aggregation (their normalisers are the minibatch's, passed on their own). Several
+        processes must run the same backward passes, so they forward every row."""
+        cfg = self.cfg
+        kl_term = ref_logprobs is not None and cfg.kl_coef > 0
+        if not cfg.skip_zero_advantage_rows or kl_term or self.world > 1:
+            return rows
+        mask = batch.response_mask[rows].bool()
+        return rows[((advantages[rows] != 0) & mask).any(dim=1)]
+
     def _optimise(
-        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
+        self,
+        batch: RolloutBatch,
+        advantages: torch.Tensor,
+        ref_logprobs,
+        loss_forward=None,
+        forward_rows: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Epochs x minibatches of optimiser steps; returns each metric's mean over the steps.
         With ``loss_forward`` (the single pass, :meth:`single_pass`) the one minibatch is the
-        whole batch in its own order and its graph is that forward's."""
+        whole batch in its own order and its graph is that forward's, over ``forward_rows``."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -319,21 +351,45 @@ class Trainer:
                 order = torch.arange(batch.size)  # the forward already ran in batch order
             for rows in order.chunk(cfg.minibatches):
                 steps.append(
-                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward)
+                    self._minibatch_step(
+                        batch, rows, advantages, ref_logprobs, loss_forward, forward_rows
+                    )
                 )
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
     def _minibatch_step(
-        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
+        self,
+        batch: RolloutBatch,
+        rows: torch.Tensor,
+        advantages,
+        ref_logprobs,
+        loss_forward,
+        forward_rows: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
-        (gradients are synchronised across processes on the last one only)."""
+        (gradients are synchronised across processes on the last one only). Only the rows with
+        a gradient are forwarded (:meth:`_rows_with_gradient`); ``loss_forward`` already covers
+        ``forward_rows``."""
         cfg = self.cfg
         rows = rows.to(self.device)
         num_tokens = float(batch.response_mask[rows].sum())
+        if loss_forward is not None and forward_rows is not None:
+            live = forward_rows.to(self.device)
+        else:
+            live = self._rows_with_gradient(batch, rows, advantages, ref_logprobs)
+        live_tokens = float(batch.response_mask[live].sum())
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {"policy_loss": 0.0, "entropy": 0.0}
-        micros = rows.chunk(cfg.grad_accumulation)
+        totals: dict[str, float] = {
+            "policy_loss": 0.0,
+            "entropy": 0.0,
+            "update/rows_forwarded": len(live) / max(len(rows), 1),
+        }
+        micros = live.chunk(cfg.grad_accumulation) if len(live) else ()
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if not micros:  # every row's gradient is zero: the optimiser still takes its step
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            totals.update({"clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 1.0})
         for i, micro in enumerate(micros):
             last = i == len(micros) - 1
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
@@ -361,12 +417,11 @@ class Trainer:
                     kl_coef=cfg.kl_coef,
                 )
                 self.accelerator.backward(loss)
-            share = float(rmask.sum()) / max(num_tokens, 1.0)  # this micro-batch's token share
+            share = float(rmask.sum()) / max(live_tokens, 1.0)  # this micro-batch's token share
             totals["policy_loss"] += loss.item()
-            totals["entropy"] += float((fwd.entropy.detach() * rmask).sum()) / max(num_tokens, 1.0)
+            totals["entropy"] += float((fwd.entropy.detach() * rmask).sum()) / max(live_tokens, 1.0)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v * share
-        params = [p for p in self.policy.parameters() if p.requires_grad]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         totals["grad_norm"] = float(self.accelerator.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
