@@ -282,9 +282,10 @@ class PRMScorer:
             out.append(len(text))
         return text, out
 
-    def _encode(self, text: str, ends: list[int]) -> tuple[list[int], list[int]]:
-        """Token ids of ``text`` and, for every character end, the position of the last real
-        token that starts before it (the state's last token); left-truncated to max_length."""
+    def _encode(self, text: str, ends: list[int]) -> tuple[list[int], list[int], bool]:
+        """Token ids of ``text``, for every character end the position of the last real token
+        that starts before it (the state's last token), and whether the ids were left-truncated
+        to max_length."""
         enc = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
         real = [i for i, (a, b) in enumerate(offsets) if b > a]
@@ -294,7 +295,7 @@ class PRMScorer:
                 j += 1
             positions.append(real[j] if j >= 0 else max(len(ids) - 1, 0))
         cut = len(ids) - self.max_length if self.max_length and len(ids) > self.max_length else 0
-        return ids[cut:], [p - cut for p in positions]
+        return ids[cut:], [p - cut for p in positions], cut > 0
 
     def _items(
         self, prompts: list[str], completions: list[str], ends: list[list[int]]
@@ -306,12 +307,12 @@ class PRMScorer:
                 continue
             text, char_ends = self._text(prompt, completion, row_ends)
             if self.kind == "token_classification":
-                ids, pos = self._encode(text, char_ends)
-                if all(p >= 0 for p in pos):
+                ids, pos, cut = self._encode(text, char_ends)
+                if not cut:
                     items.append((ids, pos, [(row, k) for k in range(len(pos))]))
                     continue
             for k, e in enumerate(char_ends):  # one input per prefix
-                ids, pos = self._encode(text[:e], [e])
+                ids, pos, _ = self._encode(text[:e], [e])
                 items.append((ids, [max(pos[0], 0)], [(row, k)]))
         return items
 
