@@ -231,7 +231,10 @@ class PRMScorer:
         self.kind = kind
         cls = getattr(transformers, _KIND_CLASSES[kind])
         model = cls.from_pretrained(name, dtype=_DTYPES[options.dtype])
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        dtype = _DTYPES[
+            options.dtype
+        ]  # also where from_pretrained ignores dtype (old transformers)
+        self.model = model.to(self.device, dtype).eval().requires_grad_(False)
         if self.model.config.pad_token_id is None:
             pad = self.tokenizer.pad_token_id
             self.model.config.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
