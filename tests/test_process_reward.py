@@ -429,3 +429,16 @@ def test_the_method_is_a_process_reward_credit(char_tokenizer):
     assert m.default_normalization == "group_or_batch_std" and not m.needs_hidden_states
     out = m.compute(text_batch(char_tokenizer))  # the default normalisation: finite, masked
     assert torch.isfinite(out.advantages).all()
+
+
+def test_a_single_output_is_read_through_a_sigmoid(char_tokenizer, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    prm = save_prm(tmp_path / "one", "sequence", char_tokenizer, num_labels=1)
+    batch = text_batch(char_tokenizer)
+    values, _ = method(char_tokenizer, process_reward={"model": prm}).segment_values(batch)
+    ref = AutoModelForSequenceClassification.from_pretrained(prm).eval()
+    ids = char_tokenizer(_prefix_texts(batch)[0][0])["input_ids"]
+    with torch.no_grad():
+        want = float(torch.sigmoid(ref(torch.tensor([ids])).logits[0, 0]))
+    assert float(values[0, 1]) == pytest.approx(want, abs=1e-5)

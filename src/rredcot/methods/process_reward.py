@@ -230,10 +230,9 @@ class PRMScorer:
         kind = options.kind if options.kind != "auto" else _kind_from_config(config, name)
         self.kind = kind
         cls = getattr(transformers, _KIND_CLASSES[kind])
-        model = cls.from_pretrained(name, dtype=_DTYPES[options.dtype])
-        dtype = _DTYPES[
-            options.dtype
-        ]  # also where from_pretrained ignores dtype (old transformers)
+        dtype = _DTYPES[options.dtype]
+        model = cls.from_pretrained(name, dtype=dtype)
+        # .to(dtype) too: older transformers read torch_dtype and ignore dtype
         self.model = model.to(self.device, dtype).eval().requires_grad_(False)
         if self.model.config.pad_token_id is None:
             pad = self.tokenizer.pad_token_id
@@ -353,17 +352,17 @@ class PRMScorer:
             logits = self.model(
                 input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)
             ).logits.float()
+            probs = self._probabilities(logits).cpu()  # (rows,) or (rows, L): one transfer
             for r, (_, positions, keys) in enumerate(rows):
-                at = logits[r] if self.kind == "sequence_classification" else None
                 for p, (row, k) in zip(positions, keys):
-                    z = at if at is not None else logits[r, p]
-                    out[row][k] = self._probability(z)
+                    out[row][k] = float(probs[r] if probs.dim() == 1 else probs[r, p])
         return out, forwarded
 
-    def _probability(self, logits: Tensor) -> float:
+    def _probabilities(self, logits: Tensor) -> Tensor:
+        """The positive class's probability from ``(..., num_labels)`` logits."""
         if self.num_labels == 1:
-            return float(torch.sigmoid(logits.reshape(-1)[0]))
-        return float(torch.softmax(logits, dim=-1)[self.positive])
+            return torch.sigmoid(logits[..., 0])
+        return torch.softmax(logits, dim=-1)[..., self.positive]
 
 
 # ---------------------------------------------------------------------------------------------
