@@ -368,9 +368,10 @@ class ProcessRewardConfig:
         "Your step scorer, 'module:callable' or 'path/to/file.py:callable'. It is called once "
         "per completion as fn(prompt, completion, ends) with the prompt text, the completion text "
         "and the character offset where each segment ends (increasing, the last one "
-        "len(completion); segment k is completion[ends[k-1]:ends[k]]), and returns one score in "
-        "[0, 1] per segment: the probability that the trace will be correct after segment k, "
-        "V(s_1) .. V(s_n). The last score is not used (the credit sets V(s_n) = R).",
+        "len(completion); segment i, counted from 0, is completion[ends[i-1]:ends[i]], from 0 "
+        "for i = 0), and returns one score in [0, 1] per segment: score i is the probability "
+        "that the trace ends correct given its first i + 1 segments, V(s_1) .. V(s_n). The last "
+        "score is not used (the credit sets V(s_n) = R).",
         default="",
     )
     model: str = help_field(
@@ -405,7 +406,7 @@ class ProcessRewardConfig:
     )
     prompt_separator: str = help_field(
         "Text written between the prompt and the completion in the model's input (left out "
-        "when the prompt already ends with it).",
+        "when the prompt already ends with it); by default a newline.",
         default="\n",
     )
     max_length: int = help_field(
