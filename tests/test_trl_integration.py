@@ -283,6 +283,60 @@ def test_answer_likelihood_is_selectable(tiny_model_dir, arithmetic_dataset, tmp
     assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the probes' one pass
 
 
+def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tmp_path):
+    """A frozen sequence-classification PRM (a tiny Llama built here) as the value source: its
+    scores reach the credit at every interior boundary, and the hand-over learns each step."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rredcot.models import build_char_tokenizer
+    from tiny_lms import lively
+
+    tok = build_char_tokenizer()
+    prm_dir = tmp_path / "prm"
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=2,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    lively(LlamaForSequenceClassification(config), seed=3).save_pretrained(prm_dir)
+    tok.save_pretrained(prm_dir)
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path / "out",
+        method="process_reward",
+        credit={"process_reward": {"model": str(prm_dir)}},
+    )
+    trainer.train()
+    assert len(trainer.records) == 2
+    varied = 0
+    for rec in trainer.records:
+        adv, mask, batch = rec["ours"], rec["mask"].bool(), rec["batch"]
+        assert adv.shape == mask.shape and torch.isfinite(adv).all() and (adv[~mask] == 0).all()
+        for row, bounds in enumerate(batch.boundaries):
+            firsts = [float(adv[row, a]) for a in bounds[:-1]]
+            varied += int(len(firsts) > 1 and max(firsts) - min(firsts) > 1e-6)
+    assert varied > 0, "PRM credit should differ between the segments of a completion"
+    method, batch, out = trainer.credit_method, trainer.last_batch, trainer.last_credit
+    assert method.num_updates == 2  # the hand-over measured each step's fresh outcomes
+    again, mask = method.segment_values(batch)  # the PRM is frozen: the same scores
+    interior = mask.clone()
+    interior[:, 0] = False
+    interior[torch.arange(batch.size), batch.num_segments] = False
+    assert interior.any()
+    torch.testing.assert_close(out.values[interior], again[interior], rtol=1e-5, atol=1e-6)
+    assert ((again[interior] > 0) & (again[interior] < 1)).all()
+    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the PRM's tokens
+
+
 @pytest.mark.parametrize("logprob_features", [False, True])
 def test_gathered_features_train_the_head_like_the_full_batch(
     tiny_policy, char_tokenizer, arithmetic_task, logprob_features
@@ -328,6 +382,8 @@ def test_config_errors_name_the_problem(tmp_path):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="monte_carlo")
     with pytest.raises(ValueError, match="needs task"):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="answer_likelihood")
+    with pytest.raises(ValueError, match="needs a value source"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="process_reward")
     cfg = RREDCoTGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, credit='{"segmenter": "sentence", "lam": 0.25}'
     )

@@ -373,3 +373,71 @@ def test_the_estimators_segmenter_keeps_the_named_tasks_answer_line():
     # no task named: the default answer line, which does not know "The answer is"
     plain = rv.make_segmenter(cfg, {"rredcot": {}})
     assert text[slice(*plain.split(text)[-1])] == "He eats 2, so 13 - 2 = 11.\nThe answer is 11."
+
+
+def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
+    """process_reward in verl: compute_advantage_for_data decodes and segments the batch as the
+    estimator does, the user's function scores every boundary on the driver, and the credit is
+    the core method's (here by hand: lam 0, segment k gets V(s_k) - V(s_{k-1}))."""
+    import prm_scores
+
+    monkeypatch.setattr(rv, "_METHOD_CACHE", {})
+    settings = {
+        "credit_method": "process_reward",
+        "process_reward": {"function": "prm_scores:chain_scores"},
+        "lam": 0.0,
+        "normalization": "none",
+        "handover": {"mode": "off"},
+    }
+    data = _probe_source(char_tokenizer)
+    prm_scores.CALLS.clear()
+    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": settings})
+    assert [c[0] for c in prm_scores.CALLS] == ["Compute 2+3*4.\n"] * 3 + ["Compute 7-1+2*2.\n"] * 3
+    assert [c[1] for c in prm_scores.CALLS] == TEXTS
+    adv = data.batch["advantages"]
+    seg = rv.segment_responses(
+        data.batch["responses"],
+        data.batch["response_mask"],
+        char_tokenizer,
+        rv.make_segmenter(CreditConfig()),
+    )
+    g0, g1 = 1 / 3, 2 / 3
+    expected = [
+        [0.9 - g0, 1.0 - 0.9],
+        [0.1 - g0, 0.0 - 0.1],
+        [0.0 - g0],
+        [0.9 - g1, 0.0, 1.0 - 0.9],
+        [0.9 - g1, 0.0 - 0.9],
+        [0.9 - g1, 0.0, 1.0 - 0.9],
+    ]
+    for row, want in enumerate(expected):
+        got = [float(adv[row][seg[row] == k][0]) for k in range(len(want))]
+        assert got == pytest.approx(want, abs=1e-6), row
+        assert (adv[row][seg[row] < 0] == 0).all()
+
+    # the hand-over: GRPO on the first step, then the measured slope (update after the credit)
+    reliable = {**settings, "handover": {"mode": "reliability"}, "lam": 1.0}
+    rv._METHOD_CACHE.clear()  # the driver keeps one method per settings, across steps
+    data = _probe_source(char_tokenizer)
+    data.non_tensor_batch["raw_prompt"] = np.array(
+        [[{"role": "user", "content": f"q{i}"}] for i in range(6)], dtype=object
+    )
+    prm_scores.CALLS.clear()
+    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": reliable})
+    assert [c[0] for c in prm_scores.CALLS] == [f"q{i}" for i in range(6)]  # verl's raw chat
+    grpo = torch.tensor(SCORES) - torch.tensor([g0] * 3 + [g1] * 3)
+    mask = data.batch["response_mask"].bool()
+    for row in range(6):
+        assert torch.allclose(
+            data.batch["advantages"][row][mask[row]], grpo[row].expand(int(mask[row].sum()))
+        )
+    (method,) = rv._METHOD_CACHE.values()
+    assert method.num_updates == 1 and method.reliability > 0
+    with pytest.raises(ValueError, match="process_reward_values"):
+        rv.compute_rredcot_advantage(
+            token_level_rewards=data.batch["token_level_rewards"],
+            response_mask=data.batch["response_mask"],
+            index=UIDS,
+            config={"rredcot": reliable},
+            segment_ids=seg,
+        )

@@ -241,7 +241,7 @@ class ValueHeadConfig:
 @dataclass
 class HandoverConfig:
     """The hand-over from uniform to value credit, shared by the value methods (value_head,
-    answer_likelihood): how far the estimator's values are trusted, measured on fresh outcomes."""
+    answer_likelihood, process_reward): how far the estimator's values are trusted, measured on fresh outcomes."""
 
     mode: str = help_field(
         "Blend uniform and value credit by the estimator's measured reliability: 'reliability' "
@@ -353,6 +353,116 @@ class MonteCarloConfig:
             )
 
 
+PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification")
+"""The values of ``credit.process_reward.kind``."""
+
+
+@dataclass
+class ProcessRewardConfig:
+    """Options of the process_reward method (--credit_method process_reward): V(s_k) from your
+    own step scores or a frozen Hugging Face process reward model (PRM), through the same anchor,
+    hand-over and normalisation as the other value methods. Give exactly one of function or
+    model."""
+
+    function: str = help_field(
+        "Your step scorer, 'module:callable' or 'path/to/file.py:callable'. It is called once "
+        "per completion as fn(prompt, completion, ends) with the prompt text, the completion text "
+        "and the character offset where each segment ends (increasing, the last one "
+        "len(completion); segment i, counted from 0, is completion[ends[i-1]:ends[i]], from 0 "
+        "for i = 0), and returns one score in [0, 1] per segment: score i is the probability "
+        "that the trace ends correct given its first i + 1 segments, V(s_1) .. V(s_n). The last "
+        "score is not used (the credit sets V(s_n) = R).",
+        default="",
+    )
+    model: str = help_field(
+        "A frozen PRM: a local directory or hub name of a Hugging Face sequence-classification "
+        "or token-classification model, loaded with from_pretrained (with its own tokenizer). "
+        "It is never trained.",
+        default="",
+    )
+    kind: str = help_field(
+        "What the model is: sequence_classification (every prefix prompt + completion[:end_k] "
+        "is scored on its own: the probability of the positive class), token_classification "
+        "(one forward per completion, read at the last token of every segment; assumes a causal "
+        "model, each token seeing only the ones before it) or auto (from the model config's "
+        "architectures).",
+        default="auto",
+    )
+    positive_label: str = help_field(
+        "Name of the class that means 'this step is good' (a key of the model config's "
+        "label2id, e.g. 'LABEL_1' or '+'); empty: positive_index.",
+        default="",
+    )
+    positive_index: int = help_field(
+        "Index of the class that means 'this step is good' (negative counts from the end: -1 "
+        "is the last class). A model with a single output is read through a sigmoid.",
+        default=-1,
+    )
+    step_separator: str = help_field(
+        "Text written after every step in the model's input, as the PRM was trained (e.g. "
+        "'\\n' or '<extra_0>'); each step's trailing whitespace is then dropped. Empty: the "
+        "completion as it was sampled.",
+        default="",
+    )
+    prompt_separator: str = help_field(
+        "Text written between the prompt and the completion in the model's input (left out "
+        "when the prompt already ends with it); by default a newline.",
+        default="\n",
+    )
+    max_length: int = help_field(
+        "Longest model input in tokens; longer ones keep their last max_length tokens (a "
+        "token-classification input that is too long is scored one prefix per segment). 0: "
+        "the tokenizer's model_max_length, else the model's max_position_embeddings.",
+        default=0,
+    )
+    chunk_tokens: int = help_field(
+        "Token budget of one model forward (rows x longest row); bounds its activations.",
+        default=16384,
+    )
+    dtype: str = help_field("The model's dtype: float32, bfloat16 or float16.", default="float32")
+
+    def __post_init__(self) -> None:
+        self.function = str(self.function or "").strip()
+        self.model = str(self.model or "").strip()
+        if self.function and self.model:
+            raise ValueError(
+                "credit.process_reward: give either function or model, not both "
+                f"(function={self.function!r}, model={self.model!r})"
+            )
+        if self.function:
+            module, sep, attr = self.function.rpartition(":")
+            if not sep or not module or not attr:
+                raise ValueError(
+                    f"credit.process_reward.function={self.function!r}: write it as "
+                    "'module:callable' (e.g. 'my_scores:score') or 'path/to/file.py:callable'"
+                )
+        if self.kind not in PROCESS_REWARD_KINDS:
+            raise ValueError(
+                f"credit.process_reward.kind={self.kind!r}: use {', '.join(PROCESS_REWARD_KINDS)}"
+            )
+        if self.max_length < 0:
+            raise ValueError(
+                f"credit.process_reward.max_length={self.max_length} must be >= 0 (0: the "
+                "model's own limit)"
+            )
+        if self.chunk_tokens < 1:
+            raise ValueError(f"credit.process_reward.chunk_tokens={self.chunk_tokens} must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"credit.process_reward.dtype={self.dtype!r}: use float32, bfloat16 or float16"
+            )
+
+    def require_source(self) -> None:
+        """Raise unless a step scorer is named (what ``credit_method=process_reward`` needs)."""
+        if not (self.function or self.model):
+            raise ValueError(
+                "credit_method=process_reward needs a value source: set "
+                "credit.process_reward.function='module:callable' (your step scores) or "
+                "credit.process_reward.model=PATH_OR_HUB_NAME (a Hugging Face sequence- or "
+                "token-classification PRM)"
+            )
+
+
 @dataclass
 class CreditConfig:
     """How credit is assigned: segmentation, the credit algebra's settings shared by every
@@ -416,8 +526,8 @@ class CreditConfig:
         default="auto",
     )
     anchor: str = help_field(
-        "'group': shift the values of every value source (value_head, answer_likelihood, verl's "
-        "critic) so V(s_0) is the group's mean reward, so every trace gets GRPO's total credit "
+        "'group': shift the values of every value source (value_head, answer_likelihood, "
+        "process_reward, verl's critic) so V(s_0) is the group's mean reward, so every trace gets GRPO's total credit "
         "and the estimator only moves it between the trace's segments (its errors about a "
         "prompt's difficulty cancel); 'none': the estimator's own V(s_0).",
         default="group",
@@ -426,6 +536,7 @@ class CreditConfig:
     handover: HandoverConfig = field(default_factory=HandoverConfig)
     answer_likelihood: AnswerLikelihoodConfig = field(default_factory=AnswerLikelihoodConfig)
     monte_carlo: MonteCarloConfig = field(default_factory=MonteCarloConfig)
+    process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
@@ -452,8 +563,8 @@ class TrainConfig:
         "Task parameters (CLI: --task.NAME VALUE, e.g. --task.num_steps 4).", default_factory=dict
     )
     credit_method: str = help_field(
-        "Credit method: uniform, value_head, answer_likelihood, monte_carlo, gradient, attention, "
-        "first_last.",
+        "Credit method: uniform, value_head, answer_likelihood, process_reward, monte_carlo, "
+        "gradient, attention, first_last.",
         default="value_head",
     )
     init: str | None = help_field(

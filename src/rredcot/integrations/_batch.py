@@ -11,6 +11,7 @@ trainer sampled it. Nothing here knows about TRL or verl.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ from rredcot.tasks.base import Problem, Verdict
 
 __all__ = [
     "group_ids_from_keys",
+    "prompt_text",
     "rollout_batch_from_tensors",
     "segment_completions",
     "span_mask",
@@ -80,6 +82,20 @@ def segment_completions(
         boundaries.append(bounds)
         texts.append(text)
     return boundaries, char_starts, texts
+
+
+def prompt_text(prompt: Any) -> str:
+    """The user text of a standard (str) or conversational (list of messages) prompt."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+        prompt = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        content = (users or prompt)[-1].get("content", "") if (users or prompt) else ""
+        if isinstance(content, list):  # multimodal content parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return str(content)
+    return str(prompt)
 
 
 def group_ids_from_keys(keys: Sequence) -> Tensor:

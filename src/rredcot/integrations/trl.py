@@ -19,8 +19,9 @@ Per generation batch:
    the value head reads the features of each process's own batch (real prompt and token
    positions: ``ValueHeadCredit.boundary_features``, the hidden states at the prefix ends and,
    with ``credit.value_head.logprob_features``, the log-prob features, exactly as in rredcot's own
-   trainer), gathered as tensors (``estimate_from_features``); other methods' values are computed
-   on each process's rows and gathered. The algebra runs on the segments of every row, and each
+   trainer), gathered as tensors (``estimate_from_features``); other methods' values (the answer
+   likelihood's probes, a process reward's step scores: each process runs its own copy of a
+   frozen PRM) are computed on each process's rows and gathered. The algebra runs on the segments of every row, and each
    process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto the
    normalisation (:func:`normalization_for_scale_rewards`);
 4. the value head's hidden states and log-probs come from TRL's no-grad old-log-prob pass when
@@ -50,6 +51,7 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.config import CreditConfig, from_dict, upgrade_renamed
+from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import (
     CreditContext,
@@ -77,7 +79,7 @@ __all__ = [
 ]
 
 CREDIT_STATE_FILE = "value_head.pt"
-TRL_METHODS = ("value_head", "answer_likelihood", "uniform")
+TRL_METHODS = ("value_head", "answer_likelihood", "process_reward", "uniform")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +116,8 @@ class RREDCoTGRPOConfig(GRPOConfig):
     credit_method: str = field(
         default="value_head",
         metadata={
-            "help": "rredcot credit method: value_head, answer_likelihood or uniform (GRPO)."
+            "help": "rredcot credit method: value_head, answer_likelihood, process_reward (your "
+            "step scores or a frozen PRM, credit.process_reward) or uniform (GRPO)."
         },
     )
     credit: dict | str | None = field(
@@ -165,6 +168,8 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 "rredcot needs each completion's outcome reward R (the weighted sum of the reward "
                 "functions); set multi_objective_aggregation='sum_then_normalize'"
             )
+        if self.credit_method == "process_reward":
+            self.credit_config.process_reward.require_source()
         if self.credit_method == "answer_likelihood" and not self.task:
             raise ValueError(
                 "credit_method='answer_likelihood' needs task=... (e.g. 'gsm8k'): the task's "
@@ -227,19 +232,6 @@ def normalization_for_scale_rewards(scale_rewards: str | bool, credit_method: st
 
 # ---------------------------------------------------------------------------------------------
 # reward functions from rredcot tasks
-
-
-def _prompt_text(prompt: Any) -> str:
-    """The user text of a standard (str) or conversational (list of messages) prompt."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        content = (users or prompt)[-1].get("content", "") if (users or prompt) else ""
-        if isinstance(content, list):  # multimodal content parts
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        return str(content)
-    return str(prompt)
 
 
 def _completion_text(completion: Any) -> str:

@@ -26,7 +26,13 @@ estimator returns TD(``value_head.td_lambda``) targets at segment starts as the 
 (``value_head.td_lambda = 1``, the default: every token regresses on ``R``). Credit methods:
 
 - ``critic``: segment values from the critic, ``A_k`` by segment GAE with ``lam``;
-- ``uniform``: GRPO through rredcot's algebra (no critic needed).
+- ``uniform``: GRPO through rredcot's algebra (no critic needed);
+- ``answer_likelihood``: the actor's probability of a correct answer after each prefix, probed
+  through its own ``compute_log_prob`` (:func:`build_probe_data`, :func:`probe_values`);
+- ``process_reward``: your step scores or a frozen Hugging Face PRM
+  (``algorithm.rredcot.process_reward.*``), run on the driver over the decoded prompts and
+  responses (:func:`process_reward_values`; :func:`compute_advantage_for_data` calls it), with
+  the method's measured hand-over updated after each step's credit.
 
 Settings live under ``algorithm.rredcot`` (fields of :class:`rredcot.config.CreditConfig` plus
 ``credit_method``), e.g. ``+algorithm.rredcot.segmenter=sentence +algorithm.rredcot.lam=0.5``.
@@ -50,6 +56,7 @@ from rredcot.config import CreditConfig, from_dict
 from rredcot.credit import Values
 from rredcot.integrations._batch import (
     group_ids_from_keys,
+    prompt_text,
     rollout_batch_from_tensors,
     segment_completions,
     span_mask,
@@ -79,6 +86,7 @@ __all__ = [
     "dense_prefix_rewards",
     "num_segments_of",
     "probe_values",
+    "process_reward_values",
     "segment_responses",
     "task_settings",
 ]
@@ -87,7 +95,7 @@ logger = logging.getLogger(__name__)
 
 ESTIMATOR = "rredcot"
 TRAINER_MODE = "rredcot_sync"
-METHODS = ("critic", "uniform", "answer_likelihood")
+METHODS = ("critic", "uniform", "answer_likelihood", "process_reward")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +330,13 @@ def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
             _METHOD_CACHE[key] = AnswerLikelihoodCredit(
                 cfg, CreditContext(policy=None, tokenizer=None, task=task)
             )
+        elif name == "process_reward":
+            from rredcot.methods.process_reward import ProcessRewardCredit
+
+            # on the driver: a function runs where verl's driver does, a PRM on its CPU
+            _METHOD_CACHE[key] = ProcessRewardCredit(
+                cfg, CreditContext(policy=None, tokenizer=None)
+            )
         else:
             raise ValueError(f"no cached method for {name!r}")
     return _METHOD_CACHE[key]
@@ -353,7 +368,8 @@ def compute_rredcot_advantage(
         values: ``(B, T)`` critic values ``V(prompt + response[:t])`` (``critic``); default:
             likewise.
         boundary_values: ``(B, S+1)`` ``V(s_k)`` computed by the driver (``answer_likelihood``:
-            :func:`probe_values`); default: likewise.
+            :func:`probe_values`; ``process_reward``: :func:`process_reward_values`); default:
+            likewise.
 
     Returns:
         advantages ``(B, T)`` (0 on padding and holes) and returns ``(B, T)``: the critic's TD
@@ -392,13 +408,20 @@ def compute_rredcot_advantage(
     num_segments = torch.tensor([len(b) - 1 for b in boundaries], dtype=torch.long)
     live = mask.any(dim=-1)
     prefix = dense_prefix_rewards(token_level_rewards, filled, num_segments)
-    if method_name in ("uniform", "answer_likelihood"):
+    if method_name in ("uniform", "answer_likelihood", "process_reward"):
         if method_name == "uniform" and index is None:
             raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
         method = _method_for(method_name, cfg, config)
         if method_name == "uniform":
             given, given_mask = uniform_values(rewards, group_ids, num_segments)
         else:
+            if boundary_values is None and method_name == "process_reward":
+                raise ValueError(
+                    "algorithm.rredcot.credit_method=process_reward needs the step scores: call "
+                    "compute_advantage_for_data(data, tokenizer, config), which computes them "
+                    "with process_reward_values(data, tokenizer, config), or pass them as "
+                    "boundary_values (the rredcot_sync trainer mode does not compute them)"
+                )
             if boundary_values is None:
                 raise ValueError(
                     "algorithm.rredcot.credit_method=answer_likelihood needs the probe values: "
@@ -415,6 +438,8 @@ def compute_rredcot_advantage(
         given = _with_dense_rewards(given, given_mask, prefix)
         estimate = method.estimate_from_values(given, given_mask, rewards, group_ids, live)
         out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
+        if method_name == "process_reward":  # the hand-over learns after the step's credit
+            method.update_from_values(out.values, given_mask, rewards, group_ids, live)
         return out.advantages, out.advantages
     if values is None:
         raise ValueError(
@@ -475,8 +500,11 @@ def compute_advantage_for_data(
     and ``["returns"]``: segments ``responses``, reads the critic's ``values`` if present and calls
     the estimator through verl's registry. For the legacy ``RayPPOTrainer`` and custom loops (the
     v1 trainer uses the ``rredcot_sync`` trainer mode instead). ``boundary_values (B, S+1)``:
-    the answer-likelihood values from :func:`probe_values`."""
-    _, cfg = credit_settings(config)
+    the answer-likelihood values from :func:`probe_values`; for ``process_reward`` they are
+    computed here when not given (:func:`process_reward_values`)."""
+    method, cfg = credit_settings(config)
+    if method == "process_reward" and boundary_values is None:
+        boundary_values = process_reward_values(data, tokenizer, config)
     batch = data.batch
     if "response_mask" not in batch.keys():  # noqa: SIM118 - TensorDict has no `in`
         raise ValueError("data.batch needs 'response_mask' (verl's compute_response_mask)")
@@ -636,6 +664,62 @@ def probe_values(probe_data, log_probs: Tensor, num_segments: Tensor) -> Tensor:
         if row >= 0 and k < S + 1:
             values[row, k] += float(lp.exp())
     return values.clamp(max=1.0)
+
+
+def _prompt_texts(data, tokenizer) -> list[str]:
+    """Each row's prompt text: the user turn of ``non_tensor_batch["raw_prompt"]`` (verl's
+    ``data.return_raw_chat``) when present, else the prompt ids decoded without special tokens."""
+    nt = data.non_tensor_batch
+    if "raw_prompt" in nt:
+        return [prompt_text(p) for p in nt["raw_prompt"]]
+    b = data.batch
+    prompts = b["prompts"]
+    keep = b["attention_mask"][:, : prompts.shape[1]].bool()
+    return [
+        tokenizer.decode(prompts[row][keep[row]].tolist(), skip_special_tokens=True)
+        for row in range(prompts.shape[0])
+    ]
+
+
+def process_reward_values(data, tokenizer, config: Any = None, eos_token_ids: Any = None) -> Tensor:
+    """``(B, S+1)`` process-reward values of a verl batch, computed on the driver: the responses
+    are decoded and segmented exactly as the estimator segments them (:func:`make_segmenter`),
+    and the method's source (``algorithm.rredcot.process_reward.function`` or ``.model``) scores
+    every boundary (:meth:`rredcot.methods.process_reward.ProcessRewardCredit.segment_values`;
+    column 0 and column ``n`` are set by the estimator).
+
+    Args:
+        data: verl ``DataProto`` with ``prompts`` (left-padded), ``responses``,
+            ``attention_mask`` (over prompt + response) and, optionally, ``response_mask`` and
+            ``non_tensor_batch["raw_prompt"]``.
+        tokenizer: the policy's tokenizer; config: verl's algorithm config.
+    """
+    method_name, cfg = credit_settings(config)
+    if method_name != "process_reward":
+        raise ValueError(
+            f"process_reward_values needs algorithm.rredcot.credit_method=process_reward, not "
+            f"{method_name!r}"
+        )
+    b = data.batch
+    prompts, responses = b["prompts"], b["responses"]
+    P = prompts.shape[1]
+    attention = b["attention_mask"]
+    response_mask = b["response_mask"] if "response_mask" in b.keys() else attention[:, P:]  # noqa: SIM118
+    B = responses.shape[0]
+    batch = rollout_batch_from_tensors(
+        prompt_ids=prompts,
+        prompt_mask=attention[:, :P],
+        completion_ids=responses,
+        completion_mask=span_mask(response_mask),
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        tokenizer=tokenizer,
+        segmenter=make_segmenter(cfg, config),
+        eos_token_ids=eos_token_ids,
+        problems=[Problem(text, "") for text in _prompt_texts(data, tokenizer)],
+    )
+    values, _ = _method_for(method_name, cfg, config).segment_values(batch)
+    return values.cpu()
 
 
 def num_segments_of(segment_ids: Tensor, response_mask: Tensor) -> Tensor:
