@@ -297,7 +297,7 @@ def _probe_source(char_tokenizer):
     return data
 
 
-def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy):
+def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy, monkeypatch):
     """The driver builds the probes as a DataProto; an actor's log-prob pass over it (here the
     tiny policy, as verl's compute_log_prob would run it) gives the core's answer-likelihood
     values; the estimator runs them through the method's own algebra."""
@@ -355,9 +355,22 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy):
             "normalization": "none",
         }
     }
+    monkeypatch.setattr(rv, "_METHOD_CACHE", {})
     rv.compute_advantage_for_data(data, char_tokenizer, cfg, boundary_values=values)
-    adv = data.batch["advantages"]
+    adv = data.batch["advantages"].clone()
     assert torch.isfinite(adv).all() and adv.abs().max() > 0
+    # the hand-over, as in the core: GRPO on the first step, then learnt from its outcomes
+    grpo = torch.tensor(SCORES) - torch.tensor(
+        [sum(SCORES[:3]) / 3] * 3 + [sum(SCORES[3:]) / 3] * 3
+    )
+    mask = data.batch["response_mask"].bool()
+    for row in range(6):
+        assert torch.allclose(adv[row][mask[row]], grpo[row].expand(int(mask[row].sum())))
+    (method,) = rv._METHOD_CACHE.values()
+    assert method.num_updates == 1
+    off = {"rredcot": {**cfg["rredcot"], "handover": {"mode": "off"}}}
+    rv.compute_advantage_for_data(data, char_tokenizer, off, boundary_values=values)
+    assert not torch.allclose(data.batch["advantages"], adv)  # the probes' own credit
     with pytest.raises(ValueError, match="build_probe_data"):
         rv.compute_advantage_for_data(_probe_source(char_tokenizer), char_tokenizer, cfg)
 

@@ -438,7 +438,7 @@ def compute_rredcot_advantage(
         given = _with_dense_rewards(given, given_mask, prefix)
         estimate = method.estimate_from_values(given, given_mask, rewards, group_ids, live)
         out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
-        if method_name == "process_reward":  # the hand-over learns after the step's credit
+        if method_name != "uniform":  # the hand-over learns after the step's credit, as in core
             method.update_from_values(out.values, given_mask, rewards, group_ids, live)
         return out.advantages, out.advantages
     if values is None:
