@@ -80,28 +80,19 @@ credit algebra sets it to the outcome ``R``.
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import AnswerLikelihoodConfig
-from rredcot.credit import Cost, Values
-from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
-from rredcot.methods.handover import (
-    anchor,
-    group_mean,
-    handover_scores,
-    live_rows,
-    smoothed_reliability,
-)
+from rredcot.methods.base import CreditContext, register_credit
+from rredcot.methods.frozen_values import FrozenValuesCredit
+from rredcot.methods.handover import anchor, group_mean
 from rredcot.rollout import eval_mode, position_ids_from_mask
 from rredcot.tasks.answers import equivalent_renderings
 from rredcot.tasks.base import safe_verify
@@ -111,7 +102,6 @@ CUE_PRESETS = ("auto", "task", "think")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 THINK_CUE = "\n</think>\n\nThe final answer is \\boxed{"
 NUM_FEATURES = 2  # value-head features: V and its squashed log
-MIN_DEPARTURE_RMS = 0.01  # below it the slope is not measured (module docstring)
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
 _CLOSED_END = re.compile(r"(?:[}\])]|</[^<>\s]+>)\s*$")
 _TAIL_TOKENS = 4  # prefix tokens decoded to see how the prefix ends
@@ -749,7 +739,7 @@ def prefix_features(values: Tensor, value_mask: Tensor) -> Tensor:
 
 
 @register_credit("answer_likelihood", options=AnswerLikelihoodConfig)
-class AnswerLikelihoodCredit(CreditMethod):
+class AnswerLikelihoodCredit(FrozenValuesCredit):
     """Values from the policy's probability of answering correctly right after each prefix, with
     the value head's guards (anchor, hand-over, safe normalisation; module docstring).
 
@@ -773,10 +763,7 @@ class AnswerLikelihoodCredit(CreditMethod):
         self.probe = ProbeFormat.from_config(self.options)
         self._packing = "auto"
         self._checked = False
-        self.reliability = 0.0  # EMA of the clipped fresh-batch score; the hand-over weight
-        self.num_updates = 0
         self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
-        self._scored: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
 
     @property
     def max_batch_tokens(self) -> int:
@@ -849,140 +836,9 @@ class AnswerLikelihoodCredit(CreditMethod):
         values, mask, _ = self.probe_values(batch)
         return self._anchored(values, mask, batch), mask
 
-    # -- credit ---------------------------------------------------------------------------------
-    @property
-    def handover_weight(self) -> float:
-        """Weight of answer-likelihood credit against uniform credit (1 with handover off)."""
-        return 1.0 if self.config.handover.mode == "off" else float(self.reliability)
+    # -- the hand-over loop's hooks (:class:`FrozenValuesCredit`) ---------------------------------
+    def pass_stats(self) -> dict[str, float]:
+        return dict(self._cache[3]) if self._cache is not None else {}  # the probe pass
 
-    def estimate(self, batch: RolloutBatch) -> Estimate:
-        """:meth:`estimate_from_values` of the batch's :meth:`segment_values`."""
-        values, mask = self.segment_values(batch)
-        return self.estimate_from_values(
-            values, mask, batch.rewards, batch.group_ids, live_rows(batch)
-        )
-
-    def estimate_from_values(
-        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
-    ) -> Estimate:
-        """Answer-likelihood values (this method's probes, or values an integration computed
-        elsewhere: anchored here, which leaves anchored values as they are), handed over from
-        uniform credit by :attr:`handover_weight`; the arguments as
-        :meth:`CreditMethod.estimate_from_values`'."""
-        mean, _ = credit.group_mean_std(rewards, group_ids)
-        values = anchor(values, mask, mean, self.config.anchor)
-        w = self.handover_weight
-        self._scored = (
-            values.detach(),
-            mask,
-            rewards.detach().clone(),
-            group_ids.detach().clone(),
-            live,
-        )
-        stats = dict(self._cache[3]) if self._cache is not None else {}  # the probe pass
-        cost = Cost(
-            extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0),
-            extra_generated_tokens=stats.pop("credit/extra_generated_tokens", 0.0),
-        )
-        stats.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
-        return Estimate(
-            Values(values, mask, lam=self.lam, handover_weight=min(max(w, 0.0), 1.0)), cost, stats
-        )
-
-    def _last_scored(
-        self, rewards: Tensor, group_ids: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(values, mask, live)`` of the last :meth:`estimate` if it ran on these rows (same
-        rewards and groups: the trainer's and the integrations' update batch)."""
-        if self._scored is None:
-            return None
-        values, mask, scored_rewards, groups, live = self._scored
-        same = (
-            scored_rewards.shape == rewards.shape
-            and torch.equal(scored_rewards, rewards.detach().to(scored_rewards.device))
-            and torch.equal(groups, group_ids.detach().to(groups.device))
-        )
-        return (values, mask, live) if same else None
-
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Score the values the last :meth:`compute` used (or, for a batch it did not see, the
-        batch's own anchored values) on the batch's outcomes and fold the score into the
-        reliability (the next batches' hand-over weight). Learns nothing else."""
-        found = self._last_scored(batch.rewards, batch.group_ids)
-        if found is None:
-            scored, mask = self.segment_values(batch)
-            scored = self._anchored(scored, mask, batch)
-            found = scored, mask, live_rows(batch)
-        return self._score(*found, batch.rewards, batch.group_ids)
-
-    def update_from_values(
-        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
-    ) -> dict[str, float]:
-        """:meth:`update` for rows whose values were computed elsewhere: scores the values the
-        last :meth:`estimate_from_values` used on these rows (else ``values``, anchored)."""
-        found = self._last_scored(rewards, group_ids)
-        if found is None:
-            mean, _ = credit.group_mean_std(rewards, group_ids)
-            found = anchor(values, mask, mean, self.config.anchor), mask, live
-        return self._score(*found, rewards, group_ids)
-
-    def _score(
-        self, scored: Tensor, mask: Tensor, live: Tensor, rewards: Tensor, group_ids: Tensor
-    ) -> dict[str, float]:
-        """Fold the slope of ``scored`` values on the outcomes into the reliability."""
-        device = scored.device
-        live = live.to(device)
-        mean = credit.group_mean_std(rewards, group_ids)[0].to(device)
-        baseline = None if self.config.anchor == "none" else mean[live]
-        rewards = rewards.to(device)[live]
-        score, slope, skill = handover_scores(
-            scored[live],
-            mask.to(device)[live],
-            rewards,
-            baseline,
-            self.config.handover.score,
-            min_rms=MIN_DEPARTURE_RMS,
-        )
-        self.reliability = smoothed_reliability(
-            self.reliability, score, self.config.handover.smoothing
-        )
-        self.num_updates += 1
-        self._cache = self._scored = None
-        return {
-            "value/slope": slope,
-            "value/skill": skill,
-            "value/reliability_after": float(self.reliability),
-        }
-
-    def pretrain(self, sample_batch, steps: int) -> dict[str, float]:
-        """Measure reliability on ``steps`` batches from ``sample_batch()`` (the warm-start
-        policy's samples) before RL, as ``update`` does during RL."""
-        if steps < 0:
-            raise ValueError(f"pretrain steps must be >= 0, got {steps}")
-        slopes = [self.update(sample_batch())["value/slope"] for _ in range(steps)]
-        measured = [s for s in slopes if not math.isnan(s)]
-        return {
-            "value_pretrain/steps": float(steps),
-            "value_pretrain/slope_mean": sum(measured) / len(measured)
-            if measured
-            else float("nan"),
-            "value_pretrain/reliability": float(self.reliability),
-        }
-
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "reliability": float(self.reliability),
-            "num_updates": self.num_updates,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:  # saved before the hand-over existed: nothing earned yet
-            return
-        if state.get("version") != 1:
-            raise ValueError(
-                f"answer_likelihood state has version {state.get('version')!r}; this code reads 1"
-            )
-        self.reliability = float(state["reliability"])
-        self.num_updates = int(state["num_updates"])
+    def forget_pass(self) -> None:
+        self._cache = None

@@ -1,8 +1,9 @@
 """The guards every value-based credit method shares (docs/method.md, value sources): the group-mean anchor,
 the reliability score measured on fresh outcomes, and the hand-over from uniform (GRPO) credit.
 
-Used by :mod:`rredcot.methods.value_head` and :mod:`rredcot.methods.answer_likelihood`, so that
-both estimators are made safe the same way:
+Used by :mod:`rredcot.methods.value_head` and by the frozen estimators
+(:mod:`rredcot.methods.frozen_values`: answer likelihood, process rewards), so that every
+estimator is made safe the same way:
 
 - :func:`anchor` shifts the values so that ``V(s_0)`` is the group's mean reward
   (``credit.anchor="group"``): every trace gets GRPO's total credit ``R - mean R_group``

@@ -38,7 +38,7 @@ a step tag, a judge prompt) is a few lines as a ``function``.
 **The value of the prompt.** No source scores ``s_0``: ``V(s_0)`` is the group's mean reward
 ``ḡ``, so with the anchor (``credit.anchor=group``, idempotent here) ``V'(s_k) = V(s_k)`` and
 every trace keeps GRPO's total ``R - ḡ``; the scores only decide how it is spread. The hand-over
-(:mod:`rredcot.methods.handover`) is the answer likelihood's: ``w`` starts at 0 (GRPO exactly),
+(:class:`rredcot.methods.frozen_values.FrozenValuesCredit`, shared with answer likelihood): ``w`` starts at 0 (GRPO exactly),
 and each ``update`` folds the slope of the fresh outcomes on ``V'(s_{n-1})`` (clipped to
 [0, 1], smoothed by ``credit.handover.smoothing``) into it; a batch whose last prefix values
 hardly depart from ``ḡ`` (root mean square below ``MIN_DEPARTURE_RMS``) leaves it as it is.
@@ -65,17 +65,10 @@ from torch import Tensor
 from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import ProcessRewardConfig
-from rredcot.credit import Cost, Values
-from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
-from rredcot.methods.handover import (
-    anchor,
-    handover_scores,
-    live_rows,
-    smoothed_reliability,
-)
+from rredcot.methods.base import CreditContext, register_credit
+from rredcot.methods.frozen_values import FrozenValuesCredit
 
 __all__ = [
-    "MIN_DEPARTURE_RMS",
     "PRMScorer",
     "ProcessRewardCredit",
     "check_scores",
@@ -83,7 +76,6 @@ __all__ = [
     "segment_ends",
 ]
 
-MIN_DEPARTURE_RMS = 0.01  # as answer_likelihood: below it the slope is not measured
 _FLAG = "credit.process_reward"
 
 
@@ -370,7 +362,7 @@ class PRMScorer:
 
 
 @register_credit("process_reward", options=ProcessRewardConfig)
-class ProcessRewardCredit(CreditMethod):
+class ProcessRewardCredit(FrozenValuesCredit):
     """Values from your step scores or a frozen PRM, with the value methods' guards (group-mean
     anchor, hand-over by measured reliability, safe normalisation; module docstring).
 
@@ -385,10 +377,7 @@ class ProcessRewardCredit(CreditMethod):
         options.require_source()
         self.function = load_function(options.function) if options.function else None
         self.scorer = None if self.function else PRMScorer(options, context.device)
-        self.reliability = 0.0  # EMA of the clipped fresh-batch slope: the hand-over weight
-        self.num_updates = 0
         self._stats: dict[str, float] = {}
-        self._scored: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
 
     # -- values ---------------------------------------------------------------------------------
     def boundary_scores(self, batch: RolloutBatch) -> tuple[list[list[float]], dict[str, float]]:
@@ -437,129 +426,14 @@ class ProcessRewardCredit(CreditMethod):
         device = batch.rewards.device
         return values.to(device), mask.to(device)
 
-    # -- credit ---------------------------------------------------------------------------------
-    @property
-    def handover_weight(self) -> float:
-        """Weight of process-reward credit against uniform credit (1 with handover off)."""
-        return 1.0 if self.config.handover.mode == "off" else float(self.reliability)
+    # -- the hand-over loop's hooks (:class:`FrozenValuesCredit`) ---------------------------------
+    def prepare_values(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
+        """No source scores the prompt: ``V(s_0)`` is the group's mean reward (groups may span
+        processes, so it is set from the rewards credit sees, not from the scoring pass)."""
+        values = values.clone()
+        values[:, 0] = group_mean.to(values.device, values.dtype)
+        return values
 
-    def estimate_from_values(
-        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
-    ) -> Estimate:
-        """Scores as values (this method's, or computed elsewhere: each process's rows in TRL,
-        the driver's in verl): ``V(s_0)`` set to the group mean of ``rewards`` (groups may span
-        processes), anchored (``credit.anchor``) and handed over from uniform credit by
-        :attr:`handover_weight`."""
-        mean, _ = credit.group_mean_std(rewards, group_ids)
-        values = values.clone().float()
-        values[:, 0] = mean.to(values.device, values.dtype)
-        values = anchor(values, mask, mean, self.config.anchor)
-        w = self.handover_weight
-        self._scored = (
-            values.detach(),
-            mask,
-            rewards.detach().clone(),
-            group_ids.detach().clone(),
-            live,
-        )
-        stats = dict(self._stats)
-        self._stats = {}
-        cost = Cost(extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0))
-        stats.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
-        return Estimate(
-            Values(values, mask, lam=self.lam, handover_weight=min(max(w, 0.0), 1.0)), cost, stats
-        )
-
-    def _last_scored(
-        self, rewards: Tensor, group_ids: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        if self._scored is None:
-            return None
-        values, mask, scored_rewards, groups, live = self._scored
-        same = (
-            scored_rewards.shape == rewards.shape
-            and torch.equal(scored_rewards, rewards.detach().to(scored_rewards.device))
-            and torch.equal(groups, group_ids.detach().to(groups.device))
-        )
-        return (values, mask, live) if same else None
-
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Score the values the last estimate used (or, for a batch it did not see, the batch's
-        own) on the batch's outcomes and fold the slope into the reliability. The PRM itself
-        learns nothing."""
-        found = self._last_scored(batch.rewards, batch.group_ids)
-        if found is None:
-            values, mask = self.segment_values(batch)
-            return self.update_from_values(
-                values, mask, batch.rewards, batch.group_ids, live_rows(batch)
-            )
-        return self._score(*found, batch.rewards, batch.group_ids)
-
-    def update_from_values(
-        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
-    ) -> dict[str, float]:
-        """:meth:`update` for rows whose values were computed elsewhere."""
-        found = self._last_scored(rewards, group_ids)
-        if found is None:
-            est = self.estimate_from_values(values, mask, rewards, group_ids, live)
-            found = est.credit.values, mask, live
-        return self._score(*found, rewards, group_ids)
-
-    def _score(
-        self, scored: Tensor, mask: Tensor, live: Tensor, rewards: Tensor, group_ids: Tensor
-    ) -> dict[str, float]:
-        device = scored.device
-        live = live.to(device)
-        mean = credit.group_mean_std(rewards, group_ids)[0].to(device)
-        baseline = None if self.config.anchor == "none" else mean[live]
-        score, slope, skill = handover_scores(
-            scored[live],
-            mask.to(device)[live],
-            rewards.to(device)[live],
-            baseline,
-            self.config.handover.score,
-            min_rms=MIN_DEPARTURE_RMS,
-        )
-        self.reliability = smoothed_reliability(
-            self.reliability, score, self.config.handover.smoothing
-        )
-        self.num_updates += 1
-        self._scored = None
-        return {
-            "value/slope": slope,
-            "value/skill": skill,
-            "value/reliability_after": float(self.reliability),
-        }
-
-    def pretrain(self, sample_batch, steps: int) -> dict[str, float]:
-        """Measure reliability on ``steps`` batches from ``sample_batch()`` before RL (the PRM
-        itself is frozen)."""
-        if steps < 0:
-            raise ValueError(f"pretrain steps must be >= 0, got {steps}")
-        slopes = [self.update(sample_batch())["value/slope"] for _ in range(steps)]
-        measured = [s for s in slopes if not math.isnan(s)]
-        return {
-            "value_pretrain/steps": float(steps),
-            "value_pretrain/slope_mean": sum(measured) / len(measured)
-            if measured
-            else float("nan"),
-            "value_pretrain/reliability": float(self.reliability),
-        }
-
-    # -- state (the hand-over only: the PRM is frozen and reloaded from its source) -----------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "reliability": float(self.reliability),
-            "num_updates": self.num_updates,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
-        if state.get("version") != 1:
-            raise ValueError(
-                f"process_reward state has version {state.get('version')!r}; this code reads 1"
-            )
-        self.reliability = float(state["reliability"])
-        self.num_updates = int(state["num_updates"])
+    def pass_stats(self) -> dict[str, float]:
+        stats, self._stats = self._stats, {}
+        return stats
