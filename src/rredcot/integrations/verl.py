@@ -54,6 +54,7 @@ from rredcot.integrations._batch import (
     segment_completions,
     span_mask,
 )
+from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit, build_probes
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
@@ -311,8 +312,6 @@ def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
         if name == "uniform":
             _METHOD_CACHE[key] = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None))
         elif name == "answer_likelihood":
-            from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit
-
             task = task_settings(config)
             if task is None:
                 raise ValueError(
@@ -548,8 +547,6 @@ def build_probe_data(
             ``reward_model["ground_truth"]``).
     """
     from verl import DataProto
-
-    from rredcot.methods.answer_likelihood import build_probes
 
     b = data.batch
     prompts, responses = b["prompts"], b["responses"]

@@ -19,14 +19,10 @@ both estimators are made safe the same way:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
 from rredcot import credit
-
-if TYPE_CHECKING:
-    from rredcot.batch import RolloutBatch
+from rredcot.batch import RolloutBatch
 
 __all__ = [
     "anchor",
