@@ -798,7 +798,7 @@ def current_key(dotted: str, cls: type | None = None, where: str = "") -> str:
 def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
     """The parsed content of a YAML file; a missing file, a directory, bytes that are not UTF-8 or
     malformed YAML are a ``UserError`` that names the file and the place."""
-    import yaml
+    import yaml  # CLI start-up: YAML is read only with --config (and by runs)
 
     path = Path(path)
     if not path.exists():
@@ -831,7 +831,7 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
     """Write ``cfg`` as YAML atomically: a reader (or a resumed run) never sees half a file."""
-    import yaml
+    import yaml  # CLI start-up, as read_yaml_file
 
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -169,7 +169,7 @@ def _child_result(
 
 
 def _threads() -> int:
-    import torch
+    import torch  # in the worker only (see above)
 
     return torch.get_num_threads()
 
@@ -205,7 +205,7 @@ def _trl_dataset(task, tokenizer, n: int, seed: int):
 
 def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
     """TRL's ``GRPOTrainer`` with the same model, prompts, batch and length; times per step."""
-    import torch
+    import torch  # a worker's own imports (see above); TRL below is the optional extra `trl`
     from transformers import AutoTokenizer, TrainerCallback
 
     _require_trl()

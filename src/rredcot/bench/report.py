@@ -110,7 +110,7 @@ def plot_mean_std(
     hlines: dict[str, float] | None = None,
 ) -> Path:
     """One line per curve name with a shaded ± std band; optional labelled horizontal lines."""
-    import matplotlib
+    import matplotlib  # only when a plot is drawn (seconds of import; the Agg backend)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -546,7 +546,7 @@ def build_probe_data(
         answer_key: non-tensor column with the reference answers (default ``answer``, else
             ``reward_model["ground_truth"]``).
     """
-    from verl import DataProto
+    from verl import DataProto  # the optional extra `verl`
 
     b = data.batch
     prompts, responses = b["prompts"], b["responses"]
