@@ -387,13 +387,13 @@ def test_bench_overhead_structure(init_dir, tmp_path):
 def test_bench_peer_workers_and_summary(init_dir, tmp_path):
     """Both workers of ``bench peer`` in this process (the command runs each in its own), on a
     tiny random policy; then the summary and the page."""
+    from rredcot.bench.configs import parse_trl_overrides
     from rredcot.bench.peer import (
         PHASES as PEER_PHASES,
     )
     from rredcot.bench.peer import (
         PeerBenchConfig,
         _worker_command,
-        parse_trl_overrides,
         peer_markdown,
         run_rredcot,
         run_trl,

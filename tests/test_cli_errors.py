@@ -157,12 +157,12 @@ def test_stdin_text_keeps_text_mode_line_ends(monkeypatch, capsys):
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
-    import rredcot.trainer
+    import rredcot.cli_train
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in rredcot")
 
-    monkeypatch.setattr(rredcot.trainer, "train", broken)
+    monkeypatch.setattr(rredcot.cli_train, "train", broken)
     with pytest.raises(RuntimeError, match="a bug in rredcot"):
         main(["train", "--out", str(tmp_path / "r")])
 
@@ -186,10 +186,10 @@ def test_every_config_field_has_help_text():
         ModelConfig,
         MonteCarloConfig,
         SamplingConfig,
+        SFTConfig,
         TrainConfig,
         ValueHeadConfig,
     )
-    from rredcot.sft import SFTConfig
 
     configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
     configs += [ValueHeadConfig, HandoverConfig, AnswerLikelihoodConfig, MonteCarloConfig]

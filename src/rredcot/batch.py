@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from rredcot.tasks.base import Problem, Verdict
+from rredcot.tasks.base import Problem, Verdict
 
 __all__ = ["RolloutBatch"]
 

@@ -3,64 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from rredcot import __version__
-from rredcot.config import (
-    TrainConfig,
-    add_dataclass_flags,
-    given_fields,
-    resolve_config,
-    split_task_args,
-)
+from rredcot.bench.cli import add_bench_parser, run_bench
+from rredcot.cli_explain import add_explain_parser, run_explain
+from rredcot.cli_segment import add_segment_parser
+from rredcot.config import SFTConfig, TrainConfig, add_dataclass_flags, split_task_args
 from rredcot.errors import UserError
+
+# The CLI's one lazy import. The flags of every command are built from torch-free modules (the
+# configs, the segmenters, the explain and bench parsers); the commands that train run from
+# modules that import torch, transformers and accelerate at their top, so these are imported only
+# when their command runs: `rredcot --help`, `segment` with a text strategy and `explain --demo`
+# start in a fraction of a second (tests/test_cli_startup.py). bench runs each benchmark's module
+# the same way (bench.cli.SUBCOMMANDS).
+DEFERRED = {
+    "train": "rredcot.cli_train:run_train",
+    "sft": "rredcot.cli_train:run_warmstart",
+}
+# the commands that take --task.NAME VALUE parameters
+TASK_COMMANDS = ("train", "sft", "explain", "bench")
+
+
+def deferred(command: str):
+    """The runner of a command in :data:`DEFERRED`, imported when it is called."""
+    module, _, name = DEFERRED[command].partition(":")
+
+    def run(args: argparse.Namespace, task_args: dict) -> int:
+        return getattr(importlib.import_module(module), name)(args, task_args)
+
+    return run
 
 
 def _config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     parser.add_argument("--config", default=None, help="YAML file with any of the fields below.")
     add_dataclass_flags(parser, cls)
-
-
-def _overrides(
-    args: argparse.Namespace, skip: tuple[str, ...] = ("command", "config", "func")
-) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in skip}
-
-
-def cmd_train(args: argparse.Namespace, task_args: dict) -> int:
-    from rredcot.trainer import train
-
-    overrides = _overrides(args)
-    cfg = resolve_config(TrainConfig, args.config, overrides, task_args)
-    result = train(cfg, given=given_fields(args.config, overrides, task_args))
-    start, final = result["start_accuracy"], result["final_accuracy"]
-    if start is not None and final is not None:
-        print(
-            f"greedy accuracy: {start:.1%} before RL -> {final:.1%} after {result['steps']} steps "
-            f"({final - start:+.1%}); run directory: {result['run_dir']}"
-        )
-    return 0
-
-
-def cmd_sft(args: argparse.Namespace, task_args: dict) -> int:
-    from rredcot.sft import SFTConfig, run_sft
-
-    cfg = resolve_config(SFTConfig, args.config, _overrides(args), task_args)
-    run_sft(cfg)
-    return 0
-
-
-def cmd_explain(args: argparse.Namespace, task_args: dict) -> int:
-    from rredcot.cli_explain import run_explain
-
-    return run_explain(args, task_args)
-
-
-def cmd_bench(args: argparse.Namespace, task_args: dict) -> int:
-    from rredcot.bench.cli import run_bench
-
-    return run_bench(args, task_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,33 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="Alias of --credit_method.",
     )
-    p.set_defaults(func=cmd_train)
-
-    from rredcot.sft import SFTConfig
+    p.set_defaults(func=deferred("train"))
 
     p = sub.add_parser(
         "sft", help="Supervised warm-start of the tiny model to the edge of competence."
     )
     _config_flags(p, SFTConfig)
-    p.set_defaults(func=cmd_sft)
+    p.set_defaults(func=deferred("sft"))
 
-    from rredcot.cli_segment import add_segment_parser
-
-    add_segment_parser(sub)
-
-    from rredcot.cli_explain import add_explain_parser
-
+    add_segment_parser(sub)  # sets its own func: cli_segment.run_segment
     add_explain_parser(sub)
-    p = sub.choices["explain"]
-    p.set_defaults(func=cmd_explain)
-
-    try:
-        from rredcot.bench.cli import add_bench_parser
-    except ImportError:
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
-        sub.choices["bench"].set_defaults(func=cmd_bench)
+    sub.choices["explain"].set_defaults(func=run_explain)
+    add_bench_parser(sub)
+    sub.choices["bench"].set_defaults(func=run_bench)
     return parser
 
 
@@ -128,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("train", "sft", "explain", "bench"):
+        if args.command in TASK_COMMANDS:
             return args.func(args, task_args)
         if task_args:
             raise ValueError(f"--task.* flags are not used by `rredcot {args.command}`")

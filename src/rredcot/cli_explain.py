@@ -8,9 +8,6 @@ import sys
 
 from rredcot.explain import demo_sections, render_html, render_terminal
 
-# explain_model imports torch and transformers: loaded when a checkpoint is explained, so that
-# `rredcot --help` and `rredcot explain --demo` stay fast.
-
 
 def add_explain_parser(sub) -> None:
     p = sub.add_parser("explain", help="Show where the credit goes, segment by segment.")
@@ -54,6 +51,7 @@ def run_explain(args: argparse.Namespace, task_args: dict) -> int:
             )
         sections = demo_sections(args.error_step, seed=args.seed, lam=args.lam)
     else:
+        # lazy: CLI start-up (explain_model imports torch; `--demo` and `--help` start without it)
         from rredcot.explain_model import explain_checkpoint
 
         sections = explain_checkpoint(args, task_args)

@@ -29,6 +29,7 @@ from rredcot.segment import (
     list_segmenters,
     token_positions,
 )
+from rredcot.tasks.base import Problem
 
 
 def add_segment_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -121,7 +122,7 @@ def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[Span]]:
 
 
 def _offsets(tokenizer_path: str, text: str) -> list[Span]:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: CLI start-up (only --tokenizer needs it)
 
     return _encode(AutoTokenizer.from_pretrained(tokenizer_path), text)[1]
 
@@ -136,10 +137,15 @@ def token_entropies(
     special tokens otherwise; an empty prompt that encodes to nothing is replaced by the bos (else
     eos) token, so that the first token of ``text`` has a distribution.
     """
+    # lazy: CLI start-up (the entropy strategies alone need torch; the text ones start without it)
     import torch
 
-    from rredcot.rollout import context_limit, policy_forward, prompt_special_tokens, render_prompt
-    from rredcot.tasks.base import Problem
+    from rredcot.rollout import (  # lazy: as torch
+        context_limit,
+        policy_forward,
+        prompt_special_tokens,
+        render_prompt,
+    )
 
     prompt_text = render_prompt(Problem(prompt, "", {}), tokenizer) if prompt else ""
     prompt_ids = tokenizer(prompt_text, add_special_tokens=prompt_special_tokens(tokenizer))[
@@ -222,7 +228,7 @@ def run_segment(args: argparse.Namespace) -> int:
         text = _read_trace(args.file)
         offsets = entropies = None
         if segmenter.uses_entropy:
-            from rredcot.models import load_policy
+            from rredcot.models import load_policy  # lazy: CLI start-up (imports torch)
 
             model, tokenizer = load_policy(args.checkpoint, device=args.device)
             offsets, entropies = token_entropies(model, tokenizer, text, args.prompt)

@@ -723,6 +723,54 @@ is evaluated, checkpointed, logged and placed, never what it trains."""
 _INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not what it is
 
 
+# `rredcot sft`'s config (run by sft.run_sft): here with the others, torch-free, so that the CLI
+# builds its flags without importing the trainer's libraries.
+@dataclass
+class SFTConfig:
+    task: str = help_field("Task whose gold traces the model learns.", default="arithmetic")
+    task_args: dict = help_field("Task parameters (CLI: --task.NAME VALUE).", default_factory=dict)
+    out: str = help_field("Output checkpoint directory.", default="runs/warmstart")
+    seed: int = help_field("Random seed.", default=0)
+    hidden_size: int = help_field("Tiny Llama hidden size.", default=128)
+    num_layers: int = help_field("Tiny Llama layers.", default=4)
+    num_heads: int = help_field("Tiny Llama attention heads.", default=4)
+    max_steps: int = help_field("Upper bound on optimiser steps.", default=1200)
+    max_seconds: float = help_field(
+        "Upper bound on wall-clock seconds (0: none). The default warm-start is bounded by steps "
+        "only, so that its result does not depend on how busy the machine is.",
+        default=0.0,
+    )
+    threads: int = help_field(
+        "CPU threads for torch; the tiny model gains nothing from more.", default=1
+    )
+    batch_size: int = help_field("Gold traces per optimiser step.", default=64)
+    lr: float = help_field("Peak learning rate (AdamW).", default=2e-3)
+    eval_every: int = help_field("Greedy evaluation every N steps.", default=50)
+    eval_size: int = help_field("Held-out prompts per evaluation.", default=128)
+    target_accuracy: float = help_field(
+        "Stop at the first evaluation at or above this greedy accuracy (edge of competence).",
+        default=0.5,
+    )
+    max_accuracy: float = help_field("Upper end of the edge-of-competence band.", default=0.75)
+    early_answer_prob: float = help_field(
+        "Probability that a gold trace is cut after k < n steps and then answered (teaches the "
+        "model to answer early; needed by answer_likelihood credit).",
+        default=0.0,
+    )
+    max_new_tokens: int = help_field("Longest completion in evaluation.", default=64)
+    progress: bool = help_field("Show a progress bar.", default=True)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.early_answer_prob <= 1:
+            raise ValueError("early_answer_prob must be in [0, 1]")
+        if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
+            raise ValueError("need 0 < target_accuracy <= max_accuracy <= 1")
+        if self.max_seconds < 0 or self.threads < 0:
+            raise ValueError("max_seconds and threads must be >= 0")
+        if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
+            raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+
+
 # ---------------------------------------------------------------------------------------------
 # dataclass <-> dict <-> YAML <-> argparse
 
@@ -870,7 +918,7 @@ def current_key(dotted: str, cls: type | None = None, where: str = "") -> str:
 def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
     """The parsed content of a YAML file; a missing file, a directory, bytes that are not UTF-8 or
     malformed YAML are a ``UserError`` that names the file and the place."""
-    import yaml
+    import yaml  # CLI start-up: YAML is read only with --config (and by runs)
 
     path = Path(path)
     if not path.exists():
@@ -903,7 +951,7 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
     """Write ``cfg`` as YAML atomically: a reader (or a resumed run) never sees half a file."""
-    import yaml
+    import yaml  # CLI start-up, as read_yaml_file
 
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from rredcot.segment import get_segmenter
+from rredcot.tasks import get_task
 
 
 @dataclass
@@ -148,8 +149,6 @@ def demo_sections(
     """A gold trace and the same trace with an error injected at ``error_step``, with the values
     an ideal estimator would give (the probability of finishing right from each prefix), next to
     GRPO's uniform credit for the wrong trace."""
-    from rredcot.tasks import get_task
-
     task = get_task("arithmetic")
     problem = task.eval_problems(1, seed=seed)[0]
     gold = task.gold_completion(problem)

@@ -22,10 +22,18 @@ from pathlib import Path
 
 import torch
 
-from rredcot import credit
+from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
+from rredcot.config import CreditConfig, SamplingConfig, load_yaml
+from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
-from rredcot.methods.base import CreditOutput
+from rredcot.methods.base import CreditContext, CreditOutput, build_credit
+from rredcot.models import load_policy, resolve_model_dir
+from rredcot.rollout import build_rollout_batch, fill_forward
+from rredcot.segment import segmenter_from_config
+from rredcot.tasks import get_task
+from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt
+from rredcot.tasks.base import Problem
 
 DEFAULT_TASK = "arithmetic"
 
@@ -48,9 +56,6 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
     ``trainer_state.pt``), a run directory (``checkpoints/``, its latest checkpoint is used), or
     a GGUF file or shipped model (``smollm2-135m-instruct``): their dequantised copy.
     """
-    from rredcot import runio
-    from rredcot.models import resolve_model_dir
-
     p = Path(resolve_model_dir(path)).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
@@ -65,8 +70,6 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
     if (p / "policy").is_dir() and (p / "trainer_state.pt").exists():
         reason = runio.verify_checkpoint(p)
         if reason is not None:
-            from rredcot.errors import UserError
-
             raise UserError(
                 f"checkpoint {p} cannot be used: {reason}; pass an older checkpoint, or the run "
                 "directory (its newest valid checkpoint is used)"
@@ -88,8 +91,6 @@ def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
     """The task (name, parameters) the checkpoint was trained on, when it says so: the run's
     ``config.yaml`` or the warm-start's ``warmstart.json``."""
     if resolved.run_dir is not None:
-        from rredcot.config import load_yaml
-
         cfg = load_yaml(resolved.run_dir / "config.yaml")
         return cfg.task, dict(cfg.task_args)
     info = resolved.policy_dir / "warmstart.json"
@@ -103,8 +104,6 @@ def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
 def choose_task(resolved: ResolvedCheckpoint, name: str | None, task_args: dict):
     """``name`` (default: the checkpoint's task, else arithmetic) with the checkpoint's task
     parameters under the ones given on the command line."""
-    from rredcot.tasks import get_task
-
     saved = checkpoint_task(resolved)
     chosen = name or (saved[0] if saved else DEFAULT_TASK)
     params = dict(saved[1]) if saved and saved[0] == chosen else {}
@@ -115,8 +114,6 @@ def choose_task(resolved: ResolvedCheckpoint, name: str | None, task_args: dict)
 def load_method_state(method, run_or_checkpoint: str | Path) -> Path:
     """Load a credit method's state (the value head) from a run's latest checkpoint (or the
     given checkpoint) ``trainer_state.pt["credit_method"]``. Returns the checkpoint used."""
-    from rredcot import runio
-
     p = Path(run_or_checkpoint).expanduser()
     ckpt = p if (p / "trainer_state.pt").exists() else runio.latest_checkpoint(p)
     if ckpt is None:
@@ -133,7 +130,6 @@ def run_credit_config(run_dir: str | Path | None):
     """``(credit_method, CreditConfig, SamplingConfig)`` of a run, or None without a run."""
     if run_dir is None or not (Path(run_dir) / "config.yaml").exists():
         return None
-    from rredcot.config import load_yaml
 
     cfg = load_yaml(Path(run_dir) / "config.yaml")
     return cfg.credit_method, cfg.credit, cfg.sampling
@@ -209,8 +205,6 @@ def _reference_answer(task, prompt: str) -> tuple[str, str]:
     """A free prompt's reference answer where the task can work it out (arithmetic chains);
     returns (prompt, answer) with the prompt normalised to the task's format, or (prompt, "")."""
     if task.name == "arithmetic":
-        from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt
-
         for text in (prompt, prompt.strip() + "\n"):
             chain = parse_prompt(text)
             if chain is not None:
@@ -224,13 +218,6 @@ def explain_checkpoint(
     """Sample ``args.samples`` completions for one prompt from the checkpoint's policy, compute
     ``args.method``'s credit and return ``(title, prompt, segments)`` sections for a correct and
     an incorrect trace (or one trace when all agree)."""
-    from rredcot.config import CreditConfig, SamplingConfig
-    from rredcot.methods.base import CreditContext, build_credit
-    from rredcot.models import load_policy
-    from rredcot.rollout import build_rollout_batch, fill_forward
-    from rredcot.segment import segmenter_from_config
-    from rredcot.tasks.base import Problem
-
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: sample at least one completion")
     resolved = resolve_checkpoint(args.checkpoint)

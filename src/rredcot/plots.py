@@ -23,7 +23,7 @@ CURVES = [
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write ``plots/<metric>.png`` for every metric of ``CURVES`` that the run logged."""
-    import matplotlib
+    import matplotlib  # only when a plot is drawn (seconds of import; the Agg backend)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

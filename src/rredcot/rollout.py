@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 from rredcot import credit, decode
 from rredcot import shared_prompt as shared_prompt_forward
@@ -184,8 +185,6 @@ def plain_generation_config(policy):
     a block runs. ``generate`` fills every setting the caller leaves unset from the model's own
     config, so a hub model's repetition penalty or top-k would silently change the sampling
     distribution away from the one the loss scores."""
-    from transformers import GenerationConfig
-
     own = getattr(policy, "generation_config", None)
     if own is None:
         yield

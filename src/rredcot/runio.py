@@ -24,13 +24,16 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
+from safetensors import safe_open
 
 from rredcot.config import TrainConfig, read_yaml_file, to_dict
 from rredcot.config import write_text_atomic as atomic_write_text
@@ -381,7 +384,6 @@ def _verify_by_loading(ckpt: Path) -> str | None:
     weights = sorted((ckpt / "policy").glob("*.safetensors"))
     if not weights and not list((ckpt / "policy").glob("*.bin")):
         return "policy/ holds no model weights"
-    from safetensors import safe_open
 
     for path in weights:
         try:
@@ -436,10 +438,6 @@ def resume_checkpoint(run_dir: str | Path, *, log=print, main: bool = True) -> P
 
 
 def capture_rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -451,10 +449,6 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -15,62 +15,28 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rredcot.config import cache_root, help_field, save_yaml, to_dict
+import torch
+from tqdm.auto import tqdm
+
+from rredcot.config import SFTConfig, cache_root, save_yaml, to_dict
+from rredcot.errors import UserError
+from rredcot.evaluation import greedy_accuracy
+from rredcot.models import (
+    DEFAULT_REAL_MODEL,
+    SHIPPED_MODELS,
+    TINY_MODEL,
+    build_char_tokenizer,
+    build_tiny_llama,
+    count_parameters,
+    shipped_model_available,
+)
+from rredcot.rollout import prompt_special_tokens, render_prompt
+from rredcot.seeding import seed_everything
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task
-
-# torch is imported inside the functions that use it: the CLI builds its flags from SFTConfig,
-# and `rredcot --help` should not pay seconds for an import it does not need.
-
-
-@dataclass
-class SFTConfig:
-    task: str = help_field("Task whose gold traces the model learns.", default="arithmetic")
-    task_args: dict = help_field("Task parameters (CLI: --task.NAME VALUE).", default_factory=dict)
-    out: str = help_field("Output checkpoint directory.", default="runs/warmstart")
-    seed: int = help_field("Random seed.", default=0)
-    hidden_size: int = help_field("Tiny Llama hidden size.", default=128)
-    num_layers: int = help_field("Tiny Llama layers.", default=4)
-    num_heads: int = help_field("Tiny Llama attention heads.", default=4)
-    max_steps: int = help_field("Upper bound on optimiser steps.", default=1200)
-    max_seconds: float = help_field(
-        "Upper bound on wall-clock seconds (0: none). The default warm-start is bounded by steps "
-        "only, so that its result does not depend on how busy the machine is.",
-        default=0.0,
-    )
-    threads: int = help_field(
-        "CPU threads for torch; the tiny model gains nothing from more.", default=1
-    )
-    batch_size: int = help_field("Gold traces per optimiser step.", default=64)
-    lr: float = help_field("Peak learning rate (AdamW).", default=2e-3)
-    eval_every: int = help_field("Greedy evaluation every N steps.", default=50)
-    eval_size: int = help_field("Held-out prompts per evaluation.", default=128)
-    target_accuracy: float = help_field(
-        "Stop at the first evaluation at or above this greedy accuracy (edge of competence).",
-        default=0.5,
-    )
-    max_accuracy: float = help_field("Upper end of the edge-of-competence band.", default=0.75)
-    early_answer_prob: float = help_field(
-        "Probability that a gold trace is cut after k < n steps and then answered (teaches the "
-        "model to answer early; needed by answer_likelihood credit).",
-        default=0.0,
-    )
-    max_new_tokens: int = help_field("Longest completion in evaluation.", default=64)
-    progress: bool = help_field("Show a progress bar.", default=True)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.early_answer_prob <= 1:
-            raise ValueError("early_answer_prob must be in [0, 1]")
-        if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
-            raise ValueError("need 0 < target_accuracy <= max_accuracy <= 1")
-        if self.max_seconds < 0 or self.threads < 0:
-            raise ValueError("max_seconds and threads must be >= 0")
-        if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
-            raise ValueError("batch_size, max_steps and eval_every must be >= 1")
 
 
 def _training_text(task: Task, problem, rng: random.Random, early_answer_prob: float) -> str:
@@ -90,10 +56,6 @@ def _training_text(task: Task, problem, rng: random.Random, early_answer_prob: f
 
 def _encode_batch(tokenizer, prompts: list[str], completions: list[str], device):
     """Right-padded ``prompt + completion + eos`` ids and a loss mask on the completion."""
-    import torch
-
-    from rredcot.rollout import prompt_special_tokens
-
     special = prompt_special_tokens(tokenizer)
     rows, masks = [], []
     for prompt, completion in zip(prompts, completions):
@@ -115,8 +77,6 @@ def _encode_batch(tokenizer, prompts: list[str], completions: list[str], device)
 def _check_out(out: Path) -> None:
     """``--out`` is replaced as a whole at the end: refuse a file, or a directory that holds
     anything but an earlier warm-start (``warmstart.json``)."""
-    from rredcot.errors import UserError
-
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a directory; pick another --out")
     if out.is_dir() and any(out.iterdir()) and not (out / "warmstart.json").exists():
@@ -131,13 +91,6 @@ def _check_out(out: Path) -> None:
 
 def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
-    import torch
-
-    from rredcot.evaluation import greedy_accuracy
-    from rredcot.models import build_char_tokenizer, build_tiny_llama, count_parameters
-    from rredcot.rollout import render_prompt
-    from rredcot.seeding import seed_everything
-
     _check_out(Path(cfg.out))  # before minutes of training, not after
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -167,8 +120,6 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     accuracy, best_in_band = 0.0, None
     bar = None
     if cfg.progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=cfg.max_steps, desc="warm-start", unit="step", dynamic_ncols=True)
     step = 0
     for step in range(1, cfg.max_steps + 1):
@@ -278,13 +229,6 @@ def default_policy_source(
     ``tiny_shape`` (``hidden_size``, ``num_layers``, ``num_heads``: ``--model.tiny_*``) sizes
     the tiny model of a warm-start that has to be built (each shape is cached on its own).
     """
-    from rredcot.models import (
-        DEFAULT_REAL_MODEL,
-        SHIPPED_MODELS,
-        TINY_MODEL,
-        shipped_model_available,
-    )
-
     if name_or_path and str(name_or_path).strip().lower() != TINY_MODEL:
         return str(name_or_path)
     task_name = getattr(task, "name", str(task))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from rredcot import credit as credit_algebra
 from rredcot import runio
@@ -30,6 +31,7 @@ from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_train
 from rredcot.config import TrainConfig, resume_config, write_text_atomic
 from rredcot.evaluation import greedy_accuracy
 from rredcot.loss import policy_loss
+from rredcot.plots import plot_run
 from rredcot.rollout import (
     build_rollout_batch,
     fill_forward,
@@ -154,8 +156,6 @@ class Trainer:
         self.sink.close()
         if main:
             try:
-                from rredcot.plots import plot_run
-
                 plot_run(self.run_dir)
             except Exception as err:  # noqa: BLE001 - plots are a convenience, never fatal
                 self.log(f"plotting skipped: {err}")
@@ -573,7 +573,6 @@ def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> flo
 def _progress(enabled: bool, total: int, initial: int):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="rl", unit="step", dynamic_ncols=True)
 

@@ -20,11 +20,14 @@ from rredcot.bench.configs import (
     LearnBenchConfig,
     OverheadBenchConfig,
     PeerBenchConfig,
+    parse_trl_overrides,
 )
+from rredcot.bench.variants import parse_set
 from rredcot.config import CreditConfig, add_dataclass_flags, from_dict
 from rredcot.errors import UserError
 
-# name -> (config, runner module, runner, help, description)
+# name -> (config, runner module, runner, help, description). A benchmark's module imports torch
+# at its top: it is imported (importlib) only when its benchmark runs, as rredcot.cli.DEFERRED.
 SUBCOMMANDS = {
     "credit": (
         CreditBenchConfig,
@@ -115,8 +118,6 @@ def add_bench_parser(sub) -> None:
 
 def bench_config(command: str, args: argparse.Namespace, task_args: dict):
     """The validated config of ``rredcot bench COMMAND`` from its parsed flags."""
-    from rredcot.bench.variants import parse_set
-
     cls = SUBCOMMANDS[command][0]
     names = {f.name for f in dataclasses.fields(cls)}
     given = {k: v for k, v in vars(args).items() if k in names and k not in SPECIAL_FIELDS}
@@ -128,8 +129,6 @@ def bench_config(command: str, args: argparse.Namespace, task_args: dict):
         credit_flags = {k: v for k, v in vars(args).items() if k.startswith("credit.")}
         given["overrides"] = {**parse_set(getattr(args, "set_pairs", [])), **credit_flags}
     if "trl_overrides" in names:
-        from rredcot.bench.peer import parse_trl_overrides
-
         given["trl_overrides"] = parse_trl_overrides(getattr(args, "trl_pairs", []))
     if command == "credit":
         if not given.get("checkpoint"):

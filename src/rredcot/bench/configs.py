@@ -6,12 +6,16 @@ turns each dataclass into its subcommand's flags with the same generator as ``rr
 ``rredcot.bench.overhead.OverheadBenchConfig``, ``rredcot.bench.peer.PeerBenchConfig``.
 
 Fields that are not plain flags: ``task`` (``--task NAME``), ``task_args`` (``--task.KEY VALUE``),
-``overrides`` (``--set KEY=VALUE``, repeatable) and ``trl_overrides`` (``--trl-set KEY=VALUE``).
+``overrides`` (``--set KEY=VALUE``, repeatable) and ``trl_overrides`` (``--trl-set KEY=VALUE``,
+read by :func:`parse_trl_overrides`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from rredcot.config import help_field
 
@@ -207,3 +211,27 @@ class PeerBenchConfig:
             raise ValueError("--warmup and --threads must be >= 0")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
+
+
+def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["bf16=true", "loss_type=grpo"]`` -> ``{"bf16": True, "loss_type": "grpo"}`` (values are
+    JSON where they parse as JSON, strings otherwise); keys must be ``GRPOConfig`` fields."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--trl-set {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    if out:
+        try:
+            from trl import GRPOConfig  # the optional extra `trl`
+        except ImportError as err:
+            raise ImportError("bench peer needs TRL: pip install 'rredcot[trl]'") from err
+        known = {f.name for f in dataclasses.fields(GRPOConfig)}
+        bad = sorted(set(out) - known)
+        if bad:
+            raise ValueError(f"--trl-set: {', '.join(bad)} are not GRPOConfig fields")
+    return out

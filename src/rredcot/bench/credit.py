@@ -63,9 +63,24 @@ from rredcot.batch import RolloutBatch
 from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.bench.report import fmt, markdown_table, write_report
+from rredcot.bench.stats import require
 from rredcot.bench.variants import Variant, dir_name, parse_variants
+from rredcot.config import SamplingConfig
+from rredcot.explain import render_html
+from rredcot.explain_model import (
+    choose_task,
+    load_method_state,
+    resolve_checkpoint,
+    run_credit_config,
+    segment_credits,
+)
+from rredcot.methods.base import CreditContext, build_credit
+from rredcot.methods.monte_carlo import mc_values
+from rredcot.methods.value_head import expected_calibration_error
+from rredcot.models import load_policy
 from rredcot.rollout import build_rollout_batch, fill_forward, segment_batch
 from rredcot.segment import segmenter_from_config
+from rredcot.train_setup import resolve_device
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -77,8 +92,6 @@ def spearman(x: torch.Tensor, y: torch.Tensor, decimals: int | None = 9) -> floa
     ``decimals`` rounds both inputs first so that float noise (``0.1 + 0.2`` vs ``0.3``) ties.
     NaN when fewer than two entries or either side is constant.
     """
-    from rredcot.bench.stats import require
-
     spearmanr = require("scipy.stats").spearmanr
     x = x.detach().flatten().double().cpu()
     y = y.detach().flatten().double().cpu()
@@ -124,8 +137,6 @@ def value_errors(
     values: list[list[float]], targets: list[list[float]], num_bins: int = 10
 ) -> tuple[float, float]:
     """``(MSE, ECE)`` of predicted values against target values over all entries."""
-    from rredcot.methods.value_head import expected_calibration_error
-
     v = torch.tensor([x for row in values for x in row], dtype=torch.float64)
     t = torch.tensor([x for row in targets for x in row], dtype=torch.float64)
     if v.numel() == 0:
@@ -198,9 +209,6 @@ class _Collected:
 
 
 def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, device):
-    from rredcot.config import SamplingConfig
-    from rredcot.methods.base import CreditContext
-
     sampling = SamplingConfig(
         num_generations=cfg.samples,
         temperature=cfg.temperature,
@@ -307,8 +315,6 @@ class _GroundTruth:
 
 def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfig) -> _GroundTruth:
     """``V_MC`` from ``cfg.mc_k`` rollouts per boundary and the advantages at ``cfg.lam``."""
-    from rredcot.methods.monte_carlo import mc_values
-
     t0 = time.perf_counter()
     gt = _GroundTruth([], [], [], {}, 0.0)
     for b in traces.batches:
@@ -338,8 +344,6 @@ def evaluate_method(
     method, policy, traces: _Traces, cfg: CreditBenchConfig, example_rows: list[int], device
 ) -> _Collected:
     """Run ``method`` on every chunk as the trainer would (forward, then ``compute``), timed."""
-    from rredcot.explain_model import segment_credits
-
     layers = method.hidden_layers if method.needs_hidden_states else None
     col = _Collected(values=[])
     wanted = {i: traces.locate(i) for i in example_rows}
@@ -396,8 +400,6 @@ def method_scores(
 def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer, segmenter, log):
     """Make a learned method meaningful on the frozen policy: load it from ``--run`` or fit it
     on the fresh ``fit_batches`` (each scored before the head trains on it). Returns a summary."""
-    from rredcot.explain_model import load_method_state
-
     if not method.state_dict():
         return {}
     if saved_run is not None and saved_run[0] == method.name:
@@ -421,17 +423,6 @@ def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer
 def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     """Run the credit-quality benchmark; writes ``credit.json``, ``credit.md`` and example
     pages ``examples_<segmenter>.html`` under ``cfg.out`` and returns the JSON content."""
-    from rredcot.explain import render_html
-    from rredcot.explain_model import (
-        choose_task,
-        resolve_checkpoint,
-        run_credit_config,
-        segment_credits,
-    )
-    from rredcot.methods.base import build_credit
-    from rredcot.models import load_policy
-    from rredcot.train_setup import resolve_device
-
     variants = parse_variants(cfg.methods)
     if "uniform" not in [v.name for v in variants]:
         variants.insert(0, Variant("uniform", "uniform"))

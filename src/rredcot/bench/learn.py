@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rredcot import runio
 from rredcot.bench.configs import LearnBenchConfig
 from rredcot.bench.report import (
     fmt,
@@ -53,6 +54,13 @@ from rredcot.bench.report import (
 )
 from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
+from rredcot.config import TrainConfig, load_yaml, resolve_config, to_dict
+from rredcot.loss import policy_loss
+from rredcot.rollout import policy_forward
+from rredcot.runio import MetricsLog
+from rredcot.sft import default_policy_source
+from rredcot.tasks import get_task
+from rredcot.train_setup import resolve_max_new_tokens
 from rredcot.trainer import Trainer
 
 PROBE_SEED = 987_654  # problems and sampling of the variance probe batch
@@ -94,9 +102,6 @@ def bootstrap_trace_cov(
 
 def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.Tensor:
     """``(groups, D)``: the flattened policy gradient of each prompt group's PG loss at ratio 1."""
-    from rredcot.loss import policy_loss
-    from rredcot.rollout import policy_forward
-
     cfg = trainer.cfg
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
     rows_by_group: dict[int, list[int]] = {}
@@ -205,9 +210,6 @@ class ProbedTrainer(Trainer):
 
 def base_init(cfg: LearnBenchConfig, log) -> str:
     """The one warm-start checkpoint every run starts from."""
-    from rredcot.config import TrainConfig, resolve_config
-    from rredcot.tasks import get_task
-
     if cfg.init:
         return cfg.init
     base = resolve_config(
@@ -215,7 +217,6 @@ def base_init(cfg: LearnBenchConfig, log) -> str:
     )
     if base.init:
         return base.init
-    from rredcot.sft import default_policy_source
 
     task = get_task(base.task, **base.task_args)
     return default_policy_source(
@@ -230,8 +231,6 @@ def _task_override(cfg: LearnBenchConfig, overrides: dict) -> dict:
 def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, run_dir: Path):
     """The ``TrainConfig`` of one run: YAML, ``--set``, the variant, then the bench's fixed
     fields (init, seed, budget, step cap, run directory)."""
-    from rredcot.config import TrainConfig, resolve_config
-
     fixed: dict[str, Any] = {
         "init": init,
         "out": str(run_dir),
@@ -249,9 +248,6 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
     overrides = {**variant_overrides, **fixed}
     tcfg = resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
     if tcfg.sampling.max_new_tokens == 0:
-        from rredcot.tasks import get_task
-        from rredcot.train_setup import resolve_max_new_tokens
-
         resolve_max_new_tokens(tcfg, get_task(tcfg.task, **tcfg.task_args))
     return tcfg
 
@@ -259,8 +255,6 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
 def _check_same_config(run_dir: Path, tcfg) -> None:
     """A run directory left by an earlier call must have been made with the same settings, or
     skipping / resuming it would mix two experiments."""
-    from rredcot.config import load_yaml, to_dict
-
     saved = run_dir / "config.yaml"
     if not saved.exists():
         return
@@ -286,8 +280,6 @@ def run_one(
         log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
         return json.loads(done.read_text())
     if (run_dir / "config.yaml").exists():  # an earlier call left this run unfinished
-        from rredcot import runio
-
         if runio.latest_checkpoint(run_dir) is not None:
             tcfg.resume = str(run_dir)
         else:
@@ -310,8 +302,6 @@ def run_one(
 def run_curve(run_dir: Path) -> dict[str, list[float]]:
     """Held-out accuracy points of one run: budget tokens (policy + extra), policy tokens, extra
     tokens, training wall-clock (sum of ``step_seconds``, evaluation excluded) and accuracy."""
-    from rredcot.runio import MetricsLog
-
     curve: dict[str, list[float]] = {
         k: [] for k in ("step", "tokens", "policy_tokens", "extra_tokens", "seconds", "accuracy")
     }

@@ -32,8 +32,11 @@ from typing import Any
 import torch
 
 from rredcot.bench.configs import OverheadBenchConfig
+from rredcot.bench.learn import LearnBenchConfig, base_init
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
+from rredcot.config import TrainConfig, resolve_config
+from rredcot.trainer import Trainer
 
 PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")
 VALUE_HEAD_TARGET = 1.05
@@ -46,10 +49,6 @@ def _sync(device: torch.device) -> None:
 
 def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
     """Interleave full trainer steps of every method; write ``overhead.json`` / ``overhead.md``."""
-    from rredcot.bench.learn import LearnBenchConfig, base_init
-    from rredcot.config import TrainConfig, resolve_config
-    from rredcot.trainer import Trainer
-
     variants = parse_variants(cfg.methods)
     if "uniform" not in [v.name for v in variants]:
         variants.insert(0, Variant("uniform", "uniform"))

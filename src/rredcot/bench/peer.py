@@ -34,6 +34,7 @@ Writes ``peer.json`` (every step of every process) and ``peer.md`` under ``--out
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -48,6 +49,8 @@ from typing import Any
 
 from rredcot.bench.configs import PeerBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
+from rredcot.config import TrainConfig, resolve_config
+from rredcot.tasks import get_task
 
 TRAINERS = ("rredcot", "trl")
 PHASES = ("generation", "scoring", "update")
@@ -78,14 +81,16 @@ def _peak_rss_bytes(*seen: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# the two workers (each runs in its own process)
+# the two workers (each runs in its own process). Each imports what its trainer needs when it
+# starts, not at this module's top: the parent runs no model, and a worker's resident memory after
+# its imports is one of the figures, so neither trainer's process carries the other's libraries.
 
 
 def _resolve(cfg: PeerBenchConfig, log) -> tuple[Any, str, int]:
     """(task, model directory, completion length) shared by both trainers."""
+    # lazy: a worker imports only its own trainer's libraries (its RSS after imports is measured)
     from rredcot.models import resolve_model_dir
-    from rredcot.sft import default_policy_source
-    from rredcot.tasks import get_task
+    from rredcot.sft import default_policy_source  # lazy: as above
 
     task = get_task(cfg.task, **cfg.task_args)
     model_dir = resolve_model_dir(default_policy_source(task, cfg.model, log=log), log=log)
@@ -95,8 +100,7 @@ def _resolve(cfg: PeerBenchConfig, log) -> tuple[Any, str, int]:
 
 def run_rredcot(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
     """rredcot's trainer, uniform credit, ``warmup + steps`` steps; times per step."""
-    from rredcot.config import TrainConfig, resolve_config
-    from rredcot.trainer import Trainer
+    from rredcot.trainer import Trainer  # lazy: a worker imports only its own trainer
 
     rss_import = _rss_bytes()
     task, model_dir, length = _resolve(cfg, log)
@@ -165,7 +169,7 @@ def _child_result(
 
 
 def _threads() -> int:
-    import torch
+    import torch  # in the worker only (see above)
 
     return torch.get_num_threads()
 
@@ -201,13 +205,13 @@ def _trl_dataset(task, tokenizer, n: int, seed: int):
 
 def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
     """TRL's ``GRPOTrainer`` with the same model, prompts, batch and length; times per step."""
-    import torch
+    import torch  # a worker's own imports (see above); TRL below is the optional extra `trl`
     from transformers import AutoTokenizer, TrainerCallback
 
     _require_trl()
     from trl import GRPOConfig, GRPOTrainer
 
-    from rredcot.integrations.trl import task_reward
+    from rredcot.integrations.trl import task_reward  # lazy: as run_rredcot's Trainer
 
     rss_import = _rss_bytes()
     if cfg.threads:
@@ -310,30 +314,6 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
         rss_setup = _rss_bytes()
         trainer.train()
     return _child_result("trl", model_dir, length, rss_import, rss_setup, steps)
-
-
-def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``["bf16=true", "loss_type=grpo"]`` -> ``{"bf16": True, "loss_type": "grpo"}`` (values are
-    JSON where they parse as JSON, strings otherwise); keys must be ``GRPOConfig`` fields."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--trl-set {pair!r}: expected KEY=VALUE")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    if out:
-        try:
-            from trl import GRPOConfig
-        except ImportError as err:
-            raise ImportError("bench peer needs TRL: pip install 'rredcot[trl]'") from err
-        known = {f.name for f in dataclasses.fields(GRPOConfig)}
-        bad = sorted(set(out) - known)
-        if bad:
-            raise ValueError(f"--trl-set: {', '.join(bad)} are not GRPOConfig fields")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,8 +529,6 @@ def peer_markdown(report: dict[str, Any]) -> str:
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="rredcot.bench.peer")
     p.add_argument("--worker", choices=TRAINERS, required=True)
     p.add_argument("--spec", required=True)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from rredcot.config import write_text_atomic
+
 
 def clean(value: Any) -> Any:
     """JSON-safe copy: NaN/inf become None, tensors and numpy scalars become numbers/lists."""
@@ -27,23 +29,19 @@ def clean(value: Any) -> Any:
 
 
 def write_json(data: Any, path: str | Path) -> Path:
-    from rredcot.runio import atomic_write_text
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(clean(data), indent=2) + "\n")
+    write_text_atomic(path, json.dumps(clean(data), indent=2) + "\n")
     return path
 
 
 def write_report(report: dict, out_dir: str | Path, stem: str, markdown) -> str:
     """Write ``<stem>.json`` and ``<stem>.md`` (rendered by ``markdown(report)``) under
     ``out_dir``, both atomically; returns the Markdown."""
-    from rredcot.runio import atomic_write_text
-
     out_dir = Path(out_dir)
     write_json(report, out_dir / f"{stem}.json")
     md = markdown(report)
-    atomic_write_text(out_dir / f"{stem}.md", md)
+    write_text_atomic(out_dir / f"{stem}.md", md)
     return md
 
 
@@ -112,7 +110,7 @@ def plot_mean_std(
     hlines: dict[str, float] | None = None,
 ) -> Path:
     """One line per curve name with a shaded ± std band; optional labelled horizontal lines."""
-    import matplotlib
+    import matplotlib  # only when a plot is drawn (seconds of import; the Agg backend)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

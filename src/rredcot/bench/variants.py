@@ -67,6 +67,7 @@ def _dotted_key(key: str) -> str:
 
 def parse_variant(spec: str) -> Variant:
     """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked)."""
+    # lazy: CLI start-up (bench.cli builds its flags with this module; methods.base imports torch)
     from rredcot.methods.base import get_credit
 
     spec = spec.strip()

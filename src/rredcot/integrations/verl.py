@@ -61,6 +61,7 @@ from rredcot.integrations._batch import (
     segment_completions,
     span_mask,
 )
+from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit, build_probes
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
@@ -319,8 +320,6 @@ def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
         if name == "uniform":
             _METHOD_CACHE[key] = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None))
         elif name == "answer_likelihood":
-            from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit
-
             task = task_settings(config)
             if task is None:
                 raise ValueError(
@@ -575,9 +574,7 @@ def build_probe_data(
         answer_key: non-tensor column with the reference answers (default ``answer``, else
             ``reward_model["ground_truth"]``).
     """
-    from verl import DataProto
-
-    from rredcot.methods.answer_likelihood import build_probes
+    from verl import DataProto  # the optional extra `verl`
 
     b = data.batch
     prompts, responses = b["prompts"], b["responses"]

@@ -9,20 +9,19 @@ and returns an :class:`Estimate`: :class:`rredcot.credit.Values` (what ``V(s_k)`
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.credit import Cost, Values, Weights
 from rredcot.methods.handover import live_rows
-
-if TYPE_CHECKING:
-    from rredcot.config import CreditConfig, SamplingConfig
-    from rredcot.segment import Segmenter
-    from rredcot.tasks.base import Task
+from rredcot.segment import Segmenter
+from rredcot.tasks.base import Task
 
 
 @dataclass
@@ -267,8 +266,6 @@ def credit_names() -> list[str]:
 def get_credit(name: str) -> type[CreditMethod]:
     """The credit method class registered as ``name``."""
     if name not in _CREDIT_METHODS and name in _LAZY:
-        import importlib
-
         importlib.import_module(_LAZY[name])
     if name not in _CREDIT_METHODS:
         raise ValueError(f"unknown credit method {name!r}; valid: {', '.join(credit_names())}")

@@ -20,14 +20,10 @@ estimator is made safe the same way:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
 from rredcot import credit
-
-if TYPE_CHECKING:
-    from rredcot.batch import RolloutBatch
+from rredcot.batch import RolloutBatch
 
 __all__ = [
     "anchor",

@@ -51,6 +51,7 @@ from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import ValueHeadConfig
 from rredcot.credit import Cost, Values
+from rredcot.methods.answer_likelihood import ProbeFormat, answer_values, prefix_features
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
     anchor,
@@ -322,11 +323,6 @@ class ValueHeadCredit(CreditMethod):
         cached = self._alik_cache
         if cached is not None and cached[0]() is batch:
             return cached[1]
-        from rredcot.methods.answer_likelihood import (
-            ProbeFormat,
-            answer_values,
-            prefix_features,
-        )
 
         if len(batch.problems) != batch.size:
             raise ValueError(

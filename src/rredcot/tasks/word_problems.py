@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from rredcot.segment import DEFAULT_ANSWER_PATTERN
 from rredcot.tasks.base import Problem, Task, Verdict, register_task
+from rredcot.tasks.gsm8k_steps import UnparseableExpression, evaluate
 
 NAMES = (
     ("Tom", "He"),
@@ -214,8 +215,6 @@ def chain_values(start: int, ops: list[str], operands: list[int]) -> list[int]:
 
 
 def _evaluate(left: str) -> float | None:
-    from rredcot.tasks.gsm8k_steps import UnparseableExpression, evaluate
-
     try:
         return evaluate(re.sub(r"[A-Za-z]+", " ", left).replace("×", "*").replace("÷", "/"))
     except UnparseableExpression:
