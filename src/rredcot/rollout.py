@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from rredcot import credit, decode
 from rredcot import shared_prompt as shared_prompt_forward
 from rredcot.batch import RolloutBatch
-from rredcot.segment import Segmenter, token_offsets
+from rredcot.segment import Segmenter, segment_completion
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 
@@ -328,38 +328,6 @@ def checked_verify(task: Task, problem: Problem, completion: str) -> tuple[Verdi
     return verdict, True
 
 
-def segment_completion(
-    segmenter: Segmenter,
-    tokenizer,
-    text: str,
-    response_ids: list[int],
-    entropies: list[float] | None = None,
-) -> tuple[list[int], list[int]]:
-    """The one segmentation entry point for a sampled completion.
-
-    Args:
-        text: the decoded completion (no special tokens).
-        response_ids: the response's token ids, EOS included where it ended with one.
-        entropies: the policy's next-token entropy at each response token (entropy strategies).
-
-    Returns ``(boundaries [0, b_1, ..., b_n = len(response_ids)], char start of each segment)``;
-    the EOS token joins the last segment.
-    """
-    eos = tokenizer.eos_token_id
-    length = len(response_ids)
-    content_ids = response_ids[:-1] if response_ids and response_ids[-1] == eos else response_ids
-    offsets = token_offsets(tokenizer, content_ids)
-    if content_ids:
-        ent = None if entropies is None else list(entropies[: len(content_ids)])
-        bounds = segmenter.boundaries(text, offsets, entropies=ent)
-    else:
-        bounds = [0]
-    if length > len(content_ids):  # the EOS token joins the last segment
-        bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
-    starts = [offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]]
-    return bounds, starts
-
-
 def segment_batch(
     batch: RolloutBatch,
     tokenizer,
@@ -383,8 +351,8 @@ def segment_batch(
     for row, length in enumerate(lengths):
         ids = batch.input_ids[row, P : P + length].tolist()
         ent = None if entropies is None else entropies[row, :length].tolist()
-        bounds, starts = segment_completion(
-            segmenter, tokenizer, batch.completions[row], ids, entropies=ent
+        bounds, starts, _ = segment_completion(
+            segmenter, tokenizer, ids, text=batch.completions[row], entropies=ent
         )
         boundaries.append(bounds)
         char_starts.append(starts)

@@ -64,6 +64,7 @@ __all__ = [
     "Span",
     "cut_entropies",
     "decode_with_offsets",
+    "segment_completion",
     "get_segmenter",
     "segmenter_from_config",
     "list_segmenters",
@@ -1109,3 +1110,43 @@ def token_offsets(
     """Character spans of ``token_ids`` in ``tokenizer.decode(token_ids, skip_special_tokens=...)``
     (see ``decode_with_offsets``, which also returns that text)."""
     return decode_with_offsets(tokenizer, token_ids, skip_special_tokens=skip_special_tokens)[1]
+
+
+def segment_completion(
+    segmenter: Segmenter,
+    tokenizer: Any,
+    response_ids: Sequence[int],
+    *,
+    text: str | None = None,
+    eos_ids: Sequence[int] | None = None,
+    entropies: Sequence[float] | None = None,
+) -> tuple[list[int], list[int], str]:
+    """The one segmentation entry point for a generated completion (the trainer's rollouts, the
+    TRL and verl adapters, the benchmarks).
+
+    Args:
+        response_ids: the completion's token ids, a trailing EOS included where it ended so.
+        text: the decoded completion, if the caller has it (else decoded here, special tokens
+            skipped).
+        eos_ids: the ids that end a completion (default: the tokenizer's ``eos_token_id``); a
+            trailing one is not decoded and joins the last segment.
+        entropies: the policy's next-token entropy at each response token (entropy strategies).
+
+    Returns ``(boundaries [0, b_1, ..., b_n = len(response_ids)], char start of each segment,
+    text)``; ``[0]`` and no starts for an empty completion.
+    """
+    if eos_ids is None:
+        eos_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids = _as_id_list(response_ids)
+    content = ids[:-1] if ids and ids[-1] in set(eos_ids) else ids
+    decoded, offsets = decode_with_offsets(tokenizer, content)
+    text = decoded if text is None else text
+    if content:
+        ent = None if entropies is None else list(entropies[: len(content)])
+        bounds = segmenter.boundaries(text, offsets, entropies=ent)
+    else:
+        bounds = [0]
+    if len(ids) > len(content):  # the EOS token joins the last segment
+        bounds = bounds[:-1] + [len(ids)] if len(bounds) > 1 else [0, len(ids)]
+    starts = [offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]]
+    return bounds, starts, text

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
-from rredcot.segment import Segmenter, decode_with_offsets
+from rredcot.segment import Segmenter, segment_completion
 from rredcot.tasks.base import Problem, Verdict
 
 __all__ = [
@@ -72,14 +72,11 @@ def segment_completions(
     ids_rows = completion_ids.tolist()
     boundaries, char_starts, texts = [], [], []
     for row, length in enumerate(lengths):
-        ids = ids_rows[row][:length]
-        content = ids[:-1] if ids and ids[-1] in eos else ids
-        text, offsets = decode_with_offsets(tokenizer, content)
-        bounds = segmenter.boundaries(text, offsets) if content else [0]
-        if length > len(content):  # the EOS token joins the last segment
-            bounds = bounds[:-1] + [length] if len(bounds) > 1 else [0, length]
-        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
+        bounds, starts, text = segment_completion(
+            segmenter, tokenizer, ids_rows[row][:length], eos_ids=sorted(eos)
+        )
         boundaries.append(bounds)
+        char_starts.append(starts)
         texts.append(text)
     return boundaries, char_starts, texts
 

@@ -63,6 +63,7 @@ from rredcot.integrations._batch import (
 )
 from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit, build_probes
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
+from rredcot.methods.process_reward import ProcessRewardCredit
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem
@@ -330,8 +331,6 @@ def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
                 cfg, CreditContext(policy=None, tokenizer=None, task=task)
             )
         elif name == "process_reward":
-            from rredcot.methods.process_reward import ProcessRewardCredit
-
             # on the driver: a function runs where verl's driver does, a PRM on its CPU
             _METHOD_CACHE[key] = ProcessRewardCredit(
                 cfg, CreditContext(policy=None, tokenizer=None)

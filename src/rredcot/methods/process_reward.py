@@ -60,7 +60,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor
+from transformers import AutoConfig, AutoTokenizer
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
@@ -200,9 +202,6 @@ class PRMScorer:
     tokens run through the model (padding excluded)."""
 
     def __init__(self, options: ProcessRewardConfig, device: torch.device | str = "cpu") -> None:
-        import transformers
-        from transformers import AutoConfig, AutoTokenizer
-
         name = options.model
         self.options = options
         self.device = torch.device(device)
