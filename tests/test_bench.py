@@ -206,6 +206,42 @@ def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokeniz
     assert torch.equal(redone.input_ids, coarse.input_ids)
 
 
+def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
+    tiny_policy, char_tokenizer
+):
+    """The credit bench cuts entropy strategies at the entropies the trainer reads from its
+    forward (at the sampling temperature); without the policy it says what is missing."""
+    from rredcot.rollout import build_rollout_batch, policy_forward, segment_batch
+    from rredcot.segment import get_segmenter
+
+    torch.manual_seed(3)
+    batch, _ = build_rollout_batch(
+        tiny_policy,
+        char_tokenizer,
+        _FirstCharTask(),
+        _FirstCharTask().eval_problems(2, seed=0),
+        get_segmenter("tokens:6"),
+        num_generations=3,
+        max_new_tokens=14,
+        temperature=0.7,
+    )
+    entropy = get_segmenter("entropy:top=0.3,min=1")
+    redone = resegment(batch, char_tokenizer, entropy, tiny_policy, temperature=0.7)
+    with torch.no_grad():
+        ent = policy_forward(
+            tiny_policy,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            with_entropy=True,
+            temperature=0.7,
+        ).entropy
+    assert redone.boundaries == segment_batch(batch, char_tokenizer, entropy, ent).boundaries
+    assert max(len(b) - 1 for b in redone.boundaries) > 1
+    with pytest.raises(ValueError, match="entropies"):
+        resegment(batch, char_tokenizer, entropy)
+
+
 # ---------------------------------------------------------------------------------------------
 # the commands end to end
 

@@ -78,7 +78,7 @@ from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.methods.value_head import expected_calibration_error
 from rredcot.models import load_policy
-from rredcot.rollout import build_rollout_batch, fill_forward, segment_batch
+from rredcot.rollout import build_rollout_batch, fill_forward, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.train_setup import resolve_device
 
@@ -150,11 +150,28 @@ def value_errors(
 # batches
 
 
-def resegment(batch: RolloutBatch, tokenizer, segmenter) -> RolloutBatch:
+def resegment(
+    batch: RolloutBatch, tokenizer, segmenter, policy=None, temperature: float = 1.0
+) -> RolloutBatch:
     """The same traces cut by another segmenter (:func:`rredcot.rollout.segment_batch`, the one
     segmentation entry point: boundaries, segment ids, segment starts and shared-prefix ids);
-    hidden states are dropped, the next ``fill_forward`` recomputes them."""
-    cut = segment_batch(batch, tokenizer, segmenter)
+    hidden states are dropped, the next ``fill_forward`` recomputes them. The entropy strategies
+    read the ``policy``'s next-token entropies at the sampling ``temperature`` (one no-grad
+    forward, as the trainer reads them from its loss forward)."""
+    entropies = None
+    if segmenter.uses_entropy:
+        if policy is None:
+            raise ValueError(f"segmenter {segmenter.strategy!r} needs the policy's entropies")
+        with torch.no_grad():
+            entropies = policy_forward(
+                policy,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.prompt_len,
+                with_entropy=True,
+                temperature=temperature,
+            ).entropy
+    cut = segment_batch(batch, tokenizer, segmenter, entropies)
     return cut.replace(old_logprobs=None, hidden_states=None)
 
 
@@ -409,7 +426,7 @@ def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer
         queue = iter(fit_batches)
 
         def next_batch() -> RolloutBatch:
-            b = resegment(next(queue), tokenizer, segmenter)
+            b = resegment(next(queue), tokenizer, segmenter, policy, cfg.temperature)
             return fill_forward(policy, b, hidden_layers=layers)
 
         t0 = time.perf_counter()
@@ -500,7 +517,9 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     example_pages: dict[str, str] = {}
     for seg_name in segmenter_names:
         segmenter = segmenter_from_config(base_credit, pattern, seg_name)
-        traces = _Traces.of([resegment(b, tokenizer, segmenter) for b in sampled])
+        traces = _Traces.of(
+            [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
+        )
         # 2. ground truth
         gt = ground_truth(policy, tokenizer, task, traces, cfg)
         gt_summary[seg_name] = {
