@@ -104,7 +104,11 @@ def test_one_token_segments_reproduce_verls_gae():
         rewards, values, mask, gamma=1.0, lam=lam
     )
     cfg = algo_config(
-        lam=lam, normalization="whiten", anchor="none", value_head=dict(td_lambda=lam)
+        lam=lam,
+        normalization="whiten",
+        anchor="none",
+        value_head=dict(td_lambda=lam),
+        handover=dict(mode="off"),  # the critic's own credit from the first step
     )
     adv, ret = rv.compute_rredcot_advantage(
         rewards, mask, index=np.arange(B), config=cfg, segment_ids=segment_ids, values=values
@@ -116,7 +120,8 @@ def test_one_token_segments_reproduce_verls_gae():
 
 def test_critic_credit_is_per_segment(char_tokenizer):
     data = make_data(char_tokenizer)
-    raw = {"rredcot": {"normalization": "none", "value_anchor": "none"}}  # the critic as it is
+    off = {"mode": "off"}  # the critic's credit at full weight (no hand-over from GRPO)
+    raw = {"rredcot": {"normalization": "none", "value_anchor": "none", "handover": off}}
     rv.compute_advantage_for_data(data, char_tokenizer, raw)
     adv, ret = data.batch["advantages"], data.batch["returns"]
     values, mask = data.batch["values"], data.batch["response_mask"].bool()
@@ -137,7 +142,9 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     # the default normalisation divides by each prompt group's outcome std, or by the batch's
     # where a group's outcomes agree
     data2 = make_data(char_tokenizer)
-    rv.compute_advantage_for_data(data2, char_tokenizer, {"rredcot": {"value_anchor": "none"}})
+    rv.compute_advantage_for_data(
+        data2, char_tokenizer, {"rredcot": {"value_anchor": "none", "handover": off}}
+    )
     scores = torch.tensor(SCORES)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
     _, group_std = credit.group_mean_std(scores, torch.as_tensor(inverse))
@@ -147,10 +154,105 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     # head's: every trace gets GRPO's total credit R - mean R_group (lam = 1: on segment 1)
     data3 = make_data(char_tokenizer)
     rv.compute_advantage_for_data(
-        data3, char_tokenizer, {"rredcot": {"normalization": "none", "lam": 1.0}}
+        data3, char_tokenizer, {"rredcot": {"normalization": "none", "lam": 1.0, "handover": off}}
     )
     mean, _ = credit.group_mean_std(scores, torch.as_tensor(inverse))
     torch.testing.assert_close(data3.batch["advantages"][:, 0], scores - mean)
+
+
+def _grpo_advantages(data) -> torch.Tensor:
+    """GRPO's token advantages of a verl batch: ``R - mean R_group`` on every response token,
+    with rredcot's default normalisation (the group's outcome std, the batch's where a group's
+    outcomes agree)."""
+    R = data.batch["token_level_rewards"].sum(dim=1)
+    _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
+    mean, group_std = credit.group_mean_std(R, torch.as_tensor(inverse))
+    std = torch.where(group_std < 0.1, R.std().clamp_min(0.1), group_std)
+    return ((R - mean) / (std + 1e-4))[:, None] * data.batch["response_mask"]
+
+
+def _critic_credit_before_the_handover(data, tokenizer, lam: float) -> torch.Tensor:
+    """The critic's credit as the estimator computed it before it had the hand-over: its
+    values at the segment starts anchored on the group mean, plus the dense rewards received
+    so far, segment GAE, default normalisation."""
+    batch = data.batch
+    mask = batch["response_mask"]
+    seg = rv.segment_responses(
+        batch["responses"], mask, tokenizer, rv.make_segmenter(CreditConfig())
+    )
+    raw, raw_mask = rv.critic_boundary_values(
+        batch["values"], rv.boundaries_from_segment_ids(seg, mask)
+    )
+    R = batch["token_level_rewards"].sum(dim=1)
+    _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
+    groups = torch.as_tensor(inverse)
+    mean, _ = credit.group_mean_std(R, groups)
+    prefix = rv.dense_prefix_rewards(
+        batch["token_level_rewards"], seg, rv.num_segments_of(seg, mask)
+    )  # no holes: the segment ids are their filled ids
+    anchored = credit.anchor_values(raw, raw_mask, mean) + prefix[:, : raw.shape[1]]
+    estimate = credit.Values(anchored, raw_mask, lam=lam)
+    return credit.token_credit(
+        estimate, R, groups, seg, mask.float(), "group_or_batch_std"
+    ).advantages
+
+
+def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
+    """The critic goes through the hand-over of every rredcot value source: GRPO's credit on the
+    first step, the critic's as it earns trust on later steps' outcomes; with the hand-over off,
+    the critic's anchored credit at full weight, as before. Its returns never change."""
+    monkeypatch.setattr(rv, "_METHOD_CACHE", {})
+    lam = 0.5
+    # hand-over off: today's critic credit (anchored values, weight 1), bit for bit
+    off = {"rredcot": {"lam": lam, "handover": {"mode": "off"}}}
+    data_off = make_data(char_tokenizer)
+    rv.compute_advantage_for_data(data_off, char_tokenizer, off)
+    expected = _critic_credit_before_the_handover(data_off, char_tokenizer, lam)
+    assert torch.equal(data_off.batch["advantages"], expected)
+    assert not torch.allclose(expected, _grpo_advantages(data_off), atol=1e-3)
+    dense = make_data(char_tokenizer)  # a step reward and a KL penalty inside the traces
+    dense.batch["token_level_rewards"][0, 2] += 0.5
+    dense.batch["token_level_rewards"][3] -= 0.01 * dense.batch["response_mask"][3]
+    rv.compute_advantage_for_data(dense, char_tokenizer, off)
+    torch.testing.assert_close(
+        dense.batch["advantages"], _critic_credit_before_the_handover(dense, char_tokenizer, lam)
+    )
+
+    # the default (reliability): the first step is GRPO's, then one update of the reliability
+    on = {"rredcot": {"lam": lam}}
+    data = make_data(char_tokenizer)
+    rv.compute_advantage_for_data(data, char_tokenizer, on)
+    torch.testing.assert_close(data.batch["advantages"], _grpo_advantages(data))
+    torch.testing.assert_close(data.batch["returns"], data_off.batch["returns"], rtol=0, atol=0)
+    method = rv._method_for("critic", rv.credit_settings(on)[1], on)
+    assert isinstance(method, rv.CriticCredit) and method.num_updates == 1
+    with pytest.raises(ValueError, match="verl's critic"):
+        method.segment_values(None)
+
+    # a critic whose values predict the outcomes earns trust: the weight rises above 0 and the
+    # credit departs from GRPO towards the critic's, A = A_grpo + w (A_critic - A_grpo)
+    rv._METHOD_CACHE.clear()
+    scores = torch.tensor(SCORES)
+    mask = make_data(char_tokenizer).batch["response_mask"]
+    predictive = (0.1 + 0.8 * scores)[:, None].expand_as(mask).clone()
+    predictive[:, 0] = 0.5  # V(s_0): what it thinks of the prompt (the anchor replaces it)
+    predictive = predictive * mask
+    weights = []
+    for step in range(4):
+        data = make_data(char_tokenizer)
+        data.batch["values"] = predictive.clone()
+        method = rv._method_for("critic", rv.credit_settings(on)[1], on)
+        w = method.handover_weight
+        weights.append(w)
+        rv.compute_advantage_for_data(data, char_tokenizer, on)
+        assert method.num_updates == step + 1
+        grpo = _grpo_advantages(data)
+        own = _critic_credit_before_the_handover(data, char_tokenizer, lam)
+        torch.testing.assert_close(data.batch["advantages"], grpo + w * (own - grpo))
+    assert weights[0] == 0.0 and all(b > a for a, b in zip(weights[:-1], weights[1:]))
+    # slope >= 1 clips to 1 each step: the EMA (decay 0.9) gives 1 - 0.9^k
+    assert weights[-1] == pytest.approx(1 - 0.9**3)
+    assert not torch.allclose(data.batch["advantages"], grpo, atol=1e-3)
 
 
 def test_segments_survive_verls_batch_ops(char_tokenizer):
@@ -205,6 +307,10 @@ def test_example_config_composes_with_verls_own():
     assert method == "critic" and credit_cfg.min_chars == 8 and credit_cfg.lam == 0.5
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64  # verl's defaults merged under
     assert "ppo_epochs" in cfg.actor_rollout_ref.actor
+    with initialize_config_dir(config_dir=str(here), version_base=None):
+        cfg = compose("rredcot_gsm8k", overrides=["+algorithm.rredcot.handover.mode=off"])
+    assert rv.credit_settings(cfg.algorithm)[1].handover.mode == "off"  # the critic at weight 1
+    assert CreditConfig().handover.mode == "reliability"  # the default: handed over from GRPO
 
 
 def test_multi_turn_mask_with_holes(char_tokenizer):
@@ -226,7 +332,8 @@ def test_multi_turn_mask_with_holes(char_tokenizer):
     )
     keep = mask.bool()
     assert torch.equal(segment_ids, full)  # the same cuts as the whole text, holes included
-    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": {"normalization": "none"}})
+    off = {"normalization": "none", "handover": {"mode": "off"}}  # the critic's own credit
+    rv.compute_advantage_for_data(data, char_tokenizer, {"rredcot": off})
     adv = data.batch["advantages"]
     assert torch.isfinite(adv).all() and (adv[~keep] == 0).all()
     bounds = rv.boundaries_from_segment_ids(segment_ids, mask)

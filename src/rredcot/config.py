@@ -241,7 +241,8 @@ class ValueHeadConfig:
 @dataclass
 class HandoverConfig:
     """The hand-over from uniform to value credit, shared by the value methods (value_head,
-    answer_likelihood, process_reward): how far the estimator's values are trusted, measured on fresh outcomes."""
+    answer_likelihood, process_reward, and verl's critic): how far the estimator's values are
+    trusted, measured on fresh outcomes."""
 
     mode: str = help_field(
         "Blend uniform and value credit by the estimator's measured reliability: 'reliability' "

@@ -25,7 +25,11 @@ V(prompt + response[:t])`` give ``V(s_k) = values[:, b_k]`` at every segment sta
 estimator returns TD(``value_head.td_lambda``) targets at segment starts as the critic's ``returns``
 (``value_head.td_lambda = 1``, the default: every token regresses on ``R``). Credit methods:
 
-- ``critic``: segment values from the critic, ``A_k`` by segment GAE with ``lam``;
+- ``critic``: segment values from the critic, ``A_k`` by segment GAE with ``lam``, with the guards
+  of every rredcot value source (:class:`CriticCredit`): anchored on the group's mean reward and
+  handed over from uniform (GRPO) credit by the critic's reliability, measured on each step's
+  outcomes after that step's credit (so the first step is GRPO's;
+  ``+algorithm.rredcot.handover.mode=off`` uses the critic's credit at full weight);
 - ``uniform``: GRPO through rredcot's algebra (no critic needed);
 - ``answer_likelihood``: the actor's probability of a correct answer after each prefix, probed
   through its own ``compute_log_prob`` (:func:`build_probe_data`, :func:`probe_values`);
@@ -52,8 +56,8 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
+from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, from_dict
-from rredcot.credit import Values
 from rredcot.integrations._batch import (
     group_ids_from_keys,
     prompt_text,
@@ -63,6 +67,7 @@ from rredcot.integrations._batch import (
 )
 from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit, build_probes
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
+from rredcot.methods.frozen_values import FrozenValuesCredit
 from rredcot.methods.process_reward import ProcessRewardCredit
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
@@ -77,6 +82,7 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
     ) from err
 
 __all__ = [
+    "CriticCredit",
     "ESTIMATOR",
     "METHODS",
     "TRAINER_MODE",
@@ -310,6 +316,26 @@ def _with_dense_rewards(values: Tensor, mask: Tensor, prefix: Tensor) -> Tensor:
     return torch.where(mask, shifted, values)
 
 
+class CriticCredit(FrozenValuesCredit):
+    """``credit_method=critic``: values from verl's critic, with the guards of every rredcot value
+    source (the group-mean anchor, the hand-over from uniform credit by measured reliability,
+    safe normalisation; :class:`~rredcot.methods.frozen_values.FrozenValuesCredit`).
+
+    verl trains the critic; this method learns only how far to trust it: the slope of the
+    outcomes on its last prefix value, measured on each step's outcomes after that step's credit,
+    is the next steps' hand-over weight (0 at the start: GRPO until the critic has earned trust).
+    ``credit.handover.mode=off`` uses the critic's credit at full weight from the first step."""
+
+    name = "critic"
+
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        raise ValueError(
+            "credit_method=critic reads its values from verl's critic (data.batch['values'], "
+            "critic.enable=True): the estimator passes them to estimate_from_values / "
+            "update_from_values; this method cannot compute values of a batch itself"
+        )
+
+
 _METHOD_CACHE: dict[tuple, CreditMethod] = {}
 
 
@@ -320,6 +346,8 @@ def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
     if key not in _METHOD_CACHE:
         if name == "uniform":
             _METHOD_CACHE[key] = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None))
+        elif name == "critic":
+            _METHOD_CACHE[key] = CriticCredit(cfg, CreditContext(policy=None, tokenizer=None))
         elif name == "answer_likelihood":
             task = task_settings(config)
             if task is None:
@@ -358,7 +386,8 @@ def compute_rredcot_advantage(
             segments they fall in (:func:`dense_prefix_rewards`).
         response_mask: ``(B, T)``; holes (multi-turn tool outputs) get no advantage.
         index: ``(B,)`` prompt ids (verl's ``uid``): the groups of ``uniform`` credit, of the
-            group-mean anchor and of ``group_std`` normalisation.
+            group-mean anchor, of the GRPO credit the hand-over blends from and of
+            ``group_std`` normalisation.
         config: verl's algorithm config; ``config.rredcot`` holds the settings
             (:func:`credit_settings`).
         segment_ids: ``(B, T)`` segment of each response token (:func:`segment_responses`);
@@ -445,20 +474,15 @@ def compute_rredcot_advantage(
             "critic.enable=True (or choose +algorithm.rredcot.credit_method=uniform)"
         )
     values = _fit_width(values.to(mask.device).float(), T, 0.0)
-    # The critic is one more value source through the same algebra: anchored on the group's
-    # mean reward like every rredcot value (credit.anchor), dense rewards kept.
+    # The critic is one more value source through the same path as the others: its values at
+    # the segment starts (dense rewards kept) anchored on the group's mean reward and handed
+    # over from uniform credit by the reliability measured on earlier steps' outcomes.
     raw, raw_mask = critic_boundary_values(values, boundaries)
-    anchor = None
-    if cfg.anchor == "group":
-        anchor, _ = credit.group_mean_std(rewards, group_ids)
-    anchored = raw if anchor is None else credit.anchor_values(raw, raw_mask, anchor)
-    estimate = Values(anchored + prefix[:, : raw.shape[1]].to(raw.device), raw_mask, lam=cfg.lam)
-    normalization = (
-        CreditMethod.default_normalization if cfg.normalization == "auto" else cfg.normalization
-    )
-    out = credit.token_credit(
-        estimate, rewards, group_ids, segment_ids, response_mask, normalization
-    )
+    method = _method_for(method_name, cfg, config)
+    given = _with_dense_rewards(raw, raw_mask, prefix)
+    estimate = method.estimate_from_values(given, raw_mask, rewards, group_ids, live)
+    out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
+    method.update_from_values(out.values, raw_mask, rewards, group_ids, live)  # after the credit
     # The critic predicts the return still to come: its targets exclude rewards already received.
     returns = _critic_returns(
         raw + prefix, raw_mask, rewards, segment_ids, response_mask, cfg.value_head.td_lambda
