@@ -185,6 +185,7 @@ def test_every_config_field_has_help_text():
         HandoverConfig,
         ModelConfig,
         MonteCarloConfig,
+        ProcessRewardConfig,
         SamplingConfig,
         SFTConfig,
         TrainConfig,
@@ -193,6 +194,7 @@ def test_every_config_field_has_help_text():
 
     configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
     configs += [ValueHeadConfig, HandoverConfig, AnswerLikelihoodConfig, MonteCarloConfig]
+    configs += [ProcessRewardConfig]
     configs += [CreditBenchConfig, LearnBenchConfig, OverheadBenchConfig, PeerBenchConfig]
     missing = [
         f"{cls.__name__}.{f.name}"
