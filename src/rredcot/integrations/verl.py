@@ -568,6 +568,29 @@ def _reference_answers(data, answer_key: str) -> list[str]:
     )
 
 
+def _driver_batch(data, tokenizer, segmenter, eos_token_ids, problems) -> RolloutBatch:
+    """A verl ``DataProto``'s prompts and responses as a :class:`RolloutBatch` on the driver,
+    segmented as the estimator segments them (rewards and groups are not needed there)."""
+    b = data.batch
+    prompts, responses = b["prompts"], b["responses"]
+    P = prompts.shape[1]
+    attention = b["attention_mask"]
+    response_mask = b["response_mask"] if "response_mask" in b.keys() else attention[:, P:]  # noqa: SIM118
+    B = responses.shape[0]
+    return rollout_batch_from_tensors(
+        prompt_ids=prompts,
+        prompt_mask=attention[:, :P],
+        completion_ids=responses,
+        completion_mask=span_mask(response_mask),
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        tokenizer=tokenizer,
+        segmenter=segmenter,
+        eos_token_ids=eos_token_ids,
+        problems=problems,
+    )
+
+
 def build_probe_data(
     data,
     tokenizer,
@@ -599,25 +622,11 @@ def build_probe_data(
     """
     from verl import DataProto  # the optional extra `verl`
 
-    b = data.batch
-    prompts, responses = b["prompts"], b["responses"]
-    P = prompts.shape[1]
-    attention = b["attention_mask"]
-    response_mask = b["response_mask"] if "response_mask" in b.keys() else attention[:, P:]  # noqa: SIM118
-    B = responses.shape[0]
     answers = _reference_answers(data, answer_key)
-    batch = rollout_batch_from_tensors(
-        prompt_ids=prompts,
-        prompt_mask=attention[:, :P],
-        completion_ids=responses,
-        completion_mask=span_mask(response_mask),
-        rewards=torch.zeros(B),
-        group_ids=torch.arange(B),
-        tokenizer=tokenizer,
-        segmenter=segmenter,
-        eos_token_ids=eos_token_ids,
-        problems=[Problem("", a) for a in answers],
+    batch = _driver_batch(
+        data, tokenizer, segmenter, eos_token_ids, [Problem("", a) for a in answers]
     )
+    P, responses, B = batch.prompt_len, data.batch["responses"], batch.size
     probes, _ = build_probes(batch, tokenizer, task, [[a] if a else [] for a in answers])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prefixes, probe_ids, keys = [], [], []
@@ -720,24 +729,8 @@ def process_reward_values(data, tokenizer, config: Any = None, eos_token_ids: An
             f"process_reward_values needs algorithm.rredcot.credit_method=process_reward, not "
             f"{method_name!r}"
         )
-    b = data.batch
-    prompts, responses = b["prompts"], b["responses"]
-    P = prompts.shape[1]
-    attention = b["attention_mask"]
-    response_mask = b["response_mask"] if "response_mask" in b.keys() else attention[:, P:]  # noqa: SIM118
-    B = responses.shape[0]
-    batch = rollout_batch_from_tensors(
-        prompt_ids=prompts,
-        prompt_mask=attention[:, :P],
-        completion_ids=responses,
-        completion_mask=span_mask(response_mask),
-        rewards=torch.zeros(B),
-        group_ids=torch.arange(B),
-        tokenizer=tokenizer,
-        segmenter=make_segmenter(cfg, config),
-        eos_token_ids=eos_token_ids,
-        problems=[Problem(text, "") for text in _prompt_texts(data, tokenizer)],
-    )
+    problems = [Problem(text, "") for text in _prompt_texts(data, tokenizer)]
+    batch = _driver_batch(data, tokenizer, make_segmenter(cfg, config), eos_token_ids, problems)
     values, _ = _method_for(method_name, cfg, config).segment_values(batch)
     return values.cpu()
 
