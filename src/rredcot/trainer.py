@@ -188,7 +188,7 @@ class Trainer:
 
         # The forward the credit reads: on-policy, the loss forward itself (run first only for
         # methods that read it: hidden states, entropy cuts); otherwise a no-grad scoring pass.
-        loss_forward, forward_rows = None, torch.arange(batch.size)
+        loss_forward = None
         if not self.single_pass():
             batch = self._fill_forward(batch)
             clock.lap("old_logprobs")
@@ -201,9 +201,11 @@ class Trainer:
 
         advantages = credit_out.advantages.detach()
         if self.single_pass() and loss_forward is None:
-            forward_rows = self._rows_with_gradient(batch, forward_rows, advantages, ref_logprobs)
-            batch, loss_forward = self._loss_forward(batch, forward_rows)
-        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, forward_rows)
+            rows = self._rows_with_gradient(
+                batch, torch.arange(batch.size), advantages, ref_logprobs
+            )
+            batch, loss_forward = self._loss_forward(batch, rows)
+        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
         clock.lap("update")
 
         value_stats = self.method.update(batch)
@@ -331,16 +333,11 @@ class Trainer:
         return rows[((advantages[rows] != 0) & mask).any(dim=1)]
 
     def _optimise(
-        self,
-        batch: RolloutBatch,
-        advantages: torch.Tensor,
-        ref_logprobs,
-        loss_forward=None,
-        forward_rows: torch.Tensor | None = None,
+        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
     ) -> dict[str, float]:
         """Epochs x minibatches of optimiser steps; returns each metric's mean over the steps.
         With ``loss_forward`` (the single pass, :meth:`single_pass`) the one minibatch is the
-        whole batch in its own order and its graph is that forward's, over ``forward_rows``."""
+        whole batch in its own order and its graph is that forward's."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -351,30 +348,22 @@ class Trainer:
                 order = torch.arange(batch.size)  # the forward already ran in batch order
             for rows in order.chunk(cfg.minibatches):
                 steps.append(
-                    self._minibatch_step(
-                        batch, rows, advantages, ref_logprobs, loss_forward, forward_rows
-                    )
+                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward)
                 )
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
     def _minibatch_step(
-        self,
-        batch: RolloutBatch,
-        rows: torch.Tensor,
-        advantages,
-        ref_logprobs,
-        loss_forward,
-        forward_rows: torch.Tensor | None = None,
+        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
         (gradients are synchronised across processes on the last one only). Only the rows with
-        a gradient are forwarded (:meth:`_rows_with_gradient`); ``loss_forward`` already covers
-        ``forward_rows``."""
+        a gradient are forwarded (:meth:`_rows_with_gradient`); a ``loss_forward`` that covers
+        every row ran before the credit was known."""
         cfg = self.cfg
         rows = rows.to(self.device)
         num_tokens = float(batch.response_mask[rows].sum())
-        if loss_forward is not None and forward_rows is not None:
-            live = forward_rows.to(self.device)
+        if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
+            live = rows
         else:
             live = self._rows_with_gradient(batch, rows, advantages, ref_logprobs)
         live_tokens = float(batch.response_mask[live].sum())

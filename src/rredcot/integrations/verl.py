@@ -462,11 +462,9 @@ def compute_rredcot_advantage(
             given_mask = torch.arange(S1, device=mask.device).unsqueeze(0) <= num_segments.to(
                 mask.device
             ).unsqueeze(1)
-        given = _with_dense_rewards(given, given_mask, prefix)
-        estimate = method.estimate_from_values(given, given_mask, rewards, group_ids, live)
-        out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
-        if method_name != "uniform":  # the hand-over learns after the step's credit, as in core
-            method.update_from_values(out.values, given_mask, rewards, group_ids, live)
+        out = _credit_from_values(
+            method, given, given_mask, prefix, rewards, group_ids, segment_ids, response_mask, live
+        )
         return out.advantages, out.advantages
     if values is None:
         raise ValueError(
@@ -479,16 +477,36 @@ def compute_rredcot_advantage(
     # over from uniform credit by the reliability measured on earlier steps' outcomes.
     raw, raw_mask = critic_boundary_values(values, boundaries)
     method = _method_for(method_name, cfg, config)
-    given = _with_dense_rewards(raw, raw_mask, prefix)
-    estimate = method.estimate_from_values(given, raw_mask, rewards, group_ids, live)
-    out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
-    method.update_from_values(out.values, raw_mask, rewards, group_ids, live)  # after the credit
+    out = _credit_from_values(
+        method, raw, raw_mask, prefix, rewards, group_ids, segment_ids, response_mask, live
+    )
     # The critic predicts the return still to come: its targets exclude rewards already received.
     returns = _critic_returns(
         raw + prefix, raw_mask, rewards, segment_ids, response_mask, cfg.value_head.td_lambda
     )
     received = credit.segments_to_tokens(prefix[:, :-1], segment_ids, response_mask)
     return out.advantages, torch.where(mask, returns - received, torch.zeros_like(returns))
+
+
+def _credit_from_values(
+    method: CreditMethod,
+    values: Tensor,
+    value_mask: Tensor,
+    prefix: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor,
+    segment_ids: Tensor,
+    response_mask: Tensor,
+    live: Tensor,
+):
+    """Boundary values of any verl value source through the core's path: dense rewards kept,
+    the method's estimate (anchor, hand-over), the token credit; then the method learns from
+    this step's outcomes, after its credit, as in the core (a no-op for uniform credit)."""
+    given = _with_dense_rewards(values, value_mask, prefix)
+    estimate = method.estimate_from_values(given, value_mask, rewards, group_ids, live)
+    out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
+    method.update_from_values(out.values, value_mask, rewards, group_ids, live)
+    return out
 
 
 def _critic_returns(
