@@ -5,6 +5,25 @@ from __future__ import annotations
 
 import re
 
+TEXTS = [  # two prompts x three samples; the newline segmenter cuts each into lines
+    "2+3=5\n5*4=20\nA:20",  # right: segments "2+3=5", "5*4=20 + answer line"
+    "2+3=6\n6*4=24\nA:24",  # slips in segment 1
+    "2+3=5\nA:5",  # one segment
+    "7-1=6\n6+2=8\n8*2=16\nA:16",
+    "7-1=6\n6+2=9\nA:9",  # slips in segment 2
+    "7-1=6\n6+2=8\n8*2=16\nA:16",
+]
+REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+_G0, _G1 = 1 / 3, 2 / 3  # the two groups' mean rewards
+CHAIN_CREDIT = [  # chain_scores on TEXTS at lam 0: segment k gets V(s_k) - V(s_{k-1}), by hand
+    [0.9 - _G0, 1.0 - 0.9],
+    [0.1 - _G0, 0.0 - 0.1],
+    [0.0 - _G0],
+    [0.9 - _G1, 0.0, 1.0 - 0.9],
+    [0.9 - _G1, 0.0 - 0.9],
+    [0.9 - _G1, 0.0, 1.0 - 0.9],
+]
+
 _STEP = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 CALLS: list[tuple[str, str, list[int]]] = []
 

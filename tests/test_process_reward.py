@@ -23,15 +23,7 @@ SCORES_FILE = Path(prm_scores.__file__).resolve()
 CHAIN = "prm_scores:chain_scores"
 
 PROMPTS = ["2+3 then *4", "7-1 then +2 then *2"]
-TEXTS = [  # two prompts x three samples; the newline segmenter cuts each into lines
-    "2+3=5\n5*4=20\nA:20",  # right: segments "2+3=5", "5*4=20 + answer line"
-    "2+3=6\n6*4=24\nA:24",  # slips in segment 1
-    "2+3=5\nA:5",  # one segment
-    "7-1=6\n6+2=8\n8*2=16\nA:16",
-    "7-1=6\n6+2=9\nA:9",  # slips in segment 2
-    "7-1=6\n6+2=8\n8*2=16\nA:16",
-]
-REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+TEXTS, REWARDS = prm_scores.TEXTS, prm_scores.REWARDS
 GROUPS = [0, 0, 0, 1, 1, 1]
 
 
@@ -149,16 +141,8 @@ def test_redistribution_of_known_scores_exactly(char_tokenizer):
     )
     out = m.compute(batch)
     g0, g1 = 1 / 3, 2 / 3
-    expected = [
-        [0.9 - g0, 1.0 - 0.9],
-        [0.1 - g0, 0.0 - 0.1],
-        [0.0 - g0],
-        [0.9 - g1, 0.0, 1.0 - 0.9],
-        [0.9 - g1, 0.0 - 0.9],
-        [0.9 - g1, 0.0, 1.0 - 0.9],
-    ]
     got = segment_credit(out, batch)
-    for row, (g, e) in enumerate(zip(got, expected)):
+    for row, (g, e) in enumerate(zip(got, prm_scores.CHAIN_CREDIT)):
         assert g == pytest.approx(e, abs=1e-6), row
         assert sum(g) == pytest.approx(REWARDS[row] - (g0 if GROUPS[row] == 0 else g1))
     assert out.values[0, :2].tolist() == pytest.approx([g0, 0.9])

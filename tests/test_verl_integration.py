@@ -13,18 +13,11 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 
 import rredcot.integrations.verl as rv
+from prm_scores import REWARDS as SCORES
+from prm_scores import TEXTS
 from rredcot import credit
 from rredcot.config import CreditConfig
 
-TEXTS = [  # two prompts x three samples; the newline segmenter cuts each into lines
-    "2+3=5\n5*4=20\nA:20",
-    "2+3=6\n6*4=24\nA:24",
-    "2+3=5\nA:5",
-    "7-1=6\n6+2=8\n8*2=16\nA:16",
-    "7-1=6\n6+2=9\nA:9",
-    "7-1=6\n6+2=8\n8*2=16\nA:16",
-]
-SCORES = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
 UIDS = np.array(["p0", "p0", "p0", "p1", "p1", "p1"], dtype=object)
 
 
@@ -522,15 +515,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
         rv.make_segmenter(CreditConfig()),
     )
     g0, g1 = 1 / 3, 2 / 3
-    expected = [
-        [0.9 - g0, 1.0 - 0.9],
-        [0.1 - g0, 0.0 - 0.1],
-        [0.0 - g0],
-        [0.9 - g1, 0.0, 1.0 - 0.9],
-        [0.9 - g1, 0.0 - 0.9],
-        [0.9 - g1, 0.0, 1.0 - 0.9],
-    ]
-    for row, want in enumerate(expected):
+    for row, want in enumerate(prm_scores.CHAIN_CREDIT):
         got = [float(adv[row][seg[row] == k][0]) for k in range(len(want))]
         assert got == pytest.approx(want, abs=1e-6), row
         assert (adv[row][seg[row] < 0] == 0).all()

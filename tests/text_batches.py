@@ -10,7 +10,7 @@ def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline"
     from rredcot import credit
     from rredcot.batch import RolloutBatch
     from rredcot.rollout import encode_prompts, render_prompt
-    from rredcot.segment import get_segmenter, token_offsets
+    from rredcot.segment import get_segmenter, segment_completion
 
     seg = get_segmenter(segmenter) if isinstance(segmenter, str) else segmenter
     prompt_ids, prompt_mask = encode_prompts(
@@ -19,13 +19,11 @@ def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline"
     P = prompt_ids.shape[1]
     rows, boundaries, char_starts, verdicts = [], [], [], []
     for text, problem in zip(completions, problems):
-        content = tokenizer(text, add_special_tokens=False)["input_ids"]
-        offsets = token_offsets(tokenizer, content)
-        bounds = seg.boundaries(text, offsets) if content else [0]
-        bounds = bounds[:-1] + [len(content) + 1] if len(bounds) > 1 else [0, len(content) + 1]
-        rows.append(content + [tokenizer.eos_token_id])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        bounds, starts, _ = segment_completion(seg, tokenizer, ids, text=text)
+        rows.append(ids)
         boundaries.append(bounds)
-        char_starts.append([offsets[b][0] if b < len(offsets) else len(text) for b in bounds[:-1]])
+        char_starts.append(starts)
         verdicts.append(task.verify(problem, text))
     T = max(len(r) for r in rows)
     response = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=torch.long)
