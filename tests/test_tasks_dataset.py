@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -448,6 +449,19 @@ def test_hub_name_goes_through_load_dataset(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(datasets, "load_dataset", failing)
     with pytest.raises(DataError, match="could not load 'someone/data'.*offline"):
         get_task("gsm8k", data="someone/data").load()
+
+
+def test_without_the_datasets_package_the_error_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datasets
+
+    datasets.Dataset.from_list(_rows(TRAIN)[:2]).save_to_disk(str(tmp_path / "saved"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what `import datasets` meets uninstalled
+    with pytest.raises(ImportError, match=r"saved dataset .*saved needs the datasets package: pip"):
+        load_rows(str(tmp_path / "saved"))
+    with pytest.raises(ImportError, match=r"hub dataset 'someone/data' needs .*rredcot\[data\]"):
+        load_rows("someone/data")
 
 
 def test_json_list_file(tmp_path: Path) -> None:

@@ -316,8 +316,7 @@ def load_rows(
         return _read_file(path, limit)
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-            import datasets
-
+            datasets = _import_datasets(f"reading the saved dataset {path}")
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
@@ -340,13 +339,19 @@ def load_rows(
     return _load_hub(source, split, subset, limit)
 
 
-def _load_hub(name: str, split: str, subset: str | None, limit: int | None) -> list[Row]:
+def _import_datasets(purpose: str) -> Any:
+    """The ``datasets`` package, or an ImportError that names the extra to install."""
     try:
         import datasets
     except ImportError as e:
         raise ImportError(
-            f"loading the hub dataset {name!r} needs the datasets package: pip install rredcot[data]"
+            f"{purpose} needs the datasets package: pip install 'rredcot[data]'"
         ) from e
+    return datasets
+
+
+def _load_hub(name: str, split: str, subset: str | None, limit: int | None) -> list[Row]:
+    datasets = _import_datasets(f"loading the hub dataset {name!r}")
     try:
         ds = datasets.load_dataset(name, subset, split=split)
     except Exception as e:
