@@ -68,9 +68,18 @@ def test_values_from_scripted_continuations(
 ):
     script = Script(char_tokenizer, arithmetic_task, gold_batch.problems, lambda k: k + 1)
     monkeypatch.setattr(monte_carlo, "generate_from_ids", script)
+    calls = []
     values, mask, stats = mc_values(
-        tiny_policy, char_tokenizer, arithmetic_task, gold_batch, 4, max_new_tokens=64
+        tiny_policy,
+        char_tokenizer,
+        arithmetic_task,
+        gold_batch,
+        4,
+        max_new_tokens=64,
+        batch_size=16,  # 4 prefixes per generate call: 9 prefixes in 3 calls
+        progress=lambda done, total: calls.append((done, total)),
     )
+    assert calls == [(4, 9), (8, 9), (9, 9)]
     # 3 segments per gold trace (the answer line joins the last step); V(s_k) = (k + 1) / 4
     assert gold_batch.boundaries[0][:1] == [0] and all(len(b) == 4 for b in gold_batch.boundaries)
     expected = torch.tensor([[0.25, 0.5, 0.75, 1.0]] * 3)

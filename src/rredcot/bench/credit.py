@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from rredcot import credit as credit_algebra
 from rredcot.batch import RolloutBatch
@@ -334,7 +335,18 @@ def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfi
     """``V_MC`` from ``cfg.mc_k`` rollouts per boundary and the advantages at ``cfg.lam``."""
     t0 = time.perf_counter()
     gt = _GroundTruth([], [], [], {}, 0.0)
-    for b in traces.batches:
+    for c, b in enumerate(traces.batches):
+        bar = tqdm(
+            desc=f"ground truth {c + 1}/{len(traces.batches)}",
+            unit="prefix",
+            dynamic_ncols=True,
+            leave=False,
+        )
+
+        def advance(done: int, total: int, bar=bar) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
         v, m, st = mc_values(
             policy,
             tokenizer,
@@ -344,7 +356,9 @@ def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfi
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens,
+            progress=advance,
         )
+        bar.close()
         adv, seg_mask, _ = credit_algebra.segment_advantages_from_values(
             v.double(), m, b.rewards.double().to(v.device), cfg.lam
         )

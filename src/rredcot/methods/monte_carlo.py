@@ -28,6 +28,8 @@ ground truth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rredcot.batch import RolloutBatch
@@ -114,6 +116,7 @@ def mc_values(
     max_new_tokens: int = 64,
     max_boundaries: int = 0,
     batch_size: int = 256,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Monte Carlo ``V(s_k)`` from ``k`` continuations per unique boundary prefix.
 
@@ -124,6 +127,7 @@ def mc_values(
             ``max(1, max_new_tokens - b_k)`` tokens.
         max_boundaries: boundaries estimated per trace (0: all); see the module docstring.
         batch_size: continuation rows per ``generate`` call.
+        progress: called as ``progress(prefixes_done, prefixes_total)`` after each call.
 
     Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``values[b, n_b] = R_b``.
     """
@@ -193,6 +197,8 @@ def mc_values(
                     bad += int(not ok)
                     total += float(verdict.reward) if ok else 0.0
                 estimates[i] = total / k
+            if progress is not None:
+                progress(min(start + per_call, len(order)), len(order))
 
     n = batch.num_segments
     S = int(n.max()) if len(n) else 0
