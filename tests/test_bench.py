@@ -13,6 +13,7 @@ import torch
 
 from rredcot.bench.configs import LEARN_LR
 from rredcot.bench.credit import (
+    fit_method,
     per_trace_spearman,
     resegment,
     sign_agreement,
@@ -240,6 +241,56 @@ def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
     assert max(len(b) - 1 for b in redone.boundaries) > 1
     with pytest.raises(ValueError, match="entropies"):
         resegment(batch, char_tokenizer, entropy)
+
+
+def test_fit_batches_are_cut_and_scored_at_the_sampling_temperature(tiny_policy, char_tokenizer):
+    """A learned method is fitted on batches cut by the entropy strategy and carrying the old
+    log-probs and hidden states of one scoring pass at the sampling temperature, as in training."""
+    from rredcot.bench.configs import CreditBenchConfig
+    from rredcot.rollout import build_rollout_batch, policy_forward, segment_batch
+    from rredcot.segment import get_segmenter
+
+    torch.manual_seed(4)
+    batch, _ = build_rollout_batch(
+        tiny_policy,
+        char_tokenizer,
+        _FirstCharTask(),
+        _FirstCharTask().eval_problems(2, seed=0),
+        get_segmenter("tokens:6"),
+        num_generations=3,
+        max_new_tokens=14,
+        temperature=0.7,
+    )
+
+    class Recorder:
+        name, needs_hidden_states, hidden_layers = "recorder", True, (-1,)
+
+        def state_dict(self):
+            return {"w": torch.zeros(1)}
+
+        def pretrain(self, next_batch, steps):
+            self.seen = [next_batch() for _ in range(steps)]
+            return {}
+
+    entropy = get_segmenter("entropy:top=0.3,min=1")
+    cfg = CreditBenchConfig(checkpoint="x", temperature=0.7)
+    recorder = Recorder()
+    fit_method(recorder, "r", [batch], None, cfg, tiny_policy, char_tokenizer, entropy, print)
+    (seen,) = recorder.seen
+    with torch.no_grad():
+        fwd = policy_forward(
+            tiny_policy,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            hidden_layers=(-1,),
+            with_entropy=True,
+            temperature=0.7,
+        )
+    assert seen.boundaries == segment_batch(batch, char_tokenizer, entropy, fwd.entropy).boundaries
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(seen.old_logprobs[mask], fwd.logprobs[mask])
+    assert seen.hidden_states is not None
 
 
 # ---------------------------------------------------------------------------------------------

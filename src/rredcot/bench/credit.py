@@ -381,7 +381,7 @@ def evaluate_method(
     for c, b in enumerate(traces.batches):
         _sync(device)
         t_a = time.perf_counter()
-        b = fill_forward(policy, b, hidden_layers=layers)
+        b = fill_forward(policy, b, hidden_layers=layers, temperature=cfg.temperature)
         _sync(device)
         t_b = time.perf_counter()
         out = method.compute(b)
@@ -439,9 +439,15 @@ def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer
         layers = method.hidden_layers if method.needs_hidden_states else None
         queue = iter(fit_batches)
 
-        def next_batch() -> RolloutBatch:
-            b = resegment(next(queue), tokenizer, segmenter, policy, cfg.temperature)
-            return fill_forward(policy, b, hidden_layers=layers)
+        def next_batch() -> RolloutBatch:  # one scoring pass: entropies for the cuts, features
+            b = fill_forward(
+                policy,
+                next(queue),
+                hidden_layers=layers,
+                temperature=cfg.temperature,
+                with_entropy=segmenter.uses_entropy,
+            )
+            return segment_batch(b, tokenizer, segmenter, b.entropies)
 
         t0 = time.perf_counter()
         fit = method.pretrain(next_batch, len(fit_batches))
