@@ -207,18 +207,15 @@ def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokeniz
     assert torch.equal(redone.input_ids, coarse.input_ids)
 
 
-def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
-    tiny_policy, char_tokenizer
-):
-    """The credit bench cuts entropy strategies at the entropies the trainer reads from its
-    forward (at the sampling temperature); without the policy it says what is missing."""
-    from rredcot.rollout import build_rollout_batch, policy_forward, segment_batch
+def _sampled_at_0_7(policy, tokenizer, seed: int):
+    """6 completions of 2 first-char prompts at temperature 0.7, cut every 6 tokens."""
+    from rredcot.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     batch, _ = build_rollout_batch(
-        tiny_policy,
-        char_tokenizer,
+        policy,
+        tokenizer,
         _FirstCharTask(),
         _FirstCharTask().eval_problems(2, seed=0),
         get_segmenter("tokens:6"),
@@ -226,6 +223,18 @@ def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
         max_new_tokens=14,
         temperature=0.7,
     )
+    return batch
+
+
+def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
+    tiny_policy, char_tokenizer
+):
+    """The credit bench cuts entropy strategies at the entropies the trainer reads from its
+    forward (at the sampling temperature); without the policy it says what is missing."""
+    from rredcot.rollout import policy_forward, segment_batch
+    from rredcot.segment import get_segmenter
+
+    batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=3)
     entropy = get_segmenter("entropy:top=0.3,min=1")
     redone = resegment(batch, char_tokenizer, entropy, tiny_policy, temperature=0.7)
     with torch.no_grad():
@@ -247,20 +256,10 @@ def test_fit_batches_are_cut_and_scored_at_the_sampling_temperature(tiny_policy,
     """A learned method is fitted on batches cut by the entropy strategy and carrying the old
     log-probs and hidden states of one scoring pass at the sampling temperature, as in training."""
     from rredcot.bench.configs import CreditBenchConfig
-    from rredcot.rollout import build_rollout_batch, policy_forward, segment_batch
+    from rredcot.rollout import policy_forward, segment_batch
     from rredcot.segment import get_segmenter
 
-    torch.manual_seed(4)
-    batch, _ = build_rollout_batch(
-        tiny_policy,
-        char_tokenizer,
-        _FirstCharTask(),
-        _FirstCharTask().eval_problems(2, seed=0),
-        get_segmenter("tokens:6"),
-        num_generations=3,
-        max_new_tokens=14,
-        temperature=0.7,
-    )
+    batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=4)
 
     class Recorder:
         name, needs_hidden_states, hidden_layers = "recorder", True, (-1,)
