@@ -502,7 +502,9 @@ class CreditConfig:
     }
 
     segmenter: str = help_field(
-        "Segmentation strategy: newline, paragraph, sentence, step, keywords or tokens:N.",
+        "Segmentation strategy: newline, paragraph, sentence, step, keywords, tokens:N, or the "
+        "policy-entropy cuts entropy and keywords+entropy (`rredcot segment --help` lists each "
+        "one's options).",
         default="newline",
     )
     min_chars: int = help_field(
