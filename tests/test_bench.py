@@ -13,7 +13,9 @@ import torch
 
 from rredcot.bench.configs import LEARN_LR
 from rredcot.bench.credit import (
+    credit_markdown,
     fit_method,
+    merge_credit_reports,
     per_trace_spearman,
     resegment,
     sign_agreement,
@@ -290,6 +292,50 @@ def test_fit_batches_are_cut_and_scored_at_the_sampling_temperature(tiny_policy,
     mask = batch.response_mask.bool()
     torch.testing.assert_close(seen.old_logprobs[mask], fwd.logprobs[mask])
     assert seen.hidden_states is not None
+
+
+def _credit_report(segmenter: str, chance: float, **config) -> dict:
+    rows = [
+        {"method": m, "segmenter": segmenter, "error_acc": e, "chance_error_acc": chance}
+        for m, e in (("ground_truth", 0.7), ("uniform", 0.3))
+    ]
+    return {
+        "config": {"segmenters": segmenter, "out": f"runs/{segmenter}", "mc_k": 8, **config},
+        "policy": "p",
+        "task": "t",
+        "num_traces": 48,
+        "mean_reward": 0.25,
+        "sample_seconds": 4.0,
+        "comparison_lam": 0.0,
+        "ground_truth": {segmenter: {"k": 8}},
+        "results": rows,
+        "examples": {segmenter: f"examples_{segmenter}.html"},
+    }
+
+
+def test_merged_credit_reports_hold_every_segmenter_with_its_own_chance():
+    merged = merge_credit_reports(
+        [_credit_report("newline", 0.35, seed=0), _credit_report("entropy", 0.2, seed=0)]
+    )
+    assert merged["config"]["segmenters"] == "newline,entropy"
+    assert [(r["method"], r["segmenter"]) for r in merged["results"]] == [
+        ("ground_truth", "newline"),
+        ("uniform", "newline"),
+        ("ground_truth", "entropy"),
+        ("uniform", "entropy"),
+    ]
+    assert set(merged["ground_truth"]) == set(merged["examples"]) == {"newline", "entropy"}
+    md = credit_markdown(merged)
+    assert "random blame scores error_acc 0.350 (newline), 0.200 (entropy)." in md
+    assert "error_acc 0.350." in credit_markdown(_credit_report("newline", 0.35))
+    with pytest.raises(ValueError, match="differ in seed"):
+        merge_credit_reports([_credit_report("a", 0.3, seed=0), _credit_report("b", 0.3, seed=1)])
+    other = _credit_report("b", 0.3)
+    other["mean_reward"] = 0.5
+    with pytest.raises(ValueError, match="sampled different traces"):
+        merge_credit_reports([_credit_report("a", 0.3), other])
+    with pytest.raises(ValueError, match="'a' is in more than one report"):
+        merge_credit_reports([_credit_report("a", 0.3), _credit_report("a", 0.3)])
 
 
 # ---------------------------------------------------------------------------------------------

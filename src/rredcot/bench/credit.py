@@ -698,8 +698,13 @@ def credit_markdown(report: dict[str, Any]) -> str:
             cells.append(fmt(value, spec) if spec != "s" else str(value))
         rows.append(cells)
     lam = report["comparison_lam"]
-    chance = next(
-        (r.get("chance_error_acc") for r in report["results"] if r.get("chance_error_acc")), None
+    chance = {  # each segmenter cuts its own segments, so random blame has its own score
+        r["segmenter"]: r["chance_error_acc"]
+        for r in report["results"]
+        if r["method"] == "ground_truth" and r.get("chance_error_acc") is not None
+    }
+    chance_text = ", ".join(
+        f"{fmt(x)}" + (f" ({seg})" if len(chance) > 1 else "") for seg, x in chance.items()
     )
     lines = [
         "# Credit quality on a frozen policy",
@@ -718,7 +723,7 @@ def credit_markdown(report: dict[str, Any]) -> str:
         "- sign agr.: share of segments with non-zero ground truth whose credit has its sign.",
         "- value MSE / ECE: the method's V(s_k) against V_MC(s_k) (methods with values only).",
         "- error_acc / correct_acc / F1: first-error localisation (ProcessBench terms)"
-        + (f"; random blame scores error_acc {fmt(chance)}." if chance is not None else "."),
+        + (f"; random blame scores error_acc {chance_text}." if chance else "."),
         "- fwd / gen tok: extra forward and generated tokens per trace; ms/trace: shared forward + "
         "credit computation; × uniform: ratio of that time to uniform's.",
     ]
@@ -726,3 +731,49 @@ def credit_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Example traces, segment by segment:"]
         lines += [f"- [{seg}]({page})" for seg, page in report["examples"].items()]
     return "\n".join(lines) + "\n"
+
+
+def merge_credit_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from runs that scored the same traces with different segmenters (one process
+    per segmenter, e.g. on a machine with several cores): the runs must agree on everything but
+    ``segmenters`` and ``out``, and have sampled the same traces (count and mean reward)."""
+    if not reports:
+        raise ValueError("merge_credit_reports: no reports given")
+    first = reports[0]
+    same = ("segmenters", "out")
+
+    def settings(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r["config"].items() if k not in same}
+
+    segmenters: list[str] = []
+    for r in reports:
+        differing = sorted(
+            k
+            for k in set(settings(r)) | set(settings(first))
+            if settings(r).get(k) != settings(first).get(k)
+        )
+        if differing:
+            raise ValueError(
+                f"credit reports differ in {', '.join(differing)}: only runs of the same command "
+                "with other --segmenters can be merged"
+            )
+        if (r["num_traces"], r["mean_reward"], r["policy"]) != (
+            first["num_traces"],
+            first["mean_reward"],
+            first["policy"],
+        ):
+            raise ValueError(
+                "credit reports sampled different traces (trace count, mean reward or policy "
+                "differ): run them with the same --seed on the same checkpoint and thread count"
+            )
+        for seg in r["ground_truth"]:
+            if seg in segmenters:
+                raise ValueError(f"segmenter {seg!r} is in more than one report")
+            segmenters.append(seg)
+    merged = dict(first)
+    merged["config"] = {**first["config"], "segmenters": ",".join(segmenters)}
+    merged["ground_truth"] = {k: v for r in reports for k, v in r["ground_truth"].items()}
+    merged["results"] = [row for r in reports for row in r["results"]]
+    merged["examples"] = {k: v for r in reports for k, v in r.get("examples", {}).items()}
+    merged["sample_seconds"] = max(r["sample_seconds"] for r in reports)
+    return merged
