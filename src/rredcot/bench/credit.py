@@ -740,28 +740,24 @@ def merge_credit_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     if not reports:
         raise ValueError("merge_credit_reports: no reports given")
     first = reports[0]
-    same = ("segmenters", "out")
 
     def settings(r: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in r["config"].items() if k not in same}
+        return {k: v for k, v in r["config"].items() if k not in ("segmenters", "out")}
 
+    def traces(r: dict[str, Any]) -> tuple:
+        return r["num_traces"], r["mean_reward"], r["policy"]
+
+    base = settings(first)
     segmenters: list[str] = []
     for r in reports:
-        differing = sorted(
-            k
-            for k in set(settings(r)) | set(settings(first))
-            if settings(r).get(k) != settings(first).get(k)
-        )
+        mine = settings(r)
+        differing = sorted(k for k in base.keys() | mine.keys() if mine.get(k) != base.get(k))
         if differing:
             raise ValueError(
                 f"credit reports differ in {', '.join(differing)}: only runs of the same command "
                 "with other --segmenters can be merged"
             )
-        if (r["num_traces"], r["mean_reward"], r["policy"]) != (
-            first["num_traces"],
-            first["mean_reward"],
-            first["policy"],
-        ):
+        if traces(r) != traces(first):
             raise ValueError(
                 "credit reports sampled different traces (trace count, mean reward or policy "
                 "differ): run them with the same --seed on the same checkpoint and thread count"
