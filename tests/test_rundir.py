@@ -294,11 +294,14 @@ def test_checkpoints_carry_a_manifest_written_last(finished_run):
 
 def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_copy):
     """``trainer_state.pt`` keeps the keys runs have always written; a checkpoint from before
-    ``extra_tokens_generated`` was counted (no such key) resumes and reruns the same steps."""
+    ``extra_tokens_generated`` was counted (no such key), with the RNG states pickled as the
+    tuples (and NumPy array) of the format before plain data, resumes and reruns the same
+    steps."""
+    import numpy as np
     import torch
 
     ckpt = run_copy / "checkpoints" / "step_000002"
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = runio.load_trainer_state(ckpt / "trainer_state.pt")
     assert list(state) == [
         "step",
         "samples_seen",
@@ -318,7 +321,23 @@ def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_co
         "tokenizer_config.json",
     ]
     del state["extra_tokens_generated"]
+    python, numpy_state = state["rng"]["python"], state["rng"]["numpy"]
+    state["rng"]["python"] = (
+        python["version"],
+        tuple(python["internal"].tolist()),
+        python["gauss_next"],
+    )
+    state["rng"]["numpy"] = (
+        numpy_state["kind"],
+        numpy_state["keys"].numpy().astype(np.uint32),
+        numpy_state["pos"],
+        numpy_state["has_gauss"],
+        numpy_state["cached_gaussian"],
+    )
     runio.atomic_torch_save(state, ckpt / "trainer_state.pt")
+    assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(
+        ckpt / "trainer_state.pt"
+    )
     runio.write_manifest(ckpt, 2)
     shutil.rmtree(run_copy / "checkpoints" / "step_000004")
     lines = []

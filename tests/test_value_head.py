@@ -381,10 +381,10 @@ def test_state_dict_round_trip_reproduces_exactly(tiny_policy, char_tokenizer, a
     for batch in batches[:2]:
         original.update(batch)
     buffer = io.BytesIO()
-    torch.save(original.state_dict(), buffer)  # as the trainer's checkpoint does
+    torch.save(original.state_dict(), buffer)  # as the trainer's checkpoint does: plain data
     buffer.seek(0)
     resumed = make_method(tiny_policy, char_tokenizer, **kw)
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
 
     assert resumed.reliability == original.reliability
     assert len(resumed.replay) == len(original.replay) == 2

@@ -4,7 +4,9 @@ primitives.
 
 ``checkpoints/step_N/`` holds ``policy/`` (``save_pretrained`` of the policy and tokenizer) and
 ``trainer_state.pt``: the run's counters (:data:`COUNTERS`), the optimiser's, the learning-rate
-schedule's and the credit method's state dicts, and the RNG states.
+schedule's and the credit method's state dicts, and the RNG states, as tensors and plain data
+only: it loads with ``torch.load(weights_only=True)`` (``runio.load_trainer_state``), so a
+checkpoint from someone else cannot run code when it is resumed or explained.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def restore_training_checkpoint(
     """Load checkpoint ``ckpt`` into the live policy, optimiser, schedule and credit method and
     restore the RNG states; returns the counters (:data:`COUNTERS`) it was saved with."""
     ckpt = Path(ckpt)
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = runio.load_trainer_state(ckpt / "trainer_state.pt")
     saved, _ = load_policy(str(ckpt / "policy"), dtype=dtype)
     policy.load_state_dict(saved.state_dict())
     optimizer.load_state_dict(state["optimizer"])

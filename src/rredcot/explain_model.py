@@ -111,19 +111,31 @@ def choose_task(resolved: ResolvedCheckpoint, name: str | None, task_args: dict)
     return get_task(chosen, **params)
 
 
-def load_method_state(method, run_or_checkpoint: str | Path) -> Path:
-    """Load a credit method's state (the value head) from a run's latest checkpoint (or the
-    given checkpoint) ``trainer_state.pt["credit_method"]``. Returns the checkpoint used."""
+def read_method_state(run_or_checkpoint: str | Path) -> tuple[dict, Path] | None:
+    """``(trainer_state.pt["credit_method"], checkpoint)`` of a run's latest checkpoint (or the
+    given checkpoint), read as plain data only; ``None`` where there is no checkpoint."""
     p = Path(run_or_checkpoint).expanduser()
-    ckpt = p if (p / "trainer_state.pt").exists() else runio.latest_checkpoint(p)
+    ckpt, skipped = (p, []) if (p / "trainer_state.pt").exists() else runio.find_checkpoint(p)
+    if ckpt is None and skipped:
+        why = "; ".join(f"{path.name}: {reason}" for path, reason in skipped)
+        raise UserError(f"--run {str(p)!r}: no checkpoint can be used ({why})")
     if ckpt is None:
+        return None
+    return runio.load_trainer_state(ckpt / "trainer_state.pt")["credit_method"], ckpt
+
+
+def load_method_state(method, run_or_checkpoint: str | Path, saved=None) -> Path:
+    """Load a credit method's state (the value head) from a run's latest checkpoint (or the
+    given checkpoint) ``trainer_state.pt["credit_method"]`` (or from ``saved``, what
+    :func:`read_method_state` read). Returns the checkpoint used."""
+    saved = saved or read_method_state(run_or_checkpoint)
+    if saved is None:
         raise FileNotFoundError(
-            f"--run {str(p)!r}: no checkpoint with trainer_state.pt there; pass a run directory "
-            "written by `rredcot train`"
+            f"--run {str(run_or_checkpoint)!r}: no checkpoint with trainer_state.pt there; pass a "
+            "run directory written by `rredcot train`"
         )
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
-    method.load_state_dict(state["credit_method"])
-    return ckpt
+    method.load_state_dict(saved[0])
+    return saved[1]
 
 
 def run_credit_config(run_dir: str | Path | None):
@@ -229,6 +241,8 @@ def explain_checkpoint(
         credit_cfg, sampling = saved[1], saved[2]
     elif saved is not None:
         sampling = saved[2]
+    # read before the model loads: a refused trainer_state.pt stops the command at once
+    method_state = read_method_state(run_dir) if saved and saved[0] == args.method else None
     attn = "eager" if args.method == "attention" else None
     policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
     segmenter = segmenter_from_config(credit_cfg, task.answer_line_pattern)
@@ -242,7 +256,7 @@ def explain_checkpoint(
     note = ""
     if method.state_dict():  # a learned method (the value head)
         if saved is not None and saved[0] == args.method:
-            ckpt = load_method_state(method, run_dir)
+            ckpt = load_method_state(method, run_dir, method_state)
             note = f" (head from {ckpt})"
         else:
             note = (
@@ -317,6 +331,7 @@ __all__ = [
     "choose_task",
     "explain_checkpoint",
     "load_method_state",
+    "read_method_state",
     "output_credits",
     "pick_rows",
     "resolve_checkpoint",

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import socket
@@ -38,6 +39,11 @@ from safetensors import safe_open
 from rredcot.config import TrainConfig, read_yaml_file, to_dict
 from rredcot.config import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
+
+try:
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+except ImportError:  # NumPy 1
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
 
 try:
     import fcntl
@@ -378,7 +384,9 @@ def _verify_by_loading(ckpt: Path) -> str | None:
     if not state.is_file():
         return "trainer_state.pt is missing"
     try:
-        torch.load(state, map_location="cpu", weights_only=False)
+        load_trainer_state(state)
+    except UserError as err:
+        return f"trainer_state.pt is refused: {err}"
     except Exception as err:  # noqa: BLE001 - any failure to load means "not resumable"
         return f"trainer_state.pt does not load ({type(err).__name__})"
     weights = sorted((ckpt / "policy").glob("*.safetensors"))
@@ -438,9 +446,23 @@ def resume_checkpoint(run_dir: str | Path, *, log=print, main: bool = True) -> P
 
 
 def capture_rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    """The Python, NumPy, torch (and CUDA) RNG states as tensors and plain numbers, so that
+    ``trainer_state.pt`` loads with ``torch.load(weights_only=True)``."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -449,8 +471,62 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what :func:`capture_rng_state` captured (or the tuples older checkpoints hold)."""
+    python, numpy_state = state["python"], state["numpy"]
+    if isinstance(python, dict):
+        python = (python["version"], tuple(python["internal"].tolist()), python["gauss_next"])
+    if isinstance(numpy_state, dict):
+        numpy_state = (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    random.setstate(python)
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# reading trainer_state.pt: plain data only, never code
+
+# What ``trainer_state.pt`` of checkpoints written before the plain-data format holds beyond
+# tensors and plain types: the NumPy RNG state, a ``uint32`` array (``_reconstruct`` under both
+# module names, as NumPy 1 and 2 pickle it). Its elements go through the same restricted
+# unpickler, so allowing arrays allows no other object.
+_NUMPY_ARRAY_GLOBALS = [
+    (np.ndarray, "numpy.ndarray"),
+    (np.dtype, "numpy.dtype"),
+    (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+    (_np_reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_np_reconstruct, "numpy._core.multiarray._reconstruct"),
+]
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """``trainer_state.pt`` as tensors and plain data, through ``torch.load(weights_only=True)``,
+    which builds nothing else: a file that would create any other object (a pickle that runs
+    code) is a ``UserError`` and nothing in it runs. Checkpoints from before the plain-data
+    format (a NumPy array in the RNG state) load with NumPy arrays allowed and nothing more."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        try:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            allowed = {name for _, name in _NUMPY_ARRAY_GLOBALS}
+            what = ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
+        except Exception:  # noqa: BLE001 - only the message's detail
+            what = str(err).splitlines()[0]
+        raise UserError(
+            f"{path} holds objects other than tensors and plain data ({what}); rredcot does not "
+            "load it, since loading it could run code. Use a checkpoint written by `rredcot "
+            "train`, or re-save one from a source you trust as plain data"
+        ) from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path} holds a {type(state).__name__}, not a trainer state (a dict)")
+    return state
