@@ -394,3 +394,52 @@ def test_one_generation_per_prompt_warns_that_nothing_is_learned(init_dir, tmp_p
     lines = []
     Trainer(cfg, log=lines.append).release()
     assert any("num_generations=1" in x and "advantage is 0" in x for x in lines), lines
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl on resume (issue 31): every readable record kept, unreadable lines set aside,
+# no completed step dropped
+
+
+def _steps(run):
+    return [r["step"] for r in runio.MetricsLog(run / "metrics.jsonl").read()]
+
+
+def test_resume_after_a_cut_last_metrics_line_keeps_the_step(finished_run, run_copy):
+    """The last record (step 4, the checkpoint's) cut by a full disk: the resumed run keeps
+    steps 0-3, keeps step 4 in the log marked ``metrics_lost`` (with the checkpoint's totals)
+    and the cut text aside, and says so."""
+    path = run_copy / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    cut = lines[-1][: len(lines[-1]) // 2]
+    path.write_text("".join(lines[:-1]) + cut)
+    said = []
+    _resume(run_copy, log=said.append, steps=6)
+    assert _steps(run_copy) == [0, 1, 2, 3, 4, 5, 6]
+    records = runio.MetricsLog(path).read()
+    assert _records(run_copy)[:4] == _records(finished_run)[:4]
+    original = runio.MetricsLog(finished_run / "metrics.jsonl").read()[4]
+    assert records[4]["metrics_lost"] is True
+    assert records[4]["tokens_generated"] == original["tokens_generated"]
+    assert "metrics.jsonl: could not read line(s) 5 (cut short); kept in " in "\n".join(said)
+    assert any("no readable record of completed step(s) 4;" in line for line in said), said
+    aside = [json.loads(line) for line in (run_copy / runio.UNREADABLE_METRICS).open()]
+    assert aside == [{"line": 5, "problem": "cut short", "text": cut}]
+
+
+def test_resume_after_a_garbled_metrics_line_keeps_every_readable_record(finished_run, run_copy):
+    """Step 2's line garbled in the middle: steps 3 and 4 stay as they were, the run goes on at
+    5, step 2 stays marked ``metrics_lost`` and its line is kept aside."""
+    path = run_copy / "metrics.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[2] = b'{"step": 2, "rew\xff\x00 garbage\n'
+    path.write_bytes(b"".join(lines))
+    said = []
+    _resume(run_copy, log=said.append, steps=6)
+    assert _steps(run_copy) == [0, 1, 2, 3, 4, 5, 6]
+    before, after = _records(finished_run), _records(run_copy)
+    assert after[:2] == before[:2] and after[3:5] == before[3:5]
+    assert after[2] == {"step": 2, "metrics_lost": True}
+    assert any("could not read line(s) 3 (not JSON)" in line for line in said), said
+    (aside,) = [json.loads(line) for line in (run_copy / runio.UNREADABLE_METRICS).open()]
+    assert aside["line"] == 3 and aside["text"].startswith('{"step": 2, "rew\\xff')

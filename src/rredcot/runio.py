@@ -56,7 +56,17 @@ LOCK = ".lock"
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
-RUN_FILES = (CONFIG, METRICS, CHECKPOINTS, "plots", "value_pretrain.json", "tensorboard", "wandb")
+UNREADABLE_METRICS = "metrics.unreadable.jsonl"
+RUN_FILES = (
+    CONFIG,
+    METRICS,
+    UNREADABLE_METRICS,
+    CHECKPOINTS,
+    "plots",
+    "value_pretrain.json",
+    "tensorboard",
+    "wandb",
+)
 """What a run writes into its directory (``--overwrite`` removes these and nothing else)."""
 
 
@@ -80,7 +90,11 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON object per step, flushed and fsynced as it is written."""
+    """``metrics.jsonl``: one JSON object per step, flushed and fsynced as it is written.
+
+    Readers keep every line that holds a record (a JSON object with an integer ``step``) and
+    pass over the others (a line cut by a kill or a full disk, a garbled one); a resume
+    (:meth:`continue_after`) sets those aside in ``metrics.unreadable.jsonl`` and says so."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -93,23 +107,63 @@ class MetricsLog:
             os.fsync(fh.fileno())
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        records = []
-        with open(self.path, encoding="utf-8") as fh:
-            for line in fh:
-                if not line.endswith("\n"):
-                    break  # a line cut by a kill: drop it
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-        return records
+        """Every readable record, in file order."""
+        return self.read_lines()[0]
 
-    def truncate_after(self, step: int) -> None:
-        """Keep only complete records with ``step <= step`` (what the checkpoint has seen)."""
-        kept = [r for r in self.read() if r.get("step", -1) <= step]
+    def read_lines(self) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
+        """The readable records and the unreadable lines as ``(line number, text, problem)``
+        (blank lines are neither)."""
+        if not self.path.exists():
+            return [], []
+        records, unreadable = [], []
+        for number, raw in enumerate(self.path.read_bytes().splitlines(keepends=True), 1):
+            text = raw.decode("utf-8", errors="backslashreplace")
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                cut = not raw.endswith(b"\n")
+                unreadable.append((number, text, "cut short" if cut else "not JSON"))
+                continue
+            if not isinstance(record, dict) or type(record.get("step")) is not int:
+                unreadable.append((number, text, "not a record with an integer step"))
+                continue
+            records.append(record)
+        return records, unreadable
+
+    def continue_after(
+        self, step: int, counters: dict[str, int] | None = None, log=print
+    ) -> list[int]:
+        """Prepare the log for a run that continues after ``step`` (``-1``: from scratch):
+        keep every readable record of steps ``<= step``, move unreadable lines to
+        ``metrics.unreadable.jsonl`` (appended, with their line numbers), and give each
+        completed step whose record was lost a ``{"step": k, "metrics_lost": true}`` record
+        (with ``counters``, the checkpoint's totals, at ``step``) so that no completed step
+        goes missing unremarked. Returns the steps whose metrics were lost."""
+        records, unreadable = self.read_lines()
+        if unreadable:
+            aside = self.path.with_name(UNREADABLE_METRICS)
+            with open(aside, "a", encoding="utf-8") as fh:
+                for number, text, problem in unreadable:
+                    entry = {"line": number, "problem": problem, "text": text.rstrip("\n")}
+                    fh.write(json.dumps(entry) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            where = ", ".join(f"{number} ({problem})" for number, _, problem in unreadable)
+            log(f"{self.path.name}: could not read line(s) {where}; kept in {aside.name}")
+        kept = [r for r in records if r["step"] <= step]
+        lost = sorted(set(range(step + 1)) - {r["step"] for r in kept})
+        for k in lost:
+            kept.append({"step": k, **(counters or {} if k == step else {}), "metrics_lost": True})
+        if lost:
+            log(
+                f"{self.path.name}: no readable record of completed step(s) "
+                f"{', '.join(map(str, lost))}; they stay in the log marked metrics_lost"
+            )
+        kept.sort(key=lambda r: r["step"])  # stable: records keep their order within a step
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        return lost
 
 
 class MetricSink:

@@ -112,7 +112,7 @@ class Trainer:
             if self.step >= cfg.steps:
                 self.log(f"the run is at step {self.step} already (steps={cfg.steps})")
         elif main:
-            self.metrics.truncate_after(-1)
+            self.metrics.continue_after(-1, log=self.log)
         if self.step == 0 and cfg.credit.value_head.pretrain_steps > 0:
             self._pretrain_credit()
         if self.step == 0 and main:
@@ -519,7 +519,8 @@ class Trainer:
         )
         for name, value in counters.items():
             setattr(self, name, value)
-        self.metrics.truncate_after(self.step)
+        if self.accelerator.is_main_process:
+            self.metrics.continue_after(self.step, counters, log=self.log)
 
     def budget_spent(self) -> bool:
         """Whether ``max_tokens_generated`` is reached (policy rollouts + credit generations,
