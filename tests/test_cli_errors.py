@@ -102,6 +102,24 @@ def _user_mistakes(tmp):
             ["train", "--resume", str(tmp)],
             "no config.yaml there; is it a run directory?",
         ),
+        "--out ''": (["train", "--out", ""], "out='' names no directory"),
+        "--out '' (sft)": (["sft", "--out", " "], "out='' names no directory"),
+        "--out where no directory can be made": (
+            ["train", "--out", "/sys/rredcot_run"],
+            "cannot create run directory /sys/rredcot_run: permission denied",
+        ),
+        "--html at a directory": (
+            ["explain", "--demo", "--html", str(tmp)],
+            f"--html {tmp}: a directory; give a file name",
+        ),
+        "--html under a file": (
+            ["explain", "--demo", "--html", str(a_file / "x.html")],
+            f"its folder {a_file} is a file",
+        ),
+        "--html where no file can be written": (
+            ["explain", "--demo", "--html", "/sys/x.html"],
+            "/sys/x.html: Permission denied; that location is not writable",
+        ),
     }
 
 
@@ -118,6 +136,12 @@ MISTAKE_IDS = [
     "--out of sft at a directory that is not a warm-start",
     "--device that does not exist",
     "--resume of a directory that is not a run",
+    "--out ''",
+    "--out '' (sft)",
+    "--out where no directory can be made",
+    "--html at a directory",
+    "--html under a file",
+    "--html where no file can be written",
 ]
 
 
@@ -133,6 +157,59 @@ def test_device_cuda_without_a_gpu_is_refused(tmp_path, capsys):
     err = _one_line_error(["train", "--device", "cuda", "--out", str(tmp_path / "r")], capsys)
     assert "--device cuda: no CUDA GPU is visible" in err and "--device cpu" in err
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_an_unknown_name_fails_before_any_model_is_loaded(tmp_path, monkeypatch, capsys):
+    """`--credit no-such-method` (and every other name the config holds) is refused at once,
+    listing the valid names: no run directory is made and no model is built or loaded."""
+    import rredcot.models
+    import rredcot.train_setup
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was built or loaded before the names were checked")
+
+    for module, name in [
+        (rredcot.train_setup, "load_train_policy"),
+        (rredcot.train_setup, "load_policy"),
+        (rredcot.models, "load_policy"),
+        (rredcot.models, "build_tiny_llama"),
+    ]:
+        monkeypatch.setattr(module, name, no_loading)
+    out = tmp_path / "run"
+    mistakes = {
+        ("--credit", "no-such-method"): "unknown credit method 'no-such-method'; valid: ",
+        ("--task", "nope"): "unknown task 'nope'; valid: arithmetic,",
+        ("--task.num_stepz", "3"): "got unknown parameter(s) num_stepz; valid: ",
+        ("--credit.segmenter", "lines"): "unknown segmentation strategy 'lines'; valid: newline,",
+        ("--credit.normalization", "zscore"): "unknown advantage normalization 'zscore'; valid:",
+        ("--credit", "process_reward"): "credit_method=process_reward needs a value source",
+    }
+    for flags, expected in mistakes.items():
+        err = _one_line_error(["train", "--out", str(out), *flags], capsys)
+        assert expected in err, err
+        assert not out.exists()
+    err = _one_line_error(["train", "--out", str(out), "--credit", "no-such-method"], capsys)
+    assert "uniform" in err and "value_head" in err and "answer_likelihood" in err
+
+
+def test_a_full_disk_on_standard_output_is_one_line(tmp_path):
+    """`rredcot segment > /dev/full`: one line, status 2, and no second error at exit."""
+    import subprocess
+
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rredcot", "segment"],
+            input=b"step one\nstep two\n",
+            stdout=full,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert err.strip() == (
+        "rredcot: error: writing the output: No space left on device; the disk is full; free "
+        "space or write elsewhere"
+    )
 
 
 def test_binary_bytes_on_stdin_are_refused_like_a_file(tmp_path, monkeypatch, capsys):

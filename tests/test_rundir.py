@@ -443,3 +443,38 @@ def test_resume_after_a_garbled_metrics_line_keeps_every_readable_record(finishe
     assert any("could not read line(s) 3 (not JSON)" in line for line in said), said
     (aside,) = [json.loads(line) for line in (run_copy / runio.UNREADABLE_METRICS).open()]
     assert aside["line"] == 3 and aside["text"].startswith('{"step": 2, "rew\\xff')
+
+
+# ---------------------------------------------------------------------------------------------
+# --overwrite deletes only what rredcot wrote (issue 31)
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_rredcot_run(init_dir, tmp_path):
+    folder = tmp_path / "my_project"
+    (folder / "plots").mkdir(parents=True)
+    (folder / "plots" / "figure1.png").write_bytes(b"mine")
+    (folder / "config.yaml").write_text("lr: 0.1\n")
+    with pytest.raises(UserError, match="no run that rredcot wrote") as err:
+        Trainer(micro_config(init_dir, folder, overwrite=True), **QUIET)
+    assert "config.yaml, plots" in str(err.value)
+    assert (folder / "plots" / "figure1.png").read_bytes() == b"mine"
+    assert (folder / "config.yaml").read_text() == "lr: 0.1\n"
+
+
+def test_overwrite_with_linked_checkpoints_clears_only_the_runs_files(run_copy, tmp_path):
+    """``checkpoints/`` a link to another disk: --overwrite removes the run's checkpoints there,
+    keeps the link and what else lives there; a file of the user's in plots/ stays."""
+    elsewhere = tmp_path / "big_disk" / "ckpts"
+    shutil.move(run_copy / "checkpoints", elsewhere)
+    (run_copy / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "README.txt").write_text("not rredcot's")
+    (run_copy / "plots").mkdir(exist_ok=True)
+    (run_copy / "plots" / "reward_mean.png").write_bytes(b"png")
+    (run_copy / "plots" / "my_notes.txt").write_text("mine")
+    (run_copy / "notes.md").write_text("mine too")
+    runio.claim_run_dir(run_copy, resume=False, overwrite=True).release()
+    assert (run_copy / "checkpoints").is_symlink()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["README.txt"]
+    assert sorted(p.name for p in (run_copy / "plots").iterdir()) == ["my_notes.txt"]
+    assert not (run_copy / "config.yaml").exists() and not (run_copy / "metrics.jsonl").exists()
+    assert (run_copy / "notes.md").read_text() == "mine too"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import os
 import sys
@@ -104,9 +106,45 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rredcot: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the file system said no: a path, a full disk, a read-only mount
+        if os.environ.get("RREDCOT_DEBUG"):
+            raise
+        _silence_unwritable_stdout()
+        if isinstance(err, BrokenPipeError):  # `rredcot segment | head`: the reader had enough
+            return 1
+        print(f"rredcot: error: {describe_os_error(err)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+_OS_ERROR_FIXES = {
+    errno.EISDIR: "give a file name, not a directory",
+    errno.ENOTDIR: "a parent of that path is a file, not a directory",
+    errno.EACCES: "that location is not writable by you; pick another path",
+    errno.EPERM: "that location is not writable by you; pick another path",
+    errno.EROFS: "that file system is read-only; pick another path",
+    errno.ENOSPC: "the disk is full; free space or write elsewhere",
+}
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for an ``OSError``: the path (or the output), what went wrong and the fix."""
+    what = err.strerror or str(err)
+    where = f"{err.filename}: " if err.filename is not None else "writing the output: "
+    fix = _OS_ERROR_FIXES.get(err.errno)
+    return f"{where}{what}" + (f"; {fix}" if fix else "")
+
+
+def _silence_unwritable_stdout() -> None:
+    """After standard output failed (``> /dev/full``, a closed pipe), point it at the null
+    device so that the interpreter's last flush does not fail again with a second message."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

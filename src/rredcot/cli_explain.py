@@ -4,8 +4,11 @@ where the credit went, for the demo or for a checkpoint's own samples."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
+from rredcot.errors import UserError
 from rredcot.explain import demo_sections, render_html, render_terminal
 
 
@@ -41,8 +44,24 @@ def add_explain_parser(sub) -> None:
     p.add_argument("--no-color", action="store_true", help="Plain terminal output.")
 
 
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse an output file path that cannot be written, before any work is done."""
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"{flag} {path}: a directory; give a file name such as {target / 'x.html'}")
+    if not target.parent.is_dir():
+        what = "is a file" if target.parent.exists() else "does not exist"
+        raise UserError(f"{flag} {path}: its folder {target.parent} {what}; pick another path")
+    if not os.access(target.parent, os.W_OK) or (
+        target.exists() and not os.access(target, os.W_OK)
+    ):
+        raise UserError(f"{flag} {path}: not writable by you; pick another path")
+
+
 def run_explain(args: argparse.Namespace, task_args: dict) -> int:
     color = None if not args.no_color else False
+    if args.html:
+        check_output_file(args.html, "--html")
     if args.demo or not args.checkpoint:
         if not args.demo:
             print(

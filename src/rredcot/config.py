@@ -703,6 +703,10 @@ class TrainConfig:
             raise ValueError(
                 f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
             )
+        if not self.out.strip():
+            raise ValueError("out='' names no directory (it would be the current one); give --out")
+        if self.resume is not None and not self.resume.strip():
+            raise ValueError("resume='' names no run directory; give --resume RUN_DIR")
 
 
 RESUMABLE_FIELDS = (
@@ -772,6 +776,8 @@ class SFTConfig:
             raise ValueError("max_seconds and threads must be >= 0")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        if not self.out.strip():
+            raise ValueError("out='' names no directory (it would be the current one); give --out")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -275,6 +275,8 @@ def make_run_dir(run_dir: str | Path) -> Path:
         raise UserError(f"cannot create run directory {run_dir}: a parent is a file") from err
     except PermissionError as err:
         raise UserError(f"cannot create run directory {run_dir}: permission denied") from err
+    except OSError as err:  # a read-only file system, a full disk
+        raise UserError(f"cannot create run directory {run_dir}: {err.strerror}") from err
     return run_dir
 
 
@@ -294,12 +296,57 @@ def describe_run(run_dir: str | Path) -> str:
     return "; ".join(parts) or "run files"
 
 
+def is_rredcot_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a run that rredcot wrote: a ``config.yaml`` of a training run
+    or a checkpoint with ``trainer_state.pt``."""
+    run_dir = Path(run_dir)
+    try:
+        data = read_yaml_file(run_dir / CONFIG) if (run_dir / CONFIG).is_file() else None
+    except UserError:
+        data = None
+    if isinstance(data, dict) and {"credit_method", "credit", "sampling", "out"} <= set(data):
+        return True
+    return any((ckpt / "trainer_state.pt").is_file() for ckpt in _checkpoint_dirs(run_dir))
+
+
+def remove_run_files(run_dir: Path, names: list[str]) -> None:
+    """Delete what a run wrote under ``names`` (of ``RUN_FILES``) and nothing else: in
+    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there, so a folder linked
+    there (``checkpoints`` on another disk) stays, emptied of the run; a link is removed, never
+    followed."""
+    from rredcot.plots import CURVES  # plots imports this module
+
+    own_entries = {
+        CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
+        "plots": tuple(f"{key.replace('/', '_')}.png" for key, _ in CURVES) + (".*.png.tmp",),
+    }
+    for name in names:
+        path = run_dir / name
+        if name in own_entries and path.is_dir():
+            for pattern in own_entries[name]:
+                for entry in path.glob(pattern):
+                    _remove(entry)
+            if not path.is_symlink() and not any(path.iterdir()):
+                path.rmdir()
+        else:
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (not its target) or a directory tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Make, lock and check a run directory before anything is written to it.
 
     A directory that holds a run (any of ``RUN_FILES``) is refused unless the run is being
-    resumed or ``overwrite`` is set, which removes those files (and nothing else). Returns the
-    lock; the caller releases it when the run ends."""
+    resumed or ``overwrite`` is set, which removes those files (``remove_run_files``: nothing
+    else) of a folder that ``is_rredcot_run``, and refuses any other. Returns the lock; the
+    caller releases it when the run ends."""
     run_dir = make_run_dir(run_dir)
     lock = RunLock(run_dir)
     try:
@@ -311,9 +358,13 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunL
                     f"with `rredcot train --resume {run_dir}`, replace it with --overwrite, or "
                     "pick another --out"
                 )
-            for name in present:
-                path = run_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if not is_rredcot_run(run_dir):
+                raise UserError(
+                    f"--out {run_dir} holds {', '.join(present)} but no run that rredcot wrote "
+                    "(no config.yaml of a run, no checkpoint); --overwrite deletes only a "
+                    "rredcot run's files: pick another --out, or clear that folder yourself"
+                )
+            remove_run_files(run_dir, present)
     except BaseException:
         lock.release()
         raise

@@ -19,16 +19,17 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from rredcot.config import TrainConfig
+from rredcot.credit import get_normalizer
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
-from rredcot.methods.base import CreditContext, CreditMethod, build_credit
+from rredcot.methods.base import CreditContext, CreditMethod, build_credit, get_credit
 from rredcot.models import load_policy
 from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt, resolve_decoder
 from rredcot.seeding import seed_everything
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
-from rredcot.tasks.base import Problem, Task
+from rredcot.tasks.base import Problem, Task, get_task_class, make_params
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -105,6 +106,20 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"--device {name}: MPS is not available here; use --device cpu or auto")
     return device
+
+
+def check_names(cfg: TrainConfig) -> None:
+    """Check every name and value of ``cfg`` that needs no model (the credit method, the task
+    and its parameters, the segmenter, the advantage normalisation, a process-reward method's
+    value source) so that a typo fails in a moment, before a run directory is claimed or a
+    model is built or loaded; each error lists the valid names."""
+    get_credit(cfg.credit_method)
+    make_params(get_task_class(cfg.task).Params, cfg.task_args, owner=f"task {cfg.task!r}")
+    segmenter_from_config(cfg.credit)
+    if cfg.credit.normalization != "auto":
+        get_normalizer(cfg.credit.normalization)
+    if cfg.credit_method == "process_reward":
+        cfg.credit.process_reward.require_source()
 
 
 def resolve_max_new_tokens(cfg: TrainConfig, task: Task) -> None:

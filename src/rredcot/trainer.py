@@ -40,7 +40,12 @@ from rredcot.rollout import (
     train_mode_without_dropout,
 )
 from rredcot.seeding import seed_everything, step_seed
-from rredcot.train_setup import build_train_parts, is_main_process, resolve_device
+from rredcot.train_setup import (
+    build_train_parts,
+    check_names,
+    is_main_process,
+    resolve_device,
+)
 
 
 class Trainer:
@@ -52,6 +57,7 @@ class Trainer:
         self.log = log
         self.run_dir = Path(cfg.out)
         resolve_device(cfg.device)  # refuse a device the machine lacks before anything else
+        check_names(cfg)  # a typo fails before the run directory or a model is touched
         main = is_main_process()
         self._lock: runio.RunLock | None = None
         if main:  # one writer per run directory, and no silent reuse of a run
