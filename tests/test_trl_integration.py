@@ -11,6 +11,7 @@ import torch
 from conftest import make_rollout_batch
 from rredcot import config as config_module
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.credit import group_mean_std
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
     RREDCoTGRPOConfig,
@@ -101,10 +102,11 @@ def make_trainer(model_dir, dataset, out_dir, method="value_head", cls=SpyTraine
         task_args={"num_steps": 2},
         disable_tqdm=True,
     )
+    reward_funcs = overrides.pop("reward_funcs", None)
     kwargs.update(overrides)
     return cls(
         model=model_dir,
-        reward_funcs=[task_reward("arithmetic", num_steps=2), digit_share],
+        reward_funcs=reward_funcs or [task_reward("arithmetic", num_steps=2), digit_share],
         args=RREDCoTGRPOConfig(**kwargs),
         train_dataset=dataset,
         processing_class=build_char_tokenizer(),
@@ -501,6 +503,46 @@ def test_uniform_follows_scale_rewards_exactly(
         expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
         torch.testing.assert_close(rec["ours"], expected, rtol=0, atol=1e-6)
         assert float(rec["trl"].abs().max()) > 1e-3  # rewards varied: not a vacuous check
+
+
+def small_spread(completions, **kwargs) -> list[float]:
+    """A continuous reward whose groups' std is ~0.01-0.03: below credit.agreeing_std (0.1)."""
+    return [0.5 + 0.05 * s for s in digit_share(completions)]
+
+
+def step_scores(prompt, completion, ends):
+    return [0.2 + 0.6 * (k % 2) for k in range(len(ends))]
+
+
+@pytest.mark.parametrize("method", ["value_head", "process_reward", "answer_likelihood"])
+def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
+    tiny_model_dir, arithmetic_dataset, tmp_path, method
+):
+    """Before any trust is earned (w = 0) every value method's advantages are TRL's GRPO
+    advantages, also where every group's reward std (~0.02) is below credit.agreeing_std."""
+    credit = {"handover": {"mode": "reliability"}}
+    if method == "process_reward":
+        credit["process_reward"] = {"function": f"{__name__}:step_scores"}
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method=method,
+        credit=credit,
+        reward_funcs=[small_spread],
+        reward_weights=[1.0],
+        max_steps=1,
+    )
+    trainer.train()
+    rec = trainer.records[0]
+    rewards = trainer.last_batch.rewards
+    _, std = group_mean_std(rewards, trainer.last_batch.group_ids)
+    assert 0 < float(std.max()) < 0.1  # every group below the agreeing threshold, none agreeing
+    assert trainer.last_credit.metrics["credit/handover_weight"] == 0.0
+    assert trainer.last_credit.metrics["credit/agreeing_groups"] == 1.0
+    expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
+    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert float(rec["trl"].abs().max()) > 0.5  # GRPO's scale: rewards varied in the groups
 
 
 def test_scale_rewards_maps_and_conflicts_warn(tmp_path):
