@@ -543,7 +543,11 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
     mean, _ = group_mean_std(rewards, group_ids)
     uniform = credit.token_credit(
         credit.Values(mean[:, None].expand_as(values).clone(), value_mask, lam=1.0),
-        rewards, group_ids, segment_ids, response_mask, "group_std",
+        rewards,
+        group_ids,
+        segment_ids,
+        response_mask,
+        "group_std",
     ).advantages
     grpo = grpo_advantages(rewards, group_ids, response_mask, scale_rewards="group")
     assert torch.equal(uniform, grpo)
@@ -551,7 +555,12 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
     def blended(w, lam=0.5):
         est = credit.Values(values, value_mask, lam=lam, anchor=mean, handover_weight=w)
         out = credit.token_credit(
-            est, rewards, group_ids, segment_ids, response_mask, "group_or_batch_std",
+            est,
+            rewards,
+            group_ids,
+            segment_ids,
+            response_mask,
+            "group_or_batch_std",
             min_std=0.1,
         )
         return out.advantages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -543,6 +544,46 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
     expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
     torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
     assert float(rec["trl"].abs().max()) > 0.5  # GRPO's scale: rewards varied in the groups
+
+
+def test_explain_reads_a_trl_run(tiny_model_dir, arithmetic_dataset, tmp_path, capsys):
+    """`rredcot explain --run OUTPUT_DIR` (or a checkpoint-N) uses the TRL run's policy, its
+    trained head (value_head.pt), its credit settings (tokens:4) and its task (rredcot_credit.json)."""
+    from rredcot.cli import main
+    from rredcot.integrations.saved import SETTINGS_FILE, read_settings
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=1,
+    )
+    trainer.train()
+    ckpt = tmp_path / "checkpoint-1"
+    assert (ckpt / CREDIT_STATE_FILE).exists() and (ckpt / SETTINGS_FILE).exists()
+    saved = read_settings(ckpt)
+    assert (saved.credit_method, saved.task, saved.task_args) == (
+        "value_head",
+        "arithmetic",
+        {"num_steps": 2},
+    )
+    assert saved.credit.segmenter == "tokens:4" and saved.credit.lam == 0.5
+    assert saved.sampling.max_new_tokens == 24
+
+    assert main(["explain", "--run", str(tmp_path), "--samples", "3", "--no-color"]) == 0
+    captured = capsys.readouterr()
+    assert "untrained" not in captured.err and "no --run" not in captured.err
+    assert f"value_head (head from {ckpt})" in captured.out
+    prompts = [line for line in captured.out.splitlines() if line.startswith("prompt: ")]
+    assert prompts and all(p.count("+") + p.count("-") + p.count("*") >= 1 for p in prompts)
+    rows = [line for line in captured.out.splitlines() if re.match(r"\s+\d+\s+-?\d\.\d{3}", line)]
+    assert rows and all(len(r.split("  ")[-1].replace("⏎", "\n")) <= 4 for r in rows)
+
+    trainer.save_model(str(tmp_path / "final"))  # the final model: settings beside it too
+    assert main(["explain", "--run", str(tmp_path / "final"), "--samples", "2"]) == 0
+    assert f"head from {tmp_path / 'final'}" in capsys.readouterr().out
 
 
 def test_scale_rewards_maps_and_conflicts_warn(tmp_path):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from rredcot import credit
 from rredcot.config import CreditConfig, from_dict, upgrade_renamed
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
+from rredcot.integrations.saved import CREDIT_STATE_FILE, settings_dict, write_settings
 from rredcot.methods.base import (
     CreditContext,
     RolloutBatch,
@@ -72,13 +74,14 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
 __all__ = [
     "CREDIT_STATE_FILE",
     "normalization_for_scale_rewards",
+    "resolve_model",
     "TRL_METHODS",
     "RREDCoTGRPOConfig",
     "RREDCoTGRPOTrainer",
+    "reference_answer",
     "task_reward",
 ]
 
-CREDIT_STATE_FILE = "value_head.pt"
 TRL_METHODS = ("value_head", "answer_likelihood", "process_reward", "uniform")
 
 
@@ -231,6 +234,21 @@ def normalization_for_scale_rewards(scale_rewards: str | bool, credit_method: st
 
 
 # ---------------------------------------------------------------------------------------------
+# models by the names rredcot train takes
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """What ``GRPOTrainer`` should load for ``model``, as ``rredcot train`` and ``load_policy``
+    read it: a shipped alias (``smollm2-135m-instruct``) or a ``.gguf`` file (or a directory
+    holding one) becomes its dequantised float32 copy under ``~/.cache/rredcot/gguf/`` (built on
+    first use, 30-45 s once); a directory or hub id is returned unchanged. A shipped alias that
+    is not installed fails here, with the install command, before anything is loaded."""
+    from rredcot.models import resolve_model_dir
+
+    return resolve_model_dir(model, log=lambda msg: print(f"rredcot: {msg}", flush=True))
+
+
+# ---------------------------------------------------------------------------------------------
 # reward functions from rredcot tasks
 
 
@@ -240,11 +258,26 @@ def _completion_text(completion: Any) -> str:
     return str(completion)
 
 
+def reference_answer(task: Task | None, answer: Any) -> str:
+    """The reference answer in a dataset row's ``answer`` cell, as the task's verifier and the
+    answer-likelihood probes need it: GSM8K's native column (the reasoning, then ``#### 72``)
+    gives ``72``, a ``\\boxed{}`` solution its box (the task's ``answer_format``); a cell that holds
+    the bare answer is returned as it is."""
+    text = str(answer)
+    fmt = getattr(getattr(task, "params", None), "answer_format", None)
+    if not fmt:
+        return text
+    from rredcot.tasks.answers import extract_reference
+
+    return extract_reference(text, fmt) or text
+
+
 def task_reward(task: str | Task, answer_column: str = "answer", **task_args: Any):
     """A TRL reward function that scores completions with an rredcot task's verifier.
 
-    The dataset needs a ``prompt`` column and an ``answer_column`` with each reference answer.
-    Verifier errors score 0 (``safe_verify``).
+    The dataset needs a ``prompt`` column and an ``answer_column`` with each reference answer:
+    the bare answer, or the task's native solution (GSM8K's ``answer`` column as it comes, ending
+    in ``#### 72``: :func:`reference_answer`). Verifier errors score 0 (``safe_verify``).
     """
     the_task = get_task(task, **task_args) if isinstance(task, str) else task
 
@@ -257,7 +290,11 @@ def task_reward(task: str | Task, answer_column: str = "answer", **task_args: An
         answers = kwargs[answer_column]
         return [
             float(
-                safe_verify(the_task, Problem(_prompt_text(p), str(a)), _completion_text(c)).reward
+                safe_verify(
+                    the_task,
+                    Problem(_prompt_text(p), reference_answer(the_task, a)),
+                    _completion_text(c),
+                ).reward
             )
             for p, c, a in zip(prompts, completions, answers)
         ]
@@ -457,7 +494,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: RREDCoTGRPOConfig | None = None, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
+            name = model if isinstance(model, (str, os.PathLike)) else model.config._name_or_path
             args = RREDCoTGRPOConfig(f"{str(name).split('/')[-1] or 'model'}-RREDCoT-GRPO")
         if not isinstance(args, RREDCoTGRPOConfig):
             raise TypeError(
@@ -465,6 +502,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 f"{type(args).__name__}; build it with RREDCoTGRPOConfig(**your_grpo_kwargs, "
                 "credit_method=..., credit={...})"
             )
+        if isinstance(model, (str, os.PathLike)):
+            model = resolve_model(model)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         c = args.credit_config
         self.task: Task | None = get_task(args.task, **args.task_args) if args.task else None
@@ -631,7 +670,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         group_ids = torch.arange(start, start + B, device=completion_ids.device) // G
 
         problems = [
-            Problem(_prompt_text(x.get("prompt", "")), str(x.get(self.args.answer_column, "")))
+            Problem(
+                _prompt_text(x.get("prompt", "")),
+                reference_answer(self.task, x.get(self.args.answer_column, "")),
+            )
             for x in inputs
         ]
         batch = rollout_batch_from_tensors(
@@ -871,13 +913,32 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     # -- saving and resuming the credit method's state ---------------------------------------
     def save_credit_state(self, output_dir: str | Path) -> Path | None:
-        """Write the credit method's state (the value head) to ``output_dir/value_head.pt``."""
+        """Write the credit method's state (the value head) to ``output_dir/value_head.pt`` and
+        the run's rredcot settings (method, credit config, task, sampling) to
+        ``output_dir/rredcot_credit.json``, which ``rredcot explain --run output_dir`` reads."""
+        if not self.args.should_save:
+            return None
+        args = self.args
+        write_settings(
+            output_dir,
+            settings_dict(
+                args.credit_method,
+                self.credit_method.config,
+                args.task,
+                args.task_args,
+                args.answer_column,
+                self.temperature,
+                args.top_p,
+                args.max_completion_length,
+            ),
+        )
         state = self.credit_method.state_dict()
-        if not state or not self.args.should_save:
+        if not state:
             return None
         path = Path(output_dir) / CREDIT_STATE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"credit_method": self.args.credit_method, "state": state}, path)
+        tmp = path.with_name(f"{path.name}.tmp")
+        torch.save({"credit_method": self.args.credit_method, "state": state}, tmp)
+        tmp.replace(path)
         return path
 
     def load_credit_state(self, checkpoint_dir: str | Path) -> bool:
