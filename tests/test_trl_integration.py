@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
+from metrics_doc import undocumented
 from rredcot import config as config_module
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
 from rredcot.credit import group_mean_std
@@ -143,7 +144,7 @@ def test_value_head_gives_segment_credit_and_learns(tiny_model_dir, arithmetic_d
     assert all(rec["deferred"] for rec in trainer.records)
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
     assert [h["rredcot/extra_forward"] for h in history] == [0.0, 0.0]
-    assert all("value/loss" in h for h in history)
+    assert all("rredcot/value/loss" in h for h in history)
 
 
 def test_uniform_reproduces_trl_advantages(tiny_model_dir, arithmetic_dataset, tmp_path):
@@ -282,8 +283,8 @@ def test_answer_likelihood_is_selectable(tiny_model_dir, arithmetic_dataset, tmp
     assert probed.any()
     values = out.values[probed]
     assert ((values > 0) & (values < 1)).all()  # probabilities of answering right, not outcomes
-    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
-    assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the probes' one pass
+    logged = [h for h in trainer.state.log_history if "rredcot/credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["rredcot/credit/extra_forward_tokens"] > 0  # the probes' one pass
 
 
 def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tmp_path):
@@ -336,8 +337,8 @@ def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tm
     assert interior.any()
     torch.testing.assert_close(out.values[interior], again[interior], rtol=1e-5, atol=1e-6)
     assert ((again[interior] > 0) & (again[interior] < 1)).all()
-    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
-    assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the PRM's tokens
+    logged = [h for h in trainer.state.log_history if "rredcot/credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["rredcot/credit/extra_forward_tokens"] > 0  # the PRM's tokens
 
 
 @pytest.mark.parametrize("logprob_features", [False, True])
@@ -517,7 +518,7 @@ def step_scores(prompt, completion, ends):
 
 @pytest.mark.parametrize("method", ["value_head", "process_reward", "answer_likelihood"])
 def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
-    tiny_model_dir, arithmetic_dataset, tmp_path, method
+    tiny_model_dir, arithmetic_dataset, tmp_path, method, capsys
 ):
     """Before any trust is earned (w = 0) every value method's advantages are TRL's GRPO
     advantages, also where every group's reward std (~0.02) is below credit.agreeing_std."""
@@ -534,7 +535,24 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
         reward_weights=[1.0],
         max_steps=1,
     )
+    started = capsys.readouterr().out  # the one line saying what was resolved
+    assert f"rredcot: credit_method={method}, segmenter=tokens:4 (answer line merged), " in started
+    assert (
+        "normalization=group_or_batch_std (agreeing_std 0.1), from scale_rewards='group'" in started
+    )
+    assert "hand-over=reliability (slope, starts at w = 0: GRPO)" in started
+    features = {
+        "value_head": "features=hidden states of layers [-1] from each micro-batch's loss forward",
+        "process_reward": f"features=step scores of {__name__}:step_scores",
+        "answer_likelihood": "features=the policy's probability of the reference answer",
+    }
+    assert features[method] in started
     trainer.train()
+    logged = {k for h in trainer.state.log_history for k in h}
+    ours = {k for k in logged if k.startswith("rredcot/")}
+    assert ours and not any(k.startswith(("credit/", "value/")) for k in logged)  # one namespace
+    assert any(k.startswith("rredcot/value/") for k in ours) == (method == "value_head")
+    assert undocumented(ours, prefix="rredcot/") == []  # every key is in docs/metrics.md
     rec = trainer.records[0]
     rewards = trainer.last_batch.rewards
     _, std = group_mean_std(rewards, trainer.last_batch.group_ids)

@@ -82,6 +82,7 @@ __all__ = [
     "task_reward",
 ]
 
+METRICS_PREFIX = "rredcot/"  # every metric the adapter logs: rredcot/<the core's key>
 TRL_METHODS = ("value_head", "answer_likelihood", "process_reward", "uniform")
 
 
@@ -537,6 +538,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 "normalization 'batch_std' or 'group_or_batch_std', or steps_per_generation=1"
             )
         self.collective = _Collective(self.accelerator)
+        if self.accelerator.is_main_process:
+            print(f"rredcot: {self.describe_credit()}", flush=True)
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
         self.last_credit = None  # its CreditOutput (over the segments of every process's rows)
         self._rewards_per_func: Tensor | None = None
@@ -544,6 +547,47 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self._captured: list[Tensor] = []
         self._pending: _Pending | None = None
         self._loss_inputs: dict | None = None
+
+    def describe_credit(self) -> str:
+        """One line saying what was resolved: the method, the segmenter, the normalisation, the
+        hand-over and where the values' inputs come from (printed once at start)."""
+        method, c, args = self.credit_method, self.credit_method.config, self.args
+        cuts = c.segmenter + ("" if c.separate_answer else " (answer line merged)")
+        if c.min_chars or c.max_segments:
+            cuts += f", min_chars {c.min_chars}, max_segments {c.max_segments or 'none'}"
+        norm = method.normalization
+        if norm == "group_or_batch_std":
+            norm += f" (agreeing_std {c.agreeing_std})"
+        if _as_dict(args.credit, "credit").get("normalization", "auto") == "auto":
+            norm += f", from scale_rewards={args.scale_rewards!r}"
+        if args.credit_method == "uniform":
+            source, handover = "none (GRPO: the group's mean reward)", "none"
+        else:
+            handover = c.handover.mode + (
+                f" ({c.handover.score}, starts at w = 0: GRPO)"
+                if c.handover.mode == "reliability"
+                else " (full weight from step 1)"
+            )
+            if self._hidden_layers is not None:
+                extra = " + log-prob features" if c.value_head.logprob_features else ""
+                where = (
+                    "TRL's old-log-prob pass"
+                    if self._trl_runs_old_logprob_pass()
+                    else "each micro-batch's loss forward"
+                    if self._defers_to_loss_forward()
+                    else "one extra no-grad forward per generation batch (the Liger loss)"
+                )
+                source = f"hidden states of layers {list(self._hidden_layers)}{extra} from {where}"
+            elif args.credit_method == "answer_likelihood":
+                source = "the policy's probability of the reference answer after each prefix"
+            else:
+                prm = c.process_reward
+                source = f"step scores of {prm.function or prm.model}"
+        return (
+            f"credit_method={args.credit_method}, segmenter={cuts}, normalization={norm}, "
+            f"lam={method.lam}, hand-over={handover}, features={source}; metrics under "
+            f"{METRICS_PREFIX} (docs/metrics.md)"
+        )
 
     # -- what TRL computes, kept for the credit -----------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -897,9 +941,11 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         return [safe_verify(self.task, p, c) for p, c in zip(batch.problems, batch.completions)]
 
     def _log_credit(self, metrics: dict[str, float], mode: str) -> None:
+        """Log the credit method's metrics in rredcot's one namespace beside TRL's own:
+        ``credit/handover_weight`` as ``rredcot/credit/handover_weight`` (docs/metrics.md)."""
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
-                self._metrics[mode][key].append(float(value))
+                self._metrics[mode][f"{METRICS_PREFIX}{key}"].append(float(value))
 
     def _log_row_advantages(self, advantages: Tensor, mask: Tensor) -> None:
         """Show each completion's mean token advantage in TRL's completions table (TRL logged its
