@@ -388,6 +388,13 @@ def test_config_errors_name_the_problem(tmp_path):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="answer_likelihood")
     with pytest.raises(ValueError, match="needs a value source"):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="process_reward")
+    # a misspelt segmenter fails in the config, naming the valid ones (before any model loads)
+    with pytest.raises(
+        ValueError, match=r"credit.segmenter: unknown .* 'newlines'; valid: newline, "
+    ):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit={"segmenter": "newlines"})
+    with pytest.raises(ValueError, match="agreeing_std"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit={"agreeing_std": -1})
     cfg = RREDCoTGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, credit='{"segmenter": "sentence", "lam": 0.25}'
     )
