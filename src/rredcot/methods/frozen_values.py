@@ -108,7 +108,9 @@ class FrozenValuesCredit(CreditMethod):
             extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0),
             extra_generated_tokens=stats.pop("credit/extra_generated_tokens", 0.0),
         )
-        stats.update({"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w})
+        stats.update(
+            {"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w}
+        )
         return Estimate(
             Values(values, mask, lam=self.lam, handover_weight=min(max(w, 0.0), 1.0)), cost, stats
         )

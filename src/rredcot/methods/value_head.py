@@ -477,7 +477,9 @@ class ValueHeadCredit(CreditMethod):
         rewards = rewards.to(raw.device)
         w = min(max(self.handover_weight, 0.0), 1.0)
         metrics = self._fresh_diagnostics(raw, mask, rewards, live)
-        metrics.update({"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w})
+        metrics.update(
+            {"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w}
+        )
         if self.options.shared_prefixes and prefix_ids is not None:
             min_count = self.options.shared_min_count
             if tuple(prefix_ids.shape) != tuple(mask.shape):
@@ -560,7 +562,11 @@ class ValueHeadCredit(CreditMethod):
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
         baseline = group_mean.unsqueeze(1).expand_as(values)
         vs_group = bounded_skill(brier_skill(values, baseline, target_mask, entry["rewards"]))
-        return {"credit/handover_skill": skill, "credit/handover_slope": slope, "value/skill_vs_group_mean": vs_group}
+        return {
+            "credit/handover_skill": skill,
+            "credit/handover_slope": slope,
+            "value/skill_vs_group_mean": vs_group,
+        }
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """:meth:`update_from_features` of the batch's :meth:`boundary_features`."""
