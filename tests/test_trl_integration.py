@@ -707,3 +707,62 @@ def test_head_width_does_not_depend_on_sharding(char_tokenizer, sharding):
     assert abs(got - expected) <= max(1, expected // 50)  # the config's count: within 2%
     if sharding == "zero3":
         assert got == expected  # ds_numel is exact
+
+
+GSM8K_ROWS = [  # GSM8K's own format: the reference is the number after ####
+    {
+        "question": "Tom has 3 apples and buys 2 more. How many apples does he have?",
+        "answer": "Tom has 3 + 2 = <<3+2=5>>5 apples.\n#### 5",
+    },
+    {
+        "question": "A box holds 4 pens. How many pens are in 2 boxes?",
+        "answer": "2 boxes hold 2 * 4 = <<2*4=8>>8 pens.\n#### 8",
+    },
+]
+
+
+def test_shipped_model_by_alias_or_gguf_path_on_gsm8k_rows(tmp_path):
+    """The shipped SmolLM2 by its alias or its .gguf file, as `rredcot train` takes them, on
+    GSM8K rows with their native `answer` column: one CPU step, rewards from the number after
+    ####, and probes of the parsed answer."""
+    from datasets import Dataset
+
+    from rredcot.integrations.trl import reference_answer, resolve_model
+    from rredcot.models import DEFAULT_REAL_MODEL, resolve_model_dir, shipped_model_path
+    from rredcot.tasks import get_task
+
+    gguf = shipped_model_path(DEFAULT_REAL_MODEL)
+    cached = resolve_model_dir(DEFAULT_REAL_MODEL)
+    assert resolve_model(DEFAULT_REAL_MODEL) == resolve_model(str(gguf)) == cached
+    assert resolve_model(str(tmp_path)) == str(tmp_path)  # a directory: TRL's to load
+    task = get_task("gsm8k")
+    assert [reference_answer(task, r["answer"]) for r in GSM8K_ROWS] == ["5", "8"]
+    reward = task_reward("gsm8k")
+    assert reward(["q", "q"], ["so 5", "so 6"], answer=[GSM8K_ROWS[0]["answer"]] * 2) == [1.0, 0.0]
+
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["question"]}], **r} for r in GSM8K_ROWS]
+    )
+    args = RREDCoTGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        credit_method="answer_likelihood",
+        task="gsm8k",
+    )
+    trainer = SpyTrainer(
+        model=str(gguf), reward_funcs=reward, args=args, train_dataset=dataset.select([0])
+    )
+    assert trainer.model.config._name_or_path == cached  # not the hub
+    assert 134_000_000 < sum(p.numel() for p in trainer.model.parameters()) < 135_000_000
+    trainer.train()
+    batch = trainer.last_batch
+    assert [p.answer for p in batch.problems] == ["5", "5"]  # parsed from the native column
+    assert trainer.last_credit.metrics["credit/probe_packed"] == 1.0  # packed under bf16 autocast

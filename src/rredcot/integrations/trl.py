@@ -62,8 +62,10 @@ from rredcot.methods.base import (
     get_credit,
     uniform_values,
 )
+from rredcot.models import resolve_model_dir
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
+from rredcot.tasks.answers import extract_reference
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 try:
@@ -244,8 +246,6 @@ def resolve_model(model: str | os.PathLike) -> str:
     holding one) becomes its dequantised float32 copy under ``~/.cache/rredcot/gguf/`` (built on
     first use, 30-45 s once); a directory or hub id is returned unchanged. A shipped alias that
     is not installed fails here, with the install command, before anything is loaded."""
-    from rredcot.models import resolve_model_dir
-
     return resolve_model_dir(model, log=lambda msg: print(f"rredcot: {msg}", flush=True))
 
 
@@ -268,8 +268,6 @@ def reference_answer(task: Task | None, answer: Any) -> str:
     fmt = getattr(getattr(task, "params", None), "answer_format", None)
     if not fmt:
         return text
-    from rredcot.tasks.answers import extract_reference
-
     return extract_reference(text, fmt) or text
 
 
