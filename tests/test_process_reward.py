@@ -11,6 +11,7 @@ import torch
 import yaml
 
 import prm_scores
+from metrics_doc import undocumented
 from rredcot.config import CreditConfig, ProcessRewardConfig, TrainConfig, from_dict, load_yaml
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import CreditContext, build_credit, credit_options
@@ -386,7 +387,9 @@ def test_rredcot_train_with_a_function_source(init_dir, tmp_path):
     steps = [r for r in records if "credit/prm_calls" in r]
     assert len(steps) == 2
     assert all(r["credit/prm_calls"] > 0 for r in steps)
-    assert all("value/reliability" in r and "credit/handover_weight" in r for r in steps)
+    assert all("credit/handover_reliability" in r and "credit/handover_weight" in r for r in steps)
+    assert not any(k.startswith("value/") for r in steps for k in r)  # the value head's only
+    assert undocumented({k for r in steps for k in r}) == []  # every key in docs/metrics.md
     saved = load_yaml(out / "config.yaml", TrainConfig)
     assert saved.credit_method == "process_reward"
     assert saved.credit.process_reward.function.endswith("prm_scores.py:chain_scores")

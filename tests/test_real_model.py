@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from rredcot.config import CreditConfig, SamplingConfig
+from rredcot.config import AnswerLikelihoodConfig, CreditConfig, SamplingConfig
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.models import DEFAULT_REAL_MODEL, load_policy, resolve_model_dir
 from rredcot.segment import get_segmenter, token_offsets
@@ -151,6 +151,52 @@ def test_answer_likelihood_packed_logprobs_equal_unpacked(real_model, task, trac
     gold_row = 0
     right = [a for p, a in zip(probes, packed) if p.row == gold_row and p.k == 1]
     assert float(right[0].sum()) > float(right[1].sum())
+
+
+def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
+    """TRL on a CPU trains with bf16 autocast (accelerate wraps the model's forward): the probes
+    still run packed and through the trunk, at the parameters' dtype, with no warning, and give
+    the values of the unwrapped model; what a fall-back would cost is computed, not guessed."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    from rredcot.methods import answer_likelihood as al
+
+    model, tokenizer = real_model
+    config = CreditConfig(answer_likelihood=AnswerLikelihoodConfig(renderings=False))
+    problem = task.train_problems(1, seed=0)[0]
+    short = ["So 1 + 1 = 2.\nThe answer is 2.", "So it is 3.\nThe answer is 3."]
+    trace_batch = batch_from_texts(tokenizer, task, [problem] * 2, short, group_size=2)
+
+    def probed():
+        al._SPLIT_CHECKED.pop(model, None)  # check the trunk against this forward afresh
+        method = build_credit(
+            "answer_likelihood", config, CreditContext(model, tokenizer, task=task)
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # neither the trunk nor the packing may fall back
+            values, mask, stats = method.probe_values(trace_batch)
+        assert al._SPLIT_CHECKED[model] is not None and method._packing == "auto"
+        return values, mask, stats
+
+    plain, mask, _ = probed()
+    Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    try:
+        assert type(model).forward is not model.forward.__func__  # the autocast wrapper is on
+        mixed, _, stats = probed()
+    finally:
+        del model.forward  # back to the class's forward for the other tests
+        al._SPLIT_CHECKED.pop(model, None)
+    assert stats["credit/probe_packed"] == 1.0
+    torch.testing.assert_close(mixed[mask], plain[mask], rtol=0, atol=1e-5)
+
+    probes, _ = al.build_probes(trace_batch, tokenizer, task, [[problem.answer]] * 2)
+    assert len(probes) == 4  # two boundaries s_0, s_1 of two traces
+    packed_tokens, unpacked_tokens = al.probe_pass_tokens(trace_batch, probes)
+    _, forwarded_packed = al.packed_probe_logprobs(model, trace_batch, probes)
+    _, forwarded_unpacked = al.unpacked_probe_logprobs(model, trace_batch, probes)
+    assert (packed_tokens, unpacked_tokens) == (forwarded_packed, forwarded_unpacked)
 
 
 def test_rredcot_train_two_steps_and_reload_without_the_gguf_file(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import micro_config
+from metrics_doc import undocumented
 from rredcot.config import TrainConfig
 from rredcot.loss import policy_loss
 from rredcot.tasks import Verdict, register_task
@@ -347,7 +348,8 @@ def test_value_head_is_pretrained_on_warm_start_samples(init_dir, tmp_path):
     after = trainer.method.state_dict()["head"]
     assert any(not torch.equal(head_before[k], after[k]) for k in head_before)
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "value/reliability" in rec and "credit/handover_weight" in rec
+    assert "credit/handover_reliability" in rec and "credit/handover_weight" in rec
+    assert undocumented(set(rec)) == []  # every key of the step record is in docs/metrics.md
     # the pretraining samples are paid from the token budget, as generations of the method
     assert rec["extra_tokens_generated"] > 0
     assert rec["extra_tokens_generated"] + rec["tokens_generated"] > rec["rollout/tokens"]

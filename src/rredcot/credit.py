@@ -1013,6 +1013,7 @@ def token_credit(
         return group_mean_std(rewards, group_ids.to(rewards.device))[0]
 
     values = None
+    grpo_share = None  # (B, S) GRPO's part of a hand-over blend, scaled as GRPO scales it
     if isinstance(estimate, Values):
         values = estimate.values
         if estimate.anchor is not None:
@@ -1027,6 +1028,7 @@ def token_credit(
             grpo = (rewards - group_mean()).to(seg_adv.device)[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
             seg_adv = grpo if trust == 0.0 else grpo + trust * (seg_adv - grpo)
+            grpo_share = grpo
     elif isinstance(estimate, Weights):
         seg_mask = _as_bool(estimate.mask)
         seg_rewards = weights_to_segment_rewards(
@@ -1036,13 +1038,19 @@ def token_credit(
     else:
         raise TypeError(f"estimate must be Values or Weights, got {type(estimate).__name__}")
     tokens = segments_to_tokens(seg_adv, segment_ids.to(seg_adv.device), response_mask)
-    advantages = normalize_advantages(
-        tokens,
-        response_mask,
-        rewards.to(tokens.device),
-        group_ids,
-        normalization,
-        eps=eps,
-        min_std=min_std,
-    )
+    r = rewards.to(tokens.device)
+    if grpo_share is not None and normalization == "group_or_batch_std":
+        # GRPO's share is divided by its group's std + eps however small that std is (GRPO's
+        # own rule, harmless there: its numerator is as small); only the value credit's share
+        # falls back to the batch std in an agreeing group. At w = 0 this is GRPO bit for bit.
+        base = segments_to_tokens(grpo_share, segment_ids.to(seg_adv.device), response_mask)
+        advantages = normalize_advantages(
+            base, response_mask, r, group_ids, "group_std", eps=eps
+        ) + normalize_advantages(
+            tokens - base, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
+        )
+    else:
+        advantages = normalize_advantages(
+            tokens, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
+        )
     return TokenCredit(advantages, seg_adv, seg_mask, seg_rewards, values)

@@ -25,6 +25,7 @@ class SegmentCredit:
     value_after: float | None  # V(s_k) (R for the last segment)
     reward: float  # r_k
     advantage: float  # A_k
+    scaled: float | None = None  # A_k after the normalisation: each token's advantage
 
 
 def explain_values(
@@ -76,15 +77,19 @@ def _ansi(value: float, scale: float) -> str:
 def render_terminal(title: str, segments: list[SegmentCredit], color: bool | None = None) -> str:
     color = _use_color(sys.stdout) if color is None else color
     scale = max((abs(s.advantage) for s in segments), default=1.0) or 1.0
-    lines = [title, f"  {'k':>2}  {'V(s_k-1)':>8}  {'V(s_k)':>7}  {'r_k':>7}  {'A_k':>7}  segment"]
+    scaled = any(s.scaled is not None for s in segments)
+    head = f"  {'k':>2}  {'V(s_k-1)':>8}  {'V(s_k)':>7}  {'r_k':>7}  {'A_k':>7}  "
+    lines = [title, head + (f"{'token A':>7}  " if scaled else "") + "segment"]
     for k, s in enumerate(segments, 1):
         seg = s.text.rstrip("\n").replace("\n", "⏎")
         if color:
             seg = f"{_ansi(s.advantage, scale)}{seg}\033[0m"
         before = "" if s.value_before is None else f"{s.value_before:8.3f}"
         after = "" if s.value_after is None else f"{s.value_after:7.3f}"
+        token = "" if s.scaled is None else f"{s.scaled:+7.3f}"
+        token = f"{token:>7}  " if scaled else ""
         lines.append(
-            f"  {k:>2}  {before:>8}  {after:>7}  {s.reward:+7.3f}  {s.advantage:+7.3f}  {seg}"
+            f"  {k:>2}  {before:>8}  {after:>7}  {s.reward:+7.3f}  {s.advantage:+7.3f}  {token}{seg}"
         )
     total = sum(s.reward for s in segments)
     lines.append(f"  sum of r_k = {total:+.3f}  (= R - V(s_0), whatever the values)")
@@ -92,7 +97,10 @@ def render_terminal(title: str, segments: list[SegmentCredit], color: bool | Non
 
 
 def _html_color(value: float, scale: float) -> str:
+    """Green for positive credit, red for negative, none for (about) zero, as in the terminal."""
     x = max(-1.0, min(1.0, value / scale)) if scale > 0 else 0.0
+    if abs(x) < 0.05:
+        return "transparent"
     alpha = 0.15 + 0.6 * abs(x)
     return f"rgba(46,160,67,{alpha:.2f})" if x >= 0 else f"rgba(218,54,51,{alpha:.2f})"
 
@@ -124,15 +132,21 @@ def render_html(sections: list[tuple[str, str, list[SegmentCredit]]]) -> str:
                 f"<span class='seg' style='background:{_html_color(s.advantage, scale)}' "
                 f"title='{tip}'>{html.escape(s.text)}</span>"
             )
+        scaled = any(s.scaled is not None for s in segments)
         parts.append(
-            "</pre><table><tr><th>k</th><th>V(s_k-1)</th><th>V(s_k)</th><th>r_k</th><th>A_k</th><th>segment</th></tr>"
+            "</pre><table><tr><th>k</th><th>V(s_k-1)</th><th>V(s_k)</th><th>r_k</th><th>A_k</th>"
+            + ("<th>token A</th>" if scaled else "")
+            + "<th>segment</th></tr>"
         )
         for k, s in enumerate(segments, 1):
             vb = "" if s.value_before is None else f"{s.value_before:.3f}"
             va = "" if s.value_after is None else f"{s.value_after:.3f}"
+            token = "" if s.scaled is None else f"{s.scaled:+.3f}"
             parts.append(
                 f"<tr><td>{k}</td><td>{vb}</td><td>{va}</td><td>{s.reward:+.3f}</td>"
-                f"<td>{s.advantage:+.3f}</td><td class='t'>{html.escape(s.text.strip())}</td></tr>"
+                f"<td>{s.advantage:+.3f}</td>"
+                + (f"<td>{token}</td>" if scaled else "")
+                + f"<td class='t'>{html.escape(s.text.strip())}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")

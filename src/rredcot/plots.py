@@ -16,7 +16,7 @@ CURVES = [
     ("grad_norm", "gradient norm"),
     ("kl", "KL to the reference"),
     ("value/loss", "value-head loss"),
-    ("value/reliability", "value-head reliability"),
+    ("credit/handover_reliability", "measured reliability of the values"),
     ("credit/handover_weight", "weight of value-based credit"),
 ]
 

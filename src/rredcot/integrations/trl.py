@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from rredcot import credit
 from rredcot.config import CreditConfig, from_dict, upgrade_renamed
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
+from rredcot.integrations.saved import CREDIT_STATE_FILE, settings_dict, write_settings
 from rredcot.methods.base import (
     CreditContext,
     RolloutBatch,
@@ -60,8 +62,10 @@ from rredcot.methods.base import (
     get_credit,
     uniform_values,
 )
+from rredcot.models import resolve_model_dir
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
+from rredcot.tasks.answers import extract_reference
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 try:
@@ -72,13 +76,15 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
 __all__ = [
     "CREDIT_STATE_FILE",
     "normalization_for_scale_rewards",
+    "resolve_model",
     "TRL_METHODS",
     "RREDCoTGRPOConfig",
     "RREDCoTGRPOTrainer",
+    "reference_answer",
     "task_reward",
 ]
 
-CREDIT_STATE_FILE = "value_head.pt"
+METRICS_PREFIX = "rredcot/"  # every metric the adapter logs: rredcot/<the core's key>
 TRL_METHODS = ("value_head", "answer_likelihood", "process_reward", "uniform")
 
 
@@ -231,6 +237,19 @@ def normalization_for_scale_rewards(scale_rewards: str | bool, credit_method: st
 
 
 # ---------------------------------------------------------------------------------------------
+# models by the names rredcot train takes
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """What ``GRPOTrainer`` should load for ``model``, as ``rredcot train`` and ``load_policy``
+    read it: a shipped alias (``smollm2-135m-instruct``) or a ``.gguf`` file (or a directory
+    holding one) becomes its dequantised float32 copy under ``~/.cache/rredcot/gguf/`` (built on
+    first use, 30-45 s once); a directory or hub id is returned unchanged. A shipped alias that
+    is not installed fails here, with the install command, before anything is loaded."""
+    return resolve_model_dir(model, log=lambda msg: print(f"rredcot: {msg}", flush=True))
+
+
+# ---------------------------------------------------------------------------------------------
 # reward functions from rredcot tasks
 
 
@@ -240,11 +259,24 @@ def _completion_text(completion: Any) -> str:
     return str(completion)
 
 
+def reference_answer(task: Task | None, answer: Any) -> str:
+    """The reference answer in a dataset row's ``answer`` cell, as the task's verifier and the
+    answer-likelihood probes need it: GSM8K's native column (the reasoning, then ``#### 72``)
+    gives ``72``, a ``\\boxed{}`` solution its box (the task's ``answer_format``); a cell that holds
+    the bare answer is returned as it is."""
+    text = str(answer)
+    fmt = getattr(getattr(task, "params", None), "answer_format", None)
+    if not fmt:
+        return text
+    return extract_reference(text, fmt) or text
+
+
 def task_reward(task: str | Task, answer_column: str = "answer", **task_args: Any):
     """A TRL reward function that scores completions with an rredcot task's verifier.
 
-    The dataset needs a ``prompt`` column and an ``answer_column`` with each reference answer.
-    Verifier errors score 0 (``safe_verify``).
+    The dataset needs a ``prompt`` column and an ``answer_column`` with each reference answer:
+    the bare answer, or the task's native solution (GSM8K's ``answer`` column as it comes, ending
+    in ``#### 72``: :func:`reference_answer`). Verifier errors score 0 (``safe_verify``).
     """
     the_task = get_task(task, **task_args) if isinstance(task, str) else task
 
@@ -257,7 +289,11 @@ def task_reward(task: str | Task, answer_column: str = "answer", **task_args: An
         answers = kwargs[answer_column]
         return [
             float(
-                safe_verify(the_task, Problem(_prompt_text(p), str(a)), _completion_text(c)).reward
+                safe_verify(
+                    the_task,
+                    Problem(_prompt_text(p), reference_answer(the_task, a)),
+                    _completion_text(c),
+                ).reward
             )
             for p, c, a in zip(prompts, completions, answers)
         ]
@@ -457,7 +493,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: RREDCoTGRPOConfig | None = None, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
+            name = model if isinstance(model, (str, os.PathLike)) else model.config._name_or_path
             args = RREDCoTGRPOConfig(f"{str(name).split('/')[-1] or 'model'}-RREDCoT-GRPO")
         if not isinstance(args, RREDCoTGRPOConfig):
             raise TypeError(
@@ -465,6 +501,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 f"{type(args).__name__}; build it with RREDCoTGRPOConfig(**your_grpo_kwargs, "
                 "credit_method=..., credit={...})"
             )
+        if isinstance(model, (str, os.PathLike)):
+            model = resolve_model(model)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         c = args.credit_config
         self.task: Task | None = get_task(args.task, **args.task_args) if args.task else None
@@ -498,6 +536,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 "normalization 'batch_std' or 'group_or_batch_std', or steps_per_generation=1"
             )
         self.collective = _Collective(self.accelerator)
+        if self.accelerator.is_main_process:
+            print(f"rredcot: {self.describe_credit()}", flush=True)
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
         self.last_credit = None  # its CreditOutput (over the segments of every process's rows)
         self._rewards_per_func: Tensor | None = None
@@ -505,6 +545,47 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self._captured: list[Tensor] = []
         self._pending: _Pending | None = None
         self._loss_inputs: dict | None = None
+
+    def describe_credit(self) -> str:
+        """One line saying what was resolved: the method, the segmenter, the normalisation, the
+        hand-over and where the values' inputs come from (printed once at start)."""
+        method, c, args = self.credit_method, self.credit_method.config, self.args
+        cuts = c.segmenter + ("" if c.separate_answer else " (answer line merged)")
+        if c.min_chars or c.max_segments:
+            cuts += f", min_chars {c.min_chars}, max_segments {c.max_segments or 'none'}"
+        norm = method.normalization
+        if norm == "group_or_batch_std":
+            norm += f" (agreeing_std {c.agreeing_std})"
+        if _as_dict(args.credit, "credit").get("normalization", "auto") == "auto":
+            norm += f", from scale_rewards={args.scale_rewards!r}"
+        if args.credit_method == "uniform":
+            source, handover = "none (GRPO: the group's mean reward)", "none"
+        else:
+            handover = c.handover.mode + (
+                f" ({c.handover.score}, starts at w = 0: GRPO)"
+                if c.handover.mode == "reliability"
+                else " (full weight from step 1)"
+            )
+            if self._hidden_layers is not None:
+                extra = " + log-prob features" if c.value_head.logprob_features else ""
+                where = (
+                    "TRL's old-log-prob pass"
+                    if self._trl_runs_old_logprob_pass()
+                    else "each micro-batch's loss forward"
+                    if self._defers_to_loss_forward()
+                    else "one extra no-grad forward per generation batch (the Liger loss)"
+                )
+                source = f"hidden states of layers {list(self._hidden_layers)}{extra} from {where}"
+            elif args.credit_method == "answer_likelihood":
+                source = "the policy's probability of the reference answer after each prefix"
+            else:
+                prm = c.process_reward
+                source = f"step scores of {prm.function or prm.model}"
+        return (
+            f"credit_method={args.credit_method}, segmenter={cuts}, normalization={norm}, "
+            f"lam={method.lam}, hand-over={handover}, features={source}; metrics under "
+            f"{METRICS_PREFIX} (docs/metrics.md)"
+        )
 
     # -- what TRL computes, kept for the credit -----------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -631,7 +712,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         group_ids = torch.arange(start, start + B, device=completion_ids.device) // G
 
         problems = [
-            Problem(_prompt_text(x.get("prompt", "")), str(x.get(self.args.answer_column, "")))
+            Problem(
+                _prompt_text(x.get("prompt", "")),
+                reference_answer(self.task, x.get(self.args.answer_column, "")),
+            )
             for x in inputs
         ]
         batch = rollout_batch_from_tensors(
@@ -855,9 +939,11 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         return [safe_verify(self.task, p, c) for p, c in zip(batch.problems, batch.completions)]
 
     def _log_credit(self, metrics: dict[str, float], mode: str) -> None:
+        """Log the credit method's metrics in rredcot's one namespace beside TRL's own:
+        ``credit/handover_weight`` as ``rredcot/credit/handover_weight`` (docs/metrics.md)."""
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
-                self._metrics[mode][key].append(float(value))
+                self._metrics[mode][f"{METRICS_PREFIX}{key}"].append(float(value))
 
     def _log_row_advantages(self, advantages: Tensor, mask: Tensor) -> None:
         """Show each completion's mean token advantage in TRL's completions table (TRL logged its
@@ -871,13 +957,32 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     # -- saving and resuming the credit method's state ---------------------------------------
     def save_credit_state(self, output_dir: str | Path) -> Path | None:
-        """Write the credit method's state (the value head) to ``output_dir/value_head.pt``."""
+        """Write the credit method's state (the value head) to ``output_dir/value_head.pt`` and
+        the run's rredcot settings (method, credit config, task, sampling) to
+        ``output_dir/rredcot_credit.json``, which ``rredcot explain --run output_dir`` reads."""
+        if not self.args.should_save:
+            return None
+        args = self.args
+        write_settings(
+            output_dir,
+            settings_dict(
+                args.credit_method,
+                self.credit_method.config,
+                args.task,
+                args.task_args,
+                args.answer_column,
+                self.temperature,
+                args.top_p,
+                args.max_completion_length,
+            ),
+        )
         state = self.credit_method.state_dict()
-        if not state or not self.args.should_save:
+        if not state:
             return None
         path = Path(output_dir) / CREDIT_STATE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"credit_method": self.args.credit_method, "state": state}, path)
+        tmp = path.with_name(f"{path.name}.tmp")
+        torch.save({"credit_method": self.args.credit_method, "state": state}, tmp)
+        tmp.replace(path)
         return path
 
     def load_credit_state(self, checkpoint_dir: str | Path) -> bool:

@@ -387,6 +387,22 @@ def _unwrap(policy):
     return policy
 
 
+def _plain_forward(policy):
+    """The model's own ``forward`` at its parameters' dtype: the class's method on the unwrapped
+    model. Mixed precision (accelerate's ``prepare`` with bf16, as TRL runs on a CPU by default)
+    wraps the *instance's* forward in an autocast; calling the trunk directly bypasses that
+    wrapper, so the logits it is checked against must bypass it too."""
+    model = _unwrap(policy)
+    return type(model).forward.__get__(model)
+
+
+def _no_autocast(device: torch.device):
+    """Probe log-probs at the parameters' own dtype whatever autocast is active outside: packed
+    and unpacked passes then agree to that dtype's precision (under a bf16 autocast they differ
+    by ~0.1-0.2 nats on a 30-layer model, which read as a mask the model does not honour)."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _vocab_size(policy, head: nn.Module | None) -> int:
     size = getattr(head, "out_features", None) or getattr(
         getattr(_unwrap(policy), "config", None), "vocab_size", None
@@ -420,9 +436,9 @@ def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
         device, dtype = _model_device_dtype(model)
         vocab = _vocab_size(model, head)
         ids = (torch.arange(6, device=device) * 7 + 3).remainder(vocab).unsqueeze(0)
-        with torch.no_grad(), eval_mode(model):
+        with torch.no_grad(), eval_mode(model), _no_autocast(device):
             try:
-                full = model(input_ids=ids, use_cache=False).logits.float()
+                full = _plain_forward(model)(input_ids=ids, use_cache=False).logits.float()
                 hidden = _last_hidden(trunk(input_ids=ids, use_cache=False))
                 mine = _softcap(model, head(hidden)).float()
                 tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -437,7 +453,9 @@ def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
         warnings.warn(
             f"answer_likelihood: {type(model).__name__}'s trunk and output head "
             f"(get_decoder(), get_output_embeddings()) {why}; probes are scored from the full "
-            "logits, whose memory grows with rows x length x vocabulary (lower "
+            f"logits: {4 * (getattr(model.config, 'vocab_size', 0) or 0) / 2**20:.2f} MiB of fp32 "
+            "per forwarded token "
+            "(rows x length x vocabulary) instead of per probe token only (lower "
             "credit.answer_likelihood.chunk_tokens if it runs out)",
             stacklevel=3,
         )
@@ -464,6 +482,11 @@ def _score(
     """
     if not predictors:
         return
+    with _no_autocast(forward["input_ids"].device):
+        _score_at_own_dtype(policy, forward, predictors, out, logits_mb)
+
+
+def _score_at_own_dtype(policy, forward, predictors, out, logits_mb) -> None:
     split = _trunk_and_head(policy)
     device = forward["input_ids"].device
     rows = torch.cat([torch.full_like(cols, r) for r, cols, _, _ in predictors]).to(device)
@@ -477,7 +500,7 @@ def _score(
             return _softcap(policy, head(picked[sl]))
     else:
         head = None
-        picked = policy(**forward, use_cache=False).logits[rows, cols]  # (N, V)
+        picked = _plain_forward(policy)(**forward, use_cache=False).logits[rows, cols]  # (N, V)
 
         def logits_of(sl: slice) -> Tensor:
             return picked[sl]
@@ -613,6 +636,32 @@ def unpacked_probe_logprobs(
     return out, forwarded  # type: ignore[return-value]
 
 
+def probe_pass_tokens(batch: RolloutBatch, probes: list[Probe]) -> tuple[int, int]:
+    """``(packed, unpacked)``: the tokens a probe pass forwards with one packed row per trace
+    (prompt, the longest probed prefix, every probe) and with one row per probe (each re-runs its
+    prompt and prefix). Their ratio is what falling back to unpacked probing costs."""
+    P = batch.prompt_len
+    prompt = batch.attention_mask[:, :P].sum(dim=1).tolist()
+    longest: dict[int, int] = {}
+    packed = unpacked = 0
+    for p in probes:
+        longest[p.row] = max(longest.get(p.row, 0), p.b)
+        packed += len(p.ids)
+        unpacked += int(prompt[p.row]) + p.b + len(p.ids)
+    packed += sum(int(prompt[r]) + b for r, b in longest.items())
+    return packed, unpacked
+
+
+def _fallback_cost(batch: RolloutBatch, probes: list[Probe]) -> str:
+    packed, unpacked = probe_pass_tokens(batch, probes)
+    ratio = unpacked / max(packed, 1)
+    return (
+        f"one row per probe re-runs each probe's prompt and prefix: {ratio:.1f}x the forward "
+        f"tokens of packing on this batch ({unpacked} against {packed}), so expect the probe pass "
+        f"to take about {ratio:.1f}x as long"
+    )
+
+
 def _pad_id(policy) -> int:
     pad = getattr(getattr(policy, "config", None), "pad_token_id", None)
     return int(pad) if pad is not None else 0
@@ -667,8 +716,8 @@ def answer_values(
             impl = getattr(policy.config, "_attn_implementation", None)
             warnings.warn(
                 f"answer_likelihood: attention implementation {impl!r} may not take a custom 4D "
-                "mask; probing with one row per probe (slower). Load the policy with "
-                "attn_implementation='sdpa' or 'eager' to pack the probes.",
+                f"mask; probing with one row per probe: {_fallback_cost(batch, probes)}. Load the "
+                "policy with attn_implementation='sdpa' or 'eager' to pack the probes.",
                 stacklevel=2,
             )
     budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
@@ -682,7 +731,7 @@ def answer_values(
                     raise
                 warnings.warn(
                     f"answer_likelihood: the packed probe pass failed ({type(err).__name__}: "
-                    f"{err}); falling back to one row per probe",
+                    f"{err}); falling back to one row per probe: {_fallback_cost(batch, probes)}",
                     stacklevel=2,
                 )
                 use_packed = False
@@ -797,8 +846,8 @@ class AnswerLikelihoodCredit(FrozenValuesCredit):
         if worst > tol:
             warnings.warn(
                 f"answer_likelihood: packed probe log-probs differ from unpacked ones by {worst:.3g} "
-                "(the model does not honour a custom 4D attention mask); probing with one row per "
-                "probe from now on",
+                "(the model does not honour a custom 4D attention mask with per-probe position "
+                f"ids); probing with one row per probe from now on: {_fallback_cost(batch, probes)}",
                 stacklevel=3,
             )
             self._packing = "unpacked"

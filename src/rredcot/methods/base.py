@@ -148,16 +148,20 @@ class CreditMethod:
             rewards: ``(B,)``; group_ids: ``(B,)`` long.
             segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
         """
+        mode = self.normalization if normalization is None else normalization
+        agreeing_std = self.config.agreeing_std
         out = credit.token_credit(
             est.credit,
             rewards,
             group_ids,
             segment_ids,
             response_mask,
-            self.normalization if normalization is None else normalization,
+            mode,
+            min_std=agreeing_std if mode == "group_or_batch_std" else None,
         )
         seg_mask = out.segment_mask
         metrics = {
+            "credit/agreeing_groups": agreeing_group_share(rewards, group_ids, agreeing_std),
             "credit/mean_abs_segment_reward": float(
                 credit.masked_mean(out.segment_rewards.abs(), seg_mask)
             )
@@ -212,6 +216,23 @@ def uniform_values(
     mask = torch.arange(max_s + 1).unsqueeze(0) <= num_segments.cpu().unsqueeze(1)
     values = mean.unsqueeze(1).expand(-1, max_s + 1).clone()
     return values, mask.to(values.device)
+
+
+def agreeing_group_share(rewards: torch.Tensor, group_ids: torch.Tensor, below: float) -> float:
+    """The share of groups whose reward std is below ``below`` (``credit.agreeing_std``): groups
+    with no outcome signal, whose value credit ``group_or_batch_std`` divides by the batch's std.
+
+    Args:
+        rewards: ``(B,)``; group_ids: ``(B,)`` long.
+    """
+    if group_ids is None or rewards.numel() == 0:
+        return float("nan")
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    _, std = credit.group_mean_std(r, group_ids.to(rewards.device))
+    groups, first = torch.unique(group_ids.to(rewards.device), return_inverse=True)
+    agreeing = torch.zeros(len(groups), dtype=torch.bool, device=rewards.device)
+    agreeing = agreeing.index_fill(0, first[std < below], True)
+    return float(agreeing.float().mean())
 
 
 def segment_mask(batch: RolloutBatch, device: torch.device | None = None) -> torch.Tensor:

@@ -108,7 +108,9 @@ class FrozenValuesCredit(CreditMethod):
             extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0),
             extra_generated_tokens=stats.pop("credit/extra_generated_tokens", 0.0),
         )
-        stats.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
+        stats.update(
+            {"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w}
+        )
         return Estimate(
             Values(values, mask, lam=self.lam, handover_weight=min(max(w, 0.0), 1.0)), cost, stats
         )
@@ -173,9 +175,9 @@ class FrozenValuesCredit(CreditMethod):
         self._scored = None
         self.forget_pass()
         return {
-            "value/slope": slope,
-            "value/skill": skill,
-            "value/reliability_after": float(self.reliability),
+            "credit/handover_slope": slope,
+            "credit/handover_skill": skill,
+            "credit/handover_reliability_after": float(self.reliability),
         }
 
     def pretrain(self, sample_batch, steps: int) -> dict[str, float]:
@@ -183,7 +185,7 @@ class FrozenValuesCredit(CreditMethod):
         policy's samples) before RL, as ``update`` does during RL."""
         if steps < 0:
             raise ValueError(f"pretrain steps must be >= 0, got {steps}")
-        slopes = [self.update(sample_batch())["value/slope"] for _ in range(steps)]
+        slopes = [self.update(sample_batch())["credit/handover_slope"] for _ in range(steps)]
         measured = [s for s in slopes if not math.isnan(s)]
         return {
             "value_pretrain/steps": float(steps),

@@ -27,6 +27,7 @@ from rredcot.batch import RolloutBatch
 
 __all__ = [
     "anchor",
+    "bounded_skill",
     "explained_variance",
     "group_mean",
     "handover_scores",
@@ -130,6 +131,9 @@ def handover_scores(
     """``(score, slope, explained variance)`` of values scored against fresh outcomes; ``score``
     is the one ``kind`` (``credit.handover.score``: ``"slope"`` or ``"explained_variance"``) names.
 
+    The explained variance returned (the ``credit/handover_skill`` metric) is floored at -1
+    (:func:`bounded_skill`); ``score`` is not (it is clipped to [0, 1] where it is used).
+
     Args:
         values: ``(B, S+1)`` the values credit uses (anchored when the method anchors);
         value_mask: ``(B, S+1)``; rewards: ``(B,)``; baseline: ``(B,)`` the baseline of uniform
@@ -140,7 +144,18 @@ def handover_scores(
         raise ValueError(f"credit.handover.score={kind!r}: use 'slope' or 'explained_variance'")
     slope = prediction_slope(values, value_mask, rewards, baseline, min_rms)
     skill = explained_variance(values, value_mask, rewards, baseline)
-    return (slope if kind == "slope" else skill), slope, skill
+    return (slope if kind == "slope" else skill), slope, bounded_skill(skill)
+
+
+def bounded_skill(skill: float) -> float:
+    """A skill score (``1 - MSE / MSE of the baseline``) floored at -1, for the logs.
+
+    Below 0 the values predict the outcomes worse than the baseline; how much worse is unbounded,
+    because the denominator is the outcomes' variance around the baseline, which is tiny where a
+    batch's groups nearly agree: with the group mean as baseline and rewards whose groups spread
+    by ~0.02, an error of 0.5 reads about -600. -1 ("at least twice the baseline's error") keeps
+    the curve readable; NaN (nothing to score) stays NaN."""
+    return skill if skill != skill else max(float(skill), -1.0)
 
 
 def smoothed_reliability(reliability: float, score: float, decay: float) -> float:

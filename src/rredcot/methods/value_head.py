@@ -55,6 +55,7 @@ from rredcot.methods.answer_likelihood import ProbeFormat, answer_values, prefix
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
     anchor,
+    bounded_skill,
     explained_variance,
     handover_scores,
     live_rows,
@@ -476,7 +477,9 @@ class ValueHeadCredit(CreditMethod):
         rewards = rewards.to(raw.device)
         w = min(max(self.handover_weight, 0.0), 1.0)
         metrics = self._fresh_diagnostics(raw, mask, rewards, live)
-        metrics.update({"value/reliability": float(self.reliability), "credit/handover_weight": w})
+        metrics.update(
+            {"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w}
+        )
         if self.options.shared_prefixes and prefix_ids is not None:
             min_count = self.options.shared_min_count
             if tuple(prefix_ids.shape) != tuple(mask.shape):
@@ -558,8 +561,12 @@ class ValueHeadCredit(CreditMethod):
         )
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
         baseline = group_mean.unsqueeze(1).expand_as(values)
-        vs_group = brier_skill(values, baseline, target_mask, entry["rewards"])
-        return {"value/skill": skill, "value/slope": slope, "value/skill_vs_group_mean": vs_group}
+        vs_group = bounded_skill(brier_skill(values, baseline, target_mask, entry["rewards"]))
+        return {
+            "credit/handover_skill": skill,
+            "credit/handover_slope": slope,
+            "value/skill_vs_group_mean": vs_group,
+        }
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """:meth:`update_from_features` of the batch's :meth:`boundary_features`."""
@@ -581,7 +588,7 @@ class ValueHeadCredit(CreditMethod):
         metrics.update(self._measure_reliability(entry, rewards, group_ids, live))
         metrics.update(self.fit.fit(entry))
         self.num_updates += 1
-        metrics["value/reliability_after"] = float(self.reliability)
+        metrics["credit/handover_reliability_after"] = float(self.reliability)
         return metrics
 
     def pretrain(self, sample_batch: Callable[[], RolloutBatch], steps: int) -> dict[str, float]:
