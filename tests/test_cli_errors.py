@@ -224,13 +224,19 @@ def test_binary_bytes_on_stdin_are_refused_like_a_file(tmp_path, monkeypatch, ca
     assert from_stdin.replace("stdin", str(tmp_path / "trace.bin")) == from_file
 
 
-def test_stdin_text_keeps_text_mode_line_ends(monkeypatch, capsys):
+def test_stdin_keeps_its_line_ends_as_a_file_does(tmp_path, monkeypatch, capsys):
+    """Offsets point into the trace as given: ``\\r\\n`` and a lone ``\\r`` are kept."""
     import json
 
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a\r\nb\n"), encoding="utf-8"))
+    data = b"a\r\nb\rc\n"
+    (tmp_path / "trace.txt").write_bytes(data)
+    assert main(["segment", str(tmp_path / "trace.txt")]) == 0
+    from_file = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
     assert main(["segment"]) == 0
-    texts = [json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()]
-    assert texts == ["a\n", "b\n"]
+    from_stdin = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert from_stdin == from_file
+    assert "".join(r["text"] for r in from_stdin) == data.decode()
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):

@@ -159,6 +159,8 @@ def test_fuzz_segmentation(text, options, seed):
         assert spans[0][0] == 0 and spans[-1][1] == len(text), strategy
         assert all(s < e for s, e in spans)
         assert all(e == s for (_, e), (s, _) in zip(spans, spans[1:]))
+        # every segment but the first starts on non-whitespace (segment.py's conventions)
+        assert all(not text[s].isspace() for s, _ in spans[1:]), (strategy, text, spans)
         if options["max_segments"] is not None:
             assert len(spans) <= options["max_segments"]
         bounds = spans_to_boundaries(spans, offsets)

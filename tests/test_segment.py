@@ -254,6 +254,46 @@ def test_tokens_strategy_keeps_a_leading_space_token_whole(seg_bpe):
     assert Segmenter("tokens:2").boundaries(text, offsets) == [*range(0, len(ids), 2), len(ids)]
 
 
+def test_tokens_strategy_never_opens_a_segment_on_whitespace(seg_char):
+    """A cut at a whitespace-only token (``' '``, ``'\\n'``) moves to the next word, as for
+    every strategy: the issue's ``ab cd\\n  ef gh`` with one token a segment."""
+    text = "ab cd\n  ef gh"
+    offsets = seg_char(text, return_offsets_mapping=True)["offset_mapping"]
+    spans = split_text(text, "tokens:1", offsets=offsets)
+    assert spans_text(text, spans) == ["a", "b ", "c", "d\n  ", "e", "f ", "g", "h"]
+    assert Segmenter("tokens:1").boundaries(text, offsets) == [0, 1, 3, 4, 8, 9, 11, 12, 13]
+    spans = split_text(text, "tokens:2", offsets=offsets)
+    assert all(not text[start].isspace() for start, _ in spans[1:])
+
+
+def test_sentence_cuts_after_cjk_sentence_ends():
+    text = "我们先算三加四。结果是七！对吗？「对。」好的 And so. End"
+    assert spans_text(text, split_text(text, "sentence")) == [
+        "我们先算三加四。",
+        "结果是七！",
+        "对吗？",
+        "「对。」",
+        "好的 And so. ",
+        "End",
+    ]
+    assert split_text("全角！？感叹", "sentence") == [(0, 4), (4, 6)]
+
+
+def test_a_user_step_regex_that_backtracks_is_stopped(monkeypatch):
+    """``step:(a|aa)+$`` backtracks for minutes on 40 a's and a ``!``; it stops at the time limit
+    with an error that names the pattern (the limit is made small here to keep the test fast)."""
+    import time
+
+    monkeypatch.setattr(segment, "USER_REGEX_SECONDS", 0.05)
+    text = "a" * 40 + "!"
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"step:REGEX '\(a\|aa\)\+\$' ran over 0.05 s"):
+        split_text(text, "step:(a|aa)+$")
+    assert time.perf_counter() - started < 5.0
+    # a pattern that is fine runs as before, case-insensitive and multi-line like the default
+    assert split_text("x\nSTEP 2 y\nstep 3 z", r"step:^step \d") == [(0, 2), (2, 11), (11, 19)]
+
+
 # --------------------------------------------------------------------------------------------
 # Options: answer line, min_chars, max_segments
 # --------------------------------------------------------------------------------------------

@@ -204,6 +204,30 @@ def test_a_math_verify_check_past_its_deadline_scores_zero_from_any_thread() -> 
     assert check_answer("x^2+2x+1", "(x+1)^2", "auto") == (True, None)
 
 
+def test_a_math_verify_deadline_holds_for_the_whole_call_including_start_up() -> None:
+    """The deadline covers the worker's start-up (seconds of importing sympy) as well as the
+    check: a slow input (``10**10^10**10``) on a fresh worker returns at the deadline, not
+    start-up + deadline later; the worker goes on starting, and a later check uses it."""
+    import time
+
+    from rredcot.tasks import answers
+
+    answers._WORKER.stop()  # a fresh worker: its start-up counts against the deadline
+    started = time.monotonic()
+    result = answers.check_answer("10**10^10**10", "1", "math_verify", timeout=1.0)
+    elapsed = time.monotonic() - started
+    assert result == (False, f"{answers.TIMEOUT_REASON} after 1s (math-verify)")
+    assert elapsed < 1.0 + 0.5, elapsed
+    # with a ready worker the slow check ends by the deadline too (math-verify's own alarm, set
+    # to the time left, or the kill)
+    assert answers.check_answer("1", "1/1+0", "auto", timeout=120) == (True, None)
+    assert answers._WORKER.ready
+    started = time.monotonic()
+    assert answers.check_answer("10**10^10**10", "1", "math_verify", timeout=1.0)[0] is False
+    assert time.monotonic() - started < 1.0 + 0.5
+    assert answers.check_answer("x^2+2x+1", "(x+1)^2", "auto", timeout=120) == (True, None)
+
+
 def test_timed_out_verifies_score_zero_and_are_counted(
     tiny_policy, char_tokenizer, tmp_path
 ) -> None:

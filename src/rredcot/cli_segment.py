@@ -6,7 +6,7 @@
     rredcot segment --strategy entropy --checkpoint runs/warmstart --prompt "Q: ..." trace.txt
 
 Each line is ``{"index": k, "start": s, "end": e, "text": ...}`` with ``[s, e)`` character offsets
-into the trace as read (a file keeps its ``\\r\\n`` line ends; stdin is read in text mode). The
+into the trace as read (a file or stdin keeps its ``\\r\\n`` line ends). The
 entropy strategies (``entropy``, ``keywords+entropy``) compute the policy's next-token entropy of
 every trace token with ``--checkpoint`` (after ``--prompt``) and add ``"tokens": [a, b]`` (the
 segment's tokens) and ``"entropy"`` (nats, at the cut that opens the segment; ``null`` for the
@@ -23,6 +23,7 @@ from typing import Any
 
 from rredcot.segment import (
     DEFAULT_ANSWER_PATTERN,
+    USER_REGEX_SECONDS,
     Segmenter,
     Span,
     cut_entropies,
@@ -46,7 +47,8 @@ def add_segment_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--strategy",
         default="newline",
-        help=f"segmentation strategy: {', '.join(list_segmenters())} (default: newline)",
+        help=f"segmentation strategy: {', '.join(list_segmenters())} (default: newline); "
+        f"a step:REGEX of yours runs with a {USER_REGEX_SECONDS:g} s limit per trace",
     )
     p.add_argument(
         "--min-chars",
@@ -94,14 +96,14 @@ def add_segment_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _read_trace(path: str | None) -> str:
-    """The trace as UTF-8 text; bytes that are not UTF-8 are refused the same way from a file and
-    from stdin (whose line ends are read as text mode reads them)."""
+    """The trace as UTF-8 text, its bytes decoded as they are (``\\r\\n`` line ends kept, so
+    offsets point into the trace as given), from a file or stdin alike; bytes that are not UTF-8
+    are refused."""
     if path is None or path == "-":
         raw = getattr(sys.stdin, "buffer", None)
         if raw is None:  # stdin replaced by a text stream
             return sys.stdin.read()
-        text = _decode(raw.read(), "stdin")
-        return text.replace("\r\n", "\n").replace("\r", "\n")
+        return _decode(raw.read(), "stdin")
     with open(path, "rb") as f:
         return _decode(f.read(), path)
 

@@ -172,7 +172,8 @@ def register_segmenter(
     order (duplicates, 0 and ``len(text)`` are ignored). A text strategy is ``fn(text, arg)``; its
     cuts are moved past whitespace so that whitespace stays with the segment before. A token
     strategy (``uses_tokens=True``) is ``fn(text, arg, positions)`` with ``positions[i]`` the
-    character position of token ``i``; its cuts are used as given. An entropy strategy
+    character position of token ``i``; its cuts are moved past whitespace too (a cut at a
+    whitespace-only token opens the next word). An entropy strategy
     (``uses_entropy=True``, implies ``uses_tokens``) is ``fn(text, arg, positions, entropies)``
     with ``entropies[i]`` the policy's entropy at token ``i``. ``parse_arg(name, arg)`` turns the
     text after the colon of ``"name:arg"`` (``None`` without a colon) into ``arg`` and raises
@@ -229,7 +230,11 @@ def _paragraph(text: str, arg: None) -> list[int]:
     return [m.end() for m in _BLANK_LINE.finditer(text)]
 
 
-_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*(?=\s|\Z)|\n")
+_SENTENCE_END = re.compile(
+    r"[.!?]+[\"'\u201d\u2019)\]]*(?=\s|\Z)"  # ". " "?\" " "!)" before whitespace or the end
+    r"|[\u3002\uff01\uff1f]+[\u300d\u300f\uff09\u201d\u2019]*"  # CJK 。！？ (and closing 」』）)
+    r"|\n"
+)
 _LIST_MARKER = re.compile(r"[^\S\n]*\d{1,3}")
 _MATH = re.compile(
     r"\$\$.+?\$\$"  # display $$...$$
@@ -279,7 +284,9 @@ def _is_non_final_period(text: str, dot: int) -> bool:
 
 @register_segmenter("sentence")
 def _sentence(text: str, arg: None) -> list[int]:
-    """Cut after ``.!?`` followed by whitespace or the end, and after every line break.
+    """Cut after ``.!?`` followed by whitespace or the end, after the CJK sentence ends ``。！？``
+    (with their closing quotes or brackets; CJK text puts no space after them), and after every
+    line break.
 
     Not after abbreviations or list markers, never inside LaTeX math; numbers such as ``3.14``
     have no whitespace after the ``.`` so they never split.
@@ -299,17 +306,38 @@ _STEP_MARKER = (
 )
 
 
-def _parse_regex(name: str, arg: str | None) -> re.Pattern[str]:
+USER_REGEX_SECONDS = 2.0
+"""Time limit of a user's ``step:REGEX`` on one trace: a pattern that backtracks
+catastrophically (``(a|aa)+$``) stops with an error instead of hanging the run."""
+
+
+def _parse_regex(name: str, arg: str | None) -> Any:
+    """The default step marker (``re``), or the user's pattern compiled by the ``regex`` module
+    (the syntax of ``re``), which can stop a match that runs too long."""
+    if not arg:
+        return re.compile(_STEP_MARKER, re.IGNORECASE | re.MULTILINE)
+    import regex  # a dependency of transformers and of rredcot; only user patterns need it
+
     try:
-        return re.compile(arg or _STEP_MARKER, re.IGNORECASE | re.MULTILINE)
-    except re.error as e:
+        return regex.compile(arg, regex.IGNORECASE | regex.MULTILINE)
+    except regex.error as e:
         raise ValueError(f"{name}:REGEX has an invalid regular expression {arg!r}: {e}") from e
 
 
 @register_segmenter("step", parse_arg=_parse_regex, usage="step[:REGEX]")
-def _step(text: str, marker: re.Pattern[str]) -> list[int]:
-    """Cut before every step marker (``Step 3:``, ``1.``, ``2)`` at a line start by default)."""
-    return [m.start() for m in marker.finditer(text)]
+def _step(text: str, marker: Any) -> list[int]:
+    """Cut before every step marker (``Step 3:``, ``1.``, ``2)`` at a line start by default); a
+    user's REGEX gets :data:`USER_REGEX_SECONDS` per trace."""
+    if isinstance(marker, re.Pattern):
+        return [m.start() for m in marker.finditer(text)]
+    try:
+        return [m.start() for m in marker.finditer(text, timeout=USER_REGEX_SECONDS)]
+    except TimeoutError:
+        raise ValueError(
+            f"step:REGEX {marker.pattern!r} ran over {USER_REGEX_SECONDS:g} s on a trace of "
+            f"{len(text)} characters (catastrophic backtracking, e.g. nested repeats like "
+            "(a|aa)+); simplify the pattern"
+        ) from None
 
 
 def _parse_keywords(name: str, arg: str | None) -> re.Pattern[str]:
@@ -347,7 +375,8 @@ def _tokens(text: str, n: int, positions: list[int]) -> list[int]:
     """Cut before every N-th token: segments of N tokens (the last one shorter).
 
     Tokens that share a character position (pieces of one multi-byte character) cannot be
-    separated, so a chunk can be off by one token there.
+    separated, so a chunk can be off by one token there; a cut at a whitespace-only token moves
+    to the next word (the whitespace stays with the segment before).
     """
     return positions[n::n]
 
@@ -764,8 +793,8 @@ class Segmenter:
                 )
             )
         positions = _token_positions(offsets, text, len(text))
-        if not entry.uses_entropy:
-            return sorted(set(entry.fn(text, self._arg, positions)))
+        if not entry.uses_entropy:  # a cut at a whitespace-only token opens the next word
+            return _skip_whitespace(text, entry.fn(text, self._arg, positions))
         values = _as_entropies(entropies, len(positions))
         return sorted(set(entry.fn(text, self._arg, positions, values)))
 

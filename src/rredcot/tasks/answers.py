@@ -231,18 +231,24 @@ def math_verify_available() -> bool:
 
 
 class _MathVerifyWorker:
-    """One long-lived child process running math-verify (``_math_verify_worker``); a request
-    that passes its deadline kills the child, and the next request starts a fresh one."""
+    """One long-lived child process running math-verify (``_math_verify_worker``). A check's
+    deadline covers the whole call: waiting for another thread's check, the child's start-up
+    (importing sympy takes seconds) and the check itself. A check that passes its deadline
+    while the child is still starting leaves it starting for the next check; one that passes
+    it during the check kills the child and starts a fresh one at once, for the next."""
 
-    startup_timeout = 120.0  # importing sympy on a loaded machine
+    startup_timeout = 120.0  # a child not ready after this long (a loaded machine) is given up
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.owner = 0  # pid that started `proc`; a forked child must not share its pipes
         self.buffer = b""
+        self.ready = False  # the child said {"ready": true}
+        self.started = 0.0  # time.monotonic() when the child was spawned
         self.lock = threading.Lock()
 
-    def _start(self) -> None:
+    def _spawn(self) -> None:
+        """Start a child without waiting for it (``_wait_ready`` waits)."""
         root = str(Path(__file__).resolve().parents[2])  # the directory holding `rredcot`
         code = (
             f"import sys; sys.path.insert(0, {root!r}); "
@@ -254,13 +260,26 @@ class _MathVerifyWorker:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
-        self.owner, self.buffer = os.getpid(), b""
-        if self._read_line(self.startup_timeout) is None:
+        self.owner, self.buffer, self.ready = os.getpid(), b"", False
+        self.started = time.monotonic()
+
+    def _wait_ready(self, deadline: float) -> bool:
+        """Whether the child is ready by ``deadline``; a child that died or is not ready
+        ``startup_timeout`` seconds after its start is a ``RuntimeError``."""
+        if self.ready:
+            return True
+        give_up = self.started + self.startup_timeout
+        line = self._read_line(min(deadline, give_up) - time.monotonic())
+        if line is not None:
+            self.ready = True
+            return True
+        if self.proc is None or self.proc.poll() is not None or time.monotonic() >= give_up:
             self.stop()
             raise RuntimeError("the math-verify worker process did not start")
+        return False  # still starting: this check's deadline passed first
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
+        proc, self.proc, self.ready = self.proc, None, False
         if proc is not None and self.owner == os.getpid():
             proc.kill()
             proc.wait()
@@ -282,18 +301,24 @@ class _MathVerifyWorker:
         return json.loads(line)
 
     def match(self, predicted: str, reference: str, timeout: float) -> bool | None:
-        """Whether math-verify matches the two; ``None`` when it took longer than ``timeout``
-        seconds (the child is killed)."""
-        with self.lock:
+        """Whether math-verify matches the two; ``None`` when the call took longer than
+        ``timeout`` seconds in all (waiting, start-up and check)."""
+        deadline = time.monotonic() + timeout
+        if not self.lock.acquire(timeout=max(timeout, 0.0)):
+            return None
+        try:
             if self.proc is None or self.owner != os.getpid() or self.proc.poll() is not None:
                 self.proc = None
-                self._start()
+                self._spawn()
+            if not self._wait_ready(deadline):
+                return None
             assert self.proc is not None and self.proc.stdin is not None
             # math-verify's own alarms (whole seconds) end most slow parses inside the child
+            remaining = deadline - time.monotonic()
             request = {
                 "predicted": predicted,
                 "reference": reference,
-                "timeout": max(1, int(timeout)),
+                "timeout": max(1, int(remaining)),
             }
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
@@ -301,12 +326,16 @@ class _MathVerifyWorker:
             except (BrokenPipeError, OSError):
                 self.stop()
                 return False
-            answer = self._read_line(timeout)
+            answer = self._read_line(deadline - time.monotonic())
             if answer is None:
                 died = self.proc.poll() is not None
                 self.stop()
+                if not died:
+                    self._spawn()  # the next check finds it started, or starting
                 return False if died else None
             return bool(answer.get("match"))
+        finally:
+            self.lock.release()
 
 
 _WORKER = _MathVerifyWorker()
