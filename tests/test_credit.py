@@ -566,6 +566,23 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
         return out.advantages
 
     assert torch.equal(blended(0.0), uniform)
+    # the value head's shared-prefix values with nothing shared and no trust (w = 0 enters as
+    # the fallback weight, lam 1 at every unknown boundary): GRPO too
+    counts = torch.ones_like(value_mask, dtype=torch.long)
+    counts[:, 0] = G
+    shared, lam = credit.combine_shared_prefix(
+        mean[:, None].expand_as(values), counts, values, value_mask, 0.0
+    )
+    prefix = credit.token_credit(
+        credit.Values(shared, value_mask, lam=lam),
+        rewards,
+        group_ids,
+        segment_ids,
+        response_mask,
+        "group_or_batch_std",
+        min_std=0.1,
+    ).advantages
+    assert torch.equal(prefix, uniform)
     # continuous in w: a small weight stays near GRPO (the old rule jumped to the batch std)
     step = (blended(1e-3) - uniform).abs().max()
     assert step < 1e-2 * uniform.abs().max()

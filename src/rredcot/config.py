@@ -530,12 +530,13 @@ class CreditConfig:
     )
     agreeing_std: float = help_field(
         "group_or_batch_std's rule for a group whose rewards agree: a group whose reward std is "
-        "below this has no outcome signal, so the value credit in it (which still moves credit "
-        "between a trace's segments) is divided by max(the batch's reward std, agreeing_std) "
-        "instead of by its own ~0 std (x 1e4, docs/method.md, failure modes). GRPO's share of the "
-        "credit is always divided by its group's std + 1e-4 as GRPO does, so hand-over weight 0 is "
-        "GRPO bit for bit at any reward scale. Logged as credit/agreeing_groups (the share of groups "
-        "below it). For 0/1 rewards any value in (0, 1/sqrt(G)) gives the same result.",
+        "below this has no outcome signal, so the value credit's departure from GRPO in it (which "
+        "still moves credit between a trace's segments) is divided by max(the batch's reward std, "
+        "agreeing_std) instead of by its own ~0 std (x 1e4, docs/method.md, failure modes). GRPO's "
+        "share R - mean(R_group) is always divided by its group's std + 1e-4 as GRPO does, so "
+        "hand-over weight 0 is GRPO bit for bit at any reward scale. Logged as "
+        "credit/agreeing_groups (the share of groups below it). For 0/1 rewards any value in "
+        "(0, 1/sqrt(G)) gives the same result.",
         default=0.1,
     )
     anchor: str = help_field(

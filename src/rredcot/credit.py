@@ -1013,7 +1013,7 @@ def token_credit(
         return group_mean_std(rewards, group_ids.to(rewards.device))[0]
 
     values = None
-    grpo_share = None  # (B, S) GRPO's part of a hand-over blend, scaled as GRPO scales it
+    grpo = None  # (B, S) GRPO's advantage R - mean(R_group) on every segment (Values only)
     if isinstance(estimate, Values):
         values = estimate.values
         if estimate.anchor is not None:
@@ -1024,11 +1024,11 @@ def token_credit(
         trust = float(estimate.handover_weight)
         if not 0.0 <= trust <= 1.0:
             raise ValueError(f"Values.handover_weight={trust} must be in [0, 1]")
-        if trust < 1.0:
+        if trust < 1.0 or normalization == "group_or_batch_std":
             grpo = (rewards - group_mean()).to(seg_adv.device)[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
+        if trust < 1.0:
             seg_adv = grpo if trust == 0.0 else grpo + trust * (seg_adv - grpo)
-            grpo_share = grpo
     elif isinstance(estimate, Weights):
         seg_mask = _as_bool(estimate.mask)
         seg_rewards = weights_to_segment_rewards(
@@ -1039,11 +1039,12 @@ def token_credit(
         raise TypeError(f"estimate must be Values or Weights, got {type(estimate).__name__}")
     tokens = segments_to_tokens(seg_adv, segment_ids.to(seg_adv.device), response_mask)
     r = rewards.to(tokens.device)
-    if grpo_share is not None and normalization == "group_or_batch_std":
-        # GRPO's share is divided by its group's std + eps however small that std is (GRPO's
-        # own rule, harmless there: its numerator is as small); only the value credit's share
-        # falls back to the batch std in an agreeing group. At w = 0 this is GRPO bit for bit.
-        base = segments_to_tokens(grpo_share, segment_ids.to(seg_adv.device), response_mask)
+    if grpo is not None and normalization == "group_or_batch_std":
+        # Value credit is GRPO's advantage plus its departure from it. GRPO's share is divided by
+        # its group's std + eps however small that std is (GRPO's own rule, harmless there: its
+        # numerator is as small); only the departure falls back to the batch std in a group
+        # whose rewards agree. Where the credit is GRPO's (w = 0), this is GRPO bit for bit.
+        base = segments_to_tokens(grpo, segment_ids.to(seg_adv.device), response_mask)
         advantages = normalize_advantages(
             base, response_mask, r, group_ids, "group_std", eps=eps
         ) + normalize_advantages(
