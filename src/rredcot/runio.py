@@ -19,6 +19,7 @@ What a trainer checkpoint holds (optimiser, schedule, credit method, counters) i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -618,7 +619,9 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     format (a NumPy array in the RNG state) load with NumPy arrays allowed and nothing more."""
     path = Path(path)
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+        # torch < 2.5 has no safe_globals: checkpoints of the old format are refused there
+        allow = getattr(torch.serialization, "safe_globals", None)
+        with allow(_NUMPY_ARRAY_GLOBALS) if allow else contextlib.nullcontext():
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         try:
