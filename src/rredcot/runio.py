@@ -305,7 +305,7 @@ def is_rredcot_run(run_dir: str | Path) -> bool:
         data = read_yaml_file(run_dir / CONFIG) if (run_dir / CONFIG).is_file() else None
     except UserError:
         data = None
-    if isinstance(data, dict) and {"credit_method", "credit", "sampling", "out"} <= set(data):
+    if isinstance(data, dict) and {"credit_method", "steps", "out"} <= set(data):
         return True
     return any((ckpt / "trainer_state.pt").is_file() for ckpt in _checkpoint_dirs(run_dir))
 
