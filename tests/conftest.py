@@ -71,15 +71,20 @@ def train_step_with_grads(trainer, step: int = 1):
     """``(record, grads)`` of ``trainer.train_step(step)``: its metrics and a copy of every
     parameter's gradient as the first optimiser step sees it."""
     seen = []
-    optimizer_step = trainer.optimizer.step
 
-    def capture(*args, **kwargs):
+    def capture(optimizer, args, kwargs):
         seen.append([p.grad.clone() for p in trainer.policy.parameters()])
-        return optimizer_step(*args, **kwargs)
 
-    trainer.optimizer.step = capture
+    # a step pre-hook on the torch optimiser (accelerate's wraps it): replacing
+    # ``optimizer.step`` itself would unwrap the learning-rate schedule's counter (PyTorch then
+    # warns that optimizer.step() was overridden after the scheduler was made)
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    handle = inner.register_step_pre_hook(capture)
     trainer.step = step
-    return trainer.train_step(step), seen[0]
+    try:
+        return trainer.train_step(step), seen[0]
+    finally:
+        handle.remove()
 
 
 @pytest.fixture(scope="session")

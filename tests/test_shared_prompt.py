@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from conftest import micro_config, train_step_with_grads
 from rredcot import shared_prompt
+from rredcot.models import set_activation_checkpointing
 from rredcot.rollout import (
     policy_forward,
     position_ids_from_mask,
@@ -129,7 +130,7 @@ def test_nothing_shared_or_unsupported_falls_back_to_the_plain_forward(tiny_poli
     model = lively(tiny_policy)
     input_ids, attention_mask, P, _ = _batch(model, char_tokenizer, G=1)
     assert shared_prompt.forward(model, input_ids, attention_mask, P) is None  # one per prompt
-    model.gradient_checkpointing_enable()
+    set_activation_checkpointing(model, True)
     assert shared_prompt.unsupported_reason(model) == "gradient checkpointing"
 
 

@@ -20,6 +20,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
@@ -401,6 +402,31 @@ def load_policy(
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def is_activation_checkpointing(model: Any) -> bool:
+    """Whether activation (gradient) checkpointing is on in ``model``, through transformers'
+    ``is_activation_checkpointing`` where it has it (``is_gradient_checkpointing`` is a
+    deprecated alias there, removed in v6) and the old name before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def set_activation_checkpointing(model: Any, on: bool, kwargs: dict | None = None) -> None:
+    """Turn activation (gradient) checkpointing on (with ``kwargs``, e.g. ``use_reentrant``) or
+    off, through transformers' ``activation_checkpointing_*`` methods where it has them (the
+    ``gradient_checkpointing_*`` ones are deprecated aliases there, removed in v6) and the old
+    names before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:

@@ -19,6 +19,7 @@ What a trainer checkpoint holds (optimiser, schedule, credit method, counters) i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -304,7 +305,7 @@ def is_rredcot_run(run_dir: str | Path) -> bool:
         data = read_yaml_file(run_dir / CONFIG) if (run_dir / CONFIG).is_file() else None
     except UserError:
         data = None
-    if isinstance(data, dict) and {"credit_method", "credit", "sampling", "out"} <= set(data):
+    if isinstance(data, dict) and {"credit_method", "steps", "out"} <= set(data):
         return True
     return any((ckpt / "trainer_state.pt").is_file() for ckpt in _checkpoint_dirs(run_dir))
 
@@ -618,7 +619,9 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     format (a NumPy array in the RNG state) load with NumPy arrays allowed and nothing more."""
     path = Path(path)
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+        # torch < 2.5 has no safe_globals: checkpoints of the old format are refused there
+        allow = getattr(torch.serialization, "safe_globals", None)
+        with allow(_NUMPY_ARRAY_GLOBALS) if allow else contextlib.nullcontext():
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         try:

@@ -23,7 +23,7 @@ from rredcot.credit import get_normalizer
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit, get_credit
-from rredcot.models import load_policy
+from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt, resolve_decoder
 from rredcot.seeding import seed_everything
 from rredcot.segment import Segmenter, segmenter_from_config
@@ -159,7 +159,7 @@ def load_train_policy(cfg: TrainConfig, task: Task, log=print) -> tuple[Any, Any
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"{flag} {source}: the model does not load ({first})") from err
     if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        set_activation_checkpointing(policy, True)
     if cfg.model.lora_r > 0:
         try:  # optional: the `lora` extra
             from peft import LoraConfig, get_peft_model

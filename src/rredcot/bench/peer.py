@@ -283,7 +283,6 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
             use_cpu=not torch.cuda.is_available(),
             report_to="none",
             bf16=False,
-            gradient_checkpointing=False,
             per_device_train_batch_size=batch,
             gradient_accumulation_steps=1,
             steps_per_generation=1,
@@ -302,6 +301,11 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
             seed=cfg.seed,
             disable_tqdm=True,
         )
+        # off, under transformers' current name where it has it (the old one warns there)
+        checkpointing = "activation_checkpointing"
+        if checkpointing not in {f.name for f in dataclasses.fields(GRPOConfig)}:
+            checkpointing = "gradient_checkpointing"
+        kwargs[checkpointing] = False
         kwargs.update(cfg.trl_overrides)
         trainer = TimedGRPOTrainer(
             model=model_dir,

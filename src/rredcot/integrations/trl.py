@@ -62,7 +62,11 @@ from rredcot.methods.base import (
     get_credit,
     uniform_values,
 )
-from rredcot.models import resolve_model_dir
+from rredcot.models import (
+    is_activation_checkpointing,
+    resolve_model_dir,
+    set_activation_checkpointing,
+)
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.answers import extract_reference
@@ -149,6 +153,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        if getattr(self, "activation_checkpointing", False) is None:
+            # transformers >= 5.x renamed gradient_checkpointing (a deprecated alias that warns
+            # when set); GRPOConfig's own default sets the old name, so carry it to the new one
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         self.credit = _as_dict(self.credit, "credit")
         self.task_args = _as_dict(self.task_args, "task_args")
@@ -340,12 +348,19 @@ def _capture_hidden_states(model, layers: tuple[int, ...], store: list[Tensor]):
             h.remove()
 
 
+@contextlib.contextmanager
 def _no_checkpointing(model, kwargs):
+    """Activation checkpointing off for a no-grad forward (as TRL's
+    ``disable_gradient_checkpointing``, through transformers' current method names: TRL's
+    calls the deprecated ``is_gradient_checkpointing`` on every step), then back on."""
+    was_on = is_activation_checkpointing(model)
+    if was_on:
+        set_activation_checkpointing(model, False)
     try:
-        from trl.models.utils import disable_gradient_checkpointing
-    except ImportError:  # pragma: no cover - older/newer TRL layout
-        return contextlib.nullcontext()
-    return disable_gradient_checkpointing(model, kwargs)
+        yield
+    finally:
+        if was_on:
+            set_activation_checkpointing(model, True, kwargs)
 
 
 class _Collective:
