@@ -583,6 +583,16 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
         min_std=0.1,
     ).advantages
     assert torch.equal(prefix, uniform)
+    # TRL's scale_rewards="batch" (batch_std): GRPO's share by the batch's std, unfloored
+    batch_grpo = grpo_advantages(rewards, group_ids, response_mask, scale_rewards="batch")
+    for est in (
+        credit.Values(mean[:, None].expand_as(values).clone(), value_mask, lam=1.0),  # uniform
+        credit.Values(values, value_mask, lam=0.5, anchor=mean, handover_weight=0.0),
+    ):
+        out = credit.token_credit(
+            est, rewards, group_ids, segment_ids, response_mask, "batch_std"
+        ).advantages
+        assert torch.equal(out, batch_grpo)
     # continuous in w: a small weight stays near GRPO (the old rule jumped to the batch std)
     step = (blended(1e-3) - uniform).abs().max()
     assert step < 1e-2 * uniform.abs().max()

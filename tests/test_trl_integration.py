@@ -571,6 +571,33 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
     assert float(rec["trl"].abs().max()) > 0.5  # GRPO's scale: rewards varied in the groups
 
 
+@pytest.mark.parametrize("method", ["uniform", "value_head"])
+def test_scale_rewards_batch_is_trls_for_small_spread_rewards(
+    tiny_model_dir, arithmetic_dataset, tmp_path, method
+):
+    """scale_rewards="batch" with a batch reward std below batch_std's 0.1 floor: uniform, and a
+    value method before any trust is earned, still give TRL's advantages (the floor only guards
+    the value credit's departure from GRPO)."""
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method=method,
+        credit={"handover": {"mode": "reliability"}},
+        reward_funcs=[small_spread],
+        reward_weights=[1.0],
+        scale_rewards="batch",
+        max_steps=1,
+    )
+    assert trainer.credit_method.normalization == "batch_std"
+    trainer.train()
+    rec = trainer.records[0]
+    assert float(trainer.last_batch.rewards.std()) < 0.1
+    expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
+    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert float(rec["trl"].abs().max()) > 0.5
+
+
 def test_explain_reads_a_trl_run(tiny_model_dir, arithmetic_dataset, tmp_path, capsys):
     """`rredcot explain --run OUTPUT_DIR` (or a checkpoint-N) uses the TRL run's policy, its
     trained head (value_head.pt), its credit settings (tokens:4) and its task (rredcot_credit.json)."""

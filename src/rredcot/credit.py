@@ -977,6 +977,11 @@ class TokenCredit:
     values: Tensor | None = None  # (B, S+1) the values credit used (Values only)
 
 
+# normalizer -> (how GRPO scales its own share of value credit, that scaling's std floor):
+# TRL's scale_rewards "group" and "batch", with no floor (see token_credit)
+_GRPO_SCALING = {"group_or_batch_std": ("group_std", 0.0), "batch_std": ("batch_std", 0.0)}
+
+
 def token_credit(
     estimate: Values | Weights,
     rewards: Tensor,
@@ -1024,7 +1029,7 @@ def token_credit(
         trust = float(estimate.handover_weight)
         if not 0.0 <= trust <= 1.0:
             raise ValueError(f"Values.handover_weight={trust} must be in [0, 1]")
-        if trust < 1.0 or normalization == "group_or_batch_std":
+        if trust < 1.0 or (normalization in _GRPO_SCALING and group_ids is not None):
             grpo = (rewards - group_mean()).to(seg_adv.device)[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
         if trust < 1.0:
@@ -1039,14 +1044,16 @@ def token_credit(
         raise TypeError(f"estimate must be Values or Weights, got {type(estimate).__name__}")
     tokens = segments_to_tokens(seg_adv, segment_ids.to(seg_adv.device), response_mask)
     r = rewards.to(tokens.device)
-    if grpo is not None and normalization == "group_or_batch_std":
-        # Value credit is GRPO's advantage plus its departure from it. GRPO's share is divided by
-        # its group's std + eps however small that std is (GRPO's own rule, harmless there: its
-        # numerator is as small); only the departure falls back to the batch std in a group
-        # whose rewards agree. Where the credit is GRPO's (w = 0), this is GRPO bit for bit.
+    if grpo is not None and normalization in _GRPO_SCALING:
+        # Value credit is GRPO's advantage plus its departure from it. GRPO's share is divided as
+        # GRPO divides it (its group's or the batch's std + eps, however small: GRPO's own rule,
+        # harmless there, its numerator is as small); only the departure gets the floors that
+        # keep value credit from being divided by ~0. Where the credit is GRPO's (w = 0, or
+        # uniform), this is GRPO bit for bit at any reward scale.
         base = segments_to_tokens(grpo, segment_ids.to(seg_adv.device), response_mask)
+        grpo_mode, grpo_floor = _GRPO_SCALING[normalization]
         advantages = normalize_advantages(
-            base, response_mask, r, group_ids, "group_std", eps=eps
+            base, response_mask, r, group_ids, grpo_mode, eps=eps, min_std=grpo_floor
         ) + normalize_advantages(
             tokens - base, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
         )

@@ -231,7 +231,8 @@ def normalization_for_scale_rewards(scale_rewards: str | bool, credit_method: st
     ``"group"`` (TRL's default): GRPO's per-group std for ``uniform`` (TRL's advantages exactly),
     ``group_or_batch_std`` for value-based credit (the group's std, or the batch's where a
     group's rewards all agree: value credit is never divided by ~0, docs/method.md, failure modes);
-    ``"batch"``: ``batch_std`` (the batch's reward std, floored at 0.1); ``"none"``: ``none``
+    ``"batch"``: ``batch_std`` (the batch's reward std; only the value credit's departure from
+    GRPO is floored at 0.1, so ``uniform`` is TRL's advantages exactly); ``"none"``: ``none``
     (TRL's Dr. GRPO setting; exactly TRL's advantages for ``uniform``).
     """
     mode = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
