@@ -67,11 +67,14 @@ __all__ = [
     "KINDS",
     "DiagnoseConfig",
     "DiagnoseReport",
+    "Chunk",
     "agreement_by_group_size",
+    "chunk_from_batch",
     "clopper_pearson",
     "diagnose",
     "diagnose_source",
     "grpo_advantages",
+    "gradient_figures",
     "grpo_gradient_mass",
     "label_shares",
     "per_unit_sums",
@@ -80,6 +83,7 @@ __all__ = [
     "step_credit_figures",
     "token_kinds",
     "token_probabilities",
+    "trace_figures",
     "verdict",
 ]
 
@@ -755,7 +759,7 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """One sampled chunk of prompts with what the figures read."""
 
     batch: RolloutBatch
@@ -780,9 +784,33 @@ def _bins(mask: torch.Tensor, bins: int) -> torch.Tensor:
     return torch.where(mask.bool(), out, torch.full_like(out, -1))
 
 
-def _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log) -> list[_Chunk]:
+def chunk_from_batch(
+    batch: RolloutBatch,
+    first_unit: int,
+    token_p: torch.Tensor,
+    entropy: torch.Tensor,
+    segmenter,
+) -> Chunk:
+    """What the figures read of one segmented batch: its prompts are units ``first_unit +
+    group_id``; ``token_p``, ``entropy``: ``(B, T)`` (:func:`token_probabilities`)."""
+    rewards, group_ids = batch.rewards.cpu(), batch.group_ids.cpu()
+    _, std = credit_algebra.group_mean_std(rewards.float(), group_ids)
+    errors, answers = row_kind_inputs(batch, segmenter)
+    return Chunk(
+        batch=batch,
+        units=group_ids + first_unit,
+        token_p=token_p.cpu(),
+        entropy=entropy.cpu(),
+        advantages=grpo_advantages(rewards, group_ids),
+        mixed=std > 0,
+        kinds=token_kinds(batch.segment_ids, rewards, errors, answers),
+        error_segments=errors,
+    )
+
+
+def _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log) -> list[Chunk]:
     """Sample, verify, segment and score every chunk of prompts."""
-    chunks: list[_Chunk] = []
+    chunks: list[Chunk] = []
     bar = tqdm(
         total=len(problems), desc="sampling", unit="prompt", disable=not cfg.progress, leave=False
     )
@@ -803,29 +831,13 @@ def _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log) ->
         token_p, entropy = token_probabilities(policy, batch, s["temperature"])
         if segmenter.uses_entropy:
             batch = segment_batch(batch, tokenizer, segmenter, entropy)
-        units = batch.group_ids.cpu() + i
-        adv = grpo_advantages(batch.rewards.cpu(), batch.group_ids.cpu())
-        _, std = credit_algebra.group_mean_std(batch.rewards.cpu().float(), batch.group_ids.cpu())
-        errors, answers = row_kind_inputs(batch, segmenter)
-        kinds = token_kinds(batch.segment_ids, batch.rewards.cpu(), errors, answers)
-        chunks.append(
-            _Chunk(
-                batch,
-                units,
-                token_p.cpu(),
-                entropy.cpu(),
-                adv,
-                std > 0,
-                kinds,
-                errors,
-            )
-        )
+        chunks.append(chunk_from_batch(batch, i, token_p, entropy, segmenter))
         bar.update(len(part))
     bar.close()
     return chunks
 
 
-def _gradient_figures(chunks: list[_Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
+def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
     """Section 2: token and gradient-mass shares per kind, relative position and segment."""
     L = len(KINDS)
     bins, positions = cfg.position_bins, cfg.max_positions
@@ -922,7 +934,7 @@ def _gradient_figures(chunks: list[_Chunk], cfg: DiagnoseConfig, num_units: int)
     }
 
 
-def _trace_figures(chunks: list[_Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
+def trace_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
     """Entropy and 1 - p along the trace, uncertain decisions per trace (every trace)."""
     bins = cfg.position_bins
     ent = tok = one = None
@@ -957,7 +969,7 @@ def _trace_figures(chunks: list[_Chunk], cfg: DiagnoseConfig, num_units: int) ->
     }
 
 
-def _mc_subset(chunks: list[_Chunk], cfg: DiagnoseConfig, budget: int) -> list[tuple[int, int]]:
+def _mc_subset(chunks: list[Chunk], cfg: DiagnoseConfig, budget: int) -> list[tuple[int, int]]:
     """A seeded random sample of up to ``cfg.mc_traces`` traces ``(chunk, row)`` with at least
     one segment."""
     rows = [
@@ -969,7 +981,7 @@ def _mc_subset(chunks: list[_Chunk], cfg: DiagnoseConfig, budget: int) -> list[t
     return random.Random(cfg.seed).sample(rows, min(budget, len(rows)))
 
 
-def _mc_cost(chunks: list[_Chunk], picked: list[tuple[int, int]], k: int) -> tuple[int, int, float]:
+def _mc_cost(chunks: list[Chunk], picked: list[tuple[int, int]], k: int) -> tuple[int, int, float]:
     """``(unique prefixes, continuations, estimated generated tokens)`` of Monte Carlo values at
     every boundary ``s_0 .. s_{n-1}`` of the picked traces; a continuation of ``s_k`` is expected
     to be as long as the rest of its own trace (``length - b_k``, EOS included)."""
@@ -1244,8 +1256,8 @@ def diagnose(
         "mean_reward": float(rewards.mean()) if len(rewards) else float("nan"),
     }
     # 3. where its update lands
-    gradient = _gradient_figures(chunks, cfg, num_units)
-    trace = _trace_figures(chunks, cfg, num_units)
+    gradient = gradient_figures(chunks, cfg, num_units)
+    trace = trace_figures(chunks, cfg, num_units)
     # 4. what better credit could change
     monte_carlo, subs = None, []
     if cfg.mc_traces > 0:
