@@ -140,7 +140,10 @@ def test_step_credit_figures_by_hand():
     assert f["outcome_sq"][0] == pytest.approx(5 * 0.25)
     assert f["step_sq"][0] == pytest.approx(2 * 0.01 + 0.36)
     assert 1 - f["step_sq"][0] / f["outcome_sq"][0] == pytest.approx(1 - 0.38 / 1.25)
-    # 1 - p = (0.1, 0.2, 0.7, 0.01, 0.5); |A| = 0.5; prefix = segment 0 (2 tokens)
+    # 1 - p = (0.1, 0.2, 0.7, 0.01, 0.5); weighted by (1 - p)^2 = (.01, .04, .49, .0001, .25)
+    assert f["outcome_sq_grad"][0] == pytest.approx(0.25 * 0.7901)
+    assert f["step_sq_grad"][0] == pytest.approx(0.01 * 0.05 + 0.36 * 0.49)
+    # |A| = 0.5; prefix = segment 0 (2 tokens)
     assert f["prefix_tokens"][0] == 2 and f["tokens"][0] == 5
     assert f["grpo_blame"][0] == pytest.approx(0.5 * 1.51)
     assert f["grpo_prefix"][0] == pytest.approx(0.5 * 0.3)

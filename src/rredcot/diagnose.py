@@ -351,6 +351,8 @@ def step_credit_figures(
     - ``outcome_sq``: ``sum_t (R - V(s_0))^2``, the mean square of the outcome advantage with the
       true prompt value as baseline (GRPO's advantage in expectation);
     - ``step_sq``: ``sum_t r_k(t)^2`` with ``r_k = V(s_k) - V(s_{k-1})`` (step-level credit);
+    - ``outcome_sq_grad`` / ``step_sq_grad``: the same weighted by ``(1 - p_t)^2``, the squared
+      size of the token's logit gradient per unit of advantage (what reaches the update);
     - ``prefix_tokens`` / ``tokens``: response tokens in the still-right prefix / in the trace;
     - ``grpo_prefix`` / ``grpo_blame``: ``|A| (1 - p)`` summed over the prefix / the trace;
     - ``step_prefix`` / ``step_blame``: ``max(-r_k, 0) (1 - p)`` summed over the prefix / trace
@@ -374,6 +376,8 @@ def step_credit_figures(
     out = {
         "outcome_sq": (outcome**2).sum(1),
         "step_sq": (step_tok**2 * mask).sum(1),
+        "outcome_sq_grad": (outcome**2 * u**2).sum(1),
+        "step_sq_grad": (step_tok**2 * u**2).sum(1),
         "tokens": mask.sum(1),
         "prefix_tokens": (prefix * mask).sum(1),
         "grpo_prefix": (grpo * prefix).sum(1),
@@ -399,7 +403,8 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
     ``mean_reward``, ``all_wrong``, ``all_right`` (shares of groups at G), ``prefix_share`` and ``prefix_tokens``
     (GRPO's gradient share and token share of the still-right prefix of wrong traces),
     ``error_share`` (the first wrong step's gradient share), ``uncertain_per_trace``,
-    ``uncertain_p``, ``variance_removed`` (Monte Carlo).
+    ``uncertain_p``, ``variance_removed`` (Monte Carlo: the share of the logit gradient's mean
+    square that step-level values remove, ``gradient_variance_removed`` of the report).
 
     Each figure past a threshold (module constants, docs/diagnose.md) is a reason for or against;
     the verdict: at least two reasons for and more for than against: "finer credit is likely to
@@ -465,13 +470,13 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
     if removed is not None and math.isfinite(removed):
         if removed >= VARIANCE_HIGH:
             pros.append(
-                f"step-level values would remove {pct(removed)} of the per-token advantage's "
-                "mean square (Monte Carlo)"
+                f"step-level values would remove {pct(removed)} of the logit gradient's mean "
+                "square (Monte Carlo)"
             )
         elif removed <= VARIANCE_LOW:
             cons.append(
-                f"step-level values would remove only {pct(removed)} of the per-token "
-                "advantage's mean square (Monte Carlo)"
+                f"step-level values would remove only {pct(removed)} of the logit gradient's "
+                "mean square (Monte Carlo): the noise they cut sits on tokens the policy is sure of"
             )
     if len(pros) >= 2 and len(pros) > len(cons):
         head = "finer credit is likely to help this run"
@@ -642,7 +647,8 @@ def summary_text(report: DiagnoseReport) -> str:
         "| segment | share of tokens | share of gradient mass |",
         "|---|---|---|",
     ]
-    for b in g["segments"]:
+    used = [b for b in g["segments"] if b["tokens"] and b["tokens"] > 0]
+    for b in used or g["segments"]:
         lines.append(f"| {b['label']} | {_fmt(b['tokens'])} | {_ci(b['mass'])} |")
     u = tr["uncertain_per_trace"]
     lines += [
@@ -665,7 +671,8 @@ def summary_text(report: DiagnoseReport) -> str:
             f"{mc['generated_tokens']:.0f} generated tokens, {mc['seconds']:.0f} s.",
             "",
             f"- share of the per-token advantage's mean square that step-level values remove: "
-            f"{_ci(mc['variance_removed'])}",
+            f"{_ci(mc['variance_removed'])}; of the logit gradient's (weighted by (1 - p)^2): "
+            f"{_ci(mc['gradient_variance_removed'])}",
             f"- still-right prefix of wrong traces ({mc['prefix_definition']}): "
             f"{_ci(mc['prefix_tokens'])} of their tokens; GRPO's blame there "
             f"{_ci(mc['grpo_prefix_blame'])}; step-level credit's blame there "
@@ -718,6 +725,8 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
         bottom += heights
     tokens = np.array([b["tokens"] for b in g["positions"]], dtype=float)
     ax.plot(x, tokens, "k--", marker="o", markersize=3, label="share of tokens")
+    top = np.nanmax(np.concatenate([bottom, tokens, [0.0]]))
+    ax.set_ylim(0, 1.15 * top if top > 0 else 1.0)
     ax.set_xticks(x, labels, rotation=45, fontsize=7)
     ax.set_xlabel("relative position along the trace")
     ax.set_title("GRPO gradient mass |A|(1-p) along the trace")
@@ -1082,14 +1091,15 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         )
         for key, x in figures.items():
             sums.setdefault(key, []).append(x)
-        subs.append((sub, values, vmask))
+        subs.append((sub, values, vmask, c.batch, rows))
     bar.close()
     seconds = time.perf_counter() - t0
     f = {k: np.concatenate(v) for k, v in sums.items()}
     reps, seed = cfg.bootstrap, cfg.seed
     removed = ratio_interval(f["step_sq"], f["outcome_sq"], reps=reps, seed=seed)
+    removed_grad = ratio_interval(f["step_sq_grad"], f["outcome_sq_grad"], reps=reps, seed=seed)
     # prefix sums are 0 on right traces (no prefix); the denominators count wrong traces only
-    wrong_rows = np.concatenate([(sub.rewards.cpu() < SUCCESS).numpy() for sub, _, _ in subs])
+    wrong_rows = np.concatenate([(sub.rewards.cpu() < SUCCESS).numpy() for sub, *_ in subs])
     only_wrong = lambda x: np.where(wrong_rows, x, 0.0)  # noqa: E731
     pt = ratio_interval(f["prefix_tokens"], only_wrong(f["tokens"]), reps=reps, seed=seed)
     gp = ratio_interval(f["grpo_prefix"], only_wrong(f["grpo_blame"]), reps=reps, seed=seed)
@@ -1103,17 +1113,20 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         "estimated_tokens": tokens,
         "generated_tokens": stats.get("credit/extra_generated_tokens", 0.0),
         "seconds": seconds,
-        "variance_removed": {
-            "value": float(1 - removed[0][0]),
-            "lo": float(1 - removed[2][0]),
-            "hi": float(1 - removed[1][0]),
-        },
+        "variance_removed": _one_minus(removed),
+        "gradient_variance_removed": _one_minus(removed_grad),
         "prefix_definition": "; ".join(sorted(definition)) or "no wrong trace in the subset",
         "prefix_tokens": _entry(*pt, 0),
         "grpo_prefix_blame": _entry(*gp, 0),
         "step_prefix_blame": _entry(*sp, 0),
     }
     return result, subs
+
+
+def _one_minus(interval) -> dict[str, float]:
+    """``1 - x`` of a :func:`ratio_interval` result with one label (the bounds swap)."""
+    point, lo, hi = interval
+    return {"value": float(1 - point[0]), "lo": float(1 - hi[0]), "hi": float(1 - lo[0])}
 
 
 def _estimators(policy, tokenizer, task, subs, segmenter, cfg: DiagnoseConfig, s, log):
@@ -1150,16 +1163,23 @@ def _estimators(policy, tokenizer, task, subs, segmenter, cfg: DiagnoseConfig, s
         lam=0.0,
         blame_threshold=0.0,
     )
-    batches = [sub for sub, _, _ in subs]
-    traces = _Traces.of(batches)
+    # Each method runs on the whole sampled batches the subset came from (its group statistics,
+    # anchors and hand-over see every sample of a prompt, as in training); the subset's rows are
+    # then scored against the Monte Carlo values.
+    traces = _Traces.of([sub for sub, *_ in subs])
+    full = _Traces.of([batch for _, _, _, batch, _ in subs])
+    picked, offset = [], 0
+    for _, _, _, batch, rows in subs:
+        picked += [offset + r for r in rows]
+        offset += batch.size
     adv_rows, value_rows = [], []
-    for sub, v, m in subs:
+    for sub, v, m, _, _ in subs:
         adv, seg_mask, _ = credit_algebra.segment_advantages_from_values(
             v.double(), m, sub.rewards.double().to(v.device), 0.0
         )
         adv_rows += _rows(adv, seg_mask)
         value_rows += [r[:-1] for r in _rows(v, m)]
-    gt = _GroundTruth(adv_rows, value_rows, [(v, m) for _, v, m in subs], {}, 0.0)
+    gt = _GroundTruth(adv_rows, value_rows, [(v, m) for _, v, m, _, _ in subs], {}, 0.0)
     sampling = SamplingConfig(
         num_generations=cfg.samples,
         temperature=s["temperature"],
@@ -1181,7 +1201,9 @@ def _estimators(policy, tokenizer, task, subs, segmenter, cfg: DiagnoseConfig, s
         method = build_credit(method_name, credit_cfg, ctx)
         if name == "value_head":
             load_method_state(method, cfg.value_head_run)
-        col = evaluate_method(method, policy, traces, bench_cfg, [], device)
+        col = evaluate_method(method, policy, full, bench_cfg, [], device)
+        col.adv = [col.adv[i] for i in picked]
+        col.values = None if col.values is None else [col.values[i] for i in picked]
         row = {"method": name, **method_scores(col, gt, traces, bench_cfg)}
         rows.append(row)
         log(f"  {name}: rho {row['spearman_pooled']:.3f}, error_acc {row.get('error_acc')}")
@@ -1284,7 +1306,9 @@ def diagnose(
         "error_share": wrong_kinds["first_error"]["mass"]["value"] if labelled else None,
         "uncertain_per_trace": trace["uncertain_per_trace"]["value"],
         "uncertain_p": cfg.uncertain_p,
-        "variance_removed": monte_carlo["variance_removed"]["value"] if monte_carlo else None,
+        "variance_removed": monte_carlo["gradient_variance_removed"]["value"]
+        if monte_carlo
+        else None,
     }
     head, reasons = verdict(headline)
     settings = {
