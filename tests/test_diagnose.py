@@ -4,6 +4,7 @@ end-to-end run of the command on a tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -28,6 +29,7 @@ from rredcot.diagnose import (
     trace_figures,
     verdict,
 )
+from rredcot.errors import UserError
 from rredcot.segment import Segmenter
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem
@@ -298,3 +300,38 @@ def test_cli_end_to_end_on_a_tiny_model(init_dir, tmp_path, capsys):
     shares = [b["tokens"] for b in report["gradient"]["positions"]]
     if any(x is not None for x in shares):  # a group with differing rewards was sampled
         assert math.fsum(shares) == pytest.approx(1.0)
+
+
+def test_run_directory_source_and_value_head_estimator(init_dir, tmp_path):
+    """A run directory gives the policy, the task, the sampling settings and (with
+    --value-head-run) the trained value head that is scored against the Monte Carlo values."""
+    from conftest import micro_config
+    from rredcot.diagnose import diagnose_source
+    from rredcot.trainer import train
+
+    run = tmp_path / "run"
+    train(micro_config(init_dir, run, credit_method="value_head", steps=1), given=set())
+    cfg = DiagnoseConfig(
+        policy=str(run),
+        value_head_run=str(run),
+        prompts=2,
+        samples=4,
+        group_sizes="2",
+        mc_traces=2,
+        mc_k=2,
+        bootstrap=20,
+        progress=False,
+    )
+    report = diagnose_source(cfg, log=lambda *a: None)
+    s = report.settings
+    assert s["task"] == "arithmetic" and s["task_params"]["num_steps"] == 2  # the run's task
+    assert s["max_new_tokens"] == 16  # the run's sampling.max_new_tokens
+    assert [e["method"] for e in report.estimators] == ["uniform", "value_head"]
+    assert report.estimators[1]["value_mse"] is not None  # the head has values to compare
+
+    # refused before the policy loads (this policy does not even exist)
+    wrong = DiagnoseConfig(
+        **{**dataclasses.asdict(cfg), "policy": "/nonexistent", "value_head_run": str(init_dir)}
+    )
+    with pytest.raises(UserError, match="not a run directory of a value_head run"):
+        diagnose_source(wrong, log=lambda *a: None)

@@ -73,6 +73,7 @@ __all__ = [
     "clopper_pearson",
     "diagnose",
     "diagnose_source",
+    "estimator_specs",
     "grpo_advantages",
     "gradient_figures",
     "grpo_gradient_mass",
@@ -1129,13 +1130,11 @@ def _one_minus(interval) -> dict[str, float]:
     return {"value": float(1 - point[0]), "lo": float(1 - hi[0]), "hi": float(1 - lo[0])}
 
 
-def _estimators(policy, tokenizer, task, subs, segmenter, cfg: DiagnoseConfig, s, log):
-    """Section 4: each cheap estimator asked for, scored against the Monte Carlo values with the
-    credit benchmark's definitions (:mod:`rredcot.bench.credit`), uniform credit as reference."""
-    from rredcot.bench.configs import CreditBenchConfig
-    from rredcot.bench.credit import _GroundTruth, _rows, _Traces, evaluate_method, method_scores
-    from rredcot.explain_model import load_method_state, run_credit_config
-    from rredcot.methods.base import CreditContext, build_credit
+def estimator_specs(cfg: DiagnoseConfig) -> list[tuple[str, str, CreditConfig]]:
+    """``(name, credit method, CreditConfig)`` of every estimator the flags ask for, uniform
+    first; a run that is not a value_head run or a bad process-reward setting is refused here,
+    before any sampling."""
+    from rredcot.explain_model import run_credit_config
 
     wanted: list[tuple[str, str, CreditConfig]] = [("uniform", "uniform", CreditConfig())]
     if cfg.value_head_run:
@@ -1156,6 +1155,17 @@ def _estimators(policy, tokenizer, task, subs, segmenter, cfg: DiagnoseConfig, s
         wanted.append(
             ("process_reward", "process_reward", from_dict(CreditConfig, {"process_reward": pr}))
         )
+    return wanted
+
+
+def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseConfig, s, log):
+    """Section 4: each cheap estimator asked for, scored against the Monte Carlo values with the
+    credit benchmark's definitions (:mod:`rredcot.bench.credit`), uniform credit as reference."""
+    from rredcot.bench.configs import CreditBenchConfig
+    from rredcot.bench.credit import _GroundTruth, _rows, _Traces, evaluate_method, method_scores
+    from rredcot.explain_model import load_method_state
+    from rredcot.methods.base import CreditContext, build_credit
+
     bench_cfg = CreditBenchConfig(
         temperature=s["temperature"],
         top_p=s["top_p"],
@@ -1256,6 +1266,7 @@ def diagnose(
     if not problems:
         raise UserError(f"task {task.name!r} gave no evaluation problems; check its data")
     sizes = cfg.group_size_list()
+    wanted = estimator_specs(cfg)  # bad estimator flags are refused before any sampling
     policy.eval()
     log(
         f"diagnose: {len(problems)} prompts x {cfg.samples} samples of {task.name} at temperature "
@@ -1286,7 +1297,7 @@ def diagnose(
         monte_carlo, subs = _monte_carlo(policy, tokenizer, task, chunks, cfg, s, rate, log)
     estimators = None
     if subs:
-        estimators = _estimators(policy, tokenizer, task, subs, segmenter, cfg, s, log)
+        estimators = _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg, s, log)
 
     at_g = groups["by_group_size"][-1]
     wrong_kinds = gradient["wrong_kinds"]
@@ -1363,6 +1374,7 @@ def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:
     from rredcot.train_setup import resolve_device
 
     device = resolve_device(cfg.device)  # a device the machine lacks is refused first
+    estimator_specs(cfg)  # and bad estimator flags, before the policy loads
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     source = cfg.policy
