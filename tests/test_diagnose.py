@@ -15,6 +15,7 @@ import torch
 from rredcot.diagnose import (
     KIND,
     DiagnoseConfig,
+    DiagnoseReport,
     agreement_by_group_size,
     chunk_from_batch,
     clopper_pearson,
@@ -289,6 +290,8 @@ def test_cli_end_to_end_on_a_tiny_model(init_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("# rredcot diagnose: ")
     report = json.loads((out / "diagnose.json").read_text())
+    again = DiagnoseReport.from_json(out / "diagnose.json")  # the JSON holds the whole report
+    assert again.summary() == (out / "diagnose.md").read_text() and again.summary() in printed
     assert (out / "diagnose.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["settings"]["traces"] == 12 and report["settings"]["max_new_tokens"] == 12
     assert [r["group_size"] for r in report["groups"]["by_group_size"]] == [2, 4]

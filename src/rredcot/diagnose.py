@@ -533,6 +533,11 @@ class DiagnoseReport:
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
 
+    @classmethod
+    def from_json(cls, path: str | Path) -> DiagnoseReport:
+        """A report read back from its ``diagnose.json`` (to redraw or compare it)."""
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
@@ -727,11 +732,11 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
     tokens = np.array([b["tokens"] for b in g["positions"]], dtype=float)
     ax.plot(x, tokens, "k--", marker="o", markersize=3, label="share of tokens")
     top = np.nanmax(np.concatenate([bottom, tokens, [0.0]]))
-    ax.set_ylim(0, 1.15 * top if top > 0 else 1.0)
+    ax.set_ylim(0, 1.6 * top if top > 0 else 1.0)  # room for the legend above the bars
     ax.set_xticks(x, labels, rotation=45, fontsize=7)
     ax.set_xlabel("relative position along the trace")
     ax.set_title("GRPO gradient mass |A|(1-p) along the trace")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=3, loc="upper center")
 
     ax = axes[1]
     kinds = [k for k in KINDS if (g["kinds"][k]["tokens"]["value"] or 0) > 0]
@@ -744,7 +749,7 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
         ax.bar(xk + off, vals, width=0.4, yerr=err, capsize=2, label=name)
     ax.set_xticks(xk, kinds, rotation=30, fontsize=7, ha="right")
     ax.set_title("per segment kind (traces of mixed groups)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
 
     ax = axes[2]
     ent = [tr["entropy_by_position"][j]["value"] for j in range(len(labels))]
