@@ -338,3 +338,21 @@ def test_run_directory_source_and_value_head_estimator(init_dir, tmp_path):
     )
     with pytest.raises(UserError, match="not a run directory of a value_head run"):
         diagnose_source(wrong, log=lambda *a: None)
+
+
+def test_token_probabilities_in_row_chunks_match_one_forward(monkeypatch, char_tokenizer):
+    """The forward is split by rows to bound the logits' memory; the figures do not change."""
+    import rredcot.diagnose as diagnose_module
+    from conftest import make_rollout_batch
+    from rredcot.models import build_tiny_llama
+
+    policy = build_tiny_llama(char_tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    batch = make_rollout_batch(
+        policy, char_tokenizer, get_task("arithmetic", num_steps=2), num_prompts=3
+    )
+    p_one, h_one = diagnose_module.token_probabilities(policy, batch, temperature=0.7)
+    vocab = policy.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(diagnose_module, "LOGIT_BUDGET", 5 * batch.response_len * vocab)
+    p_rows, h_rows = diagnose_module.token_probabilities(policy, batch, temperature=0.7)
+    assert batch.size > 5  # so the second call ran in several chunks
+    assert torch.allclose(p_one, p_rows, atol=1e-6) and torch.allclose(h_one, h_rows, atol=1e-5)

@@ -493,22 +493,36 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
 # the forward the figures read
 
 
+LOGIT_BUDGET = 64_000_000
+"""Logits (rows x response length x vocabulary) scored per forward in :func:`token_probabilities`;
+a real model's vocabulary makes one forward over every row of a big batch run out of memory
+(256 rows x 72 tokens x 49k vocabulary: 3.6 GB per float32 copy)."""
+
+
 @torch.no_grad()
 def token_probabilities(
     policy, batch: RolloutBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(p(y_t) (B, T), entropy (B, T))`` of the sampled response tokens under ``policy`` at
-    the sampling ``temperature`` (logits / T, as the loss scores them); one no-grad forward."""
+    the sampling ``temperature`` (logits / T, as the loss scores them); no-grad forwards over
+    as many rows at a time as :data:`LOGIT_BUDGET` allows."""
+    vocab = policy.get_output_embeddings().weight.shape[0]
+    rows = max(1, LOGIT_BUDGET // max(1, batch.response_len * vocab))
+    probs, entropies = [], []
     with eval_mode(policy):
-        fwd = policy_forward(
-            policy,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.prompt_len,
-            temperature=temperature,
-            with_entropy=True,
-        )
-    return fwd.logprobs.exp(), fwd.entropy
+        for start in range(0, batch.size, rows):
+            part = slice(start, start + rows)
+            fwd = policy_forward(
+                policy,
+                batch.input_ids[part],
+                batch.attention_mask[part],
+                batch.prompt_len,
+                temperature=temperature,
+                with_entropy=True,
+            )
+            probs.append(fwd.logprobs.exp())
+            entropies.append(fwd.entropy)
+    return torch.cat(probs), torch.cat(entropies)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1135,6 +1149,16 @@ def _one_minus(interval) -> dict[str, float]:
     return {"value": float(1 - point[0]), "lo": float(1 - hi[0]), "hi": float(1 - lo[0])}
 
 
+def _select(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """``batch.select(rows)`` with ``prefix_ids`` cut to the selected rows' own segment count
+    (the value head checks that they match the boundaries)."""
+    sub = batch.select(rows)
+    if sub.prefix_ids is None:
+        return sub
+    width = max((len(b) for b in sub.boundaries), default=1)
+    return sub.replace(prefix_ids=sub.prefix_ids[:, :width])
+
+
 def estimator_specs(cfg: DiagnoseConfig) -> list[tuple[str, str, CreditConfig]]:
     """``(name, credit method, CreditConfig)`` of every estimator the flags ask for, uniform
     first; a run that is not a value_head run or a bad process-reward setting is refused here,
@@ -1178,15 +1202,20 @@ def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseC
         lam=0.0,
         blame_threshold=0.0,
     )
-    # Each method runs on the whole sampled batches the subset came from (its group statistics,
-    # anchors and hand-over see every sample of a prompt, as in training); the subset's rows are
-    # then scored against the Monte Carlo values.
+    # Each method runs on the whole groups the subset came from (its group statistics, anchors
+    # and hand-over see every sample of a prompt, as in training); the subset's rows are then
+    # scored against the Monte Carlo values. One batch per group: a real model's forward over a
+    # whole chunk runs out of memory.
     traces = _Traces.of([sub for sub, *_ in subs])
-    full = _Traces.of([batch for _, _, _, batch, _ in subs])
-    picked, offset = [], 0
+    groups, picked, offset = [], [], 0
     for _, _, _, batch, rows in subs:
-        picked += [offset + r for r in rows]
-        offset += batch.size
+        ids = batch.group_ids.cpu()
+        for g in sorted({int(ids[r]) for r in rows}):
+            members = (ids == g).nonzero().flatten().tolist()
+            groups.append(_select(batch, members))
+            picked += [offset + members.index(r) for r in rows if int(ids[r]) == g]
+            offset += len(members)
+    full = _Traces.of(groups)
     adv_rows, value_rows = [], []
     for sub, v, m, _, _ in subs:
         adv, seg_mask, _ = credit_algebra.segment_advantages_from_values(
