@@ -1248,7 +1248,10 @@ def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseC
         col = evaluate_method(method, policy, full, bench_cfg, [], device)
         col.adv = [col.adv[i] for i in picked]
         col.values = None if col.values is None else [col.values[i] for i in picked]
-        row = {"method": name, **method_scores(col, gt, traces, bench_cfg)}
+        scores = method_scores(col, gt, traces, bench_cfg)
+        # the cost columns are a cost benchmark's (`rredcot bench credit`); here they would count
+        # the whole groups the methods ran on against the subset's traces
+        row = {"method": name, **{k: v for k, v in scores.items() if not k.endswith("_per_trace")}}
         rows.append(row)
         log(f"  {name}: rho {row['spearman_pooled']:.3f}, error_acc {row.get('error_acc')}")
     return rows
