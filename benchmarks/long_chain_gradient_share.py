@@ -13,6 +13,12 @@ it (the correct prefix), in the segment that holds it (the slip) and after it:
   per trace, so this is the share of the update's logit-gradient mass they receive);
 - the mean ``1 - p(y)`` on each side.
 
+The figures are the library's (``rredcot.diagnose``: ``grpo_gradient_mass``, ``token_kinds``);
+``rredcot diagnose`` reports them, with intervals, for any policy and task. This script keeps the
+batches of the published figure (``benchmarks/results/long_chain/gradient_share_warmstart.json``:
+the trainer's prompt stream and segmentation, the answer line merged into the last step, so the
+answer counts as "after the slip" unless it is the slip).
+
     python benchmarks/long_chain_gradient_share.py --init ~/.cache/rredcot/warmstart-arithmetic-... \
         --num-steps 12 --batches 4 --seed 7
 """
@@ -25,17 +31,23 @@ import json
 import torch
 
 from rredcot.config import TrainConfig, resolve_config
-from rredcot.methods.oracle import first_error_segment
+from rredcot.diagnose import (
+    KIND,
+    chunk_from_batch,
+    grpo_gradient_mass,
+    per_unit_sums,
+    token_probabilities,
+)
 from rredcot.trainer import Trainer
 
-
-def token_confidence(policy, batch) -> torch.Tensor:
-    """``p(y_t)`` of each sampled response token under ``policy``: ``(B, T)``."""
-    with torch.no_grad():
-        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    P, T = batch.prompt_len, batch.response_len
-    logp = torch.log_softmax(logits[:, P - 1 : P - 1 + T].float(), dim=-1)
-    return logp.gather(-1, batch.input_ids[:, P : P + T].unsqueeze(-1)).squeeze(-1).exp()
+REGIONS = ("correct_prefix", "slip_segment", "after_slip")
+# the library's segment kinds of a labelled wrong trace -> this script's regions
+REGION_OF_KIND = {
+    KIND["correct_prefix"]: 0,
+    KIND["first_error"]: 1,
+    KIND["after_error"]: 2,
+    KIND["wrong_answer"]: 2,  # the answer line is merged into the last step here
+}
 
 
 def main() -> None:
@@ -60,52 +72,43 @@ def main() -> None:
         {"num_steps": args.num_steps},
     )
     trainer = Trainer(cfg, log=lambda *a, **k: None)
-    regions = ("correct_prefix", "slip_segment", "after_slip")
-    tokens = dict.fromkeys(regions, 0.0)
-    mass = dict.fromkeys(regions, 0.0)
-    uncertainty = dict.fromkeys(regions, 0.0)
+    tokens = mass = uncertainty = 0.0
     wrong = labelled = 0
     for step in range(1, args.batches + 1):
         batch, _ = trainer.rollout(trainer.prompts_for_step(step), forward=False)
-        conf = token_confidence(trainer.policy, batch)
-        r, g = batch.rewards, batch.group_ids
-        for row in range(batch.size):
-            if r[row] >= 1.0:
-                continue
-            wrong += 1
-            group = r[g == g[row]]
-            if group.std() == 0:  # an all-wrong group: GRPO gives it no update at all
-                continue
-            label = batch.verdicts[row].first_error_step
-            if label is None or label < 0:
-                continue
-            k = first_error_segment(
-                batch.completions[row], batch.segment_char_starts[row], label
-            )  # 1-based segment of the first slip
-            bounds = batch.boundaries[row]
-            cuts = (
-                0,
-                bounds[k - 1],
-                bounds[min(k, len(bounds) - 1)],
-                int(batch.response_mask[row].sum()),
-            )
-            adv = float((r[row] - group.mean()).abs() / group.std())
-            u = 1.0 - conf[row]
-            labelled += 1
-            for name, a, b in zip(regions, cuts, cuts[1:]):
-                tokens[name] += b - a
-                mass[name] += adv * float(u[a:b].sum())
-                uncertainty[name] += float(u[a:b].sum())
-    total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
+        token_p, entropy = token_probabilities(trainer.policy, batch, cfg.sampling.temperature)
+        chunk = chunk_from_batch(batch, 0, token_p, entropy, trainer.segmenter)
+        is_wrong = batch.rewards.cpu() < 1.0
+        # wrong traces of groups with differing rewards (an all-wrong group gets no update at
+        # all) whose first wrong line the verifier labels
+        rows = is_wrong & chunk.mixed & torch.tensor([e is not None for e in chunk.error_segments])
+        region = torch.full_like(chunk.kinds, -1)
+        for kind, r in REGION_OF_KIND.items():
+            region[chunk.kinds == kind] = r
+        region[~rows] = -1
+        mask = batch.response_mask.cpu().float()
+        unit = torch.zeros(batch.size, dtype=torch.long)
+        tokens = tokens + per_unit_sums(region, mask, unit, 1, 3)[0]
+        mass = (
+            mass
+            + per_unit_sums(
+                region, grpo_gradient_mass(chunk.advantages, token_p.cpu(), mask), unit, 1, 3
+            )[0]
+        )
+        uncertainty = uncertainty + per_unit_sums(region, (1 - token_p.cpu()) * mask, unit, 1, 3)[0]
+        wrong += int(is_wrong.sum())
+        labelled += int(rows.sum())
     report = {
         "init": args.init,
         "num_steps": args.num_steps,
         "seed": args.seed,
         "wrong_traces": wrong,
         "labelled_in_mixed_groups": labelled,
-        "token_share": {n: tokens[n] / total_tokens for n in regions},
-        "update_share": {n: mass[n] / total_mass for n in regions},
-        "mean_1_minus_p": {n: uncertainty[n] / max(tokens[n], 1) for n in regions},
+        "token_share": {n: float(tokens[i] / tokens.sum()) for i, n in enumerate(REGIONS)},
+        "update_share": {n: float(mass[i] / mass.sum()) for i, n in enumerate(REGIONS)},
+        "mean_1_minus_p": {
+            n: float(uncertainty[i] / max(tokens[i], 1)) for i, n in enumerate(REGIONS)
+        },
     }
     print(json.dumps(report, indent=1))
 

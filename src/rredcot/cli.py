@@ -11,6 +11,7 @@ import sys
 
 from rredcot import __version__
 from rredcot.bench.cli import add_bench_parser, run_bench
+from rredcot.cli_diagnose import add_diagnose_parser
 from rredcot.cli_explain import add_explain_parser, run_explain
 from rredcot.cli_segment import add_segment_parser
 from rredcot.config import SFTConfig, TrainConfig, add_dataclass_flags, split_task_args
@@ -27,7 +28,7 @@ DEFERRED = {
     "sft": "rredcot.cli_train:run_warmstart",
 }
 # the commands that take --task.NAME VALUE parameters
-TASK_COMMANDS = ("train", "sft", "explain", "bench")
+TASK_COMMANDS = ("train", "sft", "explain", "bench", "diagnose")
 
 
 def deferred(command: str):
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["explain"].set_defaults(func=run_explain)
     add_bench_parser(sub)
     sub.choices["bench"].set_defaults(func=run_bench)
+    add_diagnose_parser(sub)  # sets its own func: cli_diagnose.run_diagnose
     return parser
 
 
