@@ -315,7 +315,7 @@ def remove_run_files(run_dir: Path, names: list[str]) -> None:
     ``checkpoints/`` and ``plots/`` only the entries rredcot writes there, so a folder linked
     there (``checkpoints`` on another disk) stays, emptied of the run; a link is removed, never
     followed."""
-    from rredcot.plots import CURVES  # plots imports this module
+    from rredcot.plots import CURVES  # lazy: plots imports this module (a circle at the top)
 
     own_entries = {
         CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
