@@ -977,9 +977,9 @@ class TokenCredit:
     values: Tensor | None = None  # (B, S+1) the values credit used (Values only)
 
 
-# normalizer -> (how GRPO scales its own share of value credit, that scaling's std floor):
-# TRL's scale_rewards "group" and "batch", with no floor (see token_credit)
-_GRPO_SCALING = {"group_or_batch_std": ("group_std", 0.0), "batch_std": ("batch_std", 0.0)}
+# normalizer with a std floor -> how GRPO scales its own share of value credit (TRL's
+# scale_rewards "group" and "batch", no floor; see token_credit)
+_GRPO_SCALING = {"group_or_batch_std": "group_std", "batch_std": "batch_std"}
 
 
 def token_credit(
@@ -1044,21 +1044,37 @@ def token_credit(
         raise TypeError(f"estimate must be Values or Weights, got {type(estimate).__name__}")
     tokens = segments_to_tokens(seg_adv, segment_ids.to(seg_adv.device), response_mask)
     r = rewards.to(tokens.device)
+    advantages = normalize_advantages(
+        tokens, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
+    )
     if grpo is not None and normalization in _GRPO_SCALING:
-        # Value credit is GRPO's advantage plus its departure from it. GRPO's share is divided as
-        # GRPO divides it (its group's or the batch's std + eps, however small: GRPO's own rule,
-        # harmless there, its numerator is as small); only the departure gets the floors that
-        # keep value credit from being divided by ~0. Where the credit is GRPO's (w = 0, or
-        # uniform), this is GRPO bit for bit at any reward scale.
-        base = segments_to_tokens(grpo, segment_ids.to(seg_adv.device), response_mask)
-        grpo_mode, grpo_floor = _GRPO_SCALING[normalization]
-        advantages = normalize_advantages(
-            base, response_mask, r, group_ids, grpo_mode, eps=eps, min_std=grpo_floor
-        ) + normalize_advantages(
-            tokens - base, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
+        # Value credit is GRPO's advantage plus its departure from it. Where the std floor of
+        # the normalizer changed a row's divisor, GRPO's share is divided as GRPO divides it
+        # (its group's or the batch's std + eps, however small: harmless there, its numerator
+        # is as small) and only the departure keeps the floor that stops value credit from
+        # being divided by ~0. Where the credit is GRPO's (w = 0, or uniform) this is GRPO bit
+        # for bit at any reward scale; rows the floor did not touch are as before.
+        floor = (
+            get_normalizer(normalization).__kwdefaults__["min_std"] if min_std is None else min_std
         )
-    else:
-        advantages = normalize_advantages(
-            tokens, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
-        )
+        rf = r.to(tokens.dtype)
+        if normalization == "group_or_batch_std":
+            std = group_mean_std(rf, group_ids.to(rf.device))[1]
+        else:
+            std = _batch_std(rf).expand_as(rf)
+        floored = std < floor
+        if bool(floored.any()):
+            base = segments_to_tokens(grpo, segment_ids.to(seg_adv.device), response_mask)
+            split = normalize_advantages(
+                base,
+                response_mask,
+                r,
+                group_ids,
+                _GRPO_SCALING[normalization],
+                eps=eps,
+                min_std=0.0,
+            ) + normalize_advantages(
+                tokens - base, response_mask, r, group_ids, normalization, eps=eps, min_std=min_std
+            )
+            advantages = torch.where(floored[:, None], split, advantages)
     return TokenCredit(advantages, seg_adv, seg_mask, seg_rewards, values)
