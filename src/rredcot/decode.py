@@ -206,10 +206,12 @@ class _Decoder:
         x = x.view(U, self.kv_heads, G, self.groups, n).transpose(1, 2)
         return x.reshape(U * G * self.kv_heads, self.groups, n)
 
-    def step(self, ids, positions, column: int, prompt_bias) -> torch.Tensor:
+    def step(self, ids, positions, column: int, prompt_bias, decoded_bias=None) -> torch.Tensor:
         """One token per row, ``ids (B, 1)`` at rotary ``positions (B, 1)``, into decoded column
         ``column``; ``prompt_bias (B' * H_kv, 1, P)``: 0 on the prompt's tokens, -inf on its
-        padding. Returns the logits ``(B, V)``."""
+        padding; ``decoded_bias (columns, B * H_kv, 1)`` or None: added to the scores of the
+        decoded columns (-inf hides a column from a row: the tree sampler's rows start at
+        different columns). Returns the logits ``(B, V)``."""
         x = self.inner.embed_tokens(ids)
         B = x.shape[0]
         rows, D, P = B * self.kv_heads, self.head_dim, prompt_bias.shape[-1]
@@ -230,6 +232,8 @@ class _Decoder:
             )
             # (columns, rows, groups): each row's query against its own decoded keys
             on_decoded = (keys.unsqueeze(2) * q).sum(-1) * self.scaling
+            if decoded_bias is not None:
+                on_decoded = on_decoded + decoded_bias[: column + 1]
             scores = torch.cat([self._by_row(on_prompt), on_decoded.permute(1, 2, 0)], dim=-1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = self._by_row(torch.bmm(self._by_prompt(probs[..., :P]), cache.prompt_values[i]))
