@@ -123,8 +123,9 @@ class TreeSamplingConfig:
     )
     forks_per_round: int = help_field(
         "New branches per prompt per round (each at a different branch point where the "
-        "completions offer enough; fewer rounds mean fewer sequential decoding passes).",
-        default=2,
+        "completions offer enough; fewer rounds mean fewer sequential decoding passes: with "
+        "the defaults a group of 8 is 2 roots, then 3 + 3 branches, 3 passes).",
+        default=3,
     )
     shared_token_weight: str = help_field(
         "How the loss counts a token that several leaves share: 'per_leaf' (once in every leaf "
