@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import micro_config
 from rredcot import credit
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig
+from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig, from_dict
 from rredcot.loss import policy_loss
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.rollout import encode_prompts, policy_forward, sample_tree_group, segment_batch
 from rredcot.segment import get_segmenter
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import shared_token_weighted
+from rredcot.trainer import Trainer, shared_token_weighted
 from rredcot.tree import branch_points, pick_forks, token_share_counts
 from tiny_lms import lively
 
@@ -233,11 +234,6 @@ FAMILIES = {
 
 @pytest.mark.parametrize("method", sorted(FAMILIES))
 def test_a_tree_step_trains_with_every_method_family(init_dir, tmp_path, method):
-    from conftest import micro_config
-
-    from rredcot.config import from_dict
-    from rredcot.trainer import Trainer
-
     cfg = micro_config(
         init_dir,
         tmp_path / "run",
