@@ -261,3 +261,19 @@ def test_a_tree_step_trains_with_every_method_family(init_dir, tmp_path, method)
             ]
             > 0
         )
+
+
+def test_tree_groups_refuse_a_model_the_fast_decoder_cannot_fork(tmp_path, char_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rredcot.errors import UserError
+
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(char_tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    )
+    model.save_pretrained(tmp_path / "gpt2")
+    char_tokenizer.save_pretrained(tmp_path / "gpt2")
+    cfg = micro_config(tmp_path / "gpt2", tmp_path / "run", steps=1)
+    cfg.sampling.tree = TreeSamplingConfig(enabled=True)
+    with pytest.raises(UserError, match="sampling.tree needs rredcot's fast decoder.*gpt2"):
+        Trainer(cfg, log=lambda *_: None)
