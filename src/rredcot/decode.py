@@ -128,10 +128,11 @@ class StaticKVCache:
         return self.keys[layer, : column + 1], self.values[layer, : column + 1]
 
 
-class _Decoder:
+class Decoder:
     """The layers of one model and a cache for one batch of ``G`` samples per prompt:
     :meth:`prefill` runs the prompts, :meth:`step` one new token per row; both return the last
-    position's float32 logits."""
+    position's float32 logits. Public for :mod:`rredcot.tree`, whose branches share one prefill
+    and copy columns of each other's caches."""
 
     def __init__(self, policy, prompts: int, samples: int, prompt_len: int, new_tokens: int):
         model = base_model(policy)
@@ -244,7 +245,7 @@ class _Decoder:
         return self._logits(x)
 
 
-def _check_left_padded(mask: torch.Tensor) -> None:
+def check_left_padded(mask: torch.Tensor) -> None:
     if mask.shape[1] and bool((mask[:, :-1] & ~mask[:, 1:]).any()):
         raise ValueError("the fast decoder needs left-padded prompts (padding before the text)")
 
@@ -280,7 +281,7 @@ def generate(
     global torch RNG, as ``generate`` does.
     """
     mask = attention_mask.bool()
-    _check_left_padded(mask)
+    check_left_padded(mask)
     groups, P = input_ids.shape
     B, device = groups * num_return_sequences, input_ids.device
     if max_new_tokens == 0 or B == 0:
@@ -288,7 +289,7 @@ def generate(
         return (empty, empty.float()) if return_logprobs else empty
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    decoder = _Decoder(policy, groups, num_return_sequences, P, max_new_tokens)
+    decoder = Decoder(policy, groups, num_return_sequences, P, max_new_tokens)
     dtype = decoder.cache.keys.dtype
 
     # the prefill: a query sees the prompt's earlier tokens (a padding query only itself)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rredcot.decode import _check_left_padded, _Decoder, next_token_scores
+from rredcot.decode import Decoder, check_left_padded, next_token_scores
 
 __all__ = ["TreeSample", "branch_points", "pick_forks", "sample_tree", "token_share_counts"]
 
@@ -92,7 +92,7 @@ def _entropy(scores: Tensor) -> Tensor:
 
 
 def _grow(
-    decoder: _Decoder,
+    decoder: Decoder,
     logits: Tensor,
     depths: list[int],
     column: int,
@@ -175,7 +175,7 @@ def sample_tree(
     if not 1 <= roots <= num_leaves:
         raise ValueError(f"roots={roots} must be in 1..num_leaves={num_leaves}")
     mask = attention_mask.bool()
-    _check_left_padded(mask)
+    check_left_padded(mask)
     U, P = input_ids.shape
     device = input_ids.device
     if pad_token_id is None:
@@ -189,7 +189,7 @@ def sample_tree(
     )
 
     # the roots: one prefill per prompt, as decode.generate
-    first = _Decoder(policy, U, roots, P, max(max_new_tokens, 1))
+    first = Decoder(policy, U, roots, P, max(max_new_tokens, 1))
     dtype = first.cache.keys.dtype
     kv = first.kv_heads
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
@@ -235,7 +235,7 @@ def sample_tree(
         # row i's prefix tokens [0, b_i - 1) sit in the columns just before `column`, where its
         # token b_i - 1 is re-fed; a row with b_i = 0 starts after it
         column = max(depths) - 1
-        decoder = _Decoder(policy, U, f, P, column + 1 + max_new_tokens)
+        decoder = Decoder(policy, U, f, P, column + 1 + max_new_tokens)
         decoder.cache.prompt_keys = first.cache.prompt_keys
         decoder.cache.prompt_values = first.cache.prompt_values
         columns = decoder.cache.keys.shape[1]
