@@ -1,7 +1,8 @@
 """The columns of the tree benchmark that `rredcot bench learn`'s report does not have: per method,
 the share of leaf tokens that sharing saved (1 - generated / tokens in the leaves), the re-fed
 tokens, decoding passes per step, wall-clock per step (and of its rollout), steps taken in the
-budget, and the share of interior segment boundaries that are tree nodes.
+budget, the share of interior segment boundaries that are tree nodes, the share of groups whose
+rewards all agree (no GRPO signal) and the mean training reward.
 
     python benchmarks/tree_summary.py bench/tree_report 100 102 > tree_summary.json
     # OUT_DIR FIRST_SEED END_SEED (exclusive); prints JSON and a markdown table on stderr
@@ -37,6 +38,8 @@ def run_stats(metrics: Path) -> dict:
         "rollout_seconds_per_step": mean(r.get("time/rollout", 0.0) for r in steps),
         "seconds_per_1k_tokens": 1000 * sum(r["step_seconds"] for r in steps) / max(generated, 1),
         "node_boundary_fraction": mean(node_fraction) if node_fraction else None,
+        "zero_variance_groups": mean(r["zero_variance_groups"] for r in steps),
+        "reward_mean": mean(r["reward_mean"] for r in steps),
     }
 
 
@@ -73,6 +76,8 @@ def main(out_dir: str, first: int, end: int) -> None:
         "rollout_seconds_per_step",
         "seconds_per_1k_tokens",
         "node_boundary_fraction",
+        "zero_variance_groups",
+        "reward_mean",
     ]
     print("| method | seeds | " + " | ".join(cols) + " |", file=sys.stderr)
     print("|---" * (len(cols) + 2) + "|", file=sys.stderr)
