@@ -45,6 +45,9 @@ class RolloutBatch:
     position_ids: torch.Tensor | None = None  # (B, L)
     entropies: torch.Tensor | None = None  # (B, T) next-token entropy (entropy segmentation)
     prefix_ids: torch.Tensor | None = None  # (B, S+1) credit.shared_prefix_ids, -1 on padding
+    # (B, T) float, tree groups only (sampling.tree): how many leaves of the group share the
+    # tokens up to and including each one (rredcot.tree.token_share_counts); None otherwise
+    token_share_counts: torch.Tensor | None = None
 
     def replace(self, **changes: Any) -> RolloutBatch:
         """A copy with the given fields changed (tensors are shared, not copied)."""
@@ -103,4 +106,5 @@ class RolloutBatch:
             position_ids=pick(self.position_ids),
             entropies=pick(self.entropies),
             prefix_ids=pick(self.prefix_ids),
+            token_share_counts=pick(self.token_share_counts),
         )

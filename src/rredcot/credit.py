@@ -38,6 +38,8 @@ __all__ = [
     "token_credit",
     "boundaries_to_segment_ids",
     "combine_shared_prefix",
+    "node_fraction",
+    "node_values",
     "get_normalizer",
     "group_mean_std",
     "grpo_advantages",
@@ -375,6 +377,60 @@ def combine_shared_prefix(
     # them sums to zero over those samples (their values average to the shared one).
     lam = torch.where(known[:, 1:], torch.zeros_like(shared[:, 1:]), torch.ones_like(shared[:, 1:]))
     return values, lam
+
+
+def node_values(
+    values: Tensor,
+    value_mask: Tensor,
+    lam: float | Tensor,
+    prefix_ids: Tensor,
+    rewards: Tensor,
+    fallback_weight: float = 1.0,
+    min_count: int = 2,
+) -> tuple[Tensor, Tensor]:
+    """A value method's estimate with the values of a tree's nodes put in.
+
+    A node (a prefix ``s_k`` at least ``min_count`` leaves of the group pass through) gets the
+    mean reward of those leaves and lambda 0, so a segment between two nodes gets the change in
+    value it caused; ``s_0`` gets the group mean. Between nodes the method's own values fill in
+    (moved by ``fallback_weight`` times their change since the last node:
+    :func:`combine_shared_prefix`) with the method's own ``lam``.
+
+    Args:
+        values: ``(B, S+1)`` the method's ``V(s_k)``; value_mask: ``(B, S+1)`` prefix mask.
+        lam: a float or ``(B, S)``, the method's lambda.
+        prefix_ids: ``(B, S+1)`` from :func:`shared_prefix_ids`; rewards: ``(B,)``.
+        fallback_weight: in ``[0, 1]``; min_count: leaves that make a node.
+
+    Returns:
+        values ``(B, S+1)`` and lam ``(B, S)`` for :func:`segment_gae`.
+    """
+    _check_ndim(values, 2, "values", "(B, S+1)")
+    _check_shape(prefix_ids, tuple(values.shape), "prefix_ids", "(B, S+1)")
+    values = _as_float(values)
+    shared, counts = shared_prefix_values(prefix_ids.to(values.device), rewards.to(values.device))
+    combined, lam_nodes = combine_shared_prefix(
+        shared, counts, values, value_mask, fallback_weight, min_count
+    )
+    if isinstance(lam, Tensor):
+        _check_shape(lam, tuple(lam_nodes.shape), "lam", "(B, S)")
+        own = _as_float(lam, like=lam_nodes)
+    else:
+        own = torch.full_like(lam_nodes, _check_lam(lam))
+    return combined, torch.where(lam_nodes == 0, torch.zeros_like(own), own)
+
+
+def node_fraction(prefix_ids: Tensor, value_mask: Tensor, min_count: int = 2) -> float:
+    """Share of the interior boundaries (neither ``s_0`` nor ``s_n``) that are nodes: prefixes at
+    least ``min_count`` rows of the group pass through. ``prefix_ids``, ``value_mask``:
+    ``(B, S+1)``."""
+    mask = _as_bool(value_mask).to(prefix_ids.device)
+    _, counts = shared_prefix_values(prefix_ids, torch.zeros(prefix_ids.shape[0]))
+    interior = mask.clone()
+    interior[:, 0] = False
+    interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
+    known = (counts >= min_count) & interior
+    return float(known.sum()) / max(int(interior.sum()), 1)
 
 
 def weights_to_segment_rewards(

@@ -128,10 +128,11 @@ class StaticKVCache:
         return self.keys[layer, : column + 1], self.values[layer, : column + 1]
 
 
-class _Decoder:
+class Decoder:
     """The layers of one model and a cache for one batch of ``G`` samples per prompt:
     :meth:`prefill` runs the prompts, :meth:`step` one new token per row; both return the last
-    position's float32 logits."""
+    position's float32 logits. Public for :mod:`rredcot.tree`, whose branches share one prefill
+    and copy columns of each other's caches."""
 
     def __init__(self, policy, prompts: int, samples: int, prompt_len: int, new_tokens: int):
         model = base_model(policy)
@@ -206,10 +207,12 @@ class _Decoder:
         x = x.view(U, self.kv_heads, G, self.groups, n).transpose(1, 2)
         return x.reshape(U * G * self.kv_heads, self.groups, n)
 
-    def step(self, ids, positions, column: int, prompt_bias) -> torch.Tensor:
+    def step(self, ids, positions, column: int, prompt_bias, decoded_bias=None) -> torch.Tensor:
         """One token per row, ``ids (B, 1)`` at rotary ``positions (B, 1)``, into decoded column
         ``column``; ``prompt_bias (B' * H_kv, 1, P)``: 0 on the prompt's tokens, -inf on its
-        padding. Returns the logits ``(B, V)``."""
+        padding; ``decoded_bias (columns, B * H_kv, 1)`` or None: added to the scores of the
+        decoded columns (-inf hides a column from a row: the tree sampler's rows start at
+        different columns). Returns the logits ``(B, V)``."""
         x = self.inner.embed_tokens(ids)
         B = x.shape[0]
         rows, D, P = B * self.kv_heads, self.head_dim, prompt_bias.shape[-1]
@@ -230,6 +233,8 @@ class _Decoder:
             )
             # (columns, rows, groups): each row's query against its own decoded keys
             on_decoded = (keys.unsqueeze(2) * q).sum(-1) * self.scaling
+            if decoded_bias is not None:
+                on_decoded = on_decoded + decoded_bias[: column + 1]
             scores = torch.cat([self._by_row(on_prompt), on_decoded.permute(1, 2, 0)], dim=-1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = self._by_row(torch.bmm(self._by_prompt(probs[..., :P]), cache.prompt_values[i]))
@@ -240,7 +245,7 @@ class _Decoder:
         return self._logits(x)
 
 
-def _check_left_padded(mask: torch.Tensor) -> None:
+def check_left_padded(mask: torch.Tensor) -> None:
     if mask.shape[1] and bool((mask[:, :-1] & ~mask[:, 1:]).any()):
         raise ValueError("the fast decoder needs left-padded prompts (padding before the text)")
 
@@ -276,7 +281,7 @@ def generate(
     global torch RNG, as ``generate`` does.
     """
     mask = attention_mask.bool()
-    _check_left_padded(mask)
+    check_left_padded(mask)
     groups, P = input_ids.shape
     B, device = groups * num_return_sequences, input_ids.device
     if max_new_tokens == 0 or B == 0:
@@ -284,7 +289,7 @@ def generate(
         return (empty, empty.float()) if return_logprobs else empty
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    decoder = _Decoder(policy, groups, num_return_sequences, P, max_new_tokens)
+    decoder = Decoder(policy, groups, num_return_sequences, P, max_new_tokens)
     dtype = decoder.cache.keys.dtype
 
     # the prefill: a query sees the prompt's earlier tokens (a padding query only itself)

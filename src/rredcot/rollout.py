@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 
 from rredcot import credit, decode
 from rredcot import shared_prompt as shared_prompt_forward
+from rredcot import tree as tree_sampling
 from rredcot.batch import RolloutBatch
 from rredcot.segment import Segmenter, segment_completion
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
@@ -278,6 +279,63 @@ def sample(
     return input_ids, attention_mask, repeated_ids.shape[1], response_mask
 
 
+@torch.no_grad()
+def sample_tree_group(
+    policy,
+    tokenizer,
+    prompts: list[str],
+    segmenter: Segmenter,
+    tree,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    device=None,
+    use_model_generation_config: bool = False,
+    decoder: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, tree_sampling.TreeSample]:
+    """:func:`sample`'s output for tree-structured groups (``tree``: ``sampling.tree``): each
+    prompt's ``num_generations`` completions are the leaves of one tree
+    (:func:`rredcot.tree.sample_tree`) that forks at ``segmenter``'s boundaries. Also returns the
+    :class:`~rredcot.tree.TreeSample` (tokens generated, forks)."""
+    loop, why = resolve_decoder(policy, decoder, use_model_generation_config)
+    if loop != "fast":
+        raise ValueError(
+            f"sampling.tree needs rredcot's fast decoder (it forks its KV cache), but {why}: "
+            "use a llama / qwen2 model with sampling.decoder auto, or turn sampling.tree off"
+        )
+    device = device or next(policy.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+
+    def candidates(ids: list[int], entropies: list[float]) -> list[int]:
+        bounds, _, _ = segment_completion(segmenter, tokenizer, ids, entropies=entropies)
+        return bounds[1:-1]
+
+    grown = tree_sampling.sample_tree(
+        policy,
+        prompt_ids,
+        prompt_mask,
+        num_leaves=num_generations,
+        roots=tree.roots,
+        forks_per_round=tree.forks_per_round,
+        fork_rule=tree.fork_rule,
+        candidates=candidates,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    response_ids = grown.response_ids
+    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+    repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    input_ids = torch.cat([repeated_ids, response_ids], dim=1)
+    attention_mask = torch.cat([repeated_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, repeated_ids.shape[1], response_mask, grown
+
+
 def _hf_generate(
     policy,
     tokenizer,
@@ -348,12 +406,17 @@ def segment_batch(
     P = batch.prompt_len
     lengths = batch.response_mask.sum(-1).long().tolist()
     boundaries, char_starts = [], []
+    branches = None
+    if batch.token_share_counts is not None:  # a tree group: its nodes are boundaries too
+        branches = tree_sampling.branch_points(batch.token_share_counts, batch.response_mask)
     for row, length in enumerate(lengths):
         ids = batch.input_ids[row, P : P + length].tolist()
         ent = None if entropies is None else entropies[row, :length].tolist()
         bounds, starts, _ = segment_completion(
             segmenter, tokenizer, ids, text=batch.completions[row], entropies=ent
         )
+        if branches is not None:
+            bounds, starts = _with_branch_points(bounds, starts, branches[row], ids, tokenizer)
         boundaries.append(bounds)
         char_starts.append(starts)
     device = batch.input_ids.device
@@ -365,6 +428,25 @@ def segment_batch(
             batch.input_ids[:, P:], batch.response_mask, boundaries, batch.group_ids
         ),
     )
+
+
+def _with_branch_points(
+    bounds: list[int], starts: list[int], branches: list[int], ids: list[int], tokenizer
+) -> tuple[list[int], list[int]]:
+    """A row's boundaries with the tree's branch points on its path added (a node's value is
+    read where its leaves part), and the char start of every segment (a new segment starts at
+    the length of the decoded text before its first token)."""
+    if not branches or len(bounds) < 2:
+        return bounds, starts
+    merged = sorted(set(bounds) | {b for b in branches if 0 < b < bounds[-1]})
+    if len(merged) == len(bounds):
+        return bounds, starts
+    old = dict(zip(bounds[:-1], starts))
+    new_starts = [
+        old[b] if b in old else len(tokenizer.decode(ids[:b], skip_special_tokens=True))
+        for b in merged[:-1]
+    ]
+    return merged, new_starts
 
 
 def build_rollout_batch(
@@ -380,8 +462,14 @@ def build_rollout_batch(
     top_p: float = 1.0,
     use_model_generation_config: bool = False,
     decoder: str = "auto",
+    tree=None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
+
+    ``tree`` (``sampling.tree`` with ``enabled``) grows each prompt's group as a tree
+    (:func:`sample_tree_group`): ``rollout/tokens`` then counts each generated token once, and the
+    batch carries ``token_share_counts`` (how many leaves share each token); segmentation adds
+    the tree's branch points as boundaries.
 
     Bad samples (verifier error, NaN reward) are dropped from the batch, so they carry no loss,
     no credit and do not enter their group's mean and std; ``rollout/skipped_samples`` counts
@@ -390,19 +478,36 @@ def build_rollout_batch(
     step's forward pass.
     """
     prompts = [render_prompt(p, tokenizer) for p in problems]
-    input_ids, attention_mask, P, response_mask = sample(
-        policy,
-        tokenizer,
-        prompts,
-        num_generations=num_generations,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        use_model_generation_config=use_model_generation_config,
-        decoder=decoder,
-    )
+    grown = None
+    if tree is not None and tree.enabled:
+        input_ids, attention_mask, P, response_mask, grown = sample_tree_group(
+            policy,
+            tokenizer,
+            prompts,
+            segmenter,
+            tree,
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            use_model_generation_config=use_model_generation_config,
+            decoder=decoder,
+        )
+    else:
+        input_ids, attention_mask, P, response_mask = sample(
+            policy,
+            tokenizer,
+            prompts,
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            use_model_generation_config=use_model_generation_config,
+            decoder=decoder,
+        )
     B, T = response_mask.shape
-    generated_tokens = float(response_mask.sum())
+    leaf_tokens = float(response_mask.sum())
+    generated_tokens = leaf_tokens if grown is None else float(grown.generated_tokens)
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
     completions, verdicts, rewards = [], [], []
@@ -435,6 +540,11 @@ def build_rollout_batch(
         problems=rows_problems,
         completions=completions,
         verdicts=verdicts,
+        token_share_counts=None
+        if grown is None
+        else tree_sampling.token_share_counts(
+            input_ids[:, P:], response_mask, group_ids.to(input_ids.device)
+        ),
     )
     if skipped:
         batch = batch.select([row for row, ok in enumerate(valid) if ok])
@@ -448,6 +558,17 @@ def build_rollout_batch(
         "rollout/mean_segments": sum(len(b) - 1 for b in batch.boundaries) / max(batch.size, 1),
         "rollout/tokens": generated_tokens,
     }
+    if grown is not None:
+        stats.update(
+            {
+                "rollout/tree_leaf_tokens": leaf_tokens,
+                "rollout/tree_shared_fraction": 1.0 - generated_tokens / max(leaf_tokens, 1.0),
+                "rollout/tree_refed_tokens": float(grown.refed_tokens),
+                "rollout/tree_rounds": float(grown.rounds),
+                "rollout/tree_mean_fork_depth": sum(grown.fork_depths)
+                / max(len(grown.fork_depths), 1),
+            }
+        )
     return batch, stats
 
 

@@ -252,6 +252,11 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         policy, cfg.sampling.decoder, cfg.sampling.use_model_generation_config
     )
     log(f"sampling decoder: {decoder} ({why})")
+    if cfg.sampling.tree.enabled and decoder != "fast":
+        raise UserError(
+            f"sampling.tree needs rredcot's fast decoder (it forks its KV cache), but {why}: "
+            "use a llama / qwen2 model with sampling.decoder auto, or turn sampling.tree off"
+        )
     reference = None
     if cfg.kl_coef > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)

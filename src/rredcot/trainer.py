@@ -205,7 +205,9 @@ class Trainer:
         credit_out = self.method.compute(batch)
         clock.lap("credit")
 
-        advantages = credit_out.advantages.detach()
+        advantages = shared_token_weighted(
+            credit_out.advantages.detach(), batch, self.cfg.sampling.tree.shared_token_weight
+        )
         if self.single_pass() and loss_forward is None:
             rows = self._rows_with_gradient(
                 batch, torch.arange(batch.size), advantages, ref_logprobs
@@ -245,6 +247,7 @@ class Trainer:
             top_p=s.top_p,
             use_model_generation_config=s.use_model_generation_config,
             decoder=self.decoder,
+            tree=s.tree if s.tree.enabled else None,
         )
         if forward:
             batch = self._fill_forward(batch)
@@ -557,6 +560,18 @@ class _StepClock:
     @property
     def total(self) -> float:
         return self.last - self.start
+
+
+def shared_token_weighted(advantages: torch.Tensor, batch: RolloutBatch, rule: str) -> torch.Tensor:
+    """The advantages the loss uses, ``(B, T)``. In a tree group (``batch.token_share_counts``) a
+    token that ``k`` leaves share appears in all ``k`` rows; ``per_leaf`` keeps every row's term
+    (the per-trajectory estimator), ``per_node`` divides each by ``k`` so the token counts once in
+    total. The clipped PPO term is linear in the advantage for a given ratio, so dividing the
+    advantage divides the token's loss and gradient. Independent groups: unchanged."""
+    if rule == "per_leaf" or batch.token_share_counts is None:
+        return advantages
+    counts = batch.token_share_counts.to(advantages.device).clamp_min(1.0)
+    return advantages / counts
 
 
 def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:

@@ -74,6 +74,10 @@ class CreditMethod:
     # credit.normalization=auto: GRPO's per-group std is only safe for uniform credit (zero in
     # a group whose rewards agree); redistributed credit falls back to the batch's std there.
     default_normalization: ClassVar[str] = "group_or_batch_std"
+    # where the nodes of the group's prefix tree (prefixes several samples share) override the
+    # method's values (credit.node_values): "tree" in tree groups (sampling.tree), "always",
+    # or "never" (uniform credit; the value head, which does it itself by its own option)
+    node_values: ClassVar[str] = "tree"
 
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config
@@ -109,6 +113,33 @@ class CreditMethod:
         weights = self.segment_weights(batch)
         return Estimate(Weights(weights, segment_mask(batch, weights.device)))
 
+    def with_node_values(self, est: Estimate, batch: RolloutBatch) -> Estimate:
+        """``est`` with the values of the group's tree nodes put in (:func:`credit.node_values`):
+        in tree groups (``batch.token_share_counts``), or always for ``node_values = "always"``.
+        The method's values fill the boundaries between nodes, trusted by its hand-over weight;
+        weights (attribution methods) are returned as they are."""
+        wanted = self.node_values == "always" or (
+            self.node_values == "tree" and batch.token_share_counts is not None
+        )
+        if not wanted or batch.prefix_ids is None or not isinstance(est.credit, Values):
+            return est
+        values = est.credit.values
+        mask = est.credit.mask
+        if est.credit.anchor is not None:
+            values = credit.anchor_values(values, mask, est.credit.anchor)
+        combined, lam = credit.node_values(
+            values,
+            mask,
+            est.credit.lam,
+            batch.prefix_ids,
+            batch.rewards,
+            fallback_weight=min(max(float(est.credit.handover_weight), 0.0), 1.0),
+        )
+        metrics = dict(est.metrics)
+        interior = credit.node_fraction(batch.prefix_ids, mask)
+        metrics["credit/node_boundary_fraction"] = interior
+        return Estimate(Values(combined, mask, lam=lam), est.cost, metrics)
+
     # -- values computed elsewhere, as tensors (the integrations) ---------------------------
     def estimate_from_values(
         self, values: torch.Tensor, mask: torch.Tensor, rewards, group_ids, live
@@ -122,9 +153,10 @@ class CreditMethod:
 
     # -- the one path through the credit algebra --------------------------------------------
     def compute(self, batch: RolloutBatch) -> CreditOutput:
-        """The batch's :meth:`estimate` through :meth:`credit_output`."""
+        """The batch's :meth:`estimate` (with the tree's node values where :attr:`node_values`
+        says so) through :meth:`credit_output`."""
         return self.credit_output(
-            self.estimate(batch),
+            self.with_node_values(self.estimate(batch), batch),
             batch.rewards,
             batch.group_ids,
             batch.segment_ids,
@@ -304,6 +336,19 @@ class UniformCredit(CreditMethod):
 
     default_lam = 1.0
     default_normalization = "group_std"
+    node_values = "never"
 
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return uniform_values(batch.rewards, batch.group_ids, batch.num_segments)
+
+
+@register_credit("node_values")
+class NodeValuesCredit(UniformCredit):
+    """The prefix tree's values alone (made for ``sampling.tree``): a node's value is the mean
+    reward of the leaves below it, ``s_0``'s the group mean, and a segment between two nodes gets
+    the change in value it caused (lambda 0 at nodes); between nodes credit passes through
+    (lambda 1), so a leaf's last stretch gets ``R - V(last node)``. With independent samples the
+    only nodes are the prefixes samples share by chance (mostly ``s_0``: GRPO's credit)."""
+
+    default_normalization = "group_or_batch_std"
+    node_values = "always"

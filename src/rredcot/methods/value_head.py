@@ -271,6 +271,8 @@ class ValueHeadCredit(CreditMethod):
     """
 
     needs_hidden_states = True
+    # tree nodes come in through its own credit.value_head.shared_prefixes (on by default)
+    node_values = "never"
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
