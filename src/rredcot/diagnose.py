@@ -54,13 +54,28 @@ from tqdm.auto import tqdm
 
 from rredcot import credit as credit_algebra
 from rredcot.batch import RolloutBatch
+from rredcot.bench.configs import CreditBenchConfig
+from rredcot.bench.credit import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.config import CreditConfig, SamplingConfig, from_dict
 from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P, DiagnoseConfig
 from rredcot.errors import UserError
+from rredcot.explain_model import (
+    ResolvedCheckpoint,
+    choose_task,
+    load_method_state,
+    resolve_checkpoint,
+    run_credit_config,
+)
+from rredcot.methods.base import CreditContext, build_credit
+from rredcot.methods.monte_carlo import mc_values
 from rredcot.methods.oracle import first_error_segment
+from rredcot.models import load_policy
 from rredcot.rollout import build_rollout_batch, eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
+from rredcot.sft import default_policy_source
+from rredcot.tasks import get_task
 from rredcot.tasks.base import Task
+from rredcot.train_setup import resolve_device
 
 __all__ = [
     "CONFIDENCE",
@@ -1033,8 +1048,6 @@ def _mc_cost(chunks: list[Chunk], picked: list[tuple[int, int]], k: int) -> tupl
 
 def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, log):
     """Section 3 (and the batches and values section 4 scores against)."""
-    from rredcot.methods.monte_carlo import mc_values
-
     picked = _mc_subset(chunks, cfg, cfg.mc_traces)
     prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
     log(
@@ -1163,8 +1176,6 @@ def estimator_specs(cfg: DiagnoseConfig) -> list[tuple[str, str, CreditConfig]]:
     """``(name, credit method, CreditConfig)`` of every estimator the flags ask for, uniform
     first; a run that is not a value_head run or a bad process-reward setting is refused here,
     before any sampling."""
-    from rredcot.explain_model import run_credit_config
-
     wanted: list[tuple[str, str, CreditConfig]] = [("uniform", "uniform", CreditConfig())]
     if cfg.value_head_run:
         saved = run_credit_config(cfg.value_head_run)
@@ -1190,11 +1201,6 @@ def estimator_specs(cfg: DiagnoseConfig) -> list[tuple[str, str, CreditConfig]]:
 def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseConfig, s, log):
     """Section 4: each cheap estimator asked for, scored against the Monte Carlo values with the
     credit benchmark's definitions (:mod:`rredcot.bench.credit`), uniform credit as reference."""
-    from rredcot.bench.configs import CreditBenchConfig
-    from rredcot.bench.credit import _GroundTruth, _rows, _Traces, evaluate_method, method_scores
-    from rredcot.explain_model import load_method_state
-    from rredcot.methods.base import CreditContext, build_credit
-
     bench_cfg = CreditBenchConfig(
         temperature=s["temperature"],
         top_p=s["top_p"],
@@ -1206,7 +1212,7 @@ def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseC
     # and hand-over see every sample of a prompt, as in training); the subset's rows are then
     # scored against the Monte Carlo values. One batch per group: a real model's forward over a
     # whole chunk runs out of memory.
-    traces = _Traces.of([sub for sub, *_ in subs])
+    traces = Traces.of([sub for sub, *_ in subs])
     groups, picked, offset = [], [], 0
     for _, _, _, batch, rows in subs:
         ids = batch.group_ids.cpu()
@@ -1215,15 +1221,15 @@ def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseC
             groups.append(_select(batch, members))
             picked += [offset + members.index(r) for r in rows if int(ids[r]) == g]
             offset += len(members)
-    full = _Traces.of(groups)
+    full = Traces.of(groups)
     adv_rows, value_rows = [], []
     for sub, v, m, _, _ in subs:
         adv, seg_mask, _ = credit_algebra.segment_advantages_from_values(
             v.double(), m, sub.rewards.double().to(v.device), 0.0
         )
-        adv_rows += _rows(adv, seg_mask)
-        value_rows += [r[:-1] for r in _rows(v, m)]
-    gt = _GroundTruth(adv_rows, value_rows, [(v, m) for _, v, m, _, _ in subs], {}, 0.0)
+        adv_rows += masked_rows(adv, seg_mask)
+        value_rows += [r[:-1] for r in masked_rows(v, m)]
+    gt = GroundTruth(adv_rows, value_rows, [(v, m) for _, v, m, _, _ in subs], {}, 0.0)
     sampling = SamplingConfig(
         num_generations=cfg.samples,
         temperature=s["temperature"],
@@ -1399,17 +1405,6 @@ def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:
     """:func:`diagnose` on the policy ``cfg.policy`` names (a model, checkpoint or run directory,
     a .gguf file, a hub id or a shipped alias; empty: `rredcot train`'s default for the task),
     with a run directory's sampling and credit settings where ``cfg`` leaves them unset."""
-    from rredcot.explain_model import (
-        ResolvedCheckpoint,
-        choose_task,
-        resolve_checkpoint,
-        run_credit_config,
-    )
-    from rredcot.models import load_policy
-    from rredcot.sft import default_policy_source
-    from rredcot.tasks import get_task
-    from rredcot.train_setup import resolve_device
-
     device = resolve_device(cfg.device)  # a device the machine lacks is refused first
     estimator_specs(cfg)  # and bad estimator flags, before the policy loads
     if cfg.threads:

@@ -176,7 +176,7 @@ def resegment(
     return cut.replace(old_logprobs=None, hidden_states=None)
 
 
-def _rows(t: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+def masked_rows(t: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
     return [t[i][mask[i].bool()].double().cpu().tolist() for i in range(t.shape[0])]
 
 
@@ -254,7 +254,7 @@ def _comparison_advantages(out, rewards: torch.Tensor, lam: float) -> torch.Tens
 
 
 @dataclass
-class _Traces:
+class Traces:
     """The evaluated traces of one segmentation, pooled over chunks (row i = trace i)."""
 
     batches: list[RolloutBatch]
@@ -264,7 +264,7 @@ class _Traces:
     char_starts: list[list[int]]
 
     @classmethod
-    def of(cls, batches: list[RolloutBatch]) -> _Traces:
+    def of(cls, batches: list[RolloutBatch]) -> Traces:
         return cls(
             batches,
             torch.cat([b.rewards.detach().cpu() for b in batches]),
@@ -323,7 +323,7 @@ class _Traces:
 
 
 @dataclass
-class _GroundTruth:
+class GroundTruth:
     adv: list[list[float]]  # per trace, A*_k at the comparison lambda
     values: list[list[float]]  # per trace, V_MC(s_k) for k < n
     full: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk (values, mask), for the pages
@@ -331,10 +331,10 @@ class _GroundTruth:
     seconds: float
 
 
-def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfig) -> _GroundTruth:
+def ground_truth(policy, tokenizer, task, traces: Traces, cfg: CreditBenchConfig) -> GroundTruth:
     """``V_MC`` from ``cfg.mc_k`` rollouts per boundary and the advantages at ``cfg.lam``."""
     t0 = time.perf_counter()
-    gt = _GroundTruth([], [], [], {}, 0.0)
+    gt = GroundTruth([], [], [], {}, 0.0)
     for c, b in enumerate(traces.batches):
         bar = tqdm(
             desc=f"ground truth {c + 1}/{len(traces.batches)}",
@@ -362,8 +362,8 @@ def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfi
         adv, seg_mask, _ = credit_algebra.segment_advantages_from_values(
             v.double(), m, b.rewards.double().to(v.device), cfg.lam
         )
-        gt.adv += _rows(adv, seg_mask)
-        gt.values += [r[:-1] for r in _rows(v, m)]  # drop s_n (it is R)
+        gt.adv += masked_rows(adv, seg_mask)
+        gt.values += [r[:-1] for r in masked_rows(v, m)]  # drop s_n (it is R)
         gt.full.append((v, m))
         for k, x in st.items():
             gt.stats[k] = gt.stats.get(k, 0.0) + x
@@ -372,7 +372,7 @@ def ground_truth(policy, tokenizer, task, traces: _Traces, cfg: CreditBenchConfi
 
 
 def evaluate_method(
-    method, policy, traces: _Traces, cfg: CreditBenchConfig, example_rows: list[int], device
+    method, policy, traces: Traces, cfg: CreditBenchConfig, example_rows: list[int], device
 ) -> _Collected:
     """Run ``method`` on every chunk as the trainer would (forward, then ``compute``), timed."""
     layers = method.hidden_layers if method.needs_hidden_states else None
@@ -390,11 +390,11 @@ def evaluate_method(
         col.forward_seconds += t_b - t_a
         col.credit_seconds += t_c - t_b
         adv = _comparison_advantages(out, b.rewards, cfg.lam)
-        col.adv += _rows(adv, out.segment_mask.bool())
+        col.adv += masked_rows(adv, out.segment_mask.bool())
         if out.values is None:
             col.values = None
         elif col.values is not None:
-            col.values += [r[:-1] for r in _rows(out.values, out.value_mask)]
+            col.values += [r[:-1] for r in masked_rows(out.values, out.value_mask)]
         for k, x in out.metrics.items():
             if k.startswith("credit/extra_"):
                 col.metrics[k] = col.metrics.get(k, 0.0) + float(x)
@@ -405,7 +405,7 @@ def evaluate_method(
 
 
 def method_scores(
-    col: _Collected, gt: _GroundTruth, traces: _Traces, cfg: CreditBenchConfig
+    col: _Collected, gt: GroundTruth, traces: Traces, cfg: CreditBenchConfig
 ) -> dict[str, Any]:
     """Agreement with the ground truth, localisation and cost of one method's results."""
     n = max(traces.size, 1)
@@ -537,7 +537,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     example_pages: dict[str, str] = {}
     for seg_name in segmenter_names:
         segmenter = segmenter_from_config(base_credit, pattern, seg_name)
-        traces = _Traces.of(
+        traces = Traces.of(
             [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
         )
         # 2. ground truth
@@ -643,7 +643,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     return report
 
 
-def _example_sections(traces: _Traces, pages: dict[int, list]) -> list:
+def _example_sections(traces: Traces, pages: dict[int, list]) -> list:
     sections = []
     for i, entries in pages.items():
         c, r = traces.locate(i)
