@@ -38,7 +38,7 @@ def test_a_checkpointed_run_and_a_step_whose_gradients_are_read_warn_nothing(
 ):
     from rredcot.trainer import Trainer
 
-    cfg = micro_config(init_dir, tmp_path / "run", credit_method="value_head")
+    cfg = micro_config(init_dir, tmp_path / "run")
     cfg.model.gradient_checkpointing = True
     trainer = Trainer(cfg, log=lambda *_: None)
     try:
