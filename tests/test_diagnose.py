@@ -356,3 +356,25 @@ def test_token_probabilities_in_row_chunks_match_one_forward(monkeypatch, char_t
     p_rows, h_rows = diagnose_module.token_probabilities(policy, batch, temperature=0.7)
     assert batch.size > 5  # so the second call ran in several chunks
     assert torch.allclose(p_one, p_rows, atol=1e-6) and torch.allclose(h_one, h_rows, atol=1e-5)
+
+
+def test_process_reward_function_is_scored(tiny_policy, char_tokenizer):
+    """--process-reward-function: the step scorer's values are scored against Monte Carlo."""
+    from rredcot.diagnose import diagnose
+
+    cfg = DiagnoseConfig(
+        prompts=2,
+        samples=4,
+        group_sizes="2",
+        max_new_tokens=12,
+        mc_traces=2,
+        mc_k=2,
+        bootstrap=20,
+        progress=False,
+        process_reward_function="prm_scores:chain_scores",
+    )
+    task = get_task("arithmetic", num_steps=2)
+    report = diagnose(tiny_policy, char_tokenizer, task, cfg, log=lambda *a: None)
+    names = [e["method"] for e in report.estimators]
+    assert names == ["uniform", "process_reward"]
+    assert report.estimators[1]["value_mse"] is not None
