@@ -160,6 +160,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
     import warnings
 
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from rredcot.methods import answer_likelihood as al
 
@@ -181,6 +182,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
         return values, mask, stats
 
     plain, mask, _ = probed()
+    AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test's accelerator
     Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
     try:
         assert type(model).forward is not model.forward.__func__  # the autocast wrapper is on
@@ -188,6 +190,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
     finally:
         del model.forward  # back to the class's forward for the other tests
         al._SPLIT_CHECKED.pop(model, None)
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert stats["credit/probe_packed"] == 1.0
     torch.testing.assert_close(mixed[mask], plain[mask], rtol=0, atol=1e-5)
 
