@@ -354,6 +354,30 @@ class MonteCarloConfig:
             )
 
 
+@dataclass
+class ReweightConfig:
+    """How credit.form=reweight turns a trace's value changes into segment weights of GRPO's
+    advantage (docs/method.md, reweighting)."""
+
+    rule: str = help_field(
+        "sigma rule: softmax (sigma ∝ exp(u/temperature)), linear (sigma ∝ max(0, 1 + (u - "
+        "mean u)/temperature)) or rank (sigma ∝ the rank of u), where u is a segment's value "
+        "change signed by the outcome's advantage; then scaled to mean 1 over the trace's tokens.",
+        default="softmax",
+    )
+    temperature: float = help_field(
+        "Temperature of the softmax and linear rules, in units of probability of success "
+        "(smaller: more of the weight on the segments whose value moved with the outcome).",
+        default=0.1,
+    )
+
+    def __post_init__(self) -> None:
+        if self.rule not in ("softmax", "linear", "rank"):
+            raise ValueError(f"credit.reweight.rule={self.rule!r} must be softmax, linear or rank")
+        if not self.temperature > 0:
+            raise ValueError(f"credit.reweight.temperature={self.temperature} must be > 0")
+
+
 PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification")
 """The values of ``credit.process_reward.kind``."""
 
@@ -535,6 +559,14 @@ class CreditConfig:
         "prompt's difficulty cancel); 'none': the estimator's own V(s_0).",
         default="group",
     )
+    form: str = help_field(
+        "How a value source's estimates become credit: 'redistribute' (segment GAE over the "
+        "value changes, handed over from GRPO) or 'reweight' (GRPO's advantage on every segment, "
+        "its size moved between a trace's segments by coefficients from the value changes; the "
+        "sign is never flipped: docs/method.md). Uniform and the attribution methods ignore it.",
+        default="redistribute",
+    )
+    reweight: ReweightConfig = field(default_factory=ReweightConfig)
     value_head: ValueHeadConfig = field(default_factory=ValueHeadConfig)
     handover: HandoverConfig = field(default_factory=HandoverConfig)
     answer_likelihood: AnswerLikelihoodConfig = field(default_factory=AnswerLikelihoodConfig)
@@ -546,6 +578,8 @@ class CreditConfig:
             raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
         if self.anchor not in ("group", "none"):
             raise ValueError("credit.anchor must be 'group' or 'none'")
+        if self.form not in ("redistribute", "reweight"):
+            raise ValueError(f"credit.form={self.form!r} must be redistribute or reweight")
 
     def section(self, cls: type) -> Any:
         """This config's instance of the options dataclass ``cls`` (``ValueHeadConfig`` ->

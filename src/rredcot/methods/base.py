@@ -9,6 +9,7 @@ and returns an :class:`Estimate`: :class:`rredcot.credit.Values` (what ``V(s_k)`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -74,6 +75,8 @@ class CreditMethod:
     # credit.normalization=auto: GRPO's per-group std is only safe for uniform credit (zero in
     # a group whose rewards agree); redistributed credit falls back to the batch's std there.
     default_normalization: ClassVar[str] = "group_or_batch_std"
+    # credit.form=reweight applies to this method's Values (uniform's are GRPO by definition)
+    reweights: ClassVar[bool] = True
 
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config
@@ -148,13 +151,13 @@ class CreditMethod:
             rewards: ``(B,)``; group_ids: ``(B,)`` long.
             segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
         """
+        estimate = self.credit_form(est.credit)
+        if normalization is None:
+            normalization = self.normalization
+            if estimate is not est.credit and self.config.normalization == "auto":
+                normalization = "group_std"  # GRPO's advantage, scaled as GRPO scales it
         out = credit.token_credit(
-            est.credit,
-            rewards,
-            group_ids,
-            segment_ids,
-            response_mask,
-            self.normalization if normalization is None else normalization,
+            estimate, rewards, group_ids, segment_ids, response_mask, normalization
         )
         seg_mask = out.segment_mask
         metrics = {
@@ -175,6 +178,20 @@ class CreditMethod:
             value_mask,
             metrics,
             est.cost,
+        )
+
+    def credit_form(self, estimate: Values | Weights) -> Values | Weights:
+        """``estimate`` with ``credit.form`` and its reweight options applied (Values of a
+        method that :attr:`reweights` only; anything else as it is)."""
+        if self.config.form == "redistribute" or not self.reweights:
+            return estimate
+        if not isinstance(estimate, Values):
+            return estimate
+        return dataclasses.replace(
+            estimate,
+            form=self.config.form,
+            sigma_rule=self.config.reweight.rule,
+            sigma_temperature=self.config.reweight.temperature,
         )
 
     # -- state --------------------------------------------------------------------------------
@@ -283,6 +300,7 @@ class UniformCredit(CreditMethod):
 
     default_lam = 1.0
     default_normalization = "group_std"
+    reweights = False
 
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return uniform_values(batch.rewards, batch.group_ids, batch.num_segments)
