@@ -527,7 +527,8 @@ class CreditConfig:
 
     segmenter: str = help_field(
         "Segmentation strategy: newline, paragraph, sentence, step, keywords, tokens:N, or the "
-        "policy-entropy cuts entropy and keywords+entropy (`rredcot segment --help` lists each "
+        "policy-entropy cuts entropy, keywords+entropy and newline+merge:target=N (`rredcot "
+        "segment --help` lists each "
         "one's options).",
         default="newline",
     )
