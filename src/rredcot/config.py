@@ -355,6 +355,54 @@ class MonteCarloConfig:
 
 
 @dataclass
+class ContinuationLikelihoodConfig:
+    """Options of the continuation_likelihood method (--credit_method continuation_likelihood):
+    the policy's probability of finishing each prefix the way known-good completions finish it
+    (docs/method.md, value sources)."""
+
+    source: str = help_field(
+        "Known-good continuations: group (the remainders of the group's verified-correct "
+        "completions after the same boundary index), reference (the task's gold completion "
+        "after its boundary of that index, where it has one) or both.",
+        default="both",
+    )
+    estimator: str = help_field(
+        "importance: V = pi(reference) + (1/G) sum over correct samples of pi(u | prefix) / "
+        "pi(u | the sample's own prefix), a lower bound in expectation (the paper's form); "
+        "sum: V = sum of pi(u | prefix) over the distinct continuations, a lower bound on every "
+        "batch.",
+        default="importance",
+    )
+    max_continuations: int = help_field(
+        "Distinct continuations probed per boundary (the reference first).", default=4
+    )
+    chunk_tokens: int = help_field(
+        "Token budget of one packed forward (rows x longest row); bounds its activations.",
+        default=16384,
+    )
+    logits_mb: int = help_field(
+        "Memory budget (MiB, fp32) of the logits of one slice of scored positions.", default=256
+    )
+
+    def __post_init__(self) -> None:
+        if self.source not in ("group", "reference", "both"):
+            raise ValueError(
+                f"credit.continuation_likelihood.source={self.source!r} must be group, "
+                "reference or both"
+            )
+        if self.estimator not in ("importance", "sum"):
+            raise ValueError(
+                f"credit.continuation_likelihood.estimator={self.estimator!r} must be "
+                "importance or sum"
+            )
+        for name in ("max_continuations", "chunk_tokens", "logits_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"credit.continuation_likelihood.{name}={getattr(self, name)} must be >= 1"
+                )
+
+
+@dataclass
 class ReweightConfig:
     """How credit.form=reweight turns a trace's value changes into segment weights of GRPO's
     advantage (docs/method.md, reweighting)."""
@@ -571,6 +619,9 @@ class CreditConfig:
     value_head: ValueHeadConfig = field(default_factory=ValueHeadConfig)
     handover: HandoverConfig = field(default_factory=HandoverConfig)
     answer_likelihood: AnswerLikelihoodConfig = field(default_factory=AnswerLikelihoodConfig)
+    continuation_likelihood: ContinuationLikelihoodConfig = field(
+        default_factory=ContinuationLikelihoodConfig
+    )
     monte_carlo: MonteCarloConfig = field(default_factory=MonteCarloConfig)
     process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
 
@@ -601,7 +652,8 @@ class TrainConfig:
         "Task parameters (CLI: --task.NAME VALUE, e.g. --task.num_steps 4).", default_factory=dict
     )
     credit_method: str = help_field(
-        "Credit method: uniform, value_head, answer_likelihood, process_reward, monte_carlo, "
+        "Credit method: uniform, value_head, answer_likelihood, continuation_likelihood, "
+        "process_reward, monte_carlo, "
         "gradient, attention, first_last.",
         default="value_head",
     )

@@ -247,6 +247,7 @@ _CREDIT_METHODS: dict[str, type[CreditMethod]] = {}
 _LAZY = {
     "value_head": "rredcot.methods.value_head",
     "answer_likelihood": "rredcot.methods.answer_likelihood",
+    "continuation_likelihood": "rredcot.methods.continuation_likelihood",
     "process_reward": "rredcot.methods.process_reward",
     "monte_carlo": "rredcot.methods.monte_carlo",
     "gradient": "rredcot.methods.attribution",
