@@ -70,7 +70,6 @@ from rredcot.batch import RolloutBatch
 from rredcot.config import ContinuationLikelihoodConfig
 from rredcot.methods.answer_likelihood import (
     Probe,
-    _model_device_dtype,
     packed_probe_logprobs,
     packing_supported,
     unpacked_probe_logprobs,
@@ -410,7 +409,7 @@ class ContinuationLikelihoodCredit(FrozenValuesCredit):
             except (RuntimeError, ValueError, TypeError):
                 return  # continuation_values falls back (and warns) on its own
             plain, _ = unpacked_probe_logprobs(ctx.policy, batch, probes)
-        _, dtype = _model_device_dtype(ctx.policy)
+        dtype = next(ctx.policy.parameters()).dtype
         tol = 1e-3 if dtype == torch.float32 else 5e-2
         worst = max(float((a - b).abs().max()) for a, b in zip(packed, plain))
         if worst > tol:
