@@ -156,3 +156,39 @@ def test_the_method_path_applies_the_form_and_scales_as_grpo():
 
 def _uniform_values():
     return uniform_values(REWARDS, GROUPS, torch.tensor([len(b) - 1 for b in BOUNDS]))
+
+
+def test_credit_bench_compares_reweight_as_grpo_times_sigma():
+    from rredcot.batch import RolloutBatch
+    from rredcot.bench.credit import _comparison_advantages
+    from rredcot.methods.base import CreditOutput
+
+    segment_ids, response_mask, value_mask = _layout()
+    values = _random_values(value_mask, seed=5)
+    batch = RolloutBatch(
+        input_ids=torch.zeros(6, 10, dtype=torch.long),
+        attention_mask=torch.ones(6, 10, dtype=torch.long),
+        prompt_len=1,
+        response_mask=response_mask.float(),
+        rewards=REWARDS,
+        group_ids=GROUPS,
+        boundaries=BOUNDS,
+        segment_ids=segment_ids,
+    )
+    out = CreditOutput(
+        advantages=torch.zeros(6, 9),
+        segment_advantages=torch.zeros(6, 3),
+        segment_mask=value_mask[:, 1:],
+        values=values,
+        value_mask=value_mask,
+    )
+    method = _FixedValues(CreditConfig(form="reweight"), values, value_mask, 0.0)
+    adv = _comparison_advantages(out, REWARDS, 0.0, method, batch)
+    grpo = (REWARDS - credit.group_mean_std(REWARDS, GROUPS)[0]).double()
+    assert bool((adv * grpo[:, None] >= 0).all())  # GRPO's sign on every segment
+    lengths = credit.segment_token_counts(segment_ids, response_mask, 3).double()
+    torch.testing.assert_close((adv * lengths).sum(1), grpo * lengths.sum(1))
+    # the redistribute form is compared through its values at the comparison lambda
+    plain = _FixedValues(CreditConfig(), values, value_mask, 0.0)
+    redistributed = _comparison_advantages(out, REWARDS, 0.0, plain, batch)
+    assert not torch.allclose(adv, redistributed)
