@@ -425,6 +425,78 @@ class MonteCarloConfig:
             )
 
 
+@dataclass
+class ContinuationLikelihoodConfig:
+    """Options of the continuation_likelihood method (--credit_method continuation_likelihood):
+    the policy's probability of finishing each prefix the way known-good completions finish it
+    (docs/method.md, value sources)."""
+
+    source: str = help_field(
+        "Known-good continuations: group (the remainders of the group's verified-correct "
+        "completions after the same boundary index), reference (the task's gold completion "
+        "after its boundary of that index, where it has one) or both.",
+        default="both",
+    )
+    estimator: str = help_field(
+        "importance: V = pi(reference) + (1/G) sum over correct samples of pi(u | prefix) / "
+        "pi(u | the sample's own prefix), a lower bound in expectation (the paper's form); "
+        "sum: V = sum of pi(u | prefix) over the distinct continuations, a lower bound on every "
+        "batch.",
+        default="importance",
+    )
+    max_continuations: int = help_field(
+        "Distinct continuations probed per boundary (the reference first).", default=4
+    )
+    chunk_tokens: int = help_field(
+        "Token budget of one packed forward (rows x longest row); bounds its activations.",
+        default=16384,
+    )
+    logits_mb: int = help_field(
+        "Memory budget (MiB, fp32) of the logits of one slice of scored positions.", default=256
+    )
+
+    def __post_init__(self) -> None:
+        if self.source not in ("group", "reference", "both"):
+            raise ValueError(
+                f"credit.continuation_likelihood.source={self.source!r} must be group, "
+                "reference or both"
+            )
+        if self.estimator not in ("importance", "sum"):
+            raise ValueError(
+                f"credit.continuation_likelihood.estimator={self.estimator!r} must be "
+                "importance or sum"
+            )
+        for name in ("max_continuations", "chunk_tokens", "logits_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"credit.continuation_likelihood.{name}={getattr(self, name)} must be >= 1"
+                )
+
+
+@dataclass
+class ReweightConfig:
+    """How credit.form=reweight turns a trace's value changes into segment weights of GRPO's
+    advantage (docs/method.md, reweighting)."""
+
+    rule: str = help_field(
+        "sigma rule: softmax (sigma ∝ exp(u/temperature)), linear (sigma ∝ max(0, 1 + (u - "
+        "mean u)/temperature)) or rank (sigma ∝ the rank of u), where u is a segment's value "
+        "change signed by the outcome's advantage; then scaled to mean 1 over the trace's tokens.",
+        default="softmax",
+    )
+    temperature: float = help_field(
+        "Temperature of the softmax and linear rules, in units of probability of success "
+        "(smaller: more of the weight on the segments whose value moved with the outcome).",
+        default=0.1,
+    )
+
+    def __post_init__(self) -> None:
+        if self.rule not in ("softmax", "linear", "rank"):
+            raise ValueError(f"credit.reweight.rule={self.rule!r} must be softmax, linear or rank")
+        if not self.temperature > 0:
+            raise ValueError(f"credit.reweight.temperature={self.temperature} must be > 0")
+
+
 PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification")
 """The values of ``credit.process_reward.kind``."""
 
@@ -574,7 +646,8 @@ class CreditConfig:
 
     segmenter: str = help_field(
         "Segmentation strategy: newline, paragraph, sentence, step, keywords, tokens:N, or the "
-        "policy-entropy cuts entropy and keywords+entropy (`rredcot segment --help` lists each "
+        "policy-entropy cuts entropy, keywords+entropy and newline+merge:target=N (`rredcot "
+        "segment --help` lists each "
         "one's options).",
         default="newline",
     )
@@ -617,9 +690,20 @@ class CreditConfig:
         "prompt's difficulty cancel); 'none': the estimator's own V(s_0).",
         default="group",
     )
+    form: str = help_field(
+        "How a value source's estimates become credit: 'redistribute' (segment GAE over the "
+        "value changes, handed over from GRPO) or 'reweight' (GRPO's advantage on every segment, "
+        "its size moved between a trace's segments by coefficients from the value changes; the "
+        "sign is never flipped: docs/method.md). Uniform and the attribution methods ignore it.",
+        default="redistribute",
+    )
+    reweight: ReweightConfig = field(default_factory=ReweightConfig)
     value_head: ValueHeadConfig = field(default_factory=ValueHeadConfig)
     handover: HandoverConfig = field(default_factory=HandoverConfig)
     answer_likelihood: AnswerLikelihoodConfig = field(default_factory=AnswerLikelihoodConfig)
+    continuation_likelihood: ContinuationLikelihoodConfig = field(
+        default_factory=ContinuationLikelihoodConfig
+    )
     monte_carlo: MonteCarloConfig = field(default_factory=MonteCarloConfig)
     process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
 
@@ -636,6 +720,8 @@ class CreditConfig:
             get_segmenter(self.segmenter)
         except (ValueError, TypeError) as err:
             raise ValueError(f"credit.segmenter: {err}") from None
+        if self.form not in ("redistribute", "reweight"):
+            raise ValueError(f"credit.form={self.form!r} must be redistribute or reweight")
 
     def section(self, cls: type) -> Any:
         """This config's instance of the options dataclass ``cls`` (``ValueHeadConfig`` ->
@@ -656,7 +742,8 @@ class TrainConfig:
         "Task parameters (CLI: --task.NAME VALUE, e.g. --task.num_steps 4).", default_factory=dict
     )
     credit_method: str = help_field(
-        "Credit method: uniform, value_head, answer_likelihood, process_reward, monte_carlo, "
+        "Credit method: uniform, value_head, answer_likelihood, continuation_likelihood, "
+        "process_reward, monte_carlo, "
         "gradient, attention, first_last.",
         default="value_head",
     )

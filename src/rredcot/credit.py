@@ -49,6 +49,9 @@ __all__ = [
     "normalize_advantages",
     "redistribute",
     "register_normalizer",
+    "reweight_coefficients",
+    "reweight_grpo",
+    "segment_token_counts",
     "segment_advantages_from_values",
     "segment_gae",
     "segments_to_tokens",
@@ -903,6 +906,131 @@ def normalize_advantages(
 
 
 # --------------------------------------------------------------------------------------
+# Reweighting GRPO by segment (credit.form = reweight)
+# --------------------------------------------------------------------------------------
+
+SIGMA_RULES = ("softmax", "linear", "rank")
+"""How :func:`reweight_coefficients` turns aligned value changes into weights (docs/method.md)."""
+
+
+def segment_token_counts(segment_ids: Tensor, response_mask: Tensor, num_segments: int) -> Tensor:
+    """How many response tokens each segment holds.
+
+    Args:
+        segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
+        num_segments: ``S``.
+
+    Returns:
+        counts ``(B, S)`` float (0 for segments a row does not have).
+    """
+    _check_ndim(segment_ids, 2, "segment_ids", "(B, T)")
+    _check_shape(response_mask, tuple(segment_ids.shape), "response_mask", "(B, T)")
+    valid = _as_bool(response_mask) & (segment_ids >= 0)
+    counts = torch.zeros(segment_ids.shape[0], num_segments, device=segment_ids.device)
+    return counts.scatter_add(1, segment_ids.clamp_min(0).long(), valid.to(counts.dtype))
+
+
+def reweight_coefficients(
+    segment_rewards: Tensor,
+    segment_mask: Tensor,
+    segment_lengths: Tensor,
+    direction: Tensor,
+    rule: str = "softmax",
+    temperature: float = 0.1,
+) -> Tensor:
+    """Normalised redistribution coefficients ``sigma_k >= 0`` of each row's segments.
+
+    A segment's *aligned change* is ``u_k = sign(A_GRPO) * r_k``: its value change
+    ``r_k = V(s_k) - V(s_{k-1})``, positive when it moved the value the way the outcome went
+    (up in a trace better than its group, down in a worse one). Rules, each then scaled so that
+    sigma averages 1 over the row's tokens (``sum_k len_k sigma_k = sum_k len_k``):
+
+    - ``softmax``: ``sigma_k ∝ exp(u_k / temperature)``;
+    - ``linear``: ``sigma_k ∝ max(0, 1 + (u_k - mean_tokens(u)) / temperature)`` (clipped linear);
+    - ``rank``: ``sigma_k ∝ rank of u_k`` among the row's segments (1 = least aligned, ties share
+      their mean rank); ``temperature`` is unused.
+
+    Rows whose direction is 0 (an agreeing group: GRPO's advantage is 0) and rows with one
+    segment get sigma = 1.
+
+    Args:
+        segment_rewards: ``(B, S)`` value changes ``r_k`` (:func:`redistribute`).
+        segment_mask: ``(B, S)`` prefix mask.
+        segment_lengths: ``(B, S)`` tokens per segment (:func:`segment_token_counts`); a valid
+            segment without tokens weighs nothing in the average.
+        direction: ``(B,)`` the sign (or any value; only its sign is read) of GRPO's advantage.
+        rule: one of :data:`SIGMA_RULES`; temperature: > 0.
+
+    Returns:
+        sigma ``(B, S)``, >= 0, token-weighted mean 1 on each row with tokens; 0 on padding.
+    """
+    if rule not in SIGMA_RULES:
+        raise ValueError(f"unknown sigma rule {rule!r}; valid: {', '.join(SIGMA_RULES)}")
+    if not temperature > 0:
+        raise ValueError(f"reweight temperature must be > 0, got {temperature}")
+    _check_ndim(segment_rewards, 2, "segment_rewards", "(B, S)")
+    shape = tuple(segment_rewards.shape)
+    _check_shape(segment_mask, shape, "segment_mask", "(B, S)")
+    _check_shape(segment_lengths, shape, "segment_lengths", "(B, S)")
+    _check_shape(direction, (shape[0],), "direction", "(B,)")
+    r = _as_float(segment_rewards)
+    mask = _as_bool(segment_mask)
+    lengths = torch.where(mask, _as_float(segment_lengths, like=r), torch.zeros_like(r))
+    sign = torch.sign(_as_float(direction, like=r))
+    aligned = torch.where(mask, sign[:, None] * r, torch.zeros_like(r))
+    total = lengths.sum(dim=1, keepdim=True)
+
+    if rule == "softmax":
+        shifted = aligned / temperature
+        peak = torch.where(mask, shifted, torch.full_like(shifted, -torch.inf)).amax(
+            dim=1, keepdim=True
+        )
+        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        raw = torch.where(mask, torch.exp(shifted - peak), torch.zeros_like(r))
+    elif rule == "linear":
+        mean = (lengths * aligned).sum(dim=1, keepdim=True) / total.clamp_min(1e-12)
+        raw = (1 + (aligned - mean) / temperature).clamp_min(0)
+    else:  # rank: 1 + number below + half the ties (the mean rank of a tie)
+        below = (aligned[:, None, :] < aligned[:, :, None]) & mask[:, None, :]
+        ties = (aligned[:, None, :] == aligned[:, :, None]) & mask[:, None, :]
+        raw = 1 + below.sum(dim=2).to(r.dtype) + (ties.sum(dim=2).to(r.dtype) - 1) / 2
+    raw = torch.where(mask, raw, torch.zeros_like(raw))
+    weighted = (lengths * raw).sum(dim=1, keepdim=True)
+    sigma = torch.where(weighted > 0, raw * total / weighted.clamp_min(1e-30), torch.ones_like(r))
+    keep_one = (sign == 0) | (mask.sum(dim=1) <= 1)
+    sigma = torch.where(keep_one[:, None], torch.ones_like(sigma), sigma)
+    return torch.where(mask, sigma, torch.zeros_like(sigma))
+
+
+def reweight_grpo(
+    grpo: Tensor,
+    sigma: Tensor,
+    segment_mask: Tensor,
+    handover_weight: float = 1.0,
+) -> Tensor:
+    """GRPO's advantage reweighted by segment: ``A_k = (1 + w (sigma_k - 1)) * A_GRPO``.
+
+    The sign of every segment's advantage is GRPO's; only its size moves between the segments of
+    a trace. ``w = 0`` (or sigma = 1) returns ``A_GRPO`` on every segment exactly.
+
+    Args:
+        grpo: ``(B,)`` GRPO's advantage of each row (``R - mean(R_group)``, before scaling).
+        sigma: ``(B, S)`` from :func:`reweight_coefficients`; segment_mask: ``(B, S)``.
+        handover_weight: ``w`` in [0, 1].
+
+    Returns:
+        segment advantages ``(B, S)``, 0 on padding.
+    """
+    if not 0.0 <= handover_weight <= 1.0:
+        raise ValueError(f"handover_weight={handover_weight} must be in [0, 1]")
+    mask = _as_bool(segment_mask)
+    adv = _as_float(grpo, like=sigma)[:, None].expand_as(sigma)
+    if handover_weight > 0.0:
+        adv = (1 + handover_weight * (sigma - 1)) * adv
+    return torch.where(mask, adv, torch.zeros_like(adv))
+
+
+# --------------------------------------------------------------------------------------
 # Values straight to tokens (a convenience over token_credit)
 # --------------------------------------------------------------------------------------
 
@@ -984,6 +1112,14 @@ class Values:
             mean reward: every trace keeps GRPO's total ``R - anchor``; :func:`anchor_values`).
         handover_weight: in [0, 1]: the credit is ``A_gr + handover_weight (A - A_gr)`` with
             ``A_gr`` GRPO's segment advantages ``R - mean(R_group)``; 0 gives GRPO exactly.
+        form: ``"redistribute"`` (the values' GAE advantages, above) or ``"reweight"``: GRPO's
+            advantage times ``1 + handover_weight (sigma_k - 1)``, sigma from the values'
+            changes (:func:`reweight_coefficients`; ``lam`` is not used).
+        sigma_rule, sigma_temperature: :func:`reweight_coefficients`'s ``rule`` and
+            ``temperature`` (reweight only).
+        segment_lengths: ``(B, S)`` tokens per segment, for reweight's token average where the
+            caller's ``segment_ids`` are not tokens (TRL's segment layout); None: counted from
+            ``segment_ids``.
     """
 
     values: Tensor
@@ -991,6 +1127,10 @@ class Values:
     lam: float | Tensor = 1.0
     anchor: Tensor | None = None
     handover_weight: float = 1.0
+    form: str = "redistribute"
+    sigma_rule: str = "softmax"
+    sigma_temperature: float = 0.1
+    segment_lengths: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -1050,7 +1190,9 @@ def token_credit(
 ) -> TokenCredit:
     """The one path from a method's estimate to token advantages.
 
-    Values: anchor -> redistribute -> segment GAE -> hand-over from GRPO by ``handover_weight``.
+    Values: anchor -> redistribute -> segment GAE -> hand-over from GRPO by ``handover_weight``;
+    with ``form="reweight"``: anchor -> redistribute -> GRPO's advantage times the blended
+    coefficients of :func:`reweight_coefficients` (:func:`reweight_grpo`).
     Weights: ``r_k = w_k (R - mean(R_group))`` -> segment GAE with lambda 0.
     Then every token of segment ``k`` gets ``A_k`` and the batch is normalised.
 
@@ -1085,11 +1227,32 @@ def token_credit(
         trust = float(estimate.handover_weight)
         if not 0.0 <= trust <= 1.0:
             raise ValueError(f"Values.handover_weight={trust} must be in [0, 1]")
-        if trust < 1.0 or (normalization in _GRPO_SCALING and group_ids is not None):
-            grpo = (rewards - group_mean()).to(seg_adv.device)[:, None].expand_as(seg_adv)
+        if estimate.form not in ("redistribute", "reweight"):
+            raise ValueError(f"Values.form={estimate.form!r}; valid: redistribute, reweight")
+        keep_grpo = normalization in _GRPO_SCALING and group_ids is not None
+        if trust < 1.0 or keep_grpo or estimate.form == "reweight":
+            grpo_rows = (rewards - group_mean()).to(seg_adv.device)
+            grpo = grpo_rows[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
-        if trust < 1.0:
+        if estimate.form == "reweight":
+            lengths = estimate.segment_lengths
+            if lengths is None:
+                lengths = segment_token_counts(
+                    segment_ids.to(seg_adv.device), response_mask, seg_adv.shape[1]
+                )
+            sigma = reweight_coefficients(
+                seg_rewards,
+                seg_mask,
+                lengths.to(seg_adv.device),
+                grpo_rows,
+                estimate.sigma_rule,
+                estimate.sigma_temperature,
+            )
+            seg_adv = reweight_grpo(grpo_rows, sigma, seg_mask, trust)
+        elif trust < 1.0:
             seg_adv = grpo if trust == 0.0 else grpo + trust * (seg_adv - grpo)
+        if not (trust < 1.0 or keep_grpo):
+            grpo = None  # no split normalisation below (as before reweighting existed)
     elif isinstance(estimate, Weights):
         seg_mask = _as_bool(estimate.mask)
         seg_rewards = weights_to_segment_rewards(

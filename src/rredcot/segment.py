@@ -38,7 +38,9 @@ entropies)``. ``entropy`` cuts before high-entropy tokens (``top=F``: the top fr
 trace's tokens, default 0.1; or ``threshold=H`` nats), keeping segments at least ``min=N`` tokens
 long (default 4) and, with ``max=N``, cutting longer ones at their highest entropy.
 ``keywords+entropy`` cuts at discourse keywords (``words=Word|Word``, default as ``keywords``) and,
-inside every stretch without one longer than ``max`` tokens (default 32), at entropy peaks. A cut
+inside every stretch without one longer than ``max`` tokens (default 32), at entropy peaks.
+``newline+merge`` (``target=N`` or ``fraction=F`` of the lines, default 0.5) cuts after every line
+break, then merges adjacent lines at the lowest-entropy boundaries down to the target. A cut
 at a whitespace-only token opens the next word; one at a piece of a multi-byte character goes
 before that character.
 """
@@ -559,6 +561,58 @@ def _keywords_entropy(
         for b in _entropy_stretch(cuts, lo, hi, threshold, arg)
     ]
     return [*keyword_cuts, *(cuts[b][1] for b in chosen)]
+
+
+@dataclass(frozen=True)
+class _MergeArgs:
+    target: int | None  # segments to keep...
+    fraction: float | None  # ...or this fraction of the lines (rounded up); exactly one is set
+
+
+def _parse_merge(name: str, arg: str | None) -> _MergeArgs:
+    key, eq, value = (part.strip() for part in (arg or "fraction=0.5").partition("="))
+    try:
+        number = int(value) if key == "target" else float(value)
+    except ValueError:
+        number = None
+    if not eq or key not in ("target", "fraction") or number is None:
+        raise ValueError(
+            f"{name}: give target=N (segments to keep) or fraction=F (of the lines, in (0, 1]), "
+            f"e.g. '{name}:target=4'; got {arg!r}"
+        )
+    if key == "target":
+        if number < 1:
+            raise ValueError(f"{name}: target must be >= 1 segment, got {number}")
+        return _MergeArgs(number, None)
+    if not (0.0 < number <= 1.0):
+        raise ValueError(f"{name}: fraction must be in (0, 1], got {number}")
+    return _MergeArgs(None, number)
+
+
+@register_segmenter(
+    "newline+merge",
+    parse_arg=_parse_merge,
+    uses_entropy=True,
+    usage="newline+merge[:target=N|fraction=F]",
+)
+def _newline_merge(
+    text: str, arg: _MergeArgs, positions: list[int], entropies: list[float]
+) -> list[int]:
+    """Cut after every line break, then merge adjacent lines at the lowest-entropy boundaries
+    (the policy's entropy at the cut, as ``entropy`` reads it) until ``target`` segments remain
+    (or ``fraction`` of the lines, rounded up; default half). Ties merge the earlier boundary
+    first; a trace with no more lines than the target keeps every line."""
+    starts = _skip_whitespace(text, _newline(text, None))
+    starts = [c for c in starts if 0 < c < len(text)]
+    lines = len(starts) + 1
+    target = arg.target if arg.target is not None else math.ceil(arg.fraction * lines)
+    if lines <= target:
+        return starts
+    cuts = _entropy_cuts(text, positions, entropies)
+    entropy_at = {char: entropy for entropy, char in cuts.values()}
+    ranked = sorted(starts, key=lambda c: (entropy_at.get(c, -math.inf), c))
+    merged = set(ranked[: lines - target])
+    return [c for c in starts if c not in merged]
 
 
 # --------------------------------------------------------------------------------------------

@@ -243,8 +243,24 @@ def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, 
     )
 
 
-def _comparison_advantages(out, rewards: torch.Tensor, lam: float) -> torch.Tensor:
-    """Segment advantages of a method's output at the comparison lambda (see module doc)."""
+def _comparison_advantages(
+    out, rewards: torch.Tensor, lam: float, method=None, batch: RolloutBatch | None = None
+) -> torch.Tensor:
+    """Segment advantages of a method's output at the comparison lambda (see module doc); under
+    ``credit.form=reweight`` GRPO's advantage times the sigma of the method's values, unblended
+    (hand-over weight 1, as the values are compared unblended under ``redistribute``)."""
+    config = getattr(method, "config", None)
+    if out.values is not None and getattr(config, "form", "") == "reweight" and method.reweights:
+        r = rewards.double().to(out.values.device)
+        seg_rewards, seg_mask = credit_algebra.redistribute(out.values.double(), out.value_mask, r)
+        grpo = r - credit_algebra.group_mean_std(r, batch.group_ids.to(r.device))[0]
+        lengths = credit_algebra.segment_token_counts(
+            batch.segment_ids.to(r.device), batch.response_mask.to(r.device), seg_mask.shape[1]
+        )
+        sigma = credit_algebra.reweight_coefficients(
+            seg_rewards, seg_mask, lengths, grpo, config.reweight.rule, config.reweight.temperature
+        )
+        return credit_algebra.reweight_grpo(grpo, sigma, seg_mask, 1.0)
     if out.values is not None:
         adv, _, _ = credit_algebra.segment_advantages_from_values(
             out.values.double(), out.value_mask, rewards.double().to(out.values.device), lam
@@ -389,7 +405,7 @@ def evaluate_method(
         t_c = time.perf_counter()
         col.forward_seconds += t_b - t_a
         col.credit_seconds += t_c - t_b
-        adv = _comparison_advantages(out, b.rewards, cfg.lam)
+        adv = _comparison_advantages(out, b.rewards, cfg.lam, method, b)
         col.adv += masked_rows(adv, out.segment_mask.bool())
         if out.values is None:
             col.values = None

@@ -38,6 +38,7 @@ checkpoint and the final model, and read back on ``train(resume_from_checkpoint=
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -67,6 +68,7 @@ from rredcot.models import (
     resolve_model_dir,
     set_activation_checkpointing,
 )
+from rredcot.rollout import eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.answers import extract_reference
@@ -89,7 +91,13 @@ __all__ = [
 ]
 
 METRICS_PREFIX = "rredcot/"  # every metric the adapter logs: rredcot/<the core's key>
-TRL_METHODS = ("value_head", "answer_likelihood", "process_reward", "uniform")
+TRL_METHODS = (
+    "value_head",
+    "answer_likelihood",
+    "continuation_likelihood",
+    "process_reward",
+    "uniform",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,8 +134,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
     credit_method: str = field(
         default="value_head",
         metadata={
-            "help": "rredcot credit method: value_head, answer_likelihood, process_reward (your "
-            "step scores or a frozen PRM, credit.process_reward) or uniform (GRPO)."
+            "help": "rredcot credit method: value_head, answer_likelihood, "
+            "continuation_likelihood (the group's correct completions on this process, and the "
+            "task's reference), process_reward (your step scores or a frozen PRM, "
+            "credit.process_reward) or uniform (GRPO)."
         },
     )
     credit: dict | str | None = field(
@@ -203,8 +213,10 @@ class RREDCoTGRPOConfig(GRPOConfig):
         if head is None or isinstance(head, Mapping):  # else from_dict names the bad section
             fields["value_head"] = {"logprob_features": False, **(head or {})}
         if fields.get("normalization", "auto") == "auto":
+            # credit.form=reweight is GRPO's advantage reweighted: scaled as uniform's
+            reweight = fields.get("form") == "reweight"
             fields["normalization"] = normalization_for_scale_rewards(
-                self.scale_rewards, self.credit_method
+                self.scale_rewards, "uniform" if reweight else self.credit_method
             )
         return from_dict(CreditConfig, fields, where="credit.")
 
@@ -689,6 +701,29 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         return torch.cat(store, dim=0), logps
 
+    @property
+    def _line_segmenter(self):
+        """Newline cuts with the segmenter's options: the first cut of a batch that an entropy
+        strategy then re-cuts (:meth:`_entropy_segmented`)."""
+        return dataclasses.replace(self.segmenter, strategy="newline")
+
+    @torch.no_grad()
+    def _entropy_segmented(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` cut by the entropy strategy (``entropy``, ``keywords+entropy``,
+        ``newline+merge``), with the policy's next-token entropies from one extra no-grad forward
+        (TRL's own pass comes after the advantages are needed)."""
+        with eval_mode(self.model):
+            fwd = policy_forward(
+                self.model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.prompt_len,
+                with_entropy=True,
+                temperature=self.args.temperature,
+                shared_prompt=False,
+            )
+        return segment_batch(batch, self._tokenizer, self.segmenter, fwd.entropy)
+
     def _global_rows(self, batch: RolloutBatch, num_generations: int) -> _GlobalRows:
         """Rewards and groups of every process's rows (TRL already gathered the rewards) and the
         segment counts (gathered here)."""
@@ -742,11 +777,13 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             rewards=rewards,
             group_ids=group_ids,
             tokenizer=self._tokenizer,
-            segmenter=self.segmenter,
+            segmenter=self.segmenter if not self.segmenter.uses_entropy else self._line_segmenter,
             eos_token_ids=self.eos_token_ids,
             problems=problems,
         )
         batch.attention_mask[:, batch.prompt_len :] = completion_mask.long()  # what the model saw
+        if self.segmenter.uses_entropy:
+            batch = self._entropy_segmented(batch)
         batch = batch.replace(verdicts=self._verdicts(batch))
         rows = self._global_rows(batch, G)
         self.credit_method.context.policy = self.model  # the prepared (possibly wrapped) model
@@ -839,6 +876,16 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 values = uniform_values(rewards, group_ids, rows.counts)
             estimate = method.estimate_from_values(*values, rewards, group_ids, live)
         segment_ids, segment_mask = rows.segment_layout(device)
+        if method.config.form == "reweight" and isinstance(estimate.credit, credit.Values):
+            # sigma averages 1 over tokens: every process's segment lengths, gathered
+            local = credit.segment_token_counts(
+                batch.segment_ids, batch.response_mask, rows.width - 1
+            )
+            lengths = _fit_columns(self.collective.gather_padded(local, dim=1), rows.width - 1)
+            estimate = dataclasses.replace(
+                estimate,
+                credit=dataclasses.replace(estimate.credit, segment_lengths=lengths.to(device)),
+            )
         out = method.credit_output(
             estimate, rewards, group_ids, segment_ids, segment_mask, "none" if whiten else None
         )

@@ -9,6 +9,7 @@ and returns an :class:`Estimate`: :class:`rredcot.credit.Values` (what ``V(s_k)`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -78,6 +79,8 @@ class CreditMethod:
     # method's values (credit.node_values): "tree" in tree groups (sampling.tree), "always",
     # or "never" (uniform credit; the value head, which does it itself by its own option)
     node_values: ClassVar[str] = "tree"
+    # credit.form=reweight applies to this method's Values (uniform's are GRPO by definition)
+    reweights: ClassVar[bool] = True
 
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config
@@ -180,10 +183,14 @@ class CreditMethod:
             rewards: ``(B,)``; group_ids: ``(B,)`` long.
             segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
         """
+        estimate = self.credit_form(est.credit)
         mode = self.normalization if normalization is None else normalization
+        reweighted = estimate is not est.credit
+        if normalization is None and reweighted and self.config.normalization == "auto":
+            mode = "group_std"  # GRPO's advantage, scaled as GRPO scales it
         agreeing_std = self.config.agreeing_std
         out = credit.token_credit(
-            est.credit,
+            estimate,
             rewards,
             group_ids,
             segment_ids,
@@ -211,6 +218,20 @@ class CreditMethod:
             value_mask,
             metrics,
             est.cost,
+        )
+
+    def credit_form(self, estimate: Values | Weights) -> Values | Weights:
+        """``estimate`` with ``credit.form`` and its reweight options applied (Values of a
+        method that :attr:`reweights` only; anything else as it is)."""
+        if self.config.form == "redistribute" or not self.reweights:
+            return estimate
+        if not isinstance(estimate, Values):
+            return estimate
+        return dataclasses.replace(
+            estimate,
+            form=self.config.form,
+            sigma_rule=self.config.reweight.rule,
+            sigma_temperature=self.config.reweight.temperature,
         )
 
     # -- state --------------------------------------------------------------------------------
@@ -283,6 +304,7 @@ _CREDIT_METHODS: dict[str, type[CreditMethod]] = {}
 _LAZY = {
     "value_head": "rredcot.methods.value_head",
     "answer_likelihood": "rredcot.methods.answer_likelihood",
+    "continuation_likelihood": "rredcot.methods.continuation_likelihood",
     "process_reward": "rredcot.methods.process_reward",
     "monte_carlo": "rredcot.methods.monte_carlo",
     "gradient": "rredcot.methods.attribution",
@@ -337,6 +359,7 @@ class UniformCredit(CreditMethod):
     default_lam = 1.0
     default_normalization = "group_std"
     node_values = "never"
+    reweights = False
 
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return uniform_values(batch.rewards, batch.group_ids, batch.num_segments)

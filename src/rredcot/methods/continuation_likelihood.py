@@ -1,0 +1,453 @@
+"""Continuation likelihood: the policy's probability of finishing a prefix the way known-good
+completions finish it (docs/method.md, value sources; the RREDCoT paper's estimator as two
+secondary write-ups describe it).
+
+For boundary ``k`` of a trace with prefix ``s_k``, the **known-good continuations** are
+
+- the remainders ``u_j = y_j[b_k^j:]`` of the group's verified-correct completions ``y_j`` after
+  *their own* boundary ``k`` (the same step index: on the arithmetic chains with ``newline``
+  segments, line ``k``), and
+- the reference solution's remainder after its boundary ``k`` where the task has one
+  (``task.gold_completion``: GSM8K's worked solutions, the arithmetic gold chains), segmented
+  with the same segmenter (with ``newline`` cuts and the same options for the entropy strategies,
+  which need the policy's entropies a reference does not have).
+
+Each continuation runs to the completion's end, its EOS included, so it carries the answer: a
+continuation ``u`` of a correct completion, appended to any prefix, ends in the same answer, and
+``p(u | s_k) = π(u | s_k)`` is the probability that the policy finishes ``s_k`` correctly *that
+way*. ``V(s_k) = Σ_{u correct} π(u | s_k)`` sums that over every correct continuation; the
+estimators see only a few:
+
+- ``importance`` (default, the paper's form ``V ≈ (1/N) Σ p(u, y | s) ζ(y) / q(u, y)``): the ``G``
+  samples of the group are ``N = G`` draws, sample ``j``'s remainder from the proposal
+  ``q_j = π(· | its own prefix y_j[:b_k^j])`` (exactly how it was sampled, at temperature 1), with
+  utility ``ζ_j = R_j`` (1 for a verified-correct completion, 0 else)::
+
+      V(s_k) = π(r_k | s_k) + (1/G) Σ_{j: R_j = 1, u_j ≠ r_k} π(u_j | s_k) / π(u_j | y_j[:b_k^j])
+
+  with ``r_k`` the reference remainder (counted exactly, not sampled; 0 without a reference).
+  For each sample, ``E_{u ~ q_j}[π(u | s) ζ(u) / q_j(u)] = Σ_{u: q_j(u) > 0} π(u | s) ζ(u)``: the
+  probability of the correct continuations the proposal can produce, never more than ``V(s)``.
+  So the estimate is a **lower bound in expectation** (utilities are non-negative; the proposal
+  never covers every correct continuation), unbiased for the part it covers; a single batch's
+  estimate can exceed the truth (an importance ratio above 1), so values are clipped to 1.
+- ``sum``: ``V(s_k) = Σ_{distinct u} π(u | s_k)`` over the distinct known-good continuations.
+  Distinct complete continuations are disjoint events, so this is a lower bound on every batch,
+  not just in expectation, but it counts a continuation once however likely the policy was to
+  produce it elsewhere.
+
+A sample's own continuation (and that of every sample with the same prefix) has ratio 1 and is
+not probed. Continuations per boundary are capped (``max_continuations``; the reference first,
+then the group's in row order).
+
+**Cost**: no generation. ``π(u | s_k)`` for every boundary and continuation of a trace goes into one
+packed forward row (:func:`rredcot.methods.answer_likelihood.packed_probe_logprobs`: the
+prompt, the response, then every continuation with a 4D attention mask that lets it see its own
+prefix only); the proposals ``π(u_j | y_j[:b_k^j])`` for every ``k`` at once come from one probe
+of the correct sample's whole response from its prompt. Log-probs are gathered only at the scored
+positions, ``logits_mb`` MiB of logits at a time. Forward tokens per trace are about
+``Σ_k Σ_u |u| ≈ (n/2) · T · C`` (``C`` distinct continuations per boundary; on arithmetic chains
+correct completions of one prompt mostly coincide, so ``C`` is 1-2) against ``P + T`` for a
+uniform step's forward; ``credit/extra_forward_tokens`` reports it per step.
+
+**Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.frozen_values`): the
+group-mean anchor and the hand-over from uniform by measured reliability.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rredcot.batch import RolloutBatch
+from rredcot.config import ContinuationLikelihoodConfig
+from rredcot.methods.answer_likelihood import (
+    Probe,
+    packed_probe_logprobs,
+    packing_supported,
+    unpacked_probe_logprobs,
+)
+from rredcot.methods.base import CreditContext, register_credit
+from rredcot.methods.frozen_values import FrozenValuesCredit
+from rredcot.methods.handover import anchor, group_mean
+from rredcot.rollout import eval_mode
+from rredcot.segment import Segmenter, segment_completion
+
+ESTIMATORS = ("importance", "sum")
+SOURCES = ("group", "reference", "both")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One known-good continuation probed after boundary ``k`` of row ``row``.
+
+    ``log_weight``: the log of its factor in the estimate (0 for the reference or the ``sum``
+    estimator; ``log Σ_j 1 / (G q_j)`` over the samples that wrote it, for ``importance``);
+    ``known_logp``: its log-probability where it needs no probe (the prefix is the source's
+    own), else None.
+    """
+
+    row: int
+    k: int
+    ids: tuple[int, ...]
+    log_weight: float
+    known_logp: float | None = None
+
+
+def estimate_from_logprobs(
+    logp: Tensor, log_weights: Tensor, slots: Tensor, num_slots: int, clip: bool = True
+) -> Tensor:
+    """``V[slot] = Σ_{c in slot} exp(log_weights[c] + logp[c])``, clipped to [0, 1] (``clip``;
+    the clip only lowers an estimate, so the lower bound survives it, but it is biased below
+    the covered mass then: ``clip=False`` gives the raw importance sum).
+
+    In log space, so that an importance weight ``1 / q`` of a long continuation never
+    overflows on its own: only the product ``p / q`` is formed.
+
+    Args:
+        logp: ``(C,)`` log π(u_c | s) of each continuation; log_weights: ``(C,)`` the log of
+            its (non-negative) factor; slots: ``(C,)`` long, the (row, boundary) slot of each;
+        num_slots: how many slots.
+
+    Returns:
+        ``(num_slots,)`` float values.
+    """
+    out = torch.zeros(num_slots, dtype=torch.float64)
+    terms = log_weights.double() + logp.double()
+    out = out.index_add(0, slots, (terms.clamp(max=0.0) if clip else terms).exp())
+    return (out.clamp(0.0, 1.0) if clip else out).float()
+
+
+def _response_tokens(batch: RolloutBatch) -> list[list[int]]:
+    P = batch.prompt_len
+    return [batch.input_ids[row, P : P + b[-1]].tolist() for row, b in enumerate(batch.boundaries)]
+
+
+def reference_remainders(
+    batch: RolloutBatch, tokenizer, task, segmenter: Segmenter
+) -> dict[int, list[tuple[int, ...]]]:
+    """Per group, the reference completion's remainder after each of its boundaries
+    ``[r_0, r_1, ...]`` (``r_k`` = tokens from boundary ``k`` to its end, EOS included); groups
+    whose task has no reference are left out."""
+    if segmenter.uses_entropy:  # a reference has no entropies: its lines, with the same options
+        segmenter = dataclasses.replace(segmenter, strategy="newline")
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for row, problem in enumerate(batch.problems):
+        gid = int(batch.group_ids[row])
+        if gid in out:
+            continue
+        gold = task.gold_completion(problem) if task is not None else None
+        if not gold:
+            continue
+        ids = list(tokenizer(gold, add_special_tokens=False)["input_ids"]) + eos
+        bounds, _, _ = segment_completion(segmenter, tokenizer, ids, text=gold)
+        out[gid] = [tuple(ids[b:]) for b in bounds[:-1]]
+    return out
+
+
+def build_continuations(
+    batch: RolloutBatch,
+    references: dict[int, list[tuple[int, ...]]],
+    own_logprobs: dict[int, Tensor],
+    *,
+    source: str = "both",
+    estimator: str = "importance",
+    max_continuations: int = 4,
+) -> list[Continuation]:
+    """Every (row, boundary ``k < n``, continuation) of the batch, with its weight.
+
+    ``own_logprobs[j]``: ``(T_j,)`` log π of correct row ``j``'s response tokens from its prompt
+    (the proposal's log-probs; needed for ``importance``).
+    """
+    if source not in SOURCES:
+        raise ValueError(f"continuation source={source!r}: use {', '.join(SOURCES)}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"continuation estimator={estimator!r}: use {', '.join(ESTIMATORS)}")
+    if max_continuations < 1:
+        raise ValueError(f"max_continuations={max_continuations} must be >= 1")
+    responses = _response_tokens(batch)
+    groups: dict[int, list[int]] = {}
+    for row, gid in enumerate(batch.group_ids.tolist()):
+        groups.setdefault(gid, []).append(row)
+    correct = {row for row in range(batch.size) if float(batch.rewards[row]) >= 1.0}
+    out: list[Continuation] = []
+    for row, bounds in enumerate(batch.boundaries):
+        gid = int(batch.group_ids[row])
+        members = groups[gid]
+        G = len(members)
+        refs = references.get(gid, []) if source in ("reference", "both") else []
+        for k in range(len(bounds) - 1):
+            prefix = responses[row][: bounds[k]]
+            found: dict[tuple[int, ...], list] = {}  # ids -> [log-weights, known logp or nan]
+            order: list[tuple[int, ...]] = []
+            ref = refs[k] if k < len(refs) else None
+            if ref is not None:
+                found[ref] = [[0.0], float("nan")]
+                order.append(ref)
+            if source in ("group", "both"):
+                for j in members:
+                    bj = batch.boundaries[j]
+                    if j not in correct or k >= len(bj) - 1:
+                        continue
+                    u = tuple(responses[j][bj[k] :])
+                    if u == ref:
+                        continue  # counted exactly as the reference
+                    if u not in found:
+                        if len(order) >= max_continuations:
+                            continue
+                        found[u] = [[], float("nan")]
+                        order.append(u)
+                    if estimator == "sum":
+                        found[u][0] = [0.0]
+                        own = responses[j][: bj[k]] == prefix
+                        if own and j in own_logprobs:
+                            found[u][1] = float(own_logprobs[j][bj[k] :].sum())
+                        continue
+                    log_q = float(own_logprobs[j][bj[k] :].sum())
+                    found[u][0].append(-log_q - math.log(G))
+                    if responses[j][: bj[k]] == prefix:
+                        found[u][1] = log_q  # the prefix is the source's own: p = q
+            for u in order:
+                log_weights, known = found[u]
+                if log_weights:
+                    log_weight = float(torch.tensor(log_weights, dtype=torch.float64).logsumexp(0))
+                    known_logp = None if known != known else known  # nan -> probe it
+                    out.append(Continuation(row, k, u, log_weight, known_logp))
+    return out
+
+
+@torch.no_grad()
+def continuation_values(
+    policy,
+    tokenizer,
+    task,
+    batch: RolloutBatch,
+    segmenter: Segmenter,
+    *,
+    source: str = "both",
+    estimator: str = "importance",
+    max_continuations: int = 4,
+    packing: str = "auto",
+    max_batch_tokens: int = 16384,
+    logits_mb: int = 256,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """``V(s_k)`` for every boundary ``k < n`` (module docstring); ``values[b, n_b] = R_b``.
+
+    Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``packing`` as
+    :func:`rredcot.methods.answer_likelihood.answer_values`.
+    """
+    if packing not in ("auto", "packed", "unpacked"):
+        raise ValueError(f"packing={packing!r}: use auto, packed or unpacked")
+    use_packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
+    budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
+
+    def score(probes: list[Probe]) -> tuple[list[Tensor], int]:
+        nonlocal use_packed
+        if not probes:
+            return [], 0
+        if use_packed:
+            try:
+                return packed_probe_logprobs(policy, batch, probes, **budget)
+            except (RuntimeError, ValueError, TypeError) as err:
+                if packing == "packed":
+                    raise
+                warnings.warn(
+                    f"continuation_likelihood: the packed pass failed ({type(err).__name__}: "
+                    f"{err}); falling back to one row per continuation",
+                    stacklevel=3,
+                )
+                use_packed = False
+        return unpacked_probe_logprobs(policy, batch, probes, **budget)
+
+    forwarded = 0
+
+    def counted(probes: list[Probe]) -> list[Tensor]:
+        nonlocal forwarded
+        logprobs, more = score(probes)
+        forwarded += more
+        return logprobs
+
+    with eval_mode(policy):
+        references = (
+            reference_remainders(batch, tokenizer, task, segmenter)
+            if source in ("reference", "both")
+            else {}
+        )
+        values, mask, stats = values_from_scorer(
+            batch,
+            references,
+            counted,
+            source=source,
+            estimator=estimator,
+            max_continuations=max_continuations,
+        )
+    stats.update(
+        {
+            "credit/extra_forward_tokens": float(forwarded),
+            "credit/extra_generated_tokens": 0.0,
+            "credit/probe_packed": float(use_packed),
+            "credit/reference_groups": float(len(references)),
+        }
+    )
+    device = batch.rewards.device
+    return values.to(device), mask.to(device), stats
+
+
+def values_from_scorer(
+    batch: RolloutBatch,
+    references: dict[int, list[tuple[int, ...]]],
+    score: Callable[[list[Probe]], list[Tensor]],
+    *,
+    source: str = "both",
+    estimator: str = "importance",
+    max_continuations: int = 4,
+    clip: bool = True,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """The estimate with log-probs from ``score`` (probes -> per-token log-prob tensors): the
+    proposals (each correct sample's response from its prompt), then every continuation that
+    needs a probe. :func:`continuation_values` scores with the policy's packed forward; a test
+    can score with a distribution it knows exactly.
+
+    Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool, stats)``.
+    """
+    responses = _response_tokens(batch)
+    own_probes = []
+    if source in ("group", "both"):
+        own_probes = [
+            Probe(j, 0, 0, tuple(responses[j]))
+            for j in range(batch.size)
+            if float(batch.rewards[j]) >= 1.0 and responses[j]
+        ]
+    own_logprobs = {p.row: lp for p, lp in zip(own_probes, score(own_probes) if own_probes else [])}
+    conts = build_continuations(
+        batch,
+        references,
+        own_logprobs,
+        source=source,
+        estimator=estimator,
+        max_continuations=max_continuations,
+    )
+    probes = [
+        Probe(c.row, c.k, batch.boundaries[c.row][c.k], c.ids)
+        for c in conts
+        if c.known_logp is None
+    ]
+    probed = iter(score(probes) if probes else [])
+    logp = torch.tensor(
+        [c.known_logp if c.known_logp is not None else float(next(probed).sum()) for c in conts],
+        dtype=torch.float64,
+    )
+    n = batch.num_segments.cpu()
+    S = int(n.max()) if len(n) else 0
+    slots = torch.tensor([c.row * (S + 1) + c.k for c in conts], dtype=torch.long)
+    log_weights = torch.tensor([c.log_weight for c in conts], dtype=torch.float64)
+    flat = estimate_from_logprobs(logp, log_weights, slots, batch.size * (S + 1), clip)
+    values = flat.view(batch.size, S + 1).clone()
+    values[torch.arange(batch.size), n] = batch.rewards.detach().float().cpu()
+    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    stats = {
+        "credit/continuations": float(len(conts)),
+        "credit/continuations_probed": float(len(probes)),
+        "credit/continuations_per_boundary": len(conts) / max(int(n.sum()), 1),
+        "credit/continuation_tokens": float(sum(len(p.ids) for p in probes)),
+    }
+    return values, mask, stats
+
+
+@register_credit("continuation_likelihood", options=ContinuationLikelihoodConfig)
+class ContinuationLikelihoodCredit(FrozenValuesCredit):
+    """Values from the policy's likelihood of known-good continuations after each prefix, with
+    the guards of every frozen estimator (anchor, hand-over, safe normalisation; module
+    docstring). The first batch in ``auto`` packing is also scored unpacked once; a mismatch (a
+    model that ignores the custom 4D mask) switches to unpacked scoring with a warning."""
+
+    def __init__(self, config, context: CreditContext) -> None:
+        super().__init__(config, context)
+        if context.segmenter is None:
+            raise ValueError(
+                "continuation_likelihood needs the segmenter (it aligns continuations at the "
+                "same boundary index); pass CreditContext(segmenter=...)"
+            )
+        self._packing = "auto"
+        self._checked = False
+        self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
+
+    def _options(self) -> dict:
+        o = self.options
+        return {
+            "source": o.source,
+            "estimator": o.estimator,
+            "max_continuations": o.max_continuations,
+            "max_batch_tokens": o.chunk_tokens,
+            "logits_mb": o.logits_mb,
+        }
+
+    def _check_packing(self, batch: RolloutBatch) -> None:
+        """Compare packed and unpacked log-probs on the first correct row's own response."""
+        ctx = self.context
+        correct = [r for r in range(batch.size) if float(batch.rewards[r]) >= 1.0]
+        if not packing_supported(ctx.policy) or not correct:
+            return
+        self._checked = True
+        row = correct[0]
+        tokens = _response_tokens(batch)[row]
+        bounds = batch.boundaries[row]
+        probes = [Probe(row, 0, 0, tuple(tokens))]
+        if len(bounds) > 2:
+            probes.append(Probe(row, 1, bounds[1], tuple(tokens[bounds[1] :])))
+        with torch.no_grad(), eval_mode(ctx.policy):
+            try:
+                packed, _ = packed_probe_logprobs(ctx.policy, batch, probes)
+            except (RuntimeError, ValueError, TypeError):
+                return  # continuation_values falls back (and warns) on its own
+            plain, _ = unpacked_probe_logprobs(ctx.policy, batch, probes)
+        dtype = next(ctx.policy.parameters()).dtype
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        worst = max(float((a - b).abs().max()) for a, b in zip(packed, plain))
+        if worst > tol:
+            warnings.warn(
+                f"continuation_likelihood: packed log-probs differ from unpacked ones by "
+                f"{worst:.3g} (the model does not honour a custom 4D attention mask); scoring "
+                "one row per continuation from now on",
+                stacklevel=3,
+            )
+            self._packing = "unpacked"
+
+    def probe_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(values, mask, stats)`` of :func:`continuation_values`, not anchored; cached for the
+        last batch seen."""
+        if self._cache is not None and self._cache[0]() is batch:
+            return self._cache[1], self._cache[2], self._cache[3]
+        if not self._checked:
+            self._check_packing(batch)
+        ctx = self.context
+        values, mask, stats = continuation_values(
+            ctx.policy,
+            ctx.tokenizer,
+            ctx.task,
+            batch,
+            ctx.segmenter,
+            packing=self._packing,
+            **self._options(),
+        )
+        self._cache = (weakref.ref(batch), values, mask, stats)
+        return values, mask, stats
+
+    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """:meth:`probe_values` anchored on the group mean reward (``credit.anchor``)."""
+        values, mask, _ = self.probe_values(batch)
+        return anchor(values, mask, group_mean(batch), self.config.anchor), mask
+
+    def pass_stats(self) -> dict[str, float]:
+        return dict(self._cache[3]) if self._cache is not None else {}
+
+    def forget_pass(self) -> None:
+        self._cache = None
