@@ -264,20 +264,24 @@ def test_every_config_field_has_help_text():
     )
     from rredcot.config import (
         AnswerLikelihoodConfig,
+        ContinuationLikelihoodConfig,
         CreditConfig,
         HandoverConfig,
         ModelConfig,
         MonteCarloConfig,
         ProcessRewardConfig,
+        ReweightConfig,
         SamplingConfig,
         SFTConfig,
         TrainConfig,
+        TreeSamplingConfig,
         ValueHeadConfig,
     )
 
     configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
     configs += [ValueHeadConfig, HandoverConfig, AnswerLikelihoodConfig, MonteCarloConfig]
-    configs += [ProcessRewardConfig]
+    configs += [ProcessRewardConfig, ContinuationLikelihoodConfig, ReweightConfig]
+    configs += [TreeSamplingConfig]
     configs += [CreditBenchConfig, LearnBenchConfig, OverheadBenchConfig, PeerBenchConfig]
     missing = [
         f"{cls.__name__}.{f.name}"

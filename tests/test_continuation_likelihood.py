@@ -252,7 +252,7 @@ def test_handover_zero_is_uniform_grpo_bit_for_bit(char_tokenizer, task, groups,
     assert torch.equal(out.advantages, grpo)
     assert out.metrics["credit/extra_forward_tokens"] > 0
     stats = method.update(groups)  # the reliability is measured after the credit
-    assert "value/slope" in stats
+    assert "credit/handover_slope" in stats
 
 
 def test_needs_a_segmenter_and_valid_options(char_tokenizer, task):
