@@ -30,8 +30,8 @@ def test_reweight_with_continuation_likelihood_keeps_trls_signs_and_totals(
     # sigma averages 1 over each completion's tokens: each row keeps TRL's total
     torch.testing.assert_close(ours.sum(1), grpo.sum(1), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(ours, grpo), "reweighting moved nothing"
-    logged = [h for h in trainer.state.log_history if "credit/extra_forward_tokens" in h]
-    assert logged and logged[0]["credit/extra_forward_tokens"] > 0
+    logged = [h for h in trainer.state.log_history if "rredcot/credit/extra_forward_tokens" in h]
+    assert logged and logged[0]["rredcot/credit/extra_forward_tokens"] > 0
 
 
 def test_reweight_before_the_handover_is_trls_grpo(
