@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from metrics_doc import undocumented
 from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, from_dict
@@ -251,6 +252,7 @@ def test_handover_zero_is_uniform_grpo_bit_for_bit(char_tokenizer, task, groups,
     grpo = credit.grpo_advantages(groups.rewards, groups.group_ids, groups.response_mask)
     assert torch.equal(out.advantages, grpo)
     assert out.metrics["credit/extra_forward_tokens"] > 0
+    assert undocumented(set(out.metrics)) == []  # every key is in docs/metrics.md
     stats = method.update(groups)  # the reliability is measured after the credit
     assert "credit/handover_slope" in stats
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import micro_config
+from metrics_doc import undocumented
 from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig, from_dict
@@ -252,6 +253,7 @@ def test_a_tree_step_trains_with_every_method_family(init_dir, tmp_path, method)
     assert record["rollout/tokens"] < record["rollout/tree_leaf_tokens"]
     assert record["tokens_generated"] == record["rollout/tokens"]
     assert torch.isfinite(torch.tensor(record["policy_loss"]))
+    assert undocumented(set(record)) == []  # every key, the tree's too, is in docs/metrics.md
     if method not in ("uniform", "gradient", "first_last"):  # values: the tree's nodes are used
         assert (
             record[
