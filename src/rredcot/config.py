@@ -354,6 +354,36 @@ class MonteCarloConfig:
             )
 
 
+ORACLE_VALUES = ("group", "pooled", "monte_carlo")
+"""The values of ``credit.oracle.values``."""
+
+
+@dataclass
+class OracleConfig:
+    """Options of the oracle method (--credit_method oracle; BENCHMARK ONLY: it reads the
+    verifier's first-wrong-step labels): how a still-right prefix is valued."""
+
+    values: str = help_field(
+        "group: the success rate of the same group's samples that got as many lines right "
+        "(zero credit where a group's rewards agree, like GRPO); pooled: the same rate over the "
+        "whole batch, V(s_0) the batch's mean reward; monte_carlo: the policy's probability of "
+        "success from the prefix, by credit.oracle.rollouts continuations (also V(s_0)), "
+        "generated for free (reported, not charged to the token budget): the true ceiling.",
+        default="group",
+    )
+    rollouts: int = help_field(
+        "Continuations per still-right prefix of values=monte_carlo (K).", default=8
+    )
+
+    def __post_init__(self) -> None:
+        if self.values not in ORACLE_VALUES:
+            raise ValueError(
+                f"credit.oracle.values={self.values!r}; valid: {', '.join(ORACLE_VALUES)}"
+            )
+        if self.rollouts < 1:
+            raise ValueError("credit.oracle.rollouts must be >= 1")
+
+
 PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification")
 """The values of ``credit.process_reward.kind``."""
 
@@ -540,6 +570,7 @@ class CreditConfig:
     answer_likelihood: AnswerLikelihoodConfig = field(default_factory=AnswerLikelihoodConfig)
     monte_carlo: MonteCarloConfig = field(default_factory=MonteCarloConfig)
     process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
+    oracle: OracleConfig = field(default_factory=OracleConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
