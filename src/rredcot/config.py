@@ -38,6 +38,10 @@ def help_field(text: str, flags: tuple[str, ...] = (), **kw: Any) -> Any:
     return field(metadata={"help": text, "flags": tuple(flags)}, **kw)
 
 
+TINY_WARMSTARTS = ("edge", "low")
+"""The values of ``model.tiny_warmstart`` (``rredcot.sft.WARMSTART_PRESETS`` holds their settings)."""
+
+
 @dataclass
 class ModelConfig:
     """The policy: which model, its dtype, LoRA and attention kernel."""
@@ -56,6 +60,12 @@ class ModelConfig:
     )
     tiny_num_layers: int = help_field("Layers of the built-in tiny Llama.", default=4)
     tiny_num_heads: int = help_field("Attention heads of the built-in tiny Llama.", default=4)
+    tiny_warmstart: str = help_field(
+        "How far the built-in tiny Llama's cached warm-start is trained: edge (the task's edge "
+        "of competence) or low (15-30% greedy accuracy, most groups all wrong; rredcot.sft."
+        "WARMSTART_PRESETS).",
+        default="edge",
+    )
     dtype: str = help_field("Policy dtype: float32, bfloat16 or float16.", default="float32")
     lora_r: int = help_field("LoRA rank through peft; 0 trains all weights.", default=0)
     lora_alpha: int = help_field("LoRA alpha.", default=16)
@@ -77,6 +87,10 @@ class ModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
         if self.lora_r < 0:
             raise ValueError("model.lora_r must be >= 0 (0 disables LoRA)")
+        if self.tiny_warmstart not in TINY_WARMSTARTS:
+            raise ValueError(
+                f"model.tiny_warmstart={self.tiny_warmstart!r}; valid: {', '.join(TINY_WARMSTARTS)}"
+            )
 
     def tiny_shape(self) -> dict[str, int]:
         """The tiny Llama's size, as ``rredcot sft`` (``SFTConfig``) names it."""
