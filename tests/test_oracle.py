@@ -129,3 +129,24 @@ def test_oracle_options_are_checked():
             CreditConfig(oracle=OracleConfig(values="monte_carlo")),
             CreditContext(None, None),
         )
+
+
+def test_monte_carlo_oracle_in_training_reports_but_does_not_charge_its_rollouts(
+    init_dir, tmp_path
+):
+    from conftest import micro_config
+    from rredcot.trainer import Trainer
+
+    cfg = micro_config(
+        init_dir,
+        tmp_path / "run",
+        credit_method="oracle",
+        steps=1,
+        max_tokens_generated=10_000,
+        credit=CreditConfig(oracle=OracleConfig(values="monte_carlo", rollouts=2)),
+    )
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    record = trainer.train_step(1)
+    assert record["credit/oracle_generated_tokens"] > 0
+    assert record["extra_tokens_generated"] == 0
+    assert record["tokens_generated"] == trainer.tokens_generated  # rollouts only
