@@ -110,7 +110,7 @@ def main() -> None:
     report = {
         "task": args.task,
         "task_args": task_args,
-        "init": str(cfg.init),
+        "init": str(trainer.source),
         "temperature": args.temperature,
         "max_new_tokens": cfg.sampling.max_new_tokens,
         "seed": args.seed,
