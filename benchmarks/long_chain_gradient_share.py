@@ -38,17 +38,36 @@ def token_confidence(policy, batch) -> torch.Tensor:
     return logp.gather(-1, batch.input_ids[:, P : P + T].unsqueeze(-1)).squeeze(-1).exp()
 
 
-def gradient_share(policy, batches) -> dict:
-    """Where GRPO's logit-gradient mass lands on the wrong traces of mixed groups (module doc):
-    token shares, update shares and mean ``1 - p(y)`` of the correct prefix, the segment holding
-    the first slip, and what follows it."""
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--init", required=True, help="checkpoint to sample from")
+    ap.add_argument("--num-steps", default="12", help="arithmetic chain length")
+    ap.add_argument("--batches", type=int, default=4, help="batches of 16 prompts x 8 samples")
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    cfg = resolve_config(
+        TrainConfig,
+        None,
+        {
+            "init": args.init,
+            "seed": args.seed,
+            "out": "/tmp/rredcot-gradient-share",
+            "overwrite": True,
+            "threads": 1,
+            "progress": False,
+            "eval_size": 1,
+        },
+        {"num_steps": args.num_steps},
+    )
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
     regions = ("correct_prefix", "slip_segment", "after_slip")
     tokens = dict.fromkeys(regions, 0.0)
     mass = dict.fromkeys(regions, 0.0)
     uncertainty = dict.fromkeys(regions, 0.0)
     wrong = labelled = 0
-    for batch in batches:
-        conf = token_confidence(policy, batch)
+    for step in range(1, args.batches + 1):
+        batch, _ = trainer.rollout(trainer.prompts_for_step(step), forward=False)
+        conf = token_confidence(trainer.policy, batch)
         r, g = batch.rewards, batch.group_ids
         for row in range(batch.size):
             if r[row] >= 1.0:
@@ -78,46 +97,15 @@ def gradient_share(policy, batches) -> dict:
                 mass[name] += adv * float(u[a:b].sum())
                 uncertainty[name] += float(u[a:b].sum())
     total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
-    return {
-        "wrong_traces": wrong,
-        "labelled_in_mixed_groups": labelled,
-        "token_share": {n: tokens[n] / max(total_tokens, 1e-12) for n in regions},
-        "update_share": {n: mass[n] / max(total_mass, 1e-12) for n in regions},
-        "mean_1_minus_p": {n: uncertainty[n] / max(tokens[n], 1) for n in regions},
-    }
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--init", required=True, help="checkpoint to sample from")
-    ap.add_argument("--num-steps", default="12", help="arithmetic chain length")
-    ap.add_argument("--batches", type=int, default=4, help="batches of 16 prompts x 8 samples")
-    ap.add_argument("--seed", type=int, default=7)
-    args = ap.parse_args()
-    cfg = resolve_config(
-        TrainConfig,
-        None,
-        {
-            "init": args.init,
-            "seed": args.seed,
-            "out": "/tmp/rredcot-gradient-share",
-            "overwrite": True,
-            "threads": 1,
-            "progress": False,
-            "eval_size": 1,
-        },
-        {"num_steps": args.num_steps},
-    )
-    trainer = Trainer(cfg, log=lambda *a, **k: None)
-    batches = [
-        trainer.rollout(trainer.prompts_for_step(step), forward=False)[0]
-        for step in range(1, args.batches + 1)
-    ]
     report = {
         "init": args.init,
         "num_steps": args.num_steps,
         "seed": args.seed,
-        **gradient_share(trainer.policy, batches),
+        "wrong_traces": wrong,
+        "labelled_in_mixed_groups": labelled,
+        "token_share": {n: tokens[n] / total_tokens for n in regions},
+        "update_share": {n: mass[n] / total_mass for n in regions},
+        "mean_1_minus_p": {n: uncertainty[n] / max(tokens[n], 1) for n in regions},
     }
     print(json.dumps(report, indent=1))
 
