@@ -269,6 +269,7 @@ def test_every_config_field_has_help_text():
         HandoverConfig,
         ModelConfig,
         MonteCarloConfig,
+        OracleConfig,
         ProcessRewardConfig,
         ReweightConfig,
         SamplingConfig,
@@ -281,7 +282,7 @@ def test_every_config_field_has_help_text():
     configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
     configs += [ValueHeadConfig, HandoverConfig, AnswerLikelihoodConfig, MonteCarloConfig]
     configs += [ProcessRewardConfig, ContinuationLikelihoodConfig, ReweightConfig]
-    configs += [TreeSamplingConfig]
+    configs += [TreeSamplingConfig, OracleConfig]
     configs += [CreditBenchConfig, LearnBenchConfig, OverheadBenchConfig, PeerBenchConfig]
     missing = [
         f"{cls.__name__}.{f.name}"

@@ -241,13 +241,18 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
 
     built = []
     monkeypatch.setattr(
-        sft, "default_warmstart", lambda task, log, **shape: built.append((task.name, shape))
+        sft,
+        "default_warmstart",
+        lambda task, log, preset, **shape: built.append((task.name, preset, shape)),
     )
     arithmetic, words = get_task("arithmetic"), get_task("word_problems")
     sft.default_policy_source(arithmetic, None, log=print)
     sft.default_policy_source(words, "tiny", log=print, tiny_shape={"hidden_size": 64})
     # asked for explicitly: still works, and --model.tiny_* size the model that is built
-    assert built == [("arithmetic", {}), ("word_problems", {"hidden_size": 64})]
+    assert built == [("arithmetic", "edge", {}), ("word_problems", "edge", {"hidden_size": 64})]
+    # graph_paths is the tiny model's task too; --model.tiny_warmstart names the preset
+    sft.default_policy_source(get_task("graph_paths"), None, log=print, preset="low")
+    assert built.pop() == ("graph_paths", "low", {})
     assert sft.default_policy_source(words, "some/model", log=print) == "some/model"
     # another task and no model named: a one-line refusal, never a silent warm-start
     with pytest.raises(ValueError) as err:

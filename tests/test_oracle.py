@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rredcot.config import CreditConfig
+from rredcot.config import CreditConfig, OracleConfig, SamplingConfig
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.oracle import completed_lines, first_error_segment, oracle_values
 from text_batches import batch_from_texts
@@ -56,3 +56,97 @@ def test_oracle_blames_the_segment_with_the_first_wrong_step(char_tokenizer, ari
     assert seg[1, :n].tolist() == pytest.approx([0.0, -0.5] + [0.0] * (n - 2))
     # The gold trace: the credit where its success rate rose, at the step the others got wrong.
     assert seg[0, :n].tolist() == pytest.approx([0.0, 0.5] + [0.0] * (n - 2))
+
+
+def _all_wrong_group_and_gold_group(char_tokenizer, arithmetic_task):
+    """Group 0: two traces wrong at step 1 (rewards agree); group 1: two gold traces."""
+    problems = arithmetic_task.train_problems(2, seed=3)
+    wrong = arithmetic_task.inject_error(problems[0], step=1)
+    gold = arithmetic_task.gold_completion(problems[1])
+    rows = [problems[0], problems[0], problems[1], problems[1]]
+    return batch_from_texts(
+        char_tokenizer, arithmetic_task, rows, [wrong, wrong, gold, gold], group_size=2
+    )
+
+
+def test_group_oracle_is_blind_where_rewards_agree_and_pooled_is_not(
+    char_tokenizer, arithmetic_task
+):
+    batch = _all_wrong_group_and_gold_group(char_tokenizer, arithmetic_task)
+    seg = {}
+    for values in ("group", "pooled"):
+        config = CreditConfig(normalization="none", oracle=OracleConfig(values=values))
+        method = build_credit("oracle", config, CreditContext(None, char_tokenizer))
+        seg[values] = method.compute(batch).segment_advantages
+    assert seg["group"].abs().sum() == 0  # both groups' rewards agree: no credit anywhere
+    # pooled: p(0) = 1/2 over the batch, p(1) = 1/2 (every trace gets line 0 right), p(2) = 1
+    # (only the gold ones): the wrong traces' blame -1/2 lands on segment 2, their step 1
+    n = len(batch.boundaries[0]) - 1
+    assert seg["pooled"][0, :n].tolist() == pytest.approx([0.0, -0.5] + [0.0] * (n - 2))
+    assert seg["pooled"][2, :n].tolist() == pytest.approx([0.0, 0.5] + [0.0] * (n - 2))
+
+
+def test_monte_carlo_oracle_rolls_out_only_still_right_prefixes_for_free(
+    monkeypatch, char_tokenizer, arithmetic_task, tiny_policy
+):
+    from rredcot.methods import monte_carlo
+    from test_monte_carlo import Script
+
+    batch = _all_wrong_group_and_gold_group(char_tokenizer, arithmetic_task)
+    # k gold lines done: k + 1 of the 4 continuations finish the gold trace, the rest fail.
+    # Script asserts that every prefix it continues is a gold prefix: a prefix holding the
+    # first wrong line is never rolled out.
+    script = Script(char_tokenizer, arithmetic_task, batch.problems, lambda k: k + 1)
+    monkeypatch.setattr(monte_carlo, "generate_from_ids", script)
+    config = CreditConfig(
+        normalization="none", oracle=OracleConfig(values="monte_carlo", rollouts=4)
+    )
+    sampling = SamplingConfig(max_new_tokens=64)
+    context = CreditContext(tiny_policy, char_tokenizer, task=arithmetic_task, sampling=sampling)
+    method = build_credit("oracle", config, context)
+    est = method.estimate(batch)
+    values = est.credit.values
+    n = len(batch.boundaries[0]) - 1
+    # wrong traces: V(s_0) = 1/4, V(s_1) = 2/4, then 0 from the segment holding step 1 on
+    assert values[0, :n].tolist() == pytest.approx([0.25, 0.5] + [0.0] * (n - 2))
+    # gold traces: (k + 1) / 4 at every boundary
+    assert values[2, :n].tolist() == pytest.approx([(k + 1) / 4 for k in range(n)])
+    # unique prefixes: s_0, s_1 of problem 0 and s_0..s_{n-1} of problem 1
+    assert len(script.prefixes) == 2 + n == est.metrics["credit/oracle_mc_prefixes"]
+    assert est.metrics["credit/oracle_generated_tokens"] > 0
+    assert est.cost.extra_generated_tokens == 0  # a ceiling: reported, never charged
+    # the all-wrong group now gets credit: blame on its wrong step, credit for its right one
+    seg = method.compute(batch).segment_advantages
+    assert seg[0, :n].tolist() == pytest.approx([0.25, -0.5] + [0.0] * (n - 2))
+
+
+def test_oracle_options_are_checked():
+    with pytest.raises(ValueError, match="credit.oracle.values='best'; valid: group, pooled"):
+        OracleConfig(values="best")
+    with pytest.raises(ValueError, match="monte_carlo needs the task"):
+        build_credit(
+            "oracle",
+            CreditConfig(oracle=OracleConfig(values="monte_carlo")),
+            CreditContext(None, None),
+        )
+
+
+def test_monte_carlo_oracle_in_training_reports_but_does_not_charge_its_rollouts(
+    init_dir, tmp_path
+):
+    from conftest import micro_config
+    from rredcot.trainer import Trainer
+
+    cfg = micro_config(
+        init_dir,
+        tmp_path / "run",
+        credit_method="oracle",
+        steps=1,
+        max_tokens_generated=10_000,
+        credit=CreditConfig(oracle=OracleConfig(values="monte_carlo", rollouts=2)),
+    )
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    record = trainer.train_step(1)
+    assert record["credit/oracle_generated_tokens"] > 0
+    assert record["extra_tokens_generated"] == 0
+    assert record["tokens_generated"] == trainer.tokens_generated  # rollouts only

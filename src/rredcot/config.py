@@ -38,6 +38,10 @@ def help_field(text: str, flags: tuple[str, ...] = (), **kw: Any) -> Any:
     return field(metadata={"help": text, "flags": tuple(flags)}, **kw)
 
 
+TINY_WARMSTARTS = ("edge", "low")
+"""The values of ``model.tiny_warmstart`` (``rredcot.sft.WARMSTART_PRESETS`` holds their settings)."""
+
+
 @dataclass
 class ModelConfig:
     """The policy: which model, its dtype, LoRA and attention kernel."""
@@ -56,6 +60,12 @@ class ModelConfig:
     )
     tiny_num_layers: int = help_field("Layers of the built-in tiny Llama.", default=4)
     tiny_num_heads: int = help_field("Attention heads of the built-in tiny Llama.", default=4)
+    tiny_warmstart: str = help_field(
+        "How far the built-in tiny Llama's cached warm-start is trained: edge (the task's edge "
+        "of competence) or low (10-35% greedy accuracy, most groups all wrong; rredcot.sft."
+        "WARMSTART_PRESETS).",
+        default="edge",
+    )
     dtype: str = help_field("Policy dtype: float32, bfloat16 or float16.", default="float32")
     lora_r: int = help_field("LoRA rank through peft; 0 trains all weights.", default=0)
     lora_alpha: int = help_field("LoRA alpha.", default=16)
@@ -77,6 +87,10 @@ class ModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
         if self.lora_r < 0:
             raise ValueError("model.lora_r must be >= 0 (0 disables LoRA)")
+        if self.tiny_warmstart not in TINY_WARMSTARTS:
+            raise ValueError(
+                f"model.tiny_warmstart={self.tiny_warmstart!r}; valid: {', '.join(TINY_WARMSTARTS)}"
+            )
 
     def tiny_shape(self) -> dict[str, int]:
         """The tiny Llama's size, as ``rredcot sft`` (``SFTConfig``) names it."""
@@ -497,6 +511,36 @@ class ReweightConfig:
             raise ValueError(f"credit.reweight.temperature={self.temperature} must be > 0")
 
 
+ORACLE_VALUES = ("group", "pooled", "monte_carlo")
+"""The values of ``credit.oracle.values``."""
+
+
+@dataclass
+class OracleConfig:
+    """Options of the oracle method (--credit_method oracle; BENCHMARK ONLY: it reads the
+    verifier's first-wrong-step labels): how a still-right prefix is valued."""
+
+    values: str = help_field(
+        "group: the success rate of the same group's samples that got as many lines right "
+        "(zero credit where a group's rewards agree, like GRPO); pooled: the same rate over the "
+        "whole batch, V(s_0) the batch's mean reward; monte_carlo: the policy's probability of "
+        "success from the prefix, by credit.oracle.rollouts continuations (also V(s_0)), "
+        "generated for free (reported, not charged to the token budget): the true ceiling.",
+        default="group",
+    )
+    rollouts: int = help_field(
+        "Continuations per still-right prefix of values=monte_carlo (K).", default=8
+    )
+
+    def __post_init__(self) -> None:
+        if self.values not in ORACLE_VALUES:
+            raise ValueError(
+                f"credit.oracle.values={self.values!r}; valid: {', '.join(ORACLE_VALUES)}"
+            )
+        if self.rollouts < 1:
+            raise ValueError("credit.oracle.rollouts must be >= 1")
+
+
 PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification")
 """The values of ``credit.process_reward.kind``."""
 
@@ -706,6 +750,7 @@ class CreditConfig:
     )
     monte_carlo: MonteCarloConfig = field(default_factory=MonteCarloConfig)
     process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
+    oracle: OracleConfig = field(default_factory=OracleConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:

@@ -191,9 +191,31 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     return info
 
 
-def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
-    """The warm-start checkpoint for ``task``'s default settings: reused when cached, built
-    (about 2-3 minutes on 2 CPU cores) when not."""
+WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
+    "edge": {},
+    # most groups all wrong: GRPO learns nothing from them (the headroom testbeds, issue 26)
+    "low": {"target_accuracy": 0.1, "max_accuracy": 0.35},
+}
+"""Named warm-starts of the tiny model (``--model.tiny_warmstart``): ``SFTConfig`` overrides
+on top of the task's own ``warmstart_settings``. ``edge``: the task's edge of competence;
+``low``: stopped at 10-35% greedy accuracy, so that most groups' rewards are all 0."""
+
+
+def warmstart_preset(name: str) -> dict[str, Any]:
+    """The ``SFTConfig`` overrides of preset ``name`` (a clear error names the valid ones)."""
+    if name not in WARMSTART_PRESETS:
+        raise ValueError(
+            f"unknown warm-start preset {name!r}; valid: {', '.join(WARMSTART_PRESETS)}"
+        )
+    return dict(WARMSTART_PRESETS[name])
+
+
+def default_warmstart(task: Task, log=print, preset: str = "edge", **overrides: Any) -> Path:
+    """The warm-start checkpoint for ``task``'s default settings (its ``warmstart_settings``,
+    then ``preset``, then ``overrides``): reused when cached, built (about 2-3 minutes on 2 CPU
+    cores) when not. The default preset on a task without settings of its own keeps the cache
+    key of earlier versions."""
+    overrides = {**task.warmstart_settings, **warmstart_preset(preset), **overrides}
     suggested = task.suggested_max_new_tokens()
     if suggested is not None and "max_new_tokens" not in overrides:
         overrides["max_new_tokens"] = suggested
@@ -213,27 +235,33 @@ def default_warmstart(task: Task, log=print, **overrides: Any) -> Path:
 
 
 def default_policy_source(
-    task, name_or_path: str | None = None, log=print, tiny_shape: dict | None = None
+    task,
+    name_or_path: str | None = None,
+    log=print,
+    tiny_shape: dict | None = None,
+    preset: str = "edge",
 ) -> str:
     """What to load when the user names `name_or_path` (or nothing) for `task`.
 
     - `tiny` (`TINY_MODEL`): the built-in character-level Llama warm-started on `task` (built
       once and cached; see `default_warmstart`);
     - any other name: itself;
-    - nothing, on the built-in `arithmetic` task: the tiny model's warm-start;
+    - nothing, on a task whose ``tiny_model_default`` is set (the built-in `arithmetic` and
+      `graph_paths`): the tiny model's warm-start;
     - nothing, on any other task: the shipped `smollm2-135m-instruct` when it is installed, else
       a `ValueError` saying which `--model.name_or_path` to pass and how to install the shipped
       model. The character model only makes sense on arithmetic: a silent warm-start of it on
       GSM8K would take hours and learn nothing useful.
 
     ``tiny_shape`` (``hidden_size``, ``num_layers``, ``num_heads``: ``--model.tiny_*``) sizes
-    the tiny model of a warm-start that has to be built (each shape is cached on its own).
+    the tiny model of a warm-start that has to be built (each shape is cached on its own);
+    ``preset`` (``--model.tiny_warmstart``) names how far it is trained (:data:`WARMSTART_PRESETS`).
     """
     if name_or_path and str(name_or_path).strip().lower() != TINY_MODEL:
         return str(name_or_path)
     task_name = getattr(task, "name", str(task))
-    if name_or_path or task_name == "arithmetic":
-        return str(default_warmstart(task, log=log, **(tiny_shape or {})))
+    if name_or_path or getattr(task, "tiny_model_default", False):
+        return str(default_warmstart(task, log=log, preset=preset, **(tiny_shape or {})))
     if shipped_model_available(DEFAULT_REAL_MODEL):
         log(
             f"no model named for task {task_name!r}: using the shipped {DEFAULT_REAL_MODEL} "

@@ -140,7 +140,11 @@ def load_train_policy(cfg: TrainConfig, task: Task, log=print) -> tuple[Any, Any
         source = cfg.init
     else:
         source = default_policy_source(
-            task, cfg.model.name_or_path, log=log, tiny_shape=cfg.model.tiny_shape()
+            task,
+            cfg.model.name_or_path,
+            log=log,
+            tiny_shape=cfg.model.tiny_shape(),
+            preset=cfg.model.tiny_warmstart,
         )
     dtype = getattr(torch, cfg.model.dtype)
     attn = cfg.model.attn_implementation or ("eager" if cfg.credit_method == "attention" else None)

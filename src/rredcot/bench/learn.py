@@ -220,7 +220,11 @@ def base_init(cfg: LearnBenchConfig, log) -> str:
 
     task = get_task(base.task, **base.task_args)
     return default_policy_source(
-        task, base.model.name_or_path, log=log, tiny_shape=base.model.tiny_shape()
+        task,
+        base.model.name_or_path,
+        log=log,
+        tiny_shape=base.model.tiny_shape(),
+        preset=base.model.tiny_warmstart,
     )
 
 

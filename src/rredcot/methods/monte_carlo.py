@@ -117,6 +117,7 @@ def mc_values(
     max_boundaries: int = 0,
     batch_size: int = 256,
     progress: Callable[[int, int], None] | None = None,
+    row_boundaries: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Monte Carlo ``V(s_k)`` from ``k`` continuations per unique boundary prefix.
 
@@ -128,6 +129,9 @@ def mc_values(
         max_boundaries: boundaries estimated per trace (0: all); see the module docstring.
         batch_size: continuation rows per ``generate`` call.
         progress: called as ``progress(prefixes_done, prefixes_total)`` after each call.
+        row_boundaries: per row, the boundaries ``k`` to estimate instead of
+            ``estimated_boundaries(n, max_boundaries)`` (each list must hold ``0``; the oracle
+            estimates only a trace's still-right prefixes).
 
     Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``values[b, n_b] = R_b``.
     """
@@ -139,6 +143,10 @@ def mc_values(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if len(batch.problems) != batch.size:
         raise ValueError("monte_carlo needs batch.problems (one Problem per row) to verify")
+    if row_boundaries is not None and (
+        len(row_boundaries) != batch.size or any(0 not in ks for ks in row_boundaries)
+    ):
+        raise ValueError("row_boundaries needs one list per row, each holding boundary 0")
     eos = tokenizer.eos_token_id
     P = batch.prompt_len
 
@@ -153,7 +161,12 @@ def mc_values(
     for row, bounds in enumerate(batch.boundaries):
         n = len(bounds) - 1
         picked: dict[int, int] = {}
-        for j in estimated_boundaries(n, max_boundaries):
+        wanted = (
+            estimated_boundaries(n, max_boundaries)
+            if row_boundaries is None
+            else sorted(k for k in row_boundaries[row] if 0 <= k < n)
+        )
+        for j in wanted:
             b = bounds[j]
             ids = prefix_token_ids(batch, row, b)
             problem = batch.problems[row]

@@ -18,6 +18,19 @@ With ``lam = 0`` (the method's default) a wrong trace's blame lands on the segme
 first wrong line, ``-p_g(m)``, and the segments before it get the small changes of ``p_g``; the
 segments after it get 0. A row whose label is unknown (``first_error_step is None``) gets uniform
 values (the group mean at every boundary).
+
+That is ``credit.oracle.values=group``, the default. It gives no credit in a group whose rewards
+all agree (``p_g`` is 0 or 1 at every boundary), exactly where GRPO learns nothing, so it is not a
+ceiling of what credit can do there. The other values:
+
+- ``pooled``: ``p(m)`` pooled over the whole batch (every row one group), ``V(s_0)`` the batch's
+  mean reward: every group gets credit, from rates shared across prompts.
+- ``monte_carlo``: the true ceiling. A still-right prefix is worth the current policy's
+  probability of success from it, estimated by ``credit.oracle.rollouts`` continuations
+  (:func:`rredcot.methods.monte_carlo.mc_values`), ``s_0`` included; a prefix holding the first
+  wrong line is worth 0. The continuations are free: their tokens are reported
+  (``credit/oracle_generated_tokens``) but not charged to the run's token budget. A row without
+  a label gets Monte Carlo values at every boundary.
 """
 
 from __future__ import annotations
@@ -29,10 +42,18 @@ import torch
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.config import OracleConfig, SamplingConfig
 from rredcot.credit import Values
 from rredcot.methods.base import CreditMethod, Estimate, register_credit
+from rredcot.methods.monte_carlo import mc_values
 
-__all__ = ["OracleCredit", "completed_lines", "first_error_segment", "oracle_values"]
+__all__ = [
+    "OracleCredit",
+    "completed_lines",
+    "first_error_segment",
+    "oracle_mc_values",
+    "oracle_values",
+]
 
 NO_ERROR = math.inf
 
@@ -101,14 +122,37 @@ def oracle_values(
     return values, mask
 
 
-@register_credit("oracle")
+def oracle_mc_values(
+    mc: torch.Tensor, num_segments: torch.Tensor, error_segment: list[int | None]
+) -> torch.Tensor:
+    """Monte Carlo values ``mc (B, S+1)`` with every prefix that holds the first wrong line set
+    to 0: ``V(s_k) = 0`` for ``error_segment <= k < n`` (``V(s_n)`` stays, the algebra sets it
+    to ``R``). ``error_segment[b]`` is 1-based, None for a row without a wrong line."""
+    values = mc.clone()
+    for row, first in enumerate(error_segment):
+        if first is not None:
+            values[row, first : int(num_segments[row])] = 0.0
+    return values
+
+
+@register_credit("oracle", options=OracleConfig)
 class OracleCredit(CreditMethod):
     """Ground-truth segment values from step labels (benchmark only; see the module doc)."""
 
     default_lam = 0.0
+    batch_size: int = 256  # continuation rows per generate call (values=monte_carlo)
 
-    def _values_and_coverage(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(values, mask, fraction of rows with a step label)``."""
+    def __init__(self, config, context) -> None:
+        super().__init__(config, context)
+        if self.options.values == "monte_carlo" and context.task is None:
+            raise ValueError(
+                "oracle with credit.oracle.values=monte_carlo needs the task to verify its "
+                "continuations; pass CreditContext(task=...)"
+            )
+
+    def _labels(self, batch: RolloutBatch):
+        """Per row: right leading lines ``L`` (inf: no wrong line, nan: unknown), lines done by
+        each prefix, and the 1-based segment of the first wrong line (None: none or unknown)."""
         right_lines: list[float] = []
         error_segment: list[int | None] = []
         lines_done: list[list[int]] = []
@@ -126,18 +170,60 @@ class OracleCredit(CreditMethod):
             else:
                 right_lines.append(float(label))
                 error_segment.append(first_error_segment(text, starts, label))
-        values, mask = oracle_values(
-            batch.rewards.cpu(), batch.group_ids.cpu(), right_lines, lines_done, error_segment
-        )
-        device = batch.rewards.device
+        return right_lines, lines_done, error_segment
+
+    def _values_and_coverage(
+        self, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, float, dict[str, float]]:
+        """``(values, mask, fraction of rows with a step label, metrics)``."""
+        right_lines, lines_done, error_segment = self._labels(batch)
         labelled = sum(not math.isnan(x) for x in right_lines) / max(len(right_lines), 1)
-        return values.to(device), mask.to(device), labelled
+        device = batch.rewards.device
+        if self.options.values == "monte_carlo":
+            values, mask, stats = self._monte_carlo(batch, error_segment)
+            return values.to(device), mask.to(device), labelled, stats
+        group_ids = batch.group_ids.cpu()
+        if self.options.values == "pooled":
+            group_ids = torch.zeros_like(group_ids)  # the whole batch is one group
+        values, mask = oracle_values(
+            batch.rewards.cpu(), group_ids, right_lines, lines_done, error_segment
+        )
+        return values.to(device), mask.to(device), labelled, {}
+
+    def _monte_carlo(self, batch: RolloutBatch, error_segment: list[int | None]):
+        """Monte Carlo values of the still-right prefixes, 0 from the first wrong one."""
+        n = batch.num_segments.cpu()
+        still_right = [
+            list(range(int(n[row]) if first is None else min(first, int(n[row])))) or [0]
+            for row, first in enumerate(error_segment)
+        ]
+        ctx = self.context
+        s = ctx.sampling or SamplingConfig()
+        mc, mask, stats = mc_values(
+            ctx.policy,
+            ctx.tokenizer,
+            ctx.task,
+            batch,
+            self.options.rollouts,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_new_tokens=s.max_new_tokens,
+            batch_size=self.batch_size,
+            row_boundaries=still_right,
+        )
+        values = oracle_mc_values(mc.cpu(), n, error_segment)
+        metrics = {  # reported, not charged: the Estimate's Cost stays zero
+            "credit/oracle_generated_tokens": stats["credit/extra_generated_tokens"],
+            "credit/oracle_forward_tokens": stats["credit/extra_forward_tokens"],
+            "credit/oracle_mc_prefixes": stats["credit/mc_prefixes"],
+        }
+        return values, mask.cpu(), metrics
 
     def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        values, mask, _ = self._values_and_coverage(batch)
+        values, mask, _, _ = self._values_and_coverage(batch)
         return values, mask
 
     def estimate(self, batch: RolloutBatch) -> Estimate:
-        values, mask, labelled = self._values_and_coverage(batch)
-        metrics = {"credit/oracle_labelled_fraction": labelled}
+        values, mask, labelled, metrics = self._values_and_coverage(batch)
+        metrics = {"credit/oracle_labelled_fraction": labelled, **metrics}
         return Estimate(Values(values, mask, lam=self.lam), metrics=metrics)

@@ -23,6 +23,7 @@ from rredcot.tasks.base import (
 register_lazy_task("arithmetic", "rredcot.tasks.arithmetic")
 register_lazy_task("dataset", "rredcot.tasks.dataset")
 register_lazy_task("gsm8k", "rredcot.tasks.dataset")
+register_lazy_task("graph_paths", "rredcot.tasks.graph_paths")
 register_lazy_task("reasoning_gym", "rredcot.tasks.reasoning_gym")
 register_lazy_task("word_problems", "rredcot.tasks.word_problems")
 

@@ -197,6 +197,7 @@ class ArithmeticTask(Task):
 
     Params = ArithmeticParams
     answer_cue = "A:"
+    tiny_model_default = True
     params: ArithmeticParams
 
     # -- problems -----------------------------------------------------------------------------

@@ -97,6 +97,12 @@ class Task:
     """Regex (``re.search``) of the task's final-answer line, for segmentation: the line is kept
     whole and, with ``credit.separate_answer``, is a segment of its own. None: the segmenter's
     default (``A:``, ``Answer:``, ``####``, ``<answer>``, ``\\boxed{``)."""
+    tiny_model_default: ClassVar[bool] = False
+    """Whether the built-in character model, warm-started on this task, is what runs when no
+    model is named (synthetic tasks whose text it can learn: arithmetic, graph_paths)."""
+    warmstart_settings: ClassVar[dict[str, Any]] = {}
+    """``SFTConfig`` overrides of this task's default warm-start (e.g. its edge-of-competence
+    band); a preset or the caller's own overrides win."""
 
     def __init__(self, **params: Any) -> None:
         self.params = make_params(self.Params, params, owner=f"task {self.name!r}")
