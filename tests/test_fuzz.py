@@ -118,6 +118,8 @@ STRATEGIES = [
     "entropy",
     "entropy:threshold=1.0,min=2,max=8",
     "keywords+entropy",
+    "newline+merge",
+    "newline+merge:target=2",
 ]
 OPTIONS = st.fixed_dictionaries(
     {
