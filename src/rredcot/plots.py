@@ -5,20 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rredcot.runio import MetricsLog
-
-# (metric, title) pairs plotted against the step when present.
-CURVES = [
-    ("reward_mean", "mean reward of sampled completions"),
-    ("eval_accuracy", "held-out greedy accuracy"),
-    ("policy_loss", "policy loss"),
-    ("entropy", "token entropy"),
-    ("grad_norm", "gradient norm"),
-    ("kl", "KL to the reference"),
-    ("value/loss", "value-head loss"),
-    ("credit/handover_reliability", "measured reliability of the values"),
-    ("credit/handover_weight", "weight of value-based credit"),
-]
+from rredcot.runio import CURVES, MetricsLog
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:

@@ -53,6 +53,20 @@ except ImportError:  # not POSIX: no locking
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+# (metric, title) pairs that plots.plot_run draws against the step when present: the PNGs
+# a run directory holds under plots/ (which --overwrite may delete)
+CURVES = [
+    ("reward_mean", "mean reward of sampled completions"),
+    ("eval_accuracy", "held-out greedy accuracy"),
+    ("policy_loss", "policy loss"),
+    ("entropy", "token entropy"),
+    ("grad_norm", "gradient norm"),
+    ("kl", "KL to the reference"),
+    ("value/loss", "value-head loss"),
+    ("credit/handover_reliability", "measured reliability of the values"),
+    ("credit/handover_weight", "weight of value-based credit"),
+]
+
 LOCK = ".lock"
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
@@ -315,8 +329,6 @@ def remove_run_files(run_dir: Path, names: list[str]) -> None:
     ``checkpoints/`` and ``plots/`` only the entries rredcot writes there, so a folder linked
     there (``checkpoints`` on another disk) stays, emptied of the run; a link is removed, never
     followed."""
-    from rredcot.plots import CURVES  # lazy: plots imports this module (a circle at the top)
-
     own_entries = {
         CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
         "plots": tuple(f"{key.replace('/', '_')}.png" for key, _ in CURVES) + (".*.png.tmp",),
