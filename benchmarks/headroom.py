@@ -7,10 +7,10 @@ run's sampling settings) from a checkpoint on any task and prints, as JSON:
   nothing from them) split into ``all_wrong_groups`` and ``all_right_groups``;
 - ``right_lines_before_error``: over wrong traces with a step label, the mean number of right
   lines before the first wrong one, and the share of wrong traces with at least one;
-- GRPO's logit-gradient mass on the wrong traces of mixed groups (the logic of
-  ``long_chain_gradient_share.py``, ``rredcot diagnose`` on the diagnose branch): the share that
-  lands on the correct prefix before the first slip, on the slip's segment and after it, with the
-  mean ``1 - p(y)`` of each.
+- GRPO's logit-gradient mass on the wrong traces of mixed groups
+  (``long_chain_gradient_share.region_shares``, on ``rredcot.diagnose``'s figures): the share
+  that lands on the correct prefix before the first slip, on the slip's segment and after it,
+  with the mean ``1 - p(y)`` of each. ``rredcot diagnose`` reports these and more with intervals.
 
     python benchmarks/headroom.py --task graph_paths --batches 4 --seed 7
     python benchmarks/headroom.py --task arithmetic --task-arg num_steps=12 --init DIR
@@ -28,66 +28,10 @@ import json
 import statistics
 
 import torch
+from long_chain_gradient_share import region_shares  # benchmarks/ (the script's folder)
 
 from rredcot.config import TrainConfig, resolve_config
-from rredcot.methods.oracle import first_error_segment
 from rredcot.trainer import Trainer
-
-
-def token_confidence(policy, batch) -> torch.Tensor:
-    """``p(y_t)`` of each sampled response token under ``policy``: ``(B, T)``."""
-    with torch.no_grad():
-        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    P, T = batch.prompt_len, batch.response_len
-    logp = torch.log_softmax(logits[:, P - 1 : P - 1 + T].float(), dim=-1)
-    return logp.gather(-1, batch.input_ids[:, P : P + T].unsqueeze(-1)).squeeze(-1).exp()
-
-
-def gradient_share(policy, batches) -> dict:
-    """Where GRPO's logit-gradient mass ``sum |A| (1 - p(y))`` lands on the wrong traces of mixed
-    groups: token shares, update shares and mean ``1 - p(y)`` of the correct prefix, the segment
-    holding the first slip, and what follows it (``long_chain_gradient_share.py``'s figures)."""
-    regions = ("correct_prefix", "slip_segment", "after_slip")
-    tokens = dict.fromkeys(regions, 0.0)
-    mass = dict.fromkeys(regions, 0.0)
-    uncertainty = dict.fromkeys(regions, 0.0)
-    wrong = labelled = 0
-    for batch in batches:
-        conf = token_confidence(policy, batch)
-        r, g = batch.rewards, batch.group_ids
-        for row in range(batch.size):
-            if r[row] >= 1.0:
-                continue
-            wrong += 1
-            group = r[g == g[row]]
-            if group.std() == 0:  # an all-wrong group: GRPO gives it no update at all
-                continue
-            label = batch.verdicts[row].first_error_step
-            if label is None or label < 0:
-                continue
-            k = first_error_segment(batch.completions[row], batch.segment_char_starts[row], label)
-            bounds = batch.boundaries[row]
-            cuts = (
-                0,
-                bounds[k - 1],
-                bounds[min(k, len(bounds) - 1)],
-                int(batch.response_mask[row].sum()),
-            )
-            adv = float((r[row] - group.mean()).abs() / group.std())
-            u = 1.0 - conf[row]
-            labelled += 1
-            for name, a, b in zip(regions, cuts, cuts[1:]):
-                tokens[name] += b - a
-                mass[name] += adv * float(u[a:b].sum())
-                uncertainty[name] += float(u[a:b].sum())
-    total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
-    return {
-        "wrong_traces": wrong,
-        "labelled_in_mixed_groups": labelled,
-        "token_share": {n: tokens[n] / max(total_tokens, 1e-12) for n in regions},
-        "update_share": {n: mass[n] / max(total_mass, 1e-12) for n in regions},
-        "mean_1_minus_p": {n: uncertainty[n] / max(tokens[n], 1) for n in regions},
-    }
 
 
 def group_agreement(batches) -> dict[str, float]:
@@ -175,7 +119,7 @@ def main() -> None:
         "mean_reward": float(torch.cat([b.rewards for b in batches]).mean()),
         **group_agreement(batches),
         "right_lines_before_error": right_lines_before_error(batches),
-        **gradient_share(trainer.policy, batches),
+        **region_shares(trainer.policy, batches, trainer.segmenter, cfg.sampling.temperature),
     }
     print(json.dumps(report, indent=1))
 

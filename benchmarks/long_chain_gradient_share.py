@@ -50,6 +50,47 @@ REGION_OF_KIND = {
 }
 
 
+def region_shares(policy, batches, segmenter, temperature: float) -> dict:
+    """GRPO's logit-gradient mass ``|A| (1 - p)`` on the wrong traces of mixed groups whose first
+    wrong line the verifier labels: the token share, update share and mean ``1 - p`` of the
+    correct prefix, the segment of the first slip and what follows it (``headroom.py`` reports
+    the same on any task)."""
+    tokens = mass = uncertainty = 0.0
+    wrong = labelled = 0
+    for batch in batches:
+        token_p, entropy = token_probabilities(policy, batch, temperature)
+        chunk = chunk_from_batch(batch, 0, token_p, entropy, segmenter)
+        is_wrong = batch.rewards.cpu() < 1.0
+        # wrong traces of groups with differing rewards (an all-wrong group gets no update at
+        # all) whose first wrong line the verifier labels
+        rows = is_wrong & chunk.mixed & torch.tensor([e is not None for e in chunk.error_segments])
+        region = torch.full_like(chunk.kinds, -1)
+        for kind, r in REGION_OF_KIND.items():
+            region[chunk.kinds == kind] = r
+        region[~rows] = -1
+        mask = batch.response_mask.cpu().float()
+        unit = torch.zeros(batch.size, dtype=torch.long)
+        tokens = tokens + per_unit_sums(region, mask, unit, 1, 3)[0]
+        gradient = grpo_gradient_mass(chunk.advantages, token_p.cpu(), mask)
+        mass = mass + per_unit_sums(region, gradient, unit, 1, 3)[0]
+        uncertainty = uncertainty + per_unit_sums(region, (1 - token_p.cpu()) * mask, unit, 1, 3)[0]
+        wrong += int(is_wrong.sum())
+        labelled += int(rows.sum())
+    if labelled == 0:
+        nan = dict.fromkeys(REGIONS, float("nan"))
+        return {"wrong_traces": wrong, "labelled_in_mixed_groups": 0, "token_share": nan,
+                "update_share": nan, "mean_1_minus_p": nan}  # fmt: skip
+    return {
+        "wrong_traces": wrong,
+        "labelled_in_mixed_groups": labelled,
+        "token_share": {n: float(tokens[i] / tokens.sum()) for i, n in enumerate(REGIONS)},
+        "update_share": {n: float(mass[i] / mass.sum()) for i, n in enumerate(REGIONS)},
+        "mean_1_minus_p": {
+            n: float(uncertainty[i] / max(tokens[i], 1)) for i, n in enumerate(REGIONS)
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--init", required=True, help="checkpoint to sample from")
@@ -72,43 +113,15 @@ def main() -> None:
         {"num_steps": args.num_steps},
     )
     trainer = Trainer(cfg, log=lambda *a, **k: None)
-    tokens = mass = uncertainty = 0.0
-    wrong = labelled = 0
-    for step in range(1, args.batches + 1):
-        batch, _ = trainer.rollout(trainer.prompts_for_step(step), forward=False)
-        token_p, entropy = token_probabilities(trainer.policy, batch, cfg.sampling.temperature)
-        chunk = chunk_from_batch(batch, 0, token_p, entropy, trainer.segmenter)
-        is_wrong = batch.rewards.cpu() < 1.0
-        # wrong traces of groups with differing rewards (an all-wrong group gets no update at
-        # all) whose first wrong line the verifier labels
-        rows = is_wrong & chunk.mixed & torch.tensor([e is not None for e in chunk.error_segments])
-        region = torch.full_like(chunk.kinds, -1)
-        for kind, r in REGION_OF_KIND.items():
-            region[chunk.kinds == kind] = r
-        region[~rows] = -1
-        mask = batch.response_mask.cpu().float()
-        unit = torch.zeros(batch.size, dtype=torch.long)
-        tokens = tokens + per_unit_sums(region, mask, unit, 1, 3)[0]
-        mass = (
-            mass
-            + per_unit_sums(
-                region, grpo_gradient_mass(chunk.advantages, token_p.cpu(), mask), unit, 1, 3
-            )[0]
-        )
-        uncertainty = uncertainty + per_unit_sums(region, (1 - token_p.cpu()) * mask, unit, 1, 3)[0]
-        wrong += int(is_wrong.sum())
-        labelled += int(rows.sum())
+    batches = [
+        trainer.rollout(trainer.prompts_for_step(step), forward=False)[0]
+        for step in range(1, args.batches + 1)
+    ]
     report = {
         "init": args.init,
         "num_steps": args.num_steps,
         "seed": args.seed,
-        "wrong_traces": wrong,
-        "labelled_in_mixed_groups": labelled,
-        "token_share": {n: float(tokens[i] / tokens.sum()) for i, n in enumerate(REGIONS)},
-        "update_share": {n: float(mass[i] / mass.sum()) for i, n in enumerate(REGIONS)},
-        "mean_1_minus_p": {
-            n: float(uncertainty[i] / max(tokens[i], 1)) for i, n in enumerate(REGIONS)
-        },
+        **region_shares(trainer.policy, batches, trainer.segmenter, cfg.sampling.temperature),
     }
     print(json.dumps(report, indent=1))
 
