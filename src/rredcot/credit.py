@@ -1229,9 +1229,11 @@ def token_credit(
             raise ValueError(f"Values.handover_weight={trust} must be in [0, 1]")
         if estimate.form not in ("redistribute", "reweight"):
             raise ValueError(f"Values.form={estimate.form!r}; valid: redistribute, reweight")
-        keep_grpo = normalization in _GRPO_SCALING and group_ids is not None
-        if trust < 1.0 or keep_grpo or estimate.form == "reweight":
-            grpo_rows = (rewards - group_mean()).to(seg_adv.device)
+        # GRPO's share is kept for the blend and for the split normalisation below
+        keep_grpo = trust < 1.0 or (normalization in _GRPO_SCALING and group_ids is not None)
+        if keep_grpo or estimate.form == "reweight":
+            grpo_rows = (rewards - group_mean()).to(seg_adv.device)  # (B,)
+        if keep_grpo:
             grpo = grpo_rows[:, None].expand_as(seg_adv)
             grpo = torch.where(seg_mask, grpo, torch.zeros_like(grpo))
         if estimate.form == "reweight":
@@ -1251,8 +1253,6 @@ def token_credit(
             seg_adv = reweight_grpo(grpo_rows, sigma, seg_mask, trust)
         elif trust < 1.0:
             seg_adv = grpo if trust == 0.0 else grpo + trust * (seg_adv - grpo)
-        if not (trust < 1.0 or keep_grpo):
-            grpo = None  # no split normalisation below (as before reweighting existed)
     elif isinstance(estimate, Weights):
         seg_mask = _as_bool(estimate.mask)
         seg_rewards = weights_to_segment_rewards(
