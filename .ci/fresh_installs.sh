@@ -3,7 +3,7 @@
 # project's own files install, so a dependency missing from pyproject.toml fails here.
 #
 #   1. base install only (`pip install -c constraints/cpu.txt -e .`): the main job, short form
-#      (a tiny warm-start, then a few RL steps from it);
+#      (a tiny warm-start, then a few RL steps from it) and `rredcot diagnose` on it;
 #   2. one virtualenv per optional extra: its module imported and its smallest path run
 #      (.ci/smoke_extra.py).
 #
@@ -40,6 +40,9 @@ new_venv "$WORK/base"
     base/bin/rredcot train --init "$WORK/init" --out "$WORK/base_run" --steps 3 \
         --prompts_per_step 4 --eval_size 16 --progress false
     test -s "$WORK/base_run/metrics.jsonl"
+    base/bin/rredcot diagnose --policy "$WORK/init" --prompts 4 --samples 4 --mc-traces 2 \
+        --mc-k 2 --out "$WORK/diagnose" --progress false
+    test -s "$WORK/diagnose/diagnose.json"
 )
 echo "base install: ok ($((SECONDS - t0)) s)"
 
