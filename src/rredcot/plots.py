@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rredcot.runio import CURVES, MetricsLog
+from rredcot.runio import CURVES, METRICS, PLOTS, MetricsLog, plot_file_name
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -16,8 +16,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = MetricsLog(run_dir / "metrics.jsonl").read()
-    out_dir = run_dir / "plots"
+    records = MetricsLog(run_dir / METRICS).read()
+    out_dir = run_dir / PLOTS
     out_dir.mkdir(exist_ok=True)
     written = []
     for key, title in CURVES:
@@ -31,7 +31,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out_dir / f"{key.replace('/', '_')}.png"
+        path = out_dir / plot_file_name(key)
         tmp = path.with_name(f".{path.name}.tmp")
         fig.savefig(tmp, dpi=100, format="png")
         os.replace(tmp, path)  # a reader never sees half a picture

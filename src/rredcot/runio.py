@@ -66,6 +66,13 @@ CURVES = [
     ("credit/handover_reliability", "measured reliability of the values"),
     ("credit/handover_weight", "weight of value-based credit"),
 ]
+PLOTS = "plots"
+
+
+def plot_file_name(metric: str) -> str:
+    """The PNG of ``metric`` under ``plots/`` (``value/loss`` -> ``value_loss.png``)."""
+    return f"{metric.replace('/', '_')}.png"
+
 
 LOCK = ".lock"
 MANIFEST = "manifest.json"
@@ -77,7 +84,7 @@ RUN_FILES = (
     METRICS,
     UNREADABLE_METRICS,
     CHECKPOINTS,
-    "plots",
+    PLOTS,
     "value_pretrain.json",
     "tensorboard",
     "wandb",
@@ -331,7 +338,7 @@ def remove_run_files(run_dir: Path, names: list[str]) -> None:
     followed."""
     own_entries = {
         CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
-        "plots": tuple(f"{key.replace('/', '_')}.png" for key, _ in CURVES) + (".*.png.tmp",),
+        PLOTS: tuple(plot_file_name(key) for key, _ in CURVES) + (".*.png.tmp",),
     }
     for name in names:
         path = run_dir / name
