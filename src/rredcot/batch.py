@@ -44,7 +44,9 @@ class RolloutBatch:
     hidden_states: torch.Tensor | None = None  # (B, L, H * len(layers)) from the old-logprob pass
     position_ids: torch.Tensor | None = None  # (B, L)
     entropies: torch.Tensor | None = None  # (B, T) next-token entropy (entropy segmentation)
-    prefix_ids: torch.Tensor | None = None  # (B, S+1) credit.shared_prefix_ids, -1 on padding
+    prefix_ids: torch.Tensor | None = (
+        None  # (B, S+1) rredcot.shared_prefixes.shared_prefix_ids, -1 on padding
+    )
     # (B, T) float, tree groups only (sampling.tree): how many leaves of the group share the
     # tokens up to and including each one (rredcot.tree.token_share_counts); None otherwise
     token_share_counts: torch.Tensor | None = None

@@ -70,6 +70,7 @@ from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.methods.oracle import first_error_segment
 from rredcot.models import load_policy
+from rredcot.normalization import group_mean_std
 from rredcot.rollout import build_rollout_batch, eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.sft import default_policy_source
@@ -129,10 +130,10 @@ WRONG_KINDS = KINDS[2:]
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """GRPO's advantage of each row, ``(R - mean_g) / std_g`` with the group statistics of
-    :func:`rredcot.credit.group_mean_std` (Bessel's correction, as TRL), and 0 in a group whose
+    :func:`rredcot.normalization.group_mean_std` (Bessel's correction, as TRL), and 0 in a group whose
     rewards all agree (std 0: GRPO has no update there). ``rewards``, ``group_ids``: ``(B,)``.
     Returns ``(B,)`` float."""
-    mean, std = credit_algebra.group_mean_std(rewards.float(), group_ids)
+    mean, std = group_mean_std(rewards.float(), group_ids)
     centred = rewards.float() - mean
     return torch.where(std > 0, centred / std.clamp_min(1e-12), torch.zeros_like(centred))
 
@@ -838,7 +839,7 @@ def chunk_from_batch(
     """What the figures read of one segmented batch: its prompts are units ``first_unit +
     group_id``; ``token_p``, ``entropy``: ``(B, T)`` (:func:`token_probabilities`)."""
     rewards, group_ids = batch.rewards.cpu(), batch.group_ids.cpu()
-    _, std = credit_algebra.group_mean_std(rewards.float(), group_ids)
+    _, std = group_mean_std(rewards.float(), group_ids)
     errors, answers = row_kind_inputs(batch, segmenter)
     return Chunk(
         batch=batch,

@@ -35,6 +35,7 @@ from rredcot.integrations.saved import (
 )
 from rredcot.methods.base import CreditContext, CreditOutput, build_credit
 from rredcot.models import load_policy, resolve_model_dir
+from rredcot.normalization import group_mean_std
 from rredcot.rollout import build_rollout_batch, fill_forward
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -252,7 +253,7 @@ def normaliser_note(method, batch: RolloutBatch, row: int) -> str:
     (the token advantage is ``A_k / normaliser``)."""
     mode = method.normalization
     r = batch.rewards.double()
-    _, std = credit.group_mean_std(r, batch.group_ids)
+    _, std = group_mean_std(r, batch.group_ids)
     group = float(std[row])
     batch_std = float(r.std()) if r.numel() > 1 else 0.0
     if mode == "group_std":

@@ -20,6 +20,7 @@ from rredcot import shared_prompt as shared_prompt_forward
 from rredcot import tree as tree_sampling
 from rredcot.batch import RolloutBatch
 from rredcot.segment import Segmenter, segment_completion
+from rredcot.shared_prefixes import shared_prefix_ids
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 
@@ -424,7 +425,7 @@ def segment_batch(
         boundaries=boundaries,
         segment_char_starts=char_starts,
         segment_ids=credit.boundaries_to_segment_ids(boundaries, batch.response_len).to(device),
-        prefix_ids=credit.shared_prefix_ids(
+        prefix_ids=shared_prefix_ids(
             batch.input_ids[:, P:], batch.response_mask, boundaries, batch.group_ids
         ),
     )

@@ -19,11 +19,11 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from rredcot.config import TrainConfig
-from rredcot.credit import get_normalizer
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit, get_credit
 from rredcot.models import load_policy, set_activation_checkpointing
+from rredcot.normalization import get_normalizer
 from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt, resolve_decoder
 from rredcot.seeding import seed_everything
 from rredcot.segment import Segmenter, segmenter_from_config

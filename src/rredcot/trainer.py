@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rredcot import credit as credit_algebra
 from rredcot import runio
 from rredcot.batch import RolloutBatch
 from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_training_checkpoint
 from rredcot.config import TrainConfig, resume_config, write_text_atomic
 from rredcot.evaluation import greedy_accuracy
 from rredcot.loss import policy_loss
+from rredcot.normalization import masked_mean
 from rredcot.plots import plot_run
 from rredcot.rollout import (
     build_rollout_batch,
@@ -202,7 +202,11 @@ class Trainer:
             batch, loss_forward = self._loss_forward(batch)
             clock.lap("update")
 
-        credit_out = self.method.compute(batch)
+        credit_rows = self.method.rows(batch)
+        estimate = self.method.estimate(credit_rows)
+        credit_out = self.method.credit_output(
+            credit_rows, estimate, batch.segment_ids, batch.response_mask
+        )
         clock.lap("credit")
 
         advantages = shared_token_weighted(
@@ -216,7 +220,7 @@ class Trainer:
         update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
         clock.lap("update")
 
-        value_stats = self.method.update(batch)
+        value_stats = self.method.update(credit_rows, estimate)
         clock.lap("value_update")
         return self._record(
             step, batch, stats, credit_out, update_stats, value_stats, clock, not self.single_pass()
@@ -446,9 +450,7 @@ class Trainer:
             "reward_mean": float(batch.rewards.mean()),
             "reward_std": float(batch.rewards.std()) if B > 1 else 0.0,
             **update_stats,
-            "advantage_abs_mean": float(credit_algebra.masked_mean(advantages.abs(), mask))
-            if mask.any()
-            else 0.0,
+            "advantage_abs_mean": float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0,
             "zero_variance_groups": _zero_variance_groups(batch.rewards, batch.group_ids),
             "skipped_samples_total": self.skipped_total,
             "lr": self.scheduler.get_last_lr()[0],
@@ -464,8 +466,7 @@ class Trainer:
     def _pretrain_credit(self) -> None:
         """Fit a learned estimator (the value head) on the warm-start policy's own samples before
         RL, so that its credit is informed from the first step (docs/method.md, value sources)."""
-        pretrain = getattr(self.method, "pretrain", None)
-        if pretrain is None:
+        if not self.method.learns:
             raise ValueError(
                 "credit.value_head.pretrain_steps > 0, but credit method "
                 f"{self.cfg.credit_method!r} learns nothing; set it to 0"
@@ -483,7 +484,7 @@ class Trainer:
             self.extra_tokens_generated += int(stats["rollout/tokens"])
             return batch
 
-        stats = pretrain(sample_batch, cfg.credit.value_head.pretrain_steps)
+        stats = self.method.pretrain(sample_batch, cfg.credit.value_head.pretrain_steps)
         self.log(
             "value pretraining: "
             + ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in stats.items())

@@ -79,6 +79,7 @@ from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.methods.value_head import expected_calibration_error
 from rredcot.models import load_policy
+from rredcot.normalization import group_mean_std
 from rredcot.rollout import build_rollout_batch, fill_forward, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.train_setup import resolve_device
@@ -253,7 +254,7 @@ def _comparison_advantages(
     if out.values is not None and getattr(config, "form", "") == "reweight" and method.reweights:
         r = rewards.double().to(out.values.device)
         seg_rewards, seg_mask = credit_algebra.redistribute(out.values.double(), out.value_mask, r)
-        grpo = r - credit_algebra.group_mean_std(r, batch.group_ids.to(r.device))[0]
+        grpo = r - group_mean_std(r, batch.group_ids.to(r.device))[0]
         lengths = credit_algebra.segment_token_counts(
             batch.segment_ids.to(r.device), batch.response_mask.to(r.device), seg_mask.shape[1]
         )
@@ -451,7 +452,7 @@ def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer
         return {}
     if saved_run is not None and saved_run[0] == method.name:
         return {"loaded_from": str(load_method_state(method, cfg.run))}
-    if hasattr(method, "pretrain") and fit_batches:
+    if method.learns and fit_batches:
         layers = method.hidden_layers if method.needs_hidden_states else None
         queue = iter(fit_batches)
 

@@ -15,21 +15,20 @@ Per generation batch:
    normalisation);
 2. each process decodes its completions with token offsets and segments them
    (``rredcot.integrations._batch``);
-3. the credit runs over every process's completions, so groups may span processes as in TRL:
-   the value head reads the features of each process's own batch (real prompt and token
-   positions: ``ValueHeadCredit.boundary_features``, the hidden states at the prefix ends and,
-   with ``credit.value_head.logprob_features``, the log-prob features, exactly as in rredcot's own
-   trainer), gathered as tensors (``estimate_from_features``); other methods' values (the answer
-   likelihood's probes, a process reward's step scores: each process runs its own copy of a
-   frozen PRM) are computed on each process's rows and gathered. The algebra runs on the segments of every row, and each
-   process spreads its rows' segment advantages over its tokens. ``scale_rewards`` maps onto the
-   normalisation (:func:`normalization_for_scale_rewards`);
+3. the credit runs the contract of :mod:`rredcot.methods.base` with the batch split across
+   processes: each process measures its own rows (``method.rows``: the value head's boundary
+   features, read at the real prompt and token positions exactly as in rredcot's own trainer;
+   the answer likelihood's probes; a process reward's step scores, each process running its own
+   copy of a frozen PRM), the rows are gathered, the estimate and the segment stage run over
+   every process's rows (groups may span processes, as in TRL), and each process runs the token
+   stage on its own rows and tokens. ``scale_rewards`` maps onto the normalisation
+   (:func:`normalization_for_scale_rewards`);
 4. the value head's hidden states and log-probs come from TRL's no-grad old-log-prob pass when
    TRL runs one, else from the training (loss) forward of each micro-batch: detached, read by a
    hook, and the advantages written into the micro-batch before the loss is formed. No extra
    forward either way (``rredcot/extra_forward`` = 0; 1 only with the Liger loss);
-5. in training only, the method learns (``update``; the value head trains after the credit of the
-   step, on the gathered boundary features, so every process holds the same head).
+5. in training only, the method learns (``update`` over the gathered rows, after the credit of
+   the step, so every process holds the same head and guard).
 
 The credit method's state (the value head) is written as ``value_head.pt`` next to every
 checkpoint and the final model, and read back on ``train(resume_from_checkpoint=...)``.
@@ -58,16 +57,18 @@ from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.integrations.saved import CREDIT_STATE_FILE, settings_dict, write_settings
 from rredcot.methods.base import (
     CreditContext,
+    CreditOutput,
+    CreditRows,
     RolloutBatch,
     build_credit,
     get_credit,
-    uniform_values,
 )
 from rredcot.models import (
     is_activation_checkpointing,
     resolve_model_dir,
     set_activation_checkpointing,
 )
+from rredcot.normalization import Scale, apply_scale, masked_mean
 from rredcot.rollout import eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -390,6 +391,10 @@ class _Collective:
     def rank(self) -> int:
         return int(self.accelerator.process_index)
 
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
     def gather(self, t: Tensor) -> Tensor:
         """Concatenate every process's ``t`` along dim 0 (same shapes)."""
         return t if self.world == 1 else self.accelerator.gather(t.contiguous())
@@ -444,20 +449,37 @@ class _GlobalRows:
         """``(N,)`` bool: rows with a response (unscorable and empty rows have no segment)."""
         return (self.counts > 0).to(device)
 
-    def value_tensors(self, device) -> tuple[Tensor, Tensor, Tensor]:
-        """``(value mask (N, S+1) bool, rewards (N,), group_ids (N,))`` on ``device``."""
-        mask = torch.arange(self.width).unsqueeze(0) <= self.counts.unsqueeze(1)
-        return mask.to(device), self.rewards.to(device), self.group_ids.to(device)
+    def gather(self, local: CreditRows, collective: _Collective, features: Tensor | None = None):
+        """The credit rows of every process (:class:`~rredcot.methods.base.CreditRows`): this
+        process's ``local`` rows' measurements gathered (padded to the widest row), the rewards
+        and groups of every row; ``features`` (already gathered) stand in for the local ones.
+        The group's shared prefixes are not gathered (their ids are local)."""
+        width = self.width
+        device = self.rewards.device if features is None else features.device
 
-    def segment_layout(self, device) -> tuple[Tensor, Tensor]:
-        """``(segment_ids (N, S) long, mask (N, S) float)`` with one column per segment
-        (``segment_ids[b, k] = k`` for ``k < counts[b]``, else -1): the algebra's token layout at
-        segment resolution, so its token advantages are the segment advantages (each process
-        then spreads its rows' over their tokens)."""
-        cols = torch.arange(self.width - 1).unsqueeze(0)
-        present = cols < self.counts.unsqueeze(1)
-        segment_ids = torch.where(present, cols, torch.full_like(cols, -1))
-        return segment_ids.to(device), present.float().to(device)
+        def every(t: Tensor | None, columns: int) -> Tensor | None:
+            if t is None:
+                return None
+            t = collective.gather_padded(t.to(collective.device).contiguous(), dim=1)
+            return _fit_columns(t, columns).to(device)
+
+        mask = (torch.arange(width).unsqueeze(0) <= self.counts.unsqueeze(1)).to(device)
+        values = every(None if local.values is None else local.values.float(), width)
+        if values is not None:  # the method's own mask of its values
+            mask = every(local.value_mask.float(), width) > 0
+        return CreditRows(
+            rewards=self.rewards.to(device),
+            group_ids=self.group_ids.to(device),
+            num_segments=self.counts.to(device),
+            live=(self.counts > 0).to(device),
+            value_mask=mask,
+            segment_lengths=every(local.segment_lengths, width - 1),
+            features=features if features is not None else every(local.features, width),
+            values=values,
+            weights=every(local.weights, width - 1),
+            cost=local.cost,
+            metrics=local.metrics,
+        )
 
 
 @dataclass
@@ -804,39 +826,25 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["rredcot/extra_forward"].append(extra)
             batch = batch.replace(hidden_states=captured, old_logprobs=logps.detach())
             self.last_batch = batch
-            feats = self._global_features(batch, rows)
-            out, advantages = self._credit(batch, rows, feats=feats)
-        else:
-            feats, values = None, None
-            if self.args.credit_method != "uniform":  # values computed on the local rows
-                values = self._local_values(batch, rows)
-            out, advantages = self._credit(batch, rows, values=values)
+        every = rows.gather(self._local_rows(batch), self.collective)
+        estimate, out, advantages = self._credit(batch, rows, every)
         output["advantages"] = advantages * loss_mask.to(advantages.dtype)
-        self._finish(out, output["advantages"], loss_mask, rows, mode, feats)
+        self._finish(out, output["advantages"], loss_mask, every, estimate, mode)
         return output
 
     # -- credit over the global rows ----------------------------------------------------------
-    def _global_features(self, batch: RolloutBatch, rows: _GlobalRows) -> Tensor:
-        """``(N, S+1, F)`` value-head features of every process's rows: each process's
-        ``boundary_features`` of its own batch (hidden states and log-probs filled), gathered."""
-        local, _ = self.credit_method.boundary_features(batch)
-        local = _fit_columns(local, rows.width)
-        return _fit_columns(self.collective.gather_padded(local, dim=1), rows.width)
-
-    def _local_values(self, batch: RolloutBatch, rows: _GlobalRows) -> tuple[Tensor, Tensor]:
-        """The method's values of the local rows, gathered to ``(N, S+1)``. Forwards the method
-        runs (answer-likelihood probes) are evened out across processes with dummy forwards, so
-        sharded models (ZeRO-3, FSDP) see the same number of forwards on every rank."""
+    def _local_rows(self, batch: RolloutBatch) -> CreditRows:
+        """The method's rows of this process's batch (:meth:`CreditMethod.rows`: boundary
+        features, or values such as answer-likelihood probes). The forwards it runs are evened
+        out across processes with dummy forwards, so sharded models (ZeRO-3, FSDP) see the same
+        number of forwards on every rank."""
         counter, handle = _counting_forwards(self.model)
         try:
-            values, mask = self.credit_method.segment_values(batch)
+            local = self.credit_method.rows(batch)
         finally:
             handle.remove()
         self._even_out_forwards(counter[0])
-        device = self.accelerator.device
-        values = self.collective.gather_padded(values.to(device, torch.float32), dim=1)
-        mask = self.collective.gather_padded(mask.to(device, torch.float32), dim=1) > 0
-        return _fit_columns(values, rows.width), _fit_columns(mask, rows.width)
+        return local
 
     @torch.no_grad()
     def _even_out_forwards(self, done: int) -> int:
@@ -849,87 +857,57 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             model(input_ids=ids, attention_mask=torch.ones_like(ids))
         return most - done
 
-    def _credit(
-        self,
-        batch: RolloutBatch,
-        rows: _GlobalRows,
-        feats: Tensor | None = None,
-        values: tuple[Tensor, Tensor] | None = None,
-    ):
-        """``(CreditOutput over the segments of every process's rows, (B, T) local token
-        advantages)``.
+    def _credit(self, batch: RolloutBatch, rows: _GlobalRows, every: CreditRows):
+        """``(estimate, CreditOutput, (B, T) local token advantages)``.
 
-        The method runs on one row per completion of every process (the value head on the
-        gathered features, other methods on values computed elsewhere), so group statistics,
-        the anchor, the hand-over and the normalisation see whole groups even where they span
-        processes; its segment advantages are then spread over the local tokens. ``whiten`` is
-        applied over every process's tokens afterwards."""
+        The method's estimate and the segment stage run on every process's rows, so group
+        statistics, the anchor, the hand-over and the normalisation's scale see whole groups
+        even where they span processes; the token stage then runs on the local rows and tokens
+        (``whiten`` over every process's tokens)."""
         method = self.credit_method
-        whiten = method.normalization == "whiten"
-        device = feats.device if feats is not None else rows.rewards.device
-        value_mask, rewards, group_ids = rows.value_tensors(device)
-        live = rows.live(device)
-        if feats is not None:
-            estimate = method.estimate_from_features(feats, value_mask, rewards, group_ids, live)
+        estimate = method.estimate(every)
+        seg, metrics = method.segment_stage(every, estimate)
+        scale = method.scale(every, estimate, like=seg.advantages)
+        local = seg.rows(rows.local)
+        local = dataclasses.replace(local, advantages=local.advantages.to(batch.segment_ids.device))
+        if scale.whiten:
+            tokens = credit.token_advantages(local, batch.segment_ids, batch.response_mask, Scale())
+            tokens = self._whiten_everywhere(tokens, batch, scale)
         else:
-            if values is None:  # uniform: GRPO's values, from every process's rewards
-                values = uniform_values(rewards, group_ids, rows.counts)
-            estimate = method.estimate_from_values(*values, rewards, group_ids, live)
-        segment_ids, segment_mask = rows.segment_layout(device)
-        if method.config.form == "reweight" and isinstance(estimate.credit, credit.Values):
-            # sigma averages 1 over tokens: every process's segment lengths, gathered
-            local = credit.segment_token_counts(
-                batch.segment_ids, batch.response_mask, rows.width - 1
+            tokens = credit.token_advantages(
+                local, batch.segment_ids, batch.response_mask, scale.rows(rows.local)
             )
-            lengths = _fit_columns(self.collective.gather_padded(local, dim=1), rows.width - 1)
-            estimate = dataclasses.replace(
-                estimate,
-                credit=dataclasses.replace(estimate.credit, segment_lengths=lengths.to(device)),
-            )
-        out = method.credit_output(
-            estimate, rewards, group_ids, segment_ids, segment_mask, "none" if whiten else None
+        value_mask = estimate.credit.mask if isinstance(estimate.credit, credit.Values) else None
+        out = CreditOutput(
+            tokens, seg.advantages, seg.mask, seg.values, value_mask, metrics, estimate.cost
         )
-        seg_adv = out.advantages[rows.local].to(batch.segment_ids.device)
-        tokens = credit.segments_to_tokens(seg_adv, batch.segment_ids, batch.response_mask)
-        if whiten:
-            every = self.collective.gather_padded(tokens, dim=1)
-            mask = self.collective.gather_padded(batch.response_mask.contiguous(), dim=1)
-            tokens = credit.normalize_advantages(
-                every, mask, rows.rewards.to(every.device), None, "whiten"
-            )[rows.local, : tokens.shape[1]]
-        return out, tokens.to(torch.float32)
+        return estimate, out, tokens.to(torch.float32)
+
+    def _whiten_everywhere(self, tokens: Tensor, batch: RolloutBatch, scale: Scale) -> Tensor:
+        """The local rows of ``tokens`` whitened over every process's tokens."""
+        every = self.collective.gather_padded(tokens, dim=1)
+        mask = self.collective.gather_padded(batch.response_mask.contiguous(), dim=1)
+        start = self.collective.rank * batch.size
+        whitened = apply_scale(every, mask, scale)
+        return whitened[start : start + batch.size, : tokens.shape[1]]
 
     def _finish(
         self,
-        out,
+        out: CreditOutput,
         advantages: Tensor,
         loss_mask: Tensor,
-        rows: _GlobalRows,
+        every: CreditRows,
+        estimate,
         mode: str,
-        feats: Tensor | None,
     ) -> None:
         """Log the credit (averaged over processes), then, in training, let the method learn
-        from the global batch (after its credit: the credit never sees the step's outcomes)."""
+        from every process's rows (after its credit: the credit never sees the step's
+        outcomes; every process holds the same head and guard)."""
         self.last_credit = out
         self._log_credit(self.collective.mean_metrics(out.metrics), mode)
         self._log_row_advantages(advantages, loss_mask)
         if mode == "train":
-            self._log_credit(self._update_credit(rows, feats, out), mode)
-
-    def _update_credit(self, rows: _GlobalRows, feats: Tensor | None, out) -> dict[str, float]:
-        """Let the credit method learn from this step's outcomes, over every process's rows
-        (every process holds the same head): the value head from the gathered features, other
-        methods from the values their credit used."""
-        device = feats.device if feats is not None else rows.rewards.device
-        value_mask, rewards, group_ids = rows.value_tensors(device)
-        live = rows.live(device)
-        if feats is not None:
-            return self.credit_method.update_from_features(
-                feats, value_mask, rewards, group_ids, live
-            )
-        return self.credit_method.update_from_values(  # every TRL method's estimate is Values
-            out.values, out.value_mask, rewards, group_ids, live
-        )
+            self._log_credit(self.credit_method.update(every, estimate), mode)
 
     # -- the credit from the loss forward (no pass of TRL to read hidden states from) ---------
     def _defer(self, output: dict, batch, rows: _GlobalRows, loss_mask: Tensor, mode: str):
@@ -966,8 +944,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 f"micro-batch is {tuple(sub.input_ids.shape)} (TRL internals changed?)"
             )
         sub = sub.replace(hidden_states=hidden.detach(), old_logprobs=logps)
-        local_feats, _ = self.credit_method.boundary_features(sub)
-        local_feats = _fit_columns(local_feats, pending.rows.width)
+        local_feats = _fit_columns(self.credit_method.rows(sub).features, pending.rows.width)
         device = self.accelerator.device
         every_rows = self.collective.gather((local_rows + pending.rows.start).to(device)).cpu()
         every_feats = self.collective.gather(local_feats.contiguous())
@@ -976,7 +953,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             pending.features = every_feats.new_zeros(N, S1, every_feats.shape[-1])
         pending.features[every_rows.to(pending.features.device)] = every_feats
         pending.seen[every_rows] = True
-        out, tokens = self._credit(pending.batch, pending.rows, feats=pending.features)
+        every = pending.rows.gather(
+            CreditRows.of(pending.batch), self.collective, features=pending.features
+        )
+        estimate, out, tokens = self._credit(pending.batch, pending.rows, every)
         picked = local_rows.to(tokens.device)
         mask = pending.loss_mask[picked].to(tokens.dtype)
         inputs["advantages"] = tokens[picked] * mask
@@ -984,14 +964,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if bool(pending.seen.all()):
             self._pending = None
             self.last_batch = pending.batch
-            self._finish(
-                out,
-                pending.advantages,
-                pending.loss_mask,
-                pending.rows,
-                pending.mode,
-                pending.features,
-            )
+            self._finish(out, pending.advantages, pending.loss_mask, every, estimate, pending.mode)
 
     def _verdicts(self, batch: RolloutBatch) -> list[Verdict]:
         if self.task is None:
@@ -1011,7 +984,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     def _log_row_advantages(self, advantages: Tensor, mask: Tensor) -> None:
         """Show each completion's mean token advantage in TRL's completions table (TRL logged its
         own per-completion advantages just before)."""
-        row_mean = credit.masked_mean(advantages, mask.bool(), dim=1)
+        row_mean = masked_mean(advantages, mask.bool(), dim=1)
         gathered = self.accelerator.gather(row_mean.contiguous()).tolist()
         logs = self._logs["advantages"]
         for _ in range(min(len(gathered), len(logs))):

@@ -65,10 +65,17 @@ from rredcot.integrations._batch import (
     segment_completions,
     span_mask,
 )
-from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit, build_probes
-from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
-from rredcot.methods.frozen_values import FrozenValuesCredit
-from rredcot.methods.process_reward import ProcessRewardCredit
+from rredcot.methods.answer_likelihood import build_probes
+from rredcot.methods.base import (
+    CreditContext,
+    CreditMethod,
+    CreditOutput,
+    CreditRows,
+    build_credit,
+    register_credit,
+    uniform_values,
+)
+from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem
@@ -316,56 +323,44 @@ def _with_dense_rewards(values: Tensor, mask: Tensor, prefix: Tensor) -> Tensor:
     return torch.where(mask, shifted, values)
 
 
-class CriticCredit(FrozenValuesCredit):
+@register_credit("critic")
+class CriticCredit(ValueSourceCredit):
     """``credit_method=critic``: values from verl's critic, with the guards of every rredcot value
     source (the group-mean anchor, the hand-over from uniform credit by measured reliability,
-    safe normalisation; :class:`~rredcot.methods.frozen_values.FrozenValuesCredit`).
+    safe normalisation; :class:`~rredcot.methods.value_source.ValueSourceCredit`).
 
     verl trains the critic; this method learns only how far to trust it: the slope of the
     outcomes on its last prefix value, measured on each step's outcomes after that step's credit,
     is the next steps' hand-over weight (0 at the start: GRPO until the critic has earned trust).
     ``credit.handover.mode=off`` uses the critic's credit at full weight from the first step."""
 
-    name = "critic"
-
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         raise ValueError(
             "credit_method=critic reads its values from verl's critic (data.batch['values'], "
-            "critic.enable=True): the estimator passes them to estimate_from_values / "
-            "update_from_values; this method cannot compute values of a batch itself"
+            "critic.enable=True): the estimator puts them in the rows it credits; this method "
+            "cannot compute values of a batch itself"
         )
 
 
-_METHOD_CACHE: dict[tuple, CreditMethod] = {}
+_METHODS: dict[tuple, CreditMethod] = {}
 
 
 def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
-    """The credit method instance for these settings, kept across steps on the driver (state
-    such as a hand-over's reliability persists)."""
+    """The credit method of these settings, from the registry, kept across steps on the driver:
+    verl calls the estimator as a function once per step, and the method's state (a hand-over's
+    reliability) must persist between the calls."""
     key = (name, repr(cfg))
-    if key not in _METHOD_CACHE:
-        if name == "uniform":
-            _METHOD_CACHE[key] = UniformCredit(cfg, CreditContext(policy=None, tokenizer=None))
-        elif name == "critic":
-            _METHOD_CACHE[key] = CriticCredit(cfg, CreditContext(policy=None, tokenizer=None))
-        elif name == "answer_likelihood":
-            task = task_settings(config)
-            if task is None:
-                raise ValueError(
-                    "algorithm.rredcot.credit_method=answer_likelihood needs "
-                    "+algorithm.rredcot.task=NAME (e.g. gsm8k): its render_answer writes the probes"
-                )
-            _METHOD_CACHE[key] = AnswerLikelihoodCredit(
-                cfg, CreditContext(policy=None, tokenizer=None, task=task)
+    if key not in _METHODS:
+        task = task_settings(config)
+        if name == "answer_likelihood" and task is None:
+            raise ValueError(
+                "algorithm.rredcot.credit_method=answer_likelihood needs "
+                "+algorithm.rredcot.task=NAME (e.g. gsm8k): its render_answer writes the probes"
             )
-        elif name == "process_reward":
-            # on the driver: a function runs where verl's driver does, a PRM on its CPU
-            _METHOD_CACHE[key] = ProcessRewardCredit(
-                cfg, CreditContext(policy=None, tokenizer=None)
-            )
-        else:
-            raise ValueError(f"no cached method for {name!r}")
-    return _METHOD_CACHE[key]
+        # on the driver: a process reward function runs where verl's driver does, a PRM on its CPU
+        context = CreditContext(policy=None, tokenizer=None, task=task)
+        _METHODS[key] = build_credit(name, cfg, context)
+    return _METHODS[key]
 
 
 def compute_rredcot_advantage(
@@ -498,14 +493,26 @@ def _credit_from_values(
     segment_ids: Tensor,
     response_mask: Tensor,
     live: Tensor,
-):
-    """Boundary values of any verl value source through the core's path: dense rewards kept,
-    the method's estimate (anchor, hand-over), the token credit; then the method learns from
-    this step's outcomes, after its credit, as in the core (a no-op for uniform credit)."""
-    given = _with_dense_rewards(values, value_mask, prefix)
-    estimate = method.estimate_from_values(given, value_mask, rewards, group_ids, live)
-    out = method.credit_output(estimate, rewards, group_ids, segment_ids, response_mask)
-    method.update_from_values(out.values, value_mask, rewards, group_ids, live)
+) -> CreditOutput:
+    """Boundary values of any verl value source through the contract every path runs: the rows
+    (dense rewards kept in the values), the method's estimate (anchor, hand-over), the segment
+    and token stages; then the method learns from this step's outcomes, after its credit (a
+    no-op for uniform credit)."""
+    num_segments = value_mask.sum(dim=1) - 1
+    rows = CreditRows(
+        rewards=rewards,
+        group_ids=group_ids,
+        num_segments=num_segments,
+        live=live,
+        value_mask=value_mask,
+        segment_lengths=credit.segment_token_counts(
+            segment_ids, response_mask, value_mask.shape[1] - 1
+        ),
+        values=_with_dense_rewards(values, value_mask, prefix),
+    )
+    estimate = method.estimate(rows)
+    out = method.credit_output(rows, estimate, segment_ids, response_mask)
+    method.update(rows, estimate)
     return out
 
 
@@ -732,7 +739,7 @@ def process_reward_values(data, tokenizer, config: Any = None, eos_token_ids: An
     """``(B, S+1)`` process-reward values of a verl batch, computed on the driver: the responses
     are decoded and segmented exactly as the estimator segments them (:func:`make_segmenter`),
     and the method's source (``algorithm.rredcot.process_reward.function`` or ``.model``) scores
-    every boundary (:meth:`rredcot.methods.process_reward.ProcessRewardCredit.segment_values`;
+    every boundary (:meth:`rredcot.methods.process_reward.ProcessRewardCredit.boundary_values`;
     column 0 and column ``n`` are set by the estimator).
 
     Args:
@@ -749,7 +756,7 @@ def process_reward_values(data, tokenizer, config: Any = None, eos_token_ids: An
         )
     problems = [Problem(text, "") for text in _prompt_texts(data, tokenizer)]
     batch = _driver_batch(data, tokenizer, make_segmenter(cfg, config), eos_token_ids, problems)
-    values, _ = _method_for(method_name, cfg, config).segment_values(batch)
+    values, _, _ = _method_for(method_name, cfg, config).boundary_values(batch)
     return values.cpu()
 
 

@@ -49,7 +49,7 @@ that only ever copies its final running result into the answer line gives every 
 probe a probability near zero, and the estimator then cannot tell good steps from bad ones
 (docs/method.md, failure modes).
 
-**Safe credit** (the value head's guards, :mod:`rredcot.methods.handover`): the values are anchored
+**Safe credit** (the value head's guards, :mod:`rredcot.methods.guard`): the values are anchored
 on the group's mean reward (``credit.anchor=group``: ``V'(s_k) = V(s_k) - V(s_0) + mean R_group``,
 so every trace gets GRPO's total credit); the credit is handed over from uniform (GRPO) credit by a
 weight ``w`` that tracks the estimator's measured reliability on fresh outcomes (the slope
@@ -91,8 +91,7 @@ from torch import Tensor, nn
 from rredcot.batch import RolloutBatch
 from rredcot.config import AnswerLikelihoodConfig
 from rredcot.methods.base import CreditContext, register_credit
-from rredcot.methods.frozen_values import FrozenValuesCredit
-from rredcot.methods.handover import anchor, group_mean
+from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.rollout import eval_mode, position_ids_from_mask
 from rredcot.tasks.answers import equivalent_renderings
 from rredcot.tasks.base import safe_verify
@@ -788,7 +787,7 @@ def prefix_features(values: Tensor, value_mask: Tensor) -> Tensor:
 
 
 @register_credit("answer_likelihood", options=AnswerLikelihoodConfig)
-class AnswerLikelihoodCredit(FrozenValuesCredit):
+class AnswerLikelihoodCredit(ValueSourceCredit):
     """Values from the policy's probability of answering correctly right after each prefix, with
     the value head's guards (anchor, hand-over, safe normalisation; module docstring).
 
@@ -812,7 +811,6 @@ class AnswerLikelihoodCredit(FrozenValuesCredit):
         self.probe = ProbeFormat.from_config(self.options)
         self._packing = "auto"
         self._checked = False
-        self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
 
     @property
     def max_batch_tokens(self) -> int:
@@ -853,16 +851,13 @@ class AnswerLikelihoodCredit(FrozenValuesCredit):
             self._packing = "unpacked"
 
     # -- values ---------------------------------------------------------------------------------
-    def probe_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+    def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)``: the probed values, not anchored, with
-        ``values[:, n] = R``. Cached for the last batch seen (``estimate`` after
-        ``segment_values`` probes once)."""
-        if self._cache is not None and self._cache[0]() is batch:
-            return self._cache[1], self._cache[2], self._cache[3]
+        ``values[:, n] = R``, and the probe pass's statistics."""
         if not self._checked:
             self._check_packing(batch)
         ctx = self.context
-        values, mask, stats = answer_values(
+        return answer_values(
             ctx.policy,
             ctx.tokenizer,
             ctx.task,
@@ -873,21 +868,3 @@ class AnswerLikelihoodCredit(FrozenValuesCredit):
             probe=self.probe,
             logits_mb=self.options.logits_mb,
         )
-        self._cache = (weakref.ref(batch), values, mask, stats)
-        return values, mask, stats
-
-    def _anchored(self, values: Tensor, mask: Tensor, batch: RolloutBatch) -> Tensor:
-        return anchor(values, mask, group_mean(batch), self.config.anchor)
-
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """The values credit uses: :meth:`probe_values`, anchored on the group mean reward
-        (``credit.anchor``)."""
-        values, mask, _ = self.probe_values(batch)
-        return self._anchored(values, mask, batch), mask
-
-    # -- the hand-over loop's hooks (:class:`FrozenValuesCredit`) ---------------------------------
-    def pass_stats(self) -> dict[str, float]:
-        return dict(self._cache[3]) if self._cache is not None else {}  # the probe pass
-
-    def forget_pass(self) -> None:
-        self._cache = None

@@ -1,7 +1,7 @@
 """Attribution baselines: split ``R - V(s_0)`` over segments by weights, with no value estimate.
 
 docs/method.md, value sources. Each method gives per-segment weights ``w_k >= 0`` with ``sum_k w_k = 1``
-(``segment_weights``); the shared base class turns them into ``r_k = w_k (R - mean(R_group))``
+(``CreditRows.weights``); the shared base class turns them into ``r_k = w_k (R - mean(R_group))``
 and gives every token of segment ``k`` the segment advantage ``r_k`` directly. There is no
 segment GAE over these ``r_k`` (``credit.lam`` is ignored): docs/method.md's table lists no λ for the
 attribution baselines, the weights already say how much of the outcome each segment earns.
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from rredcot.batch import RolloutBatch
-from rredcot.credit import Cost, Weights
-from rredcot.methods.base import CreditMethod, Estimate, register_credit, segment_mask
+from rredcot.credit import Cost
+from rredcot.methods.base import CreditMethod, CreditRows, register_credit
 from rredcot.rollout import position_ids_from_mask
 from rredcot.segment import decode_with_offsets
 
@@ -236,12 +236,10 @@ class _AttributionCredit(CreditMethod):
     micro_batch_size: int = 16  # rows per extra forward (and backward)
     backward: bool = False  # whether the extra pass also runs backward
 
-    def estimate(self, batch: RolloutBatch) -> Estimate:
+    def rows(self, batch: RolloutBatch) -> CreditRows:
+        """The batch's rows with their attribution weights."""
         weights, cost = self.weights_and_cost(batch)
-        return Estimate(Weights(weights, segment_mask(batch, weights.device)), cost)
-
-    def segment_weights(self, batch: RolloutBatch) -> torch.Tensor:
-        return self.weights_and_cost(batch)[0]
+        return CreditRows.of(batch).replace(weights=weights, cost=cost)
 
     def token_scores(self, policy, input_ids, attention_mask, prompt_len, starts, lengths):
         raise NotImplementedError

@@ -1,27 +1,42 @@
-"""The credit-method interface and its registry.
+"""The credit-method contract and its registry.
 
-A credit method reads a batch of verified, segmented completions (:class:`rredcot.batch.RolloutBatch`)
-and returns an :class:`Estimate`: :class:`rredcot.credit.Values` (what ``V(s_k)`` is) or
-:class:`rredcot.credit.Weights` (how to split ``R - mean(R_group)``), with its typed
-:class:`rredcot.credit.Cost`. Every estimate goes through the one path
-:func:`rredcot.credit.token_credit`; no method re-implements the algebra.
+One sequence runs every credit method, in the trainer, the TRL and verl adapters, the
+benchmarks and ``explain`` (docs/architecture.md, the credit seam):
+
+1. ``rows = method.rows(batch)``: the small tensor record of the rows to credit
+   (:class:`CreditRows`: rewards, groups, segment counts, and what the method measured on its
+   own rows: boundary features, values or weights). Adapters that split a batch across
+   processes gather these rows.
+2. ``est = method.estimate(rows)``: values or weights (:class:`rredcot.credit.Values`,
+   :class:`rredcot.credit.Weights`), with the guard applied (:mod:`rredcot.methods.guard`), their
+   cost and diagnostics, and whatever ``update`` needs: no state passes between the calls.
+3. ``seg, metrics = method.segment_stage(rows, est)``: the segment stage of the algebra over all rows.
+4. ``credit.token_advantages(seg, segment_ids, response_mask, method.scale(rows, ...))``: the token
+   stage, on a process's own rows and tokens.
+5. ``method.update(rows, est)``: learn from the outcomes, after the credit was formed.
+
+:meth:`CreditMethod.credit_output` runs stages 3-4 for one process; :meth:`CreditMethod.compute`
+runs 1-4 on a batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.credit import Cost, Values, Weights
-from rredcot.methods.handover import live_rows
+from rredcot.credit import Cost, SegmentCredit, Values, Weights
+from rredcot.normalization import Scale, advantage_scale, group_mean_std, masked_mean
 from rredcot.segment import Segmenter
+from rredcot.shared_prefixes import node_fraction, node_values
 from rredcot.tasks.base import Task
 
 
@@ -35,6 +50,68 @@ class CreditContext:
     segmenter: Segmenter | None = None
     sampling: SamplingConfig | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class CreditRows:
+    """The rows a method credits, one per completion, as tensors.
+
+    Attributes:
+        rewards: ``(B,)`` outcomes ``R``; group_ids: ``(B,)`` long prompt groups.
+        num_segments: ``(B,)`` long, ``n_b``; live: ``(B,)`` bool, rows with a response.
+        value_mask: ``(B, S+1)`` bool, the valid boundaries ``s_0 .. s_n`` of each row.
+        segment_lengths: ``(B, S)`` tokens per segment (reweighting averages over tokens).
+        features: ``(B, S+1, F)`` boundary features (the value head), or None.
+        values: ``(B, S+1)`` the method's own values ``V(s_k)`` (a frozen estimator, rollouts,
+            step labels), or None.
+        weights: ``(B, S)`` attribution weights, or None.
+        prefix_ids: ``(B, S+1)`` the group's shared prefixes
+            (:func:`rredcot.shared_prefixes.shared_prefix_ids`), or None.
+        tree: the rows were sampled as tree groups (``sampling.tree``).
+        cost, metrics: what measuring the rows cost, and its diagnostics.
+    """
+
+    rewards: Tensor
+    group_ids: Tensor
+    num_segments: Tensor
+    live: Tensor
+    value_mask: Tensor
+    segment_lengths: Tensor
+    features: Tensor | None = None
+    values: Tensor | None = None
+    weights: Tensor | None = None
+    prefix_ids: Tensor | None = None
+    tree: bool = False
+    cost: Cost = field(default_factory=Cost)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, batch: RolloutBatch) -> CreditRows:
+        """The rows of a segmented batch, before any method measured them."""
+        _, value_mask = batch.boundary_positions()
+        device = batch.rewards.device
+        num_segments = batch.num_segments
+        lengths = credit.segment_token_counts(
+            batch.segment_ids, batch.response_mask, int(num_segments.max()) if batch.size else 0
+        )
+        return cls(
+            rewards=batch.rewards,
+            group_ids=batch.group_ids,
+            num_segments=num_segments,
+            live=batch.response_mask.sum(-1) > 0,
+            value_mask=value_mask.to(device),
+            segment_lengths=lengths,
+            prefix_ids=batch.prefix_ids,
+            tree=batch.token_share_counts is not None,
+        )
+
+    @property
+    def segment_mask(self) -> Tensor:
+        """``(B, S)`` bool: the valid segments of each row."""
+        return self.value_mask[:, 1:]
+
+    def replace(self, **changes: Any) -> CreditRows:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -52,7 +129,7 @@ class CreditOutput:
 
 @dataclass(frozen=True)
 class Estimate:
-    """What a method says about a batch: values or weights, what they cost, and diagnostics."""
+    """What a method says about its rows: values or weights, what they cost, diagnostics."""
 
     credit: Values | Weights
     cost: Cost = field(default_factory=Cost)
@@ -60,10 +137,10 @@ class Estimate:
 
 
 class CreditMethod:
-    """Base class. Subclasses set ``name`` and implement ``segment_values`` or
-    ``segment_weights`` (or, to say more, ``estimate``); stateful ones (the value head) override
-    ``update`` and the state dict. ``compute`` is the same for every method: the estimate goes
-    through :func:`rredcot.credit.token_credit`."""
+    """Base class. Subclasses set ``name``, measure their rows in :meth:`rows` (values,
+    features or weights of the batch) and turn them into an :class:`Estimate` in
+    :meth:`estimate`; methods that learn (the value head, the guard of every value source) set
+    ``learns`` and override :meth:`update` and the state dict."""
 
     name: ClassVar[str] = ""
     # the dataclass of the method's own options (a section of CreditConfig, e.g.
@@ -81,6 +158,8 @@ class CreditMethod:
     node_values: ClassVar[str] = "tree"
     # credit.form=reweight applies to this method's Values (uniform's are GRPO by definition)
     reweights: ClassVar[bool] = True
+    # whether update() learns anything (pretraining before RL needs it)
+    learns: ClassVar[bool] = False
 
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config
@@ -97,128 +176,62 @@ class CreditMethod:
         mode = self.config.normalization
         return self.default_normalization if mode == "auto" else mode
 
-    # -- what subclasses provide ------------------------------------------------------------
-    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(values (B, S+1), value_mask (B, S+1))`` with ``values[:, k] = V(s_k)``."""
-        raise NotImplementedError
+    # -- 1. the rows ------------------------------------------------------------------------
+    def rows(self, batch: RolloutBatch) -> CreditRows:
+        """The batch's rows with what this method measures on them (by default nothing)."""
+        return CreditRows.of(batch)
 
-    def segment_weights(self, batch: RolloutBatch) -> torch.Tensor:
-        """``(B, S)`` non-negative attribution weights (for methods without values)."""
-        raise NotImplementedError
+    # -- 2. the estimate --------------------------------------------------------------------
+    def estimate(self, rows: CreditRows) -> Estimate:
+        """The rows' values (with this method's lambda) or weights, as measured."""
+        if rows.weights is not None:
+            return Estimate(Weights(rows.weights, rows.segment_mask), rows.cost, rows.metrics)
+        if rows.values is None:
+            raise ValueError(f"{self.name}: its rows carry no values or weights")
+        return Estimate(Values(rows.values, rows.value_mask, lam=self.lam), rows.cost, rows.metrics)
 
-    def estimate(self, batch: RolloutBatch) -> Estimate:
-        """Values (with this method's lambda) or weights of the batch; no extra cost."""
-        if type(self).segment_values is not CreditMethod.segment_values:
-            values, mask = self.segment_values(batch)
-            return self.estimate_from_values(
-                values, mask, batch.rewards, batch.group_ids, live_rows(batch)
-            )
-        weights = self.segment_weights(batch)
-        return Estimate(Weights(weights, segment_mask(batch, weights.device)))
-
-    def with_node_values(self, est: Estimate, batch: RolloutBatch) -> Estimate:
-        """``est`` with the values of the group's tree nodes put in (:func:`credit.node_values`):
-        in tree groups (``batch.token_share_counts``), or always for ``node_values = "always"``.
-        The method's values fill the boundaries between nodes, trusted by its hand-over weight;
-        weights (attribution methods) are returned as they are."""
-        wanted = self.node_values == "always" or (
-            self.node_values == "tree" and batch.token_share_counts is not None
-        )
-        if not wanted or batch.prefix_ids is None or not isinstance(est.credit, Values):
-            return est
-        values = est.credit.values
-        mask = est.credit.mask
-        if est.credit.anchor is not None:
-            values = credit.anchor_values(values, mask, est.credit.anchor)
-        combined, lam = credit.node_values(
-            values,
-            mask,
-            est.credit.lam,
-            batch.prefix_ids,
-            batch.rewards,
-            fallback_weight=min(max(float(est.credit.handover_weight), 0.0), 1.0),
-        )
-        metrics = dict(est.metrics)
-        interior = credit.node_fraction(batch.prefix_ids, mask)
-        metrics["credit/node_boundary_fraction"] = interior
-        return Estimate(Values(combined, mask, lam=lam), est.cost, metrics)
-
-    # -- values computed elsewhere, as tensors (the integrations) ---------------------------
-    def estimate_from_values(
-        self, values: torch.Tensor, mask: torch.Tensor, rewards, group_ids, live
-    ) -> Estimate:
-        """The estimate from values ``(B, S+1)`` with ``mask (B, S+1)`` computed elsewhere (on
-        each process's rows, by a PRM, by verl's driver), for rows with outcomes ``rewards
-        (B,)``, groups ``group_ids (B,)`` and ``live (B,)`` bool (rows with a response). By
-        default the values as they are, with this method's lambda; methods with guards (the
-        anchor, the hand-over) apply them here."""
-        return Estimate(Values(values, mask, lam=self.lam))
-
-    # -- the one path through the credit algebra --------------------------------------------
-    def compute(self, batch: RolloutBatch) -> CreditOutput:
-        """The batch's :meth:`estimate` (with the tree's node values where :attr:`node_values`
-        says so) through :meth:`credit_output`."""
-        return self.credit_output(
-            self.with_node_values(self.estimate(batch), batch),
-            batch.rewards,
-            batch.group_ids,
-            batch.segment_ids,
-            batch.response_mask,
-        )
-
-    def credit_output(
-        self,
-        est: Estimate,
-        rewards: torch.Tensor,
-        group_ids: torch.Tensor,
-        segment_ids: torch.Tensor,
-        response_mask: torch.Tensor,
-        normalization: str | None = None,
-    ) -> CreditOutput:
-        """An estimate through :func:`rredcot.credit.token_credit` with this method's
-        normalisation (or ``normalization``), with the credit's diagnostics: what ``compute``
-        returns, for callers that hold tensors rather than a batch (the integrations).
-
-        Args:
-            rewards: ``(B,)``; group_ids: ``(B,)`` long.
-            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
-        """
+    # -- 3. the segment stage ---------------------------------------------------------------
+    def segment_stage(self, rows: CreditRows, est: Estimate) -> tuple[SegmentCredit, dict]:
+        """The estimate through :func:`rredcot.credit.segment_credit` over every row, with the
+        tree's node values (:meth:`with_node_values`) and ``credit.form`` applied; with the
+        credit's diagnostics over every row (logged by every path)."""
+        est = self.with_node_values(est, rows)
         estimate = self.credit_form(est.credit)
-        mode = self.normalization if normalization is None else normalization
-        reweighted = estimate is not est.credit
-        if normalization is None and reweighted and self.config.normalization == "auto":
-            mode = "group_std"  # GRPO's advantage, scaled as GRPO scales it
-        agreeing_std = self.config.agreeing_std
-        out = credit.token_credit(
-            estimate,
-            rewards,
-            group_ids,
-            segment_ids,
-            response_mask,
-            mode,
-            min_std=agreeing_std if mode == "group_or_batch_std" else None,
-        )
-        seg_mask = out.segment_mask
+        seg = credit.segment_credit(estimate, rows.rewards, rows.group_ids, rows.segment_lengths)
         metrics = {
-            "credit/agreeing_groups": agreeing_group_share(rewards, group_ids, agreeing_std),
-            "credit/mean_abs_segment_reward": float(
-                credit.masked_mean(out.segment_rewards.abs(), seg_mask)
-            )
-            if seg_mask.any()
+            "credit/agreeing_groups": agreeing_group_share(
+                rows.rewards, rows.group_ids, self.config.agreeing_std
+            ),
+            "credit/mean_abs_segment_reward": float(masked_mean(seg.rewards.abs(), seg.mask))
+            if seg.mask.any()
             else 0.0,
             **est.cost.metrics(),
             **est.metrics,
         }
-        value_mask = est.credit.mask if isinstance(est.credit, Values) else None
-        return CreditOutput(
-            out.advantages,
-            out.segment_advantages,
-            seg_mask,
-            out.values,
-            value_mask,
-            metrics,
-            est.cost,
+        return seg, metrics
+
+    def with_node_values(self, est: Estimate, rows: CreditRows) -> Estimate:
+        """``est`` with the values of the group's tree nodes put in
+        (:func:`rredcot.shared_prefixes.node_values`): in tree groups, or always for
+        ``node_values = "always"``. The method's values fill the boundaries between nodes,
+        trusted by its hand-over weight; weights are returned as they are."""
+        wanted = self.node_values == "always" or (self.node_values == "tree" and rows.tree)
+        if not wanted or rows.prefix_ids is None or not isinstance(est.credit, Values):
+            return est
+        mask = est.credit.mask
+        combined, lam = node_values(
+            est.credit.values,
+            mask,
+            est.credit.lam,
+            rows.prefix_ids,
+            rows.rewards,
+            fallback_weight=min(max(float(est.credit.handover_weight), 0.0), 1.0),
         )
+        metrics = {
+            **est.metrics,
+            "credit/node_boundary_fraction": node_fraction(rows.prefix_ids, mask),
+        }
+        return Estimate(Values(combined, mask, lam=lam), est.cost, metrics)
 
     def credit_form(self, estimate: Values | Weights) -> Values | Weights:
         """``estimate`` with ``credit.form`` and its reweight options applied (Values of a
@@ -234,16 +247,70 @@ class CreditMethod:
             sigma_temperature=self.config.reweight.temperature,
         )
 
-    # -- state --------------------------------------------------------------------------------
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Learn from the batch after its credit was computed (value heads train here)."""
+    # -- 4. the token stage -----------------------------------------------------------------
+    def normalization_for(self, est: Estimate) -> str:
+        """The normaliser of this estimate: :attr:`normalization`, except that reweighted credit
+        under ``auto`` is scaled as GRPO scales its advantage (``group_std``)."""
+        reweighted = self.credit_form(est.credit) is not est.credit
+        if reweighted and self.config.normalization == "auto":
+            return "group_std"
+        return self.normalization
+
+    def scale(self, rows: CreditRows, est: Estimate, like: Tensor) -> Scale:
+        """The rows' :class:`~rredcot.normalization.Scale` (over every row, like the segment
+        stage); ``like``: the advantages it will divide (their dtype)."""
+        mode = self.normalization_for(est)
+        floor = self.config.agreeing_std if mode == "group_or_batch_std" else None
+        return advantage_scale(rows.rewards, rows.group_ids, mode, min_std=floor, like=like)
+
+    def credit_output(
+        self, rows: CreditRows, est: Estimate, segment_ids: Tensor, response_mask: Tensor
+    ) -> CreditOutput:
+        """Stages 3 and 4 for rows held by one process.
+
+        Args:
+            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
+        """
+        seg, metrics = self.segment_stage(rows, est)
+        scale = self.scale(rows, est, like=seg.advantages)
+        advantages = credit.token_advantages(seg, segment_ids, response_mask, scale)
+        value_mask = est.credit.mask if isinstance(est.credit, Values) else None
+        return CreditOutput(
+            advantages,
+            seg.advantages,
+            seg.mask,
+            seg.values,
+            value_mask,
+            metrics,
+            est.cost,
+        )
+
+    def compute(self, batch: RolloutBatch) -> CreditOutput:
+        """The whole credit of a batch (stages 1-4), for callers that do not update."""
+        rows = self.rows(batch)
+        return self.credit_output(rows, self.estimate(rows), batch.segment_ids, batch.response_mask)
+
+    # -- 5. learning ------------------------------------------------------------------------
+    def update(self, rows: CreditRows, est: Estimate) -> dict[str, float]:
+        """Learn from the rows' outcomes after their credit was formed from ``est``."""
         return {}
 
-    def update_from_values(
-        self, values: torch.Tensor, mask: torch.Tensor, rewards, group_ids, live
-    ) -> dict[str, float]:
-        """:meth:`update` for rows whose values were computed elsewhere (the arguments of
-        :meth:`estimate_from_values`); learns nothing by default."""
+    def pretrain(self, sample_batch: Callable[[], RolloutBatch], steps: int) -> dict[str, float]:
+        """Before RL: ``steps`` rounds of rows -> estimate -> update on ``sample_batch()`` (the
+        warm-start policy's samples), exactly as in RL; returns :meth:`pretrain_summary`."""
+        if not self.learns:
+            raise ValueError(f"credit method {self.name!r} learns nothing: nothing to pretrain")
+        if steps < 0:
+            raise ValueError(f"pretrain steps must be >= 0, got {steps}")
+        history = []
+        for _ in range(steps):
+            rows = self.rows(sample_batch())
+            est = self.estimate(rows)
+            history.append({**est.metrics, **self.update(rows, est)})
+        return {"value_pretrain/steps": float(steps), **self.pretrain_summary(history)}
+
+    def pretrain_summary(self, history: list[dict[str, float]]) -> dict[str, float]:
+        """What :meth:`pretrain` reports of its rounds' metrics."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -264,7 +331,7 @@ def uniform_values(
     Returns:
         ``(values (B, S+1), mask (B, S+1) bool)``, ``mask[b, k] = k <= n_b``.
     """
-    mean, _ = credit.group_mean_std(rewards, group_ids)
+    mean, _ = group_mean_std(rewards, group_ids)
     max_s = int(num_segments.max()) if len(num_segments) else 0
     mask = torch.arange(max_s + 1).unsqueeze(0) <= num_segments.cpu().unsqueeze(1)
     values = mean.unsqueeze(1).expand(-1, max_s + 1).clone()
@@ -281,7 +348,7 @@ def agreeing_group_share(rewards: torch.Tensor, group_ids: torch.Tensor, below: 
     if group_ids is None or rewards.numel() == 0:
         return float("nan")
     r = rewards if rewards.is_floating_point() else rewards.float()
-    _, std = credit.group_mean_std(r, group_ids.to(rewards.device))
+    _, std = group_mean_std(r, group_ids.to(rewards.device))
     groups, first = torch.unique(group_ids.to(rewards.device), return_inverse=True)
     agreeing = torch.zeros(len(groups), dtype=torch.bool, device=rewards.device)
     agreeing = agreeing.index_fill(0, first[std < below], True)
@@ -361,8 +428,14 @@ class UniformCredit(CreditMethod):
     node_values = "never"
     reweights = False
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return uniform_values(batch.rewards, batch.group_ids, batch.num_segments)
+    def estimate(self, rows: CreditRows) -> Estimate:
+        """GRPO's values from the rows' rewards (over every process's rows in the adapters), or
+        the rows' own values where an adapter put them there (verl keeps dense rewards in
+        them)."""
+        if rows.values is not None:
+            return Estimate(Values(rows.values, rows.value_mask, lam=self.lam))
+        values, mask = uniform_values(rows.rewards, rows.group_ids, rows.num_segments)
+        return Estimate(Values(values, mask, lam=self.lam))
 
 
 @register_credit("node_values")

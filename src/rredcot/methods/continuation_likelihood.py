@@ -50,7 +50,7 @@ positions, ``logits_mb`` MiB of logits at a time. Forward tokens per trace are a
 correct completions of one prompt mostly coincide, so ``C`` is 1-2) against ``P + T`` for a
 uniform step's forward; ``credit/extra_forward_tokens`` reports it per step.
 
-**Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.frozen_values`): the
+**Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.value_source`): the
 group-mean anchor and the hand-over from uniform by measured reliability.
 """
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,8 +74,7 @@ from rredcot.methods.answer_likelihood import (
     unpacked_probe_logprobs,
 )
 from rredcot.methods.base import CreditContext, register_credit
-from rredcot.methods.frozen_values import FrozenValuesCredit
-from rredcot.methods.handover import anchor, group_mean
+from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.rollout import eval_mode
 from rredcot.segment import Segmenter, segment_completion
 
@@ -363,7 +361,7 @@ def values_from_scorer(
 
 
 @register_credit("continuation_likelihood", options=ContinuationLikelihoodConfig)
-class ContinuationLikelihoodCredit(FrozenValuesCredit):
+class ContinuationLikelihoodCredit(ValueSourceCredit):
     """Values from the policy's likelihood of known-good continuations after each prefix, with
     the guards of every frozen estimator (anchor, hand-over, safe normalisation; module
     docstring). The first batch in ``auto`` packing is also scored unpacked once; a mismatch (a
@@ -378,7 +376,6 @@ class ContinuationLikelihoodCredit(FrozenValuesCredit):
             )
         self._packing = "auto"
         self._checked = False
-        self._cache: tuple[weakref.ref, Tensor, Tensor, dict[str, float]] | None = None
 
     def _options(self) -> dict:
         o = self.options
@@ -421,15 +418,12 @@ class ContinuationLikelihoodCredit(FrozenValuesCredit):
             )
             self._packing = "unpacked"
 
-    def probe_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
-        """``(values, mask, stats)`` of :func:`continuation_values`, not anchored; cached for the
-        last batch seen."""
-        if self._cache is not None and self._cache[0]() is batch:
-            return self._cache[1], self._cache[2], self._cache[3]
+    def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(values, mask, stats)`` of :func:`continuation_values`, not anchored."""
         if not self._checked:
             self._check_packing(batch)
         ctx = self.context
-        values, mask, stats = continuation_values(
+        return continuation_values(
             ctx.policy,
             ctx.tokenizer,
             ctx.task,
@@ -438,16 +432,3 @@ class ContinuationLikelihoodCredit(FrozenValuesCredit):
             packing=self._packing,
             **self._options(),
         )
-        self._cache = (weakref.ref(batch), values, mask, stats)
-        return values, mask, stats
-
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """:meth:`probe_values` anchored on the group mean reward (``credit.anchor``)."""
-        values, mask, _ = self.probe_values(batch)
-        return anchor(values, mask, group_mean(batch), self.config.anchor), mask
-
-    def pass_stats(self) -> dict[str, float]:
-        return dict(self._cache[3]) if self._cache is not None else {}
-
-    def forget_pass(self) -> None:
-        self._cache = None

@@ -34,8 +34,8 @@ import torch
 
 from rredcot.batch import RolloutBatch
 from rredcot.config import MonteCarloConfig, SamplingConfig
-from rredcot.credit import Cost, Values
-from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
+from rredcot.credit import Cost
+from rredcot.methods.base import CreditContext, CreditMethod, CreditRows, register_credit
 from rredcot.rollout import checked_verify, eval_mode, response_mask_from_ids
 
 
@@ -250,19 +250,21 @@ class MonteCarloCredit(CreditMethod):
                 "monte_carlo needs the task to verify continuations; pass CreditContext(task=...)"
             )
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        values, mask, _ = self._run(batch)
-        return values, mask
-
-    def estimate(self, batch: RolloutBatch) -> Estimate:
-        values, mask, stats = self._run(batch)
+    def rows(self, batch: RolloutBatch) -> CreditRows:
+        """The batch's rows with the Monte Carlo values of their boundaries."""
+        values, mask, stats = self.rollout_values(batch)
         cost = Cost(
             extra_forward_tokens=stats.pop("credit/extra_forward_tokens"),
             extra_generated_tokens=stats.pop("credit/extra_generated_tokens"),
         )
-        return Estimate(Values(values, mask, lam=self.lam), cost, stats)
+        return CreditRows.of(batch).replace(
+            values=values, value_mask=mask, cost=cost, metrics=stats
+        )
 
-    def _run(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def rollout_values(
+        self, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """``(values (B, S+1), mask (B, S+1), stats)`` of :func:`mc_values`."""
         ctx = self.context
         s = ctx.sampling or SamplingConfig()
         return mc_values(

@@ -40,12 +40,11 @@ import math
 
 import torch
 
-from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import OracleConfig, SamplingConfig
-from rredcot.credit import Values
-from rredcot.methods.base import CreditMethod, Estimate, register_credit
+from rredcot.methods.base import CreditMethod, CreditRows, register_credit
 from rredcot.methods.monte_carlo import mc_values
+from rredcot.normalization import group_mean_std
 
 __all__ = [
     "OracleCredit",
@@ -101,7 +100,7 @@ def oracle_values(
     S = max((len(d) - 1 for d in lines_done), default=0)
     values = torch.zeros(B, S + 1, dtype=torch.float32)
     mask = torch.zeros(B, S + 1, dtype=torch.bool)
-    group_mean, _ = credit.group_mean_std(rewards, group_ids)
+    group_mean, _ = group_mean_std(rewards, group_ids)
     rows_of: dict[int, list[int]] = {}
     for row, g in enumerate(group_ids.tolist()):
         rows_of.setdefault(g, []).append(row)
@@ -219,11 +218,8 @@ class OracleCredit(CreditMethod):
         }
         return values, mask.cpu(), metrics
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        values, mask, _, _ = self._values_and_coverage(batch)
-        return values, mask
-
-    def estimate(self, batch: RolloutBatch) -> Estimate:
+    def rows(self, batch: RolloutBatch) -> CreditRows:
+        """The batch's rows with their ground-truth values."""
         values, mask, labelled, metrics = self._values_and_coverage(batch)
         metrics = {"credit/oracle_labelled_fraction": labelled, **metrics}
-        return Estimate(Values(values, mask, lam=self.lam), metrics=metrics)
+        return CreditRows.of(batch).replace(values=values, value_mask=mask, metrics=metrics)

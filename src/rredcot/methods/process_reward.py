@@ -38,7 +38,7 @@ a step tag, a judge prompt) is a few lines as a ``function``.
 **The value of the prompt.** No source scores ``s_0``: ``V(s_0)`` is the group's mean reward
 ``ḡ``, so with the anchor (``credit.anchor=group``, idempotent here) ``V'(s_k) = V(s_k)`` and
 every trace keeps GRPO's total ``R - ḡ``; the scores only decide how it is spread. The hand-over
-(:class:`rredcot.methods.frozen_values.FrozenValuesCredit`, shared with answer likelihood): ``w`` starts at 0 (GRPO exactly),
+(:class:`rredcot.methods.value_source.ValueSourceCredit`, shared with answer likelihood): ``w`` starts at 0 (GRPO exactly),
 and each ``update`` folds the slope of the fresh outcomes on ``V'(s_{n-1})`` (clipped to
 [0, 1], smoothed by ``credit.handover.smoothing``) into it; a batch whose last prefix values
 hardly depart from ``ḡ`` (root mean square below ``MIN_DEPARTURE_RMS``) leaves it as it is.
@@ -64,11 +64,11 @@ import transformers
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer
 
-from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import ProcessRewardConfig
 from rredcot.methods.base import CreditContext, register_credit
-from rredcot.methods.frozen_values import FrozenValuesCredit
+from rredcot.methods.value_source import ValueSourceCredit
+from rredcot.normalization import group_mean_std
 
 __all__ = [
     "PRMScorer",
@@ -361,14 +361,13 @@ class PRMScorer:
 
 
 @register_credit("process_reward", options=ProcessRewardConfig)
-class ProcessRewardCredit(FrozenValuesCredit):
+class ProcessRewardCredit(ValueSourceCredit):
     """Values from your step scores or a frozen PRM, with the value methods' guards (group-mean
     anchor, hand-over by measured reliability, safe normalisation; module docstring).
 
-    ``estimate`` scores the batch (:meth:`segment_values`) and hands credit over by
-    ``reliability`` (earned on earlier batches); ``update`` then scores those same values against
-    the batch's outcomes. The integrations compute values on their own rows and call
-    :meth:`estimate_from_values` / :meth:`update_from_values`."""
+    ``rows`` scores the batch (:meth:`boundary_values`), ``estimate`` hands credit over by the
+    guard's reliability (earned on earlier batches); ``update`` then scores those same values
+    against the batch's outcomes."""
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
@@ -403,9 +402,9 @@ class ProcessRewardCredit(FrozenValuesCredit):
             "credit/extra_forward_tokens": float(forwarded),
         }
 
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """``(values (B, S+1), mask (B, S+1))``: ``V(s_0)`` the group's mean reward, ``V(s_k)``
-        the scores for ``0 < k < n``, ``V(s_n) = R``."""
+    def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(values (B, S+1), mask (B, S+1), stats)``: ``V(s_0)`` the group's mean reward,
+        ``V(s_k)`` the scores for ``0 < k < n``, ``V(s_n) = R``."""
         scores, stats = self.boundary_scores(batch)
         n = batch.num_segments
         S = int(n.max()) if len(n) else 0
@@ -413,7 +412,7 @@ class ProcessRewardCredit(FrozenValuesCredit):
         for row, row_scores in enumerate(scores):
             if row_scores:
                 values[row, 1 : 1 + len(row_scores)] = torch.tensor(row_scores)
-        mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+        mean, _ = group_mean_std(batch.rewards, batch.group_ids)
         values[:, 0] = mean.detach().float().cpu()
         rows = torch.arange(batch.size)
         values[rows, n] = batch.rewards.detach().float().cpu()
@@ -421,18 +420,13 @@ class ProcessRewardCredit(FrozenValuesCredit):
         scored = [v for r in scores for v in r]
         stats["credit/prm_boundaries"] = float(len(scored))
         stats["credit/prm_mean_value"] = sum(scored) / len(scored) if scored else float("nan")
-        self._stats = stats
         device = batch.rewards.device
-        return values.to(device), mask.to(device)
+        return values.to(device), mask.to(device), stats
 
-    # -- the hand-over loop's hooks (:class:`FrozenValuesCredit`) ---------------------------------
+    # -- the hand-over loop's hooks (:class:`ValueSourceCredit`) ---------------------------------
     def prepare_values(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
         """No source scores the prompt: ``V(s_0)`` is the group's mean reward (groups may span
         processes, so it is set from the rewards credit sees, not from the scoring pass)."""
         values = values.clone()
         values[:, 0] = group_mean.to(values.device, values.dtype)
         return values
-
-    def pass_stats(self) -> dict[str, float]:
-        stats, self._stats = self._stats, {}
-        return stats

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rredcot import credit
 from rredcot.config import ValueHeadConfig
+from rredcot.normalization import masked_mean
 
 __all__ = ["INIT_SEED", "ValueFit", "ValueMLP", "td_lambda_targets"]
 
@@ -131,7 +131,7 @@ class ValueFit:
             per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
         else:
             per = (self.activation(logits) - targets) ** 2
-        return credit.masked_mean(per, target_mask)
+        return masked_mean(per, target_mask)
 
     @staticmethod
     def has_targets(entry: dict[str, Tensor]) -> bool:

@@ -13,17 +13,18 @@ sign of a wrong step). With ``credit.value_head.alik_feature`` (off by default) 
 answer-likelihood value of each prefix, from one packed probe forward per batch with the
 reference answers only (that forward is the feature's cost).
 
-Per RL step the trainer calls, in this order:
+Per RL step (the contract of :mod:`rredcot.methods.base`):
 
-1. ``estimate(batch)`` (through ``compute``): values of the fresh batch from the head as it stands
+1. ``rows(batch)``: the boundary features of the fresh batch; ``estimate(rows)``: values from the
+   head as it stands
    (trained only on earlier batches, so the credit never sees this batch's outcomes), anchored on
    the group's mean reward, with the hand-over weight ``w`` the head has earned. By default
    (``credit.value_head.shared_prefixes``) the group's shared prefixes set the values wherever
    several samples pass through the same prefix, and the head's (``w``-scaled) values are baselines
-   in between (:func:`rredcot.credit.combine_shared_prefix`).
-2. ``update(batch)``: first measure how well the head, not yet trained on this batch, predicts
-   its outcomes (the slope or explained variance of :mod:`rredcot.methods.handover`), fold that
-   into ``reliability`` (the EMA the hand-over weight follows), then train the head by
+   in between (:func:`rredcot.shared_prefixes.combine_shared_prefix`).
+2. ``update(rows, estimate)``: first measure how well the head, not yet trained on this batch,
+   predicts its outcomes (the slope or explained variance of :mod:`rredcot.methods.guard`), fold
+   that into the guard's reliability (the EMA the hand-over weight follows), then train the head by
    TD(lambda_v) over segment boundaries, with replay of recent batches.
 
 Anchoring (``credit.anchor="group"``): ``V'(s_k) = V(s_k) - V(s_0) + mean(R_group)``, so
@@ -39,30 +40,27 @@ that tests and benchmarks can check them against plain loops.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import ValueHeadConfig
 from rredcot.credit import Cost, Values
 from rredcot.methods.answer_likelihood import ProbeFormat, answer_values, prefix_features
-from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
-from rredcot.methods.handover import (
-    anchor,
-    bounded_skill,
-    explained_variance,
-    handover_scores,
-    live_rows,
-    prediction_slope,
-    smoothed_reliability,
+from rredcot.methods.base import (
+    CreditContext,
+    CreditMethod,
+    CreditRows,
+    Estimate,
+    register_credit,
 )
+from rredcot.methods.guard import Guard, bounded_skill, explained_variance, prediction_slope
 from rredcot.methods.value_fit import ValueFit, ValueMLP, td_lambda_targets
+from rredcot.normalization import group_mean_std, masked_mean
+from rredcot.shared_prefixes import combine_shared_prefix, shared_prefix_values
 
 __all__ = [
     "ValueHeadCredit",
@@ -250,8 +248,8 @@ def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: 
         rewards: ``(B,)``.
     """
     r = rewards.to(values.dtype).unsqueeze(1).expand_as(values)
-    mse = credit.masked_mean((values - r) ** 2, target_mask)
-    ref = credit.masked_mean((baseline.to(values.dtype) - r) ** 2, target_mask)
+    mse = masked_mean((values - r) ** 2, target_mask)
+    ref = masked_mean((baseline.to(values.dtype) - r) ** 2, target_mask)
     if float(ref) < 1e-8:
         return float("nan")
     return float(1.0 - mse / ref)
@@ -265,12 +263,12 @@ def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: 
 class ValueHeadCredit(CreditMethod):
     """Segment values from a learned head on the policy's hidden states, trained by TD(lambda).
 
-    Extra API besides :class:`CreditMethod`: ``pretrain(sample_batch, steps)`` fits the head on
-    the warm-start policy's own samples before RL; ``reliability`` is the smoothed skill that sets
-    the hand-over weight.
+    ``pretrain(sample_batch, steps)`` fits the head on the warm-start policy's own samples before
+    RL; ``guard.reliability`` is the smoothed skill that sets the hand-over weight.
     """
 
     needs_hidden_states = True
+    learns = True
     # tree nodes come in through its own credit.value_head.shared_prefixes (on by default)
     node_values = "never"
 
@@ -279,10 +277,7 @@ class ValueHeadCredit(CreditMethod):
         self.hidden_layers = tuple(self.options.layer_indices)  # checked by ValueHeadConfig
         self.device = torch.device(context.device)
         self.fit = ValueFit(self.options, self.device)  # the network and its TD fit
-        self.reliability = 0.0  # EMA of the clipped fresh-batch skill; the hand-over weight
-        self.num_updates = 0
-        self._alik_cache: tuple[weakref.ref, Tensor] | None = None
-        self._alik_forward_tokens = 0.0  # the probe pass of the last batch (feature on)
+        self.guard = Guard(config)  # the anchor and the hand-over weight the head earns
         if self.options.alik_feature and context.task is None:
             raise ValueError(
                 "credit.value_head.alik_feature needs the task (its answer line writes the "
@@ -320,13 +315,8 @@ class ValueHeadCredit(CreditMethod):
         size = NUM_LOGPROB_FEATURES if self.options.logprob_features else 0
         return size + (NUM_ALIK_FEATURES if self.options.alik_feature else 0)
 
-    def _alik_features(self, batch: RolloutBatch, num_columns: int) -> Tensor:
-        """``(B, S+1, 2)`` answer-likelihood features of the batch (cached for the last batch:
-        ``compute`` and ``update`` read the same ones, from the policy that sampled it)."""
-        cached = self._alik_cache
-        if cached is not None and cached[0]() is batch:
-            return cached[1]
-
+    def _alik_features(self, batch: RolloutBatch, num_columns: int) -> tuple[Tensor, float]:
+        """``((B, S+1, 2) answer-likelihood features of the batch, forward tokens they cost)``."""
         if len(batch.problems) != batch.size:
             raise ValueError(
                 "credit.value_head.alik_feature needs the batch's problems and token ids (the full "
@@ -349,9 +339,7 @@ class ValueHeadCredit(CreditMethod):
                 f"answer-likelihood features have {feats.shape[1]} columns, the boundaries "
                 f"{num_columns}"
             )
-        self._alik_cache = (weakref.ref(batch), feats)
-        self._alik_forward_tokens = stats["credit/extra_forward_tokens"]
-        return feats
+        return feats, stats["credit/extra_forward_tokens"]
 
     def _build(self, input_size: int, hidden_size: int) -> None:
         self.fit.build(input_size, hidden_size, self.extra_size)
@@ -378,9 +366,10 @@ class ValueHeadCredit(CreditMethod):
         return 0 if self.head is None else sum(p.numel() for p in self.head.parameters())
 
     # -- features and values ------------------------------------------------------------------
-    def boundary_features(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """``(features (B, S+1, D + E) fp32 on the head's device, mask (B, S+1) bool)``: the
-        hidden states at the prefix ends, then the log-prob features (if enabled)."""
+    def boundary_features(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Cost]:
+        """``(features (B, S+1, D + E) fp32 on the head's device, mask (B, S+1) bool, cost)``:
+        the hidden states at the prefix ends, then the log-prob features (if enabled), then the
+        answer-likelihood features (if enabled: their probe pass is the cost)."""
         needs_logprobs = self.options.logprob_features
         if batch.hidden_states is None or (needs_logprobs and batch.old_logprobs is None):
             raise ValueError(
@@ -406,104 +395,69 @@ class ValueHeadCredit(CreditMethod):
                 batch.old_logprobs, batch.response_mask, batch.segment_ids, mask.shape[1]
             )
             feats = torch.cat([feats, extra.to(self.device)], dim=-1)
+        cost = Cost()
         if self.options.alik_feature:
-            alik = self._alik_features(batch, mask.shape[1])
+            alik, tokens = self._alik_features(batch, mask.shape[1])
             feats = torch.cat([feats, alik.to(self.device)], dim=-1)
-        return feats, mask
+            cost = Cost(extra_forward_tokens=tokens)
+        return feats, mask, cost
 
     def _predict(self, net: nn.Module, feats: Tensor) -> Tensor:
         return self.fit.predict(net, feats)
 
-    def head_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """``(values (B, S+1), mask (B, S+1))``: the head's own predictions as it stands (before
-        this batch's update), not anchored; 0 on padding."""
-        return self._head_values(*self.boundary_features(batch))
-
     @torch.no_grad()
-    def _head_values(self, features: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def head_values(self, features: Tensor, mask: Tensor) -> Tensor:
+        """``(B, S+1)`` the head's own predictions as it stands (before this batch's update),
+        not anchored; 0 on padding."""
         values = self._predict(self.head, features)
-        return torch.where(mask, values, torch.zeros_like(values)), mask
+        return torch.where(mask, values, torch.zeros_like(values))
 
-    def _anchor(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:
-        return anchor(values, mask, group_mean, self.config.anchor)
+    # -- the contract -----------------------------------------------------------------------------
+    def rows(self, batch: RolloutBatch) -> CreditRows:
+        """The batch's rows with their boundary features (:meth:`boundary_features`)."""
+        feats, mask, cost = self.boundary_features(batch)
+        return CreditRows.of(batch).replace(features=feats, value_mask=mask, cost=cost)
 
-    def _raw_and_anchored(
-        self, features: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(head values, the values credit uses, mask)``, all ``(B, S+1)``."""
-        raw, mask = self._head_values(features, mask)
-        group_mean, _ = credit.group_mean_std(rewards, group_ids)
-        return raw, self._anchor(raw, mask, group_mean), mask
-
-    def segment_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """The values credit uses: :meth:`head_values`, anchored on the group mean reward
-        (``credit.anchor``)."""
-        feats, mask = self.boundary_features(batch)
-        _, values, mask = self._raw_and_anchored(feats, mask, batch.rewards, batch.group_ids)
-        return values, mask
-
-    # -- credit ---------------------------------------------------------------------------------
-    @property
-    def handover_weight(self) -> float:
-        """Weight of value credit against uniform credit this step (1 with handover off)."""
-        return 1.0 if self.config.handover.mode == "off" else float(self.reliability)
-
-    def estimate(self, batch: RolloutBatch) -> Estimate:
-        """:meth:`estimate_from_features` of the batch's :meth:`boundary_features`."""
-        feats, mask = self.boundary_features(batch)
-        return self.estimate_from_features(
-            feats, mask, batch.rewards, batch.group_ids, live_rows(batch), batch.prefix_ids
-        )
-
-    def estimate_from_features(
-        self,
-        features: Tensor,
-        mask: Tensor,
-        rewards: Tensor,
-        group_ids: Tensor,
-        live: Tensor,
-        prefix_ids: Tensor | None = None,
-    ) -> Estimate:
-        """The head's anchored values, handed over from uniform credit by :attr:`handover_weight`; with
-        ``credit.value_head.shared_prefixes`` and ``prefix_ids`` the group's shared prefixes set the
-        values where several samples pass through them (:func:`credit.combine_shared_prefix`).
-
-        Args:
-            features: ``(B, S+1, F)`` boundary features (:meth:`boundary_features`); mask:
-                ``(B, S+1)`` bool, the valid prefixes.
-            rewards: ``(B,)`` outcomes; group_ids: ``(B,)`` long prompt groups.
-            live: ``(B,)`` bool, rows with a response (the others are not scored).
-            prefix_ids: ``(B, S+1)`` :func:`credit.shared_prefix_ids`, or None.
-        """
-        raw, values, mask = self._raw_and_anchored(features, mask, rewards, group_ids)
-        rewards = rewards.to(raw.device)
-        w = min(max(self.handover_weight, 0.0), 1.0)
-        metrics = self._fresh_diagnostics(raw, mask, rewards, live)
-        metrics.update(
-            {"credit/handover_reliability": float(self.reliability), "credit/handover_weight": w}
-        )
-        if self.options.shared_prefixes and prefix_ids is not None:
-            min_count = self.options.shared_min_count
-            if tuple(prefix_ids.shape) != tuple(mask.shape):
-                raise ValueError(
-                    f"batch.prefix_ids {tuple(prefix_ids.shape)} do not match its "
-                    f"{tuple(mask.shape)} boundaries: segment the batch with "
-                    "rollout.segment_batch, which fills both"
-                )
-            shared, counts = credit.shared_prefix_values(prefix_ids.to(raw.device), rewards)
-            combined, lam = credit.combine_shared_prefix(shared, counts, values, mask, w, min_count)
-            interior = mask.clone()
-            interior[:, 0] = False
-            interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
-            known = (counts >= min_count) & interior
-            metrics["credit/shared_boundary_fraction"] = float(known.sum()) / max(
-                int(interior.sum()), 1
+    def estimate(self, rows: CreditRows) -> Estimate:
+        """The head's values anchored by the guard and handed over from uniform credit by the
+        weight it has earned; with ``credit.value_head.shared_prefixes`` and the rows' prefix
+        ids, the group's shared prefixes set the values where several samples pass through them
+        (:func:`rredcot.shared_prefixes.combine_shared_prefix`)."""
+        mask = rows.value_mask
+        raw = self.head_values(rows.features, mask)
+        group_mean, _ = group_mean_std(rows.rewards, rows.group_ids)
+        values = self.guard.anchor(raw, mask, group_mean)
+        rewards = rows.rewards.to(raw.device)
+        metrics = {**self._fresh_diagnostics(raw, mask, rewards, rows.live), **self.guard.metrics()}
+        w = metrics["credit/handover_weight"]
+        if self.options.shared_prefixes and rows.prefix_ids is not None:
+            estimate, fraction = self._with_shared_prefixes(
+                values, mask, rows.prefix_ids, rewards, w
             )
-            estimate = Values(combined, mask, lam=lam)
+            metrics["credit/shared_boundary_fraction"] = fraction
         else:
             estimate = Values(values, mask, lam=self.lam, handover_weight=w)
-        alik_tokens = self._alik_forward_tokens if self.options.alik_feature else 0.0
-        return Estimate(estimate, Cost(extra_forward_tokens=alik_tokens), metrics)
+        return Estimate(estimate, rows.cost, metrics)
+
+    def _with_shared_prefixes(
+        self, values: Tensor, mask: Tensor, prefix_ids: Tensor, rewards: Tensor, w: float
+    ) -> tuple[Values, float]:
+        """The values with the group's shared prefixes put in, and the share of interior
+        boundaries they set."""
+        min_count = self.options.shared_min_count
+        if tuple(prefix_ids.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"batch.prefix_ids {tuple(prefix_ids.shape)} do not match its "
+                f"{tuple(mask.shape)} boundaries: segment the batch with "
+                "rollout.segment_batch, which fills both"
+            )
+        shared, counts = shared_prefix_values(prefix_ids.to(values.device), rewards)
+        combined, lam = combine_shared_prefix(shared, counts, values, mask, w, min_count)
+        interior = mask.clone()
+        interior[:, 0] = False
+        interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
+        known = (counts >= min_count) & interior
+        return Values(combined, mask, lam=lam), float(known.sum()) / max(int(interior.sum()), 1)
 
     def _fresh_diagnostics(
         self, values: Tensor, mask: Tensor, rewards: Tensor, live: Tensor
@@ -517,7 +471,7 @@ class ValueHeadCredit(CreditMethod):
         return {
             "value/calibration_error": expected_calibration_error(values, r, target_mask),
             "value/monotone_fraction": monotone_fraction(values, keep, rewards),
-            "value/mean": float(credit.masked_mean(values, target_mask))
+            "value/mean": float(masked_mean(values, target_mask))
             if target_mask.any()
             else float("nan"),
         }
@@ -537,86 +491,43 @@ class ValueHeadCredit(CreditMethod):
             )
         return {"features": feats[live], "mask": mask[live], "rewards": rewards[live]}
 
-    def _loss(self, entry: dict[str, Tensor]) -> Tensor:
-        return self.fit.loss(entry)
-
     def _measure_reliability(
         self, entry: dict[str, Tensor], rewards: Tensor, group_ids: Tensor, live: Tensor
     ) -> dict:
         """Score the head on the fresh batch (before it trains on it) against uniform credit's
-        baseline and fold the ``credit.handover.score`` (slope or explained variance), clipped to
-        [0, 1],
-        into the reliability EMA. Undefined scores leave the EMA as it is."""
-        group_mean, _ = credit.group_mean_std(rewards, group_ids)
+        baseline and fold the score into the guard's reliability."""
+        group_mean, _ = group_mean_std(rewards, group_ids)
         group_mean = group_mean[live].to(self.device, torch.float32)
         with torch.no_grad():
             values = self._predict(self.head, entry["features"])
-        if self.config.anchor == "none":
-            scored, baseline = values, None
-        else:
-            scored, baseline = self._anchor(values, entry["mask"], group_mean), group_mean
-        score, slope, skill = handover_scores(
-            scored, entry["mask"], entry["rewards"], baseline, self.config.handover.score
-        )
-        self.reliability = smoothed_reliability(
-            self.reliability, score, self.config.handover.smoothing
-        )
+        scored = self.guard.anchor(values, entry["mask"], group_mean)
+        metrics = self.guard.fold(scored, entry["mask"], entry["rewards"], group_mean)
         _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
         baseline = group_mean.unsqueeze(1).expand_as(values)
         vs_group = bounded_skill(brier_skill(values, baseline, target_mask, entry["rewards"]))
-        return {
-            "credit/handover_skill": skill,
-            "credit/handover_slope": slope,
-            "value/skill_vs_group_mean": vs_group,
-        }
+        return {**metrics, "value/skill_vs_group_mean": vs_group}
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """:meth:`update_from_features` of the batch's :meth:`boundary_features`."""
-        feats, mask = self.boundary_features(batch)
-        return self.update_from_features(
-            feats, mask, batch.rewards, batch.group_ids, live_rows(batch)
-        )
-
-    def update_from_features(
-        self, features: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
-    ) -> dict[str, float]:
-        """Measure the head on a fresh batch, then train it (TD(lambda_v), replay); the
-        arguments as :meth:`estimate_from_features`'."""
-        entry = self._entry(features, mask, rewards, live)
+    def update(self, rows: CreditRows, est: Estimate) -> dict[str, float]:
+        """Measure the head on the fresh rows, then train it on them (TD(lambda_v), replay)."""
+        entry = self._entry(rows.features, rows.value_mask, rows.rewards, rows.live)
         metrics: dict[str, float] = {}
         if self.fit.has_targets(entry):
             with torch.no_grad():
                 metrics["value/loss_fresh"] = float(self.fit.loss(entry))
-        metrics.update(self._measure_reliability(entry, rewards, group_ids, live))
+        metrics.update(self._measure_reliability(entry, rows.rewards, rows.group_ids, rows.live))
         metrics.update(self.fit.fit(entry))
-        self.num_updates += 1
-        metrics["credit/handover_reliability_after"] = float(self.reliability)
+        metrics["credit/handover_reliability_after"] = float(self.guard.reliability)
         return metrics
 
-    def pretrain(self, sample_batch: Callable[[], RolloutBatch], steps: int) -> dict[str, float]:
-        """Fit the head on ``steps`` batches from ``sample_batch()`` (the warm-start policy's own
-        samples, filled with ``hidden_layers=self.hidden_layers``) before RL starts.
-
-        Each batch is scored before the head trains on it, exactly as in RL, so reliability can be
-        earned here. Returns the first and last fresh losses and the final reliability.
-        """
-        if steps < 0:
-            raise ValueError(f"value pretrain steps must be >= 0, got {steps}")
-        fresh: list[float] = []
-        last: dict[str, float] = {}
-        for _ in range(steps):
-            batch = sample_batch()
-            values, mask = self.head_values(batch)
-            rewards = batch.rewards.to(values.device)
-            diag = self._fresh_diagnostics(values, mask, rewards, live_rows(batch))
-            last = {**diag, **self.update(batch)}
-            fresh.append(last.get("value/loss_fresh", float("nan")))
+    def pretrain_summary(self, history: list[dict[str, float]]) -> dict[str, float]:
+        """The first and last fresh losses, the last calibration error, the reliability."""
+        fresh = [m.get("value/loss_fresh", float("nan")) for m in history]
+        last = history[-1] if history else {}
         return {
-            "value_pretrain/steps": float(steps),
             "value_pretrain/loss_first": fresh[0] if fresh else float("nan"),
             "value_pretrain/loss_last": fresh[-1] if fresh else float("nan"),
             "value_pretrain/calibration_error": last.get("value/calibration_error", float("nan")),
-            "value_pretrain/reliability": float(self.reliability),
+            "value_pretrain/reliability": float(self.guard.reliability),
         }
 
     # -- state ----------------------------------------------------------------------------------
@@ -626,8 +537,7 @@ class ValueHeadCredit(CreditMethod):
         state = {
             "version": 1,
             **self.fit.state_dict(),
-            "reliability": float(self.reliability),
-            "num_updates": self.num_updates,
+            **self.guard.state_dict(),
         }
         return copy.deepcopy(state)
 
@@ -645,5 +555,4 @@ class ValueHeadCredit(CreditMethod):
                 f"{self.extra_size}; resume with the run's own config"
             )
         self.fit.load_state_dict(state)
-        self.reliability = float(state["reliability"])
-        self.num_updates = int(state["num_updates"])
+        self.guard.load_state_dict(state)

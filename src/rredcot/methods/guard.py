@@ -1,54 +1,37 @@
-"""The guards every value-based credit method shares (docs/method.md, value sources): the group-mean anchor,
-the reliability score measured on fresh outcomes, and the hand-over from uniform (GRPO) credit.
+"""The guard every value source shares (docs/method.md, value sources): the group-mean anchor,
+the reliability measured on fresh outcomes, and the hand-over from uniform (GRPO) credit.
 
-Used by :mod:`rredcot.methods.value_head` and by the frozen estimators
-(:mod:`rredcot.methods.frozen_values`: answer likelihood, process rewards), so that every
-estimator is made safe the same way:
+One :class:`Guard` wraps the values of any source (the value head, answer and continuation
+likelihood, process rewards, verl's critic), so that every estimator is made safe the same way:
 
-- :func:`anchor` shifts the values so that ``V(s_0)`` is the group's mean reward
-  (``credit.anchor="group"``): every trace gets GRPO's total credit ``R - mean R_group``
-  and the estimator only moves it between the trace's segments.
-- :func:`handover_scores` measures, on a batch's outcomes, how far the estimator's last prefix
-  value ``V(s_{n-1})`` can be trusted beyond the baseline uniform credit already has: the
-  least-squares slope (:func:`prediction_slope`) or the explained variance
-  (:func:`explained_variance`). :func:`smoothed_reliability` folds a score, clipped to [0, 1],
-  into an EMA: the hand-over weight ``w``.
-- the weight goes into :class:`rredcot.credit.Values` as ``trust``: the algebra gives
+- :meth:`Guard.anchor` shifts the values so that ``V(s_0)`` is the group's mean reward
+  (``credit.anchor="group"``): every trace gets GRPO's total credit ``R - mean R_group`` and the
+  estimator only moves it between the trace's segments.
+- :meth:`Guard.fold` measures, on a batch's outcomes after its credit was formed, how far the
+  last prefix value ``V(s_{n-1})`` can be trusted beyond the baseline uniform credit already has
+  (the least-squares slope, :func:`prediction_slope`, or the explained variance,
+  :func:`explained_variance`) and folds the score, clipped to [0, 1], into an EMA: the
+  reliability, which is the next batches' hand-over weight ``w``.
+- the weight goes into :class:`rredcot.credit.Values`: the algebra gives
   ``A = A_uniform + w (A_value - A_uniform)``, GRPO's advantages at ``w = 0`` and the method's
-  at ``w = 1`` (:func:`rredcot.credit.token_credit`).
+  at ``w = 1`` (:func:`rredcot.credit.segment_credit`).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from rredcot import credit
-from rredcot.batch import RolloutBatch
+from rredcot.config import CreditConfig
+from rredcot.credit import anchor_values
 
 __all__ = [
-    "anchor",
+    "Guard",
     "bounded_skill",
     "explained_variance",
-    "group_mean",
     "handover_scores",
-    "live_rows",
     "prediction_slope",
     "smoothed_reliability",
 ]
-
-
-def anchor(values: Tensor, value_mask: Tensor, group_mean: Tensor, mode: str) -> Tensor:
-    """``credit.anchor``: ``"group"`` gives ``V(s_k) - V(s_0) + group_mean``, ``"none"``
-    the values as they are.
-
-    Args:
-        values: ``(B, S+1)``; value_mask: ``(B, S+1)``; group_mean: ``(B,)``.
-    """
-    if mode == "none":
-        return values
-    if mode != "group":
-        raise ValueError(f"credit.anchor={mode!r}: use 'group' or 'none'")
-    return credit.anchor_values(values, value_mask, group_mean.to(values.device, values.dtype))
 
 
 def _last_prefix_value(
@@ -166,12 +149,76 @@ def smoothed_reliability(reliability: float, score: float, decay: float) -> floa
     return decay * float(reliability) + (1.0 - decay) * min(max(float(score), 0.0), 1.0)
 
 
-def live_rows(batch: RolloutBatch) -> Tensor:
-    """``(B,)`` bool: rows with at least one response token."""
-    return batch.response_mask.sum(-1) > 0
+class Guard:
+    """The anchor, the reliability and the hand-over weight of one value source.
 
+    Args:
+        config: the credit settings (``credit.anchor``, ``credit.handover.*``).
+        min_departure_rms: the slope is not measured below this RMS of the values' departures
+            from the baseline (:func:`prediction_slope`'s ``min_rms``).
+    """
 
-def group_mean(batch: RolloutBatch) -> Tensor:
-    """``(B,)`` the mean reward of each row's group."""
-    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
-    return mean
+    def __init__(self, config: CreditConfig, min_departure_rms: float = 0.0) -> None:
+        self.config = config
+        self.min_departure_rms = min_departure_rms
+        self.reliability = 0.0  # EMA of the clipped fresh-batch score
+        self.num_updates = 0
+
+    @property
+    def weight(self) -> float:
+        """Weight of the source's credit against uniform credit (1 with the hand-over off)."""
+        return 1.0 if self.config.handover.mode == "off" else float(self.reliability)
+
+    def anchor(self, values: Tensor, value_mask: Tensor, group_mean: Tensor) -> Tensor:
+        """``credit.anchor``: ``"group"`` gives ``V(s_k) - V(s_0) + group_mean``, ``"none"``
+        the values as they are.
+
+        Args:
+            values: ``(B, S+1)``; value_mask: ``(B, S+1)``; group_mean: ``(B,)``.
+        """
+        mode = self.config.anchor
+        if mode == "none":
+            return values
+        if mode != "group":
+            raise ValueError(f"credit.anchor={mode!r}: use 'group' or 'none'")
+        return anchor_values(values, value_mask, group_mean.to(values.device, values.dtype))
+
+    def metrics(self) -> dict[str, float]:
+        """What the credit of this step is trusted with (logged with the estimate)."""
+        return {
+            "credit/handover_reliability": float(self.reliability),
+            "credit/handover_weight": min(max(self.weight, 0.0), 1.0),
+        }
+
+    def fold(
+        self, scored: Tensor, value_mask: Tensor, rewards: Tensor, group_mean: Tensor
+    ) -> dict[str, float]:
+        """Score ``scored`` values (as credit used them: anchored) on fresh outcomes and fold the
+        ``credit.handover.score`` into the reliability.
+
+        Args:
+            scored: ``(B, S+1)``; value_mask: ``(B, S+1)``; rewards: ``(B,)``, all of the live
+                rows only; group_mean: ``(B,)`` their groups' mean rewards: uniform credit's
+                baseline (the batch mean stands in with ``credit.anchor=none``).
+        """
+        baseline = None if self.config.anchor == "none" else group_mean
+        score, slope, skill = handover_scores(
+            scored,
+            value_mask,
+            rewards,
+            baseline,
+            self.config.handover.score,
+            min_rms=self.min_departure_rms,
+        )
+        self.reliability = smoothed_reliability(
+            self.reliability, score, self.config.handover.smoothing
+        )
+        self.num_updates += 1
+        return {"credit/handover_slope": slope, "credit/handover_skill": skill}
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"reliability": float(self.reliability), "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reliability = float(state["reliability"])
+        self.num_updates = int(state["num_updates"])
