@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from rredcot import credit
+import credit_reference
+from rredcot import credit, normalization
 from rredcot.config import (
     AnswerLikelihoodConfig,
     CreditConfig,
@@ -34,8 +35,8 @@ from rredcot.methods.answer_likelihood import (
     uses_think_tags,
     wants_eos,
 )
-from rredcot.methods.base import CreditContext, get_credit
-from rredcot.methods.handover import prediction_slope
+from rredcot.methods.base import CreditContext, CreditRows, get_credit
+from rredcot.methods.guard import prediction_slope
 from rredcot.models import build_tiny_llama
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
@@ -531,13 +532,13 @@ def test_handover_zero_is_uniform_grpo_bit_for_bit(
 ):
     policy = _policy(char_tokenizer)
     method = _method(policy, char_tokenizer, wide_task, lam=lam)
-    assert method.handover_weight == 0.0  # no reliability measured yet
+    assert method.guard.weight == 0.0  # no reliability measured yet
     out = method.compute(mixed_trace_batch)
     uniform = get_credit("uniform")(CreditConfig(lam=lam), CreditContext(policy, char_tokenizer))
     ref = uniform.compute(mixed_trace_batch)
     assert torch.equal(out.advantages, ref.advantages)
     assert torch.equal(out.segment_advantages, ref.segment_advantages)
-    grpo = credit.grpo_advantages(
+    grpo = credit_reference.grpo_advantages(
         mixed_trace_batch.rewards, mixed_trace_batch.group_ids, mixed_trace_batch.response_mask
     )
     assert torch.equal(out.advantages, grpo)
@@ -551,7 +552,7 @@ def test_anchored_values_give_each_trace_grpos_total(char_tokenizer, wide_task, 
     )
     raw, mask, _ = answer_values(policy, char_tokenizer, wide_task, mixed_trace_batch)
     out = method.compute(mixed_trace_batch)
-    mean, _ = credit.group_mean_std(mixed_trace_batch.rewards, mixed_trace_batch.group_ids)
+    mean, _ = normalization.group_mean_std(mixed_trace_batch.rewards, mixed_trace_batch.group_ids)
     torch.testing.assert_close(out.values[:, 0], mean)  # V'(s_0) = the group's mean reward
     total = (out.segment_advantages * out.segment_mask).sum(-1)
     torch.testing.assert_close(total, mixed_trace_batch.rewards - mean, atol=1e-6, rtol=0)
@@ -598,18 +599,20 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     )
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, out: calls.append(1))
-    first = method.compute(batch)
+    rows = method.rows(batch)
+    estimate = method.estimate(rows)
+    first = method.credit_output(rows, estimate, batch.segment_ids, batch.response_mask)
     probed = len(calls)
-    stats = method.update(batch)  # scores the values compute used: no new forward
+    stats = method.update(rows, estimate)  # scores the values the credit used: no new forward
     hook.remove()
     assert probed >= 1 and len(calls) == probed
-    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    mean, _ = normalization.group_mean_std(batch.rewards, batch.group_ids)
     expected = prediction_slope(first.values, first.value_mask, batch.rewards, mean)
     assert expected == expected and stats["credit/handover_slope"] == pytest.approx(expected)
-    assert method.reliability == pytest.approx(0.5 * min(max(expected, 0.0), 1.0))
+    assert method.guard.reliability == pytest.approx(0.5 * min(max(expected, 0.0), 1.0))
     assert first.metrics["credit/handover_weight"] == 0.0
     # the next step blends by the measured reliability
-    method.reliability = 0.25
+    method.guard.reliability = 0.25
     off = _method(
         model, char_tokenizer, task, answer_likelihood=dict(cue="think"), handover=dict(mode="off")
     )
@@ -625,14 +628,14 @@ def test_reliability_is_the_slope_measured_after_the_credit(
     # state round trip and pretraining on fresh batches
     again = _method(model, char_tokenizer, task, answer_likelihood=dict(cue="think"))
     again.load_state_dict(method.state_dict())
-    assert again.reliability == 0.25 and again.num_updates == 1
+    assert again.guard.reliability == 0.25 and again.guard.num_updates == 1
     fit = again.pretrain(lambda: batch, 2)
-    assert fit["value_pretrain/steps"] == 2 and again.num_updates == 3
+    assert fit["value_pretrain/steps"] == 2 and again.guard.num_updates == 3
     assert fit["value_pretrain/slope_mean"] == pytest.approx(expected)
     with pytest.raises(ValueError, match="version"):
         again.load_state_dict({"version": 9})
     again.load_state_dict({})  # a run saved before the hand-over: nothing earned, nothing lost
-    assert again.reliability == pytest.approx(fit["value_pretrain/reliability"])
+    assert again.guard.reliability == pytest.approx(fit["value_pretrain/reliability"])
 
 
 def test_values_that_hardly_depart_earn_no_reliability(
@@ -644,8 +647,8 @@ def test_values_that_hardly_depart_earn_no_reliability(
     policy = _policy(char_tokenizer)
     method = _method(policy, char_tokenizer, wide_task)
     method.compute(mixed_trace_batch)
-    stats = method.update(mixed_trace_batch)
-    assert math.isnan(stats["credit/handover_slope"]) and method.reliability == 0.0
+    stats = credit_reference.learn(method, mixed_trace_batch)
+    assert math.isnan(stats["credit/handover_slope"]) and method.guard.reliability == 0.0
     # departures under 0.01 RMS do not count, however well they point
     mask = torch.ones(2, 3, dtype=torch.bool)  # s_0, s_1 = s_{n-1}, s_n
     rewards, base = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5])
@@ -790,11 +793,13 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
     assert _trunk_and_head(model) is not None  # its one-time check runs before the hook
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, out: calls.append(1))
-    feats, mask = method.boundary_features(batch)
-    out = method.compute(batch)
-    method.update(batch)
+    rows = method.rows(batch)
+    feats, mask = rows.features, rows.value_mask
+    estimate = method.estimate(rows)
+    out = method.credit_output(rows, estimate, batch.segment_ids, batch.response_mask)
+    method.update(rows, estimate)
     hook.remove()
-    assert len(calls) == 1  # one packed probe forward per batch, shared by compute and update
+    assert len(calls) == 1  # one packed probe forward per batch, in the rows credit and update read
     values, vmask, _ = answer_values(model, char_tokenizer, task, batch, probe=ProbeFormat("think"))
     n = batch.num_segments
     alik = feats[..., -2:]
@@ -828,9 +833,8 @@ def test_config_names_the_fix(field, value, message):
 
 
 def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed_trace_batch):
-    """TRL and verl compute the probe values elsewhere and hand them over as tensors:
-    ``estimate_from_values`` anchors them (the policy is not needed) and
-    ``update_from_values`` scores what the estimate used, given the same rows again."""
+    """TRL and verl compute the probe values elsewhere and hand them over in the rows: the
+    estimate anchors them (the policy is not needed) and the update scores what it used."""
     batch = mixed_trace_batch
     n = batch.num_segments
     S1 = int(n.max()) + 1
@@ -841,15 +845,15 @@ def test_values_given_by_an_integration_are_anchored_and_scored(wide_task, mixed
     method = get_credit("answer_likelihood")(
         CreditConfig(lam=0.0, handover=HandoverConfig(mode="off")), ctx
     )
-    live = batch.response_mask.sum(-1) > 0
-    est = method.estimate_from_values(raw, mask, batch.rewards, batch.group_ids, live)
-    out = method.credit_output(
-        est, batch.rewards, batch.group_ids, batch.segment_ids, batch.response_mask
+    rows = CreditRows.from_tensors(
+        batch.rewards, batch.group_ids, batch.segment_ids, batch.response_mask, values=raw
     )
-    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    est = method.estimate(rows)
+    out = method.credit_output(rows, est, batch.segment_ids, batch.response_mask)
+    mean, _ = normalization.group_mean_std(batch.rewards, batch.group_ids)
     torch.testing.assert_close(out.values, credit.anchor_values(raw, mask, mean))
-    stats = method.update_from_values(
-        raw, mask, batch.rewards.clone(), batch.group_ids.clone(), live
-    )
+    stats = method.update(rows, est)
     expected = prediction_slope(out.values, mask, batch.rewards, mean)
-    assert stats["credit/handover_slope"] == pytest.approx(expected) and method.num_updates == 1
+    assert (
+        stats["credit/handover_slope"] == pytest.approx(expected) and method.guard.num_updates == 1
+    )

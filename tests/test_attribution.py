@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rredcot import credit
+from rredcot import credit, normalization
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig
 from rredcot.methods.attribution import (
@@ -164,7 +164,7 @@ def test_answer_line_starts_point_at_the_last_line(char_tokenizer, batch):
 
 @pytest.mark.parametrize("name", ["first_last", "gradient", "attention"])
 def test_weights_are_distributions_over_valid_segments(name, tiny_policy, char_tokenizer, batch):
-    w = make_method(name, tiny_policy, char_tokenizer).segment_weights(batch)
+    w = make_method(name, tiny_policy, char_tokenizer).weights_and_cost(batch)[0]
     mask = valid_mask(batch)
     assert w.shape == mask.shape == (6, 3)
     assert bool((w >= 0).all())
@@ -179,7 +179,7 @@ def test_weights_are_distributions_over_valid_segments(name, tiny_policy, char_t
 
 def test_first_last_on_a_batch(tiny_policy, char_tokenizer, batch):
     method = make_method("first_last", tiny_policy, char_tokenizer)
-    w = method.segment_weights(batch)
+    w = method.weights_and_cost(batch)[0]
     assert torch.equal(w[0], torch.tensor([0.5, 0.0, 0.5]))
     assert torch.equal(w[5], torch.tensor([0.5, 0.5, 0.0]))  # two segments
     out = method.compute(batch)
@@ -202,7 +202,7 @@ def _per_segment(token_scores, segment_ids, n):
 
 
 def test_gradient_matches_a_manual_autograd_per_row(tiny_policy, char_tokenizer, batch):
-    w = make_method("gradient", tiny_policy, char_tokenizer).segment_weights(batch)
+    w = make_method("gradient", tiny_policy, char_tokenizer).weights_and_cost(batch)[0]
     for row in (0, 1):
         ids, p, length, seg = _row_inputs(batch, row)
         a = answer_line_starts(char_tokenizer, ids, p, [length])[0]
@@ -243,7 +243,7 @@ def test_gradient_score_is_a_directional_derivative(tiny_policy, char_tokenizer,
 
 
 def test_attention_matches_a_manual_aggregation_per_row(tiny_policy, char_tokenizer, batch):
-    w = make_method("attention", tiny_policy, char_tokenizer).segment_weights(batch)
+    w = make_method("attention", tiny_policy, char_tokenizer).weights_and_cost(batch)[0]
     for row in (0, 2):
         ids, p, length, seg = _row_inputs(batch, row)
         a = answer_line_starts(char_tokenizer, ids, p, [length])[0]
@@ -282,7 +282,7 @@ def test_answer_only_segment_gets_no_weight(tiny_policy, char_tokenizer, task, r
     batch = build_batch(char_tokenizer, task, rows[:3], separate_answer=True)
     assert batch.boundaries[0][-2] > 0 and len(batch.boundaries[0]) == 5  # 3 steps + answer
     for name in ("gradient", "attention"):
-        w = make_method(name, tiny_policy, char_tokenizer).segment_weights(batch)
+        w = make_method(name, tiny_policy, char_tokenizer).weights_and_cost(batch)[0]
         assert bool((w[:, 3] == 0).all())
         assert bool((w[:, :3] > 0).all())
         torch.testing.assert_close(w.sum(-1), torch.ones(3))
@@ -292,9 +292,9 @@ def test_answer_only_segment_gets_no_weight(tiny_policy, char_tokenizer, task, r
 def test_micro_batching_and_padding_do_not_change_weights(name, tiny_policy, char_tokenizer, batch):
     method = make_method(name, tiny_policy, char_tokenizer)
     method.micro_batch_size = 1
-    one = method.segment_weights(batch)
+    one = method.weights_and_cost(batch)[0]
     method.micro_batch_size = 16
-    torch.testing.assert_close(method.segment_weights(batch), one, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(method.weights_and_cost(batch)[0], one, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["gradient", "attention"])
@@ -323,7 +323,7 @@ def test_attention_without_weights_is_a_clear_error(char_tokenizer, batch):
         method.compute(batch)
     assert "sdpa" in str(err.value)
     sdpa.set_attn_implementation("eager")  # the fix the message names
-    assert torch.isfinite(method.segment_weights(batch)).all()
+    assert torch.isfinite(method.weights_and_cost(batch)[0]).all()
 
 
 @pytest.mark.parametrize("name", ["first_last", "gradient", "attention"])
@@ -332,10 +332,10 @@ def test_advantages_split_r_minus_group_mean(name, tiny_policy, char_tokenizer, 
     directly (no GAE over r_k, whatever credit.lam is), broadcast to the segment's tokens."""
     method = make_method(name, tiny_policy, char_tokenizer, normalization="none", lam=0.5)
     out = method.compute(batch)
-    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    mean, _ = normalization.group_mean_std(batch.rewards, batch.group_ids)
     assert batch.rewards[[0, 2]].tolist() == [1.0, 1.0]  # gold traces are right
     assert batch.rewards[[1, 5]].tolist() == [0.0, 0.0]  # corrupted / truncated are wrong
-    w = method.segment_weights(batch)
+    w = method.weights_and_cost(batch)[0]
     torch.testing.assert_close(out.segment_advantages, w * (batch.rewards - mean)[:, None])
     sums = out.segment_advantages.sum(-1)
     has = batch.num_segments > 0

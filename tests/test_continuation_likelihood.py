@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+import credit_reference
 from metrics_doc import undocumented
 from rredcot import credit
 from rredcot.batch import RolloutBatch
@@ -247,13 +248,13 @@ def _method(policy, tokenizer, task, **cfg):
 def test_handover_zero_is_uniform_grpo_bit_for_bit(char_tokenizer, task, groups, form):
     policy = _policy(char_tokenizer)
     method = _method(policy, char_tokenizer, task, lam=0.0, form=form)
-    assert method.handover_weight == 0.0
+    assert method.guard.weight == 0.0
     out = method.compute(groups)
-    grpo = credit.grpo_advantages(groups.rewards, groups.group_ids, groups.response_mask)
+    grpo = credit_reference.grpo_advantages(groups.rewards, groups.group_ids, groups.response_mask)
     assert torch.equal(out.advantages, grpo)
     assert out.metrics["credit/extra_forward_tokens"] > 0
     assert undocumented(set(out.metrics)) == []  # every key is in docs/metrics.md
-    stats = method.update(groups)  # the reliability is measured after the credit
+    stats = credit_reference.learn(method, groups)  # the reliability is measured after the credit
     assert "credit/handover_slope" in stats
 
 

@@ -9,23 +9,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rredcot import credit
+import credit_reference
+from credit_reference import grpo_advantages, token_advantages_from_values
+from rredcot import credit, normalization, shared_prefixes
 from rredcot.credit import (
     boundaries_to_segment_ids,
+    redistribute,
+    segment_advantages_from_values,
+    segment_gae,
+    segments_to_tokens,
+    weights_to_segment_rewards,
+)
+from rredcot.normalization import (
     get_normalizer,
     group_mean_std,
-    grpo_advantages,
     masked_mean,
     masked_var,
     masked_whiten,
     normalize_advantages,
-    redistribute,
     register_normalizer,
-    segment_advantages_from_values,
-    segment_gae,
-    segments_to_tokens,
-    token_advantages_from_values,
-    weights_to_segment_rewards,
 )
 
 F64 = torch.float64
@@ -541,7 +543,7 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
     value_mask = torch.arange(int(n.max()) + 1)[None, :] <= n[:, None]
     values = torch.rand(value_mask.shape, generator=gen, dtype=dtype)
     mean, _ = group_mean_std(rewards, group_ids)
-    uniform = credit.token_credit(
+    uniform = credit_reference.token_credit(
         credit.Values(mean[:, None].expand_as(values).clone(), value_mask, lam=1.0),
         rewards,
         group_ids,
@@ -553,8 +555,10 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
     assert torch.equal(uniform, grpo)
 
     def blended(w, lam=0.5):
-        est = credit.Values(values, value_mask, lam=lam, anchor=mean, handover_weight=w)
-        out = credit.token_credit(
+        est = credit.Values(
+            credit.anchor_values(values, value_mask, mean), value_mask, lam=lam, handover_weight=w
+        )
+        out = credit_reference.token_credit(
             est,
             rewards,
             group_ids,
@@ -570,10 +574,10 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
     # the fallback weight, lam 1 at every unknown boundary): GRPO too
     counts = torch.ones_like(value_mask, dtype=torch.long)
     counts[:, 0] = G
-    shared, lam = credit.combine_shared_prefix(
+    shared, lam = shared_prefixes.combine_shared_prefix(
         mean[:, None].expand_as(values), counts, values, value_mask, 0.0
     )
-    prefix = credit.token_credit(
+    prefix = credit_reference.token_credit(
         credit.Values(shared, value_mask, lam=lam),
         rewards,
         group_ids,
@@ -587,9 +591,11 @@ def test_handover_weight_zero_is_grpo_at_any_reward_scale(kind, dtype):
     batch_grpo = grpo_advantages(rewards, group_ids, response_mask, scale_rewards="batch")
     for est in (
         credit.Values(mean[:, None].expand_as(values).clone(), value_mask, lam=1.0),  # uniform
-        credit.Values(values, value_mask, lam=0.5, anchor=mean, handover_weight=0.0),
+        credit.Values(
+            credit.anchor_values(values, value_mask, mean), value_mask, lam=0.5, handover_weight=0.0
+        ),
     ):
-        out = credit.token_credit(
+        out = credit_reference.token_credit(
             est, rewards, group_ids, segment_ids, response_mask, "batch_std"
         ).advantages
         assert torch.equal(out, batch_grpo)
@@ -608,17 +614,17 @@ def test_normalizer_registry():
     with pytest.raises(ValueError, match="already registered"):
         register_normalizer("whiten")(lambda *a, **k: a[0])
 
-    @register_normalizer("_test_double")
-    def double(advantages, response_mask, rewards, group_ids, *, eps=0.0, min_std=0.0):
-        return 2 * advantages * response_mask
+    @register_normalizer("_test_half")
+    def half(rewards, group_ids, *, eps=0.0, min_std=0.0):
+        return normalization.Scale(divisor=torch.full_like(rewards, 2.0))
 
     try:
         out = normalize_advantages(
-            torch.ones(1, 2), torch.tensor([[1, 0]]), torch.zeros(1), None, "_test_double"
+            torch.ones(1, 2), torch.tensor([[1, 0]]), torch.zeros(1), None, "_test_half"
         )
-        assert out.tolist() == [[2.0, 0.0]]
+        assert out.tolist() == [[0.5, 0.0]]
     finally:
-        del credit._NORMALIZERS["_test_double"]
+        del normalization._NORMALIZERS["_test_half"]
 
 
 # --------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import credit_reference
 from conftest import train_step_with_grads
+from rredcot import normalization
 from rredcot.config import TrainConfig
 from rredcot.methods.base import UniformCredit, register_credit
 from rredcot.tasks import Verdict, register_task
@@ -43,8 +45,8 @@ register_task("test_digit_first")(_DigitFirstTask)
 class _NegatedUniform(UniformCredit):
     """GRPO's advantages with the sign flipped: what a sign bug in the loss path would do."""
 
-    def compute(self, batch):
-        out = super().compute(batch)
+    def credit_output(self, rows, est, segment_ids, response_mask):
+        out = super().credit_output(rows, est, segment_ids, response_mask)
         out.advantages = -out.advantages
         out.segment_advantages = -out.segment_advantages
         return out
@@ -135,13 +137,13 @@ def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_d
     batch, _ = trainer.rollout(trainer.prompts_for_step(1))
     batch = batch.replace(rewards=(torch.arange(batch.size) % 2).float())  # both outcomes present
     # Move the head away from its EMA target so that using the wrong network shows.
-    method.update(batch)
-    method.update(batch)
+    credit_reference.learn(method, batch)
+    credit_reference.learn(method, batch)
     head_params = [p.detach().clone() for p in method.head.parameters()]
     target_params = [p.detach().clone() for p in method.target.parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(head_params, target_params))
 
-    feats, mask = method.boundary_features(batch)
+    feats, mask, _ = method.boundary_features(batch)
     live = (batch.response_mask.sum(-1) > 0).to(feats.device)  # what the head trains on
     feats, mask, rewards = feats[live], mask[live], batch.rewards.to(feats.device)[live].float()
     entry = {"features": feats, "mask": mask, "rewards": rewards}
@@ -161,13 +163,13 @@ def test_td_lambda_loss_uses_the_ema_target_and_lambda_as_written_by_hand(init_d
             count += 1
     assert count > feats.shape[0]  # boundaries before s_n, not just one per trace
     with torch.no_grad():
-        assert math.isclose(float(method._loss(entry)), total / count, rel_tol=1e-5)
+        assert math.isclose(float(method.fit.loss(entry)), total / count, rel_tol=1e-5)
 
     # One update step moves the target by EMA: target' = 0.9 target + 0.1 head'.
     method.options.replay = 0
     method.options.epochs = 1
     method.replay.clear()
-    method.update(batch)
+    credit_reference.learn(method, batch)
     for t_old, p_new, t_new in zip(
         target_params, method.head.parameters(), method.target.parameters()
     ):
@@ -250,7 +252,6 @@ class _EveryThirdBroken(ArithmeticTask):
 
 
 def test_skipped_samples_do_not_enter_the_group_mean_and_std(tiny_policy, char_tokenizer):
-    from rredcot import credit
     from rredcot.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
@@ -270,7 +271,7 @@ def test_skipped_samples_do_not_enter_the_group_mean_and_std(tiny_policy, char_t
     assert stats["rollout/skipped_samples"] == 6  # every third of 18 samples
     assert batch.size == 12 and len(batch.verdicts) == 12
     assert all(math.isfinite(v.reward) for v in batch.verdicts)
-    mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    mean, _ = normalization.group_mean_std(batch.rewards, batch.group_ids)
     for g in batch.group_ids.unique():
         rows = batch.group_ids == g
         assert torch.allclose(mean[rows], batch.rewards[rows].mean())
@@ -372,13 +373,13 @@ def test_a_batch_with_no_gradient_still_takes_the_optimiser_step(init_dir, tmp_p
         trainer = Trainer(cfg, log=lambda *_: None)
         trainer.step = 1
         trainer.train_step(1)  # a step with a gradient, so that AdamW has momentum
-        zero = trainer.method.compute
+        zero = trainer.method.credit_output
 
-        def no_credit(batch, compute=zero):
-            out = compute(batch)
+        def no_credit(*args, credit_output=zero):
+            out = credit_output(*args)
             return dataclasses.replace(out, advantages=torch.zeros_like(out.advantages))
 
-        trainer.method.compute = no_credit
+        trainer.method.credit_output = no_credit
         before = [p.detach().clone() for p in trainer.policy.parameters()]
         record, grads = train_step_with_grads(trainer, step=2)
         assert all(g is not None and not g.any() for g in grads)

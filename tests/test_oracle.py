@@ -104,7 +104,7 @@ def test_monte_carlo_oracle_rolls_out_only_still_right_prefixes_for_free(
     sampling = SamplingConfig(max_new_tokens=64)
     context = CreditContext(tiny_policy, char_tokenizer, task=arithmetic_task, sampling=sampling)
     method = build_credit("oracle", config, context)
-    est = method.estimate(batch)
+    est = method.estimate(method.rows(batch))
     values = est.credit.values
     n = len(batch.boundaries[0]) - 1
     # wrong traces: V(s_0) = 1/4, V(s_1) = 2/4, then 0 from the segment holding step 1 on

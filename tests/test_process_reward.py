@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+import credit_reference
 import prm_scores
 from metrics_doc import undocumented
 from rredcot.config import CreditConfig, ProcessRewardConfig, TrainConfig, from_dict, load_yaml
@@ -117,7 +118,7 @@ def test_function_sources_by_module_or_file_and_their_errors(char_tokenizer):
 def test_function_gets_prompt_completion_and_segment_ends(char_tokenizer):
     batch = text_batch(char_tokenizer)
     prm_scores.CALLS.clear()
-    method(char_tokenizer, process_reward={"function": CHAIN}).segment_values(batch)
+    method(char_tokenizer, process_reward={"function": CHAIN}).boundary_values(batch)[:2]
     assert len(prm_scores.CALLS) == len(TEXTS)
     for row, (prompt, completion, ends) in enumerate(prm_scores.CALLS):
         assert prompt == PROMPTS[GROUPS[row]] and completion == TEXTS[row]
@@ -164,7 +165,7 @@ def test_handover_starts_as_grpo_and_earns_the_measured_slope(char_tokenizer):
         assert g == pytest.approx(e, abs=1e-6)  # w = 0: GRPO exactly
     assert first.metrics["credit/handover_weight"] == 0.0
 
-    m.update(batch)
+    credit_reference.learn(m, batch)
     # slope of e = R - ḡ on d = V(s_{n-1}) - ḡ over the rows (d = 0 for one-segment rows)
     g = [1 / 3] * 3 + [2 / 3] * 3
     last = [0.9, 0.1, g[2], 0.9, 0.9, 0.9]
@@ -173,7 +174,7 @@ def test_handover_starts_as_grpo_and_earns_the_measured_slope(char_tokenizer):
     slope = sum(a * b for a, b in zip(e, d)) / sum(x * x for x in d)
     assert 0 < slope < 1
     w = 0.1 * slope  # EMA from 0 with smoothing 0.9
-    assert m.reliability == pytest.approx(w)
+    assert m.guard.reliability == pytest.approx(w)
     assert m.state_dict() == {"version": 1, "reliability": pytest.approx(w), "num_updates": 1}
 
     second = m.compute(batch)  # lam = 1: A_k = (R - ḡ) - w (V(s_{k-1}) - ḡ)
@@ -184,7 +185,7 @@ def test_handover_starts_as_grpo_and_earns_the_measured_slope(char_tokenizer):
 
     fresh = method(char_tokenizer, process_reward={"function": CHAIN})
     fresh.load_state_dict(m.state_dict())
-    assert fresh.reliability == pytest.approx(w) and fresh.num_updates == 1
+    assert fresh.guard.reliability == pytest.approx(w) and fresh.guard.num_updates == 1
 
 
 @pytest.mark.parametrize(
@@ -275,7 +276,7 @@ def test_sequence_classification_prm_scores_every_prefix(char_tokenizer, seq_prm
     )
     assert m.scorer.kind == "sequence_classification"
     assert not any(p.requires_grad for p in m.scorer.model.parameters())  # frozen
-    values, mask = m.segment_values(batch)
+    values, mask = m.boundary_values(batch)[:2]
     ref = AutoModelForSequenceClassification.from_pretrained(seq_prm).eval()
     tokens = 0
     for row, texts in enumerate(_prefix_texts(batch)):
@@ -304,10 +305,10 @@ def test_sequence_classification_prm_scores_every_prefix(char_tokenizer, seq_prm
 
 def test_positive_label_picks_the_class(char_tokenizer, seq_prm):
     batch = text_batch(char_tokenizer)
-    good = method(char_tokenizer, process_reward={"model": seq_prm}).segment_values(batch)[0]
+    good = method(char_tokenizer, process_reward={"model": seq_prm}).boundary_values(batch)[:2][0]
     bad = method(
         char_tokenizer, process_reward={"model": seq_prm, "positive_label": "LABEL_0"}
-    ).segment_values(batch)[0]
+    ).boundary_values(batch)[:2][0]
     assert float(good[0, 1] + bad[0, 1]) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="its labels: LABEL_0, LABEL_1"):
         method(char_tokenizer, process_reward={"model": seq_prm, "positive_label": "+"})
@@ -321,7 +322,7 @@ def test_token_classification_prm_reads_each_step_end_in_one_forward(char_tokeni
     batch = text_batch(char_tokenizer)
     m = method(char_tokenizer, process_reward={"model": token_prm})
     assert m.scorer.kind == "token_classification"
-    values, _ = m.segment_values(batch)
+    values, _ = m.boundary_values(batch)[:2]
     ref = AutoModelForTokenClassification.from_pretrained(token_prm).eval()
     for row, texts in enumerate(_prefix_texts(batch)):
         for k, text in enumerate(texts, start=1):
@@ -330,14 +331,14 @@ def test_token_classification_prm_reads_each_step_end_in_one_forward(char_tokeni
                 want = _positive(ref(torch.tensor([ids])).logits[0, -1])
             assert float(values[row, k]) == pytest.approx(want, abs=1e-5), (row, k)
     # one forward per completion, up to its last interior boundary (s_n is not scored)
-    est = m.estimate(batch)
+    est = m.estimate(m.rows(batch))
     assert est.cost.extra_forward_tokens == sum(
         len(char_tokenizer(texts[-1])["input_ids"]) for texts in _prefix_texts(batch) if texts
     )
 
     # too long for max_length: one left-truncated prefix per boundary
     short = method(char_tokenizer, process_reward={"model": token_prm, "max_length": 12})
-    values, _ = short.segment_values(batch)
+    values, _ = short.boundary_values(batch)[:2]
     for row, texts in enumerate(_prefix_texts(batch)):
         for k, text in enumerate(texts, start=1):
             ids = char_tokenizer(text)["input_ids"][-12:]
@@ -423,7 +424,7 @@ def test_a_single_output_is_read_through_a_sigmoid(char_tokenizer, tmp_path):
 
     prm = save_prm(tmp_path / "one", "sequence", char_tokenizer, num_labels=1)
     batch = text_batch(char_tokenizer)
-    values, _ = method(char_tokenizer, process_reward={"model": prm}).segment_values(batch)
+    values, _ = method(char_tokenizer, process_reward={"model": prm}).boundary_values(batch)[:2]
     ref = AutoModelForSequenceClassification.from_pretrained(prm).eval()
     ids = char_tokenizer(_prefix_texts(batch)[0][0])["input_ids"]
     with torch.no_grad():

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import credit_reference
 from rredcot.config import AnswerLikelihoodConfig, CreditConfig, SamplingConfig
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.models import DEFAULT_REAL_MODEL, load_policy, resolve_model_dir
@@ -125,7 +126,7 @@ def test_value_head_is_sized_and_fed_from_the_models_hidden_states(real_model, t
     assert out.advantages.shape == trace_batch.response_mask.shape
     assert torch.isfinite(out.advantages).all() and torch.isfinite(out.values).all()
     before = [p.detach().clone() for p in method.head.parameters()]
-    stats = method.update(trace_batch)
+    stats = credit_reference.learn(method, trace_batch)
     assert math.isfinite(stats["value/loss"])
     assert any(not torch.equal(a, b) for a, b in zip(before, method.head.parameters()))
 
@@ -285,5 +286,5 @@ def test_trl_adapter_two_steps(real_model, task, tmp_path):
     assert trainer.credit_method.head is not None
     trainer.train()
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
-    assert len(history) == 2 and trainer.credit_method.num_updates == 2
+    assert len(history) == 2 and trainer.credit_method.guard.num_updates == 2
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)

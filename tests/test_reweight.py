@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rredcot import credit
+import credit_reference
+from rredcot import credit, normalization
 from rredcot.config import CreditConfig, ReweightConfig
 from rredcot.credit import Values
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
+    CreditRows,
     Estimate,
     UniformCredit,
     uniform_values,
@@ -37,7 +39,7 @@ def _random_values(value_mask, seed=0):
 def _uniform_advantages(segment_ids, response_mask):
     n = torch.tensor([len(b) - 1 for b in BOUNDS])
     uv, umask = uniform_values(REWARDS, GROUPS, n)
-    out = credit.token_credit(
+    out = credit_reference.token_credit(
         Values(uv, umask, lam=1.0), REWARDS, GROUPS, segment_ids, response_mask, "group_std"
     )
     return out.advantages
@@ -48,14 +50,19 @@ def test_reweight_at_handover_zero_is_grpo_bit_for_bit():
     grpo = _uniform_advantages(segment_ids, response_mask)
     for rule in credit.SIGMA_RULES:
         est = Values(
-            _random_values(value_mask),
+            credit.anchor_values(
+                _random_values(value_mask),
+                value_mask,
+                normalization.group_mean_std(REWARDS, GROUPS)[0],
+            ),
             value_mask,
-            anchor=credit.group_mean_std(REWARDS, GROUPS)[0],
             handover_weight=0.0,
             form="reweight",
             sigma_rule=rule,
         )
-        out = credit.token_credit(est, REWARDS, GROUPS, segment_ids, response_mask, "group_std")
+        out = credit_reference.token_credit(
+            est, REWARDS, GROUPS, segment_ids, response_mask, "group_std"
+        )
         assert torch.equal(out.advantages, grpo), rule
 
 
@@ -68,10 +75,10 @@ def test_reweight_with_flat_values_is_grpo_bit_for_bit():
     )
     lengths = credit.segment_token_counts(segment_ids, response_mask, 3)
     assert torch.equal(sigma, value_mask[:, 1:].float())
-    grpo_row = REWARDS - credit.group_mean_std(REWARDS, GROUPS)[0]
+    grpo_row = REWARDS - normalization.group_mean_std(REWARDS, GROUPS)[0]
     seg = credit.reweight_grpo(grpo_row, sigma, value_mask[:, 1:], 1.0)
     tokens = credit.segments_to_tokens(seg, segment_ids, response_mask)
-    out = credit.normalize_advantages(tokens, response_mask, REWARDS, GROUPS, "group_std")
+    out = normalization.normalize_advantages(tokens, response_mask, REWARDS, GROUPS, "group_std")
     assert torch.equal(out, _uniform_advantages(segment_ids, response_mask))
     assert torch.equal(lengths.sum(1), response_mask.sum(1).float())
 
@@ -121,7 +128,7 @@ class _FixedValues(CreditMethod):
         super().__init__(config, CreditContext(policy=None, tokenizer=None))
         self._v, self._m, self._w = values, mask, w
 
-    def estimate_from_values(self, values, mask, rewards, group_ids, live):
+    def estimate(self, rows):
         return Estimate(Values(self._v, self._m, lam=self.lam, handover_weight=self._w))
 
 
@@ -131,17 +138,11 @@ def test_the_method_path_applies_the_form_and_scales_as_grpo():
     grpo = _uniform_advantages(segment_ids, response_mask)
     config = CreditConfig(form="reweight")
     method = _FixedValues(config, values, value_mask, 0.0)
-    est = method.estimate_from_values(None, None, REWARDS, GROUPS, None)
-    out = method.credit_output(est, REWARDS, GROUPS, segment_ids, response_mask)
+    rows = CreditRows.from_tensors(REWARDS, GROUPS, segment_ids, response_mask)
+    out = method.credit_output(rows, method.estimate(rows), segment_ids, response_mask)
     assert torch.equal(out.advantages, grpo)  # w = 0: GRPO exactly, with GRPO's group std
     moved = _FixedValues(config, values, value_mask, 1.0)
-    out = moved.credit_output(
-        moved.estimate_from_values(None, None, REWARDS, GROUPS, None),
-        REWARDS,
-        GROUPS,
-        segment_ids,
-        response_mask,
-    )
+    out = moved.credit_output(rows, moved.estimate(rows), segment_ids, response_mask)
     assert not torch.equal(out.advantages, grpo)
     assert bool((out.advantages * grpo >= 0).all())  # never a flipped sign
     # each trace keeps GRPO's total over its tokens
@@ -149,9 +150,7 @@ def test_the_method_path_applies_the_form_and_scales_as_grpo():
     # uniform ignores the form
     uni = UniformCredit(config, CreditContext(policy=None, tokenizer=None))
     est = Estimate(Values(*_uniform_values(), lam=1.0))
-    assert torch.equal(
-        uni.credit_output(est, REWARDS, GROUPS, segment_ids, response_mask).advantages, grpo
-    )
+    assert torch.equal(uni.credit_output(rows, est, segment_ids, response_mask).advantages, grpo)
 
 
 def _uniform_values():
@@ -184,7 +183,7 @@ def test_credit_bench_compares_reweight_as_grpo_times_sigma():
     )
     method = _FixedValues(CreditConfig(form="reweight"), values, value_mask, 0.0)
     adv = _comparison_advantages(out, REWARDS, 0.0, method, batch)
-    grpo = (REWARDS - credit.group_mean_std(REWARDS, GROUPS)[0]).double()
+    grpo = (REWARDS - normalization.group_mean_std(REWARDS, GROUPS)[0]).double()
     assert bool((adv * grpo[:, None] >= 0).all())  # GRPO's sign on every segment
     lengths = credit.segment_token_counts(segment_ids, response_mask, 3).double()
     torch.testing.assert_close((adv * lengths).sum(1), grpo * lengths.sum(1))

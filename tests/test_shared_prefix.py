@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from rredcot import credit
+from rredcot import credit, normalization, shared_prefixes
 
 
 def _random_tree_batch(rng: random.Random, groups: int, size: int, steps: int):
@@ -36,8 +36,8 @@ def test_shared_prefix_values_match_a_plain_loop(seed):
     rng = random.Random(seed)
     response_ids, mask, boundaries, group_ids, ids = _random_tree_batch(rng, 3, 6, 5)
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in ids])
-    prefix_ids = credit.shared_prefix_ids(response_ids, mask, boundaries, group_ids)
-    values, counts = credit.shared_prefix_values(prefix_ids, rewards)
+    prefix_ids = shared_prefixes.shared_prefix_ids(response_ids, mask, boundaries, group_ids)
+    values, counts = shared_prefixes.shared_prefix_values(prefix_ids, rewards)
     for row, toks in enumerate(ids):
         for k, b in enumerate(boundaries[row]):
             sharers = [
@@ -52,17 +52,19 @@ def test_shared_prefix_values_match_a_plain_loop(seed):
         assert (prefix_ids[row, len(boundaries[row]) :] == -1).all()
         assert (counts[row, len(boundaries[row]) :] == 0).all()
     # s_0 is the whole group: its value is the group mean reward
-    mean, _ = credit.group_mean_std(rewards, group_ids)
+    mean, _ = normalization.group_mean_std(rewards, group_ids)
     assert torch.allclose(values[:, 0], mean)
 
 
 def test_prefixes_of_different_groups_are_never_shared():
     ids = torch.tensor([[1, 2], [1, 2]])
     mask = torch.ones(2, 2)
-    prefix_ids = credit.shared_prefix_ids(ids, mask, [[0, 1, 2], [0, 1, 2]], torch.tensor([0, 1]))
+    prefix_ids = shared_prefixes.shared_prefix_ids(
+        ids, mask, [[0, 1, 2], [0, 1, 2]], torch.tensor([0, 1])
+    )
     assert set(prefix_ids[0].tolist()).isdisjoint(prefix_ids[1].tolist())
     with pytest.raises(ValueError, match="past its"):
-        credit.shared_prefix_ids(
+        shared_prefixes.shared_prefix_ids(
             ids, torch.tensor([[1, 0], [1, 1]]), [[0, 2], [0, 2]], torch.tensor([0, 0])
         )
 
@@ -98,16 +100,16 @@ def test_nothing_shared_and_no_fallback_is_grpo():
     group_ids = torch.tensor([0, 0, 1, 1])
     ids = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3], [7, 8, 9]])
     bounds = [[0, 1, 2, 3]] * 4
-    prefix_ids = credit.shared_prefix_ids(ids, torch.ones(4, 3), bounds, group_ids)
-    shared, counts = credit.shared_prefix_values(prefix_ids, rewards)
+    prefix_ids = shared_prefixes.shared_prefix_ids(ids, torch.ones(4, 3), bounds, group_ids)
+    shared, counts = shared_prefixes.shared_prefix_values(prefix_ids, rewards)
     mask = torch.ones(4, 4, dtype=torch.bool)
     head = torch.rand(4, 4)
-    values, lam = credit.combine_shared_prefix(shared, counts, head, mask, 0.0)
+    values, lam = shared_prefixes.combine_shared_prefix(shared, counts, head, mask, 0.0)
     adv, _, _ = credit.segment_advantages_from_values(values, mask, rewards, lam)
-    mean, _ = credit.group_mean_std(rewards, group_ids)
+    mean, _ = normalization.group_mean_std(rewards, group_ids)
     assert torch.allclose(adv, (rewards - mean)[:, None].expand(-1, 3))
     # with weight w the head's changes serve as baselines: unbiased lambda-1 credit
-    values_w, lam_w = credit.combine_shared_prefix(shared, counts, head, mask, 0.5)
+    values_w, lam_w = shared_prefixes.combine_shared_prefix(shared, counts, head, mask, 0.5)
     adv_w, _, _ = credit.segment_advantages_from_values(values_w, mask, rewards, lam_w)
     expected = rewards[:, None] - (mean[:, None] + 0.5 * (head[:, :3] - head[:, :1]))
     assert torch.allclose(adv_w, expected)
@@ -121,19 +123,23 @@ def test_a_shared_chain_blames_the_step_where_a_sample_left_it():
     bounds = [[0, 1, 2, 3, 4]] * 3
     rewards = torch.tensor([1.0, 1.0, 0.0])
     group_ids = torch.zeros(3, dtype=torch.long)
-    prefix_ids = credit.shared_prefix_ids(ids, torch.ones(3, 4), bounds, group_ids)
-    shared, counts = credit.shared_prefix_values(prefix_ids, rewards)
+    prefix_ids = shared_prefixes.shared_prefix_ids(ids, torch.ones(3, 4), bounds, group_ids)
+    shared, counts = shared_prefixes.shared_prefix_values(prefix_ids, rewards)
     mask = torch.ones(3, 5, dtype=torch.bool)
-    values, lam = credit.combine_shared_prefix(shared, counts, torch.zeros(3, 5), mask, 0.0)
+    values, lam = shared_prefixes.combine_shared_prefix(
+        shared, counts, torch.zeros(3, 5), mask, 0.0
+    )
     adv, _, seg_r = credit.segment_advantages_from_values(values, mask, rewards, lam)
     assert torch.allclose(adv[2], torch.tensor([0.0, 0.0, -2 / 3, -2 / 3]))
     assert torch.allclose(adv[0], torch.tensor([0.0, 0.0, 1 / 3, 0.0]))
     mean = rewards.mean()
     assert torch.allclose(seg_r.sum(1), rewards - mean)
     with pytest.raises(ValueError, match="min_count"):
-        credit.combine_shared_prefix(shared, counts, torch.zeros(3, 5), mask, 0.0, min_count=0)
+        shared_prefixes.combine_shared_prefix(
+            shared, counts, torch.zeros(3, 5), mask, 0.0, min_count=0
+        )
     # min_count 1 trusts the wrong sample's own prefixes: all its blame on the step it left
-    values1, lam1 = credit.combine_shared_prefix(
+    values1, lam1 = shared_prefixes.combine_shared_prefix(
         shared, counts, torch.zeros(3, 5), mask, 0.0, min_count=1
     )
     adv1, _, _ = credit.segment_advantages_from_values(values1, mask, rewards, lam1)
@@ -147,10 +153,14 @@ def test_credit_moved_back_onto_a_shared_prefix_sums_to_zero_over_its_samples():
     ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9, 9], [1, 7, 7, 7]])
     bounds = [[0, 1, 2, 3, 4]] * 4
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])
-    prefix_ids = credit.shared_prefix_ids(ids, torch.ones(4, 4), bounds, torch.zeros(4).long())
-    shared, counts = credit.shared_prefix_values(prefix_ids, rewards)
+    prefix_ids = shared_prefixes.shared_prefix_ids(
+        ids, torch.ones(4, 4), bounds, torch.zeros(4).long()
+    )
+    shared, counts = shared_prefixes.shared_prefix_values(prefix_ids, rewards)
     mask = torch.ones(4, 5, dtype=torch.bool)
-    values, lam = credit.combine_shared_prefix(shared, counts, torch.zeros(4, 5), mask, 0.0)
+    values, lam = shared_prefixes.combine_shared_prefix(
+        shared, counts, torch.zeros(4, 5), mask, 0.0
+    )
     a0, _, _ = credit.segment_advantages_from_values(values, mask, rewards, lam)
     lam_half = torch.where(lam == 0, torch.full_like(lam, 0.5), lam)
     a5, _, _ = credit.segment_advantages_from_values(values, mask, rewards, lam_half)

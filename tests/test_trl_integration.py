@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
+import credit_reference
 from conftest import make_rollout_batch
 from metrics_doc import undocumented
 from rredcot import config as config_module
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
-from rredcot.credit import group_mean_std
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
     RREDCoTGRPOConfig,
@@ -21,6 +21,7 @@ from rredcot.integrations.trl import (
     task_reward,
 )
 from rredcot.methods.base import CreditContext, build_credit
+from rredcot.normalization import group_mean_std
 from rredcot.rollout import fill_forward, segment_batch
 
 
@@ -138,7 +139,7 @@ def test_value_head_gives_segment_credit_and_learns(tiny_model_dir, arithmetic_d
 
     after = head.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the head did not train"
-    assert trainer.credit_method.num_updates == 2
+    assert trainer.credit_method.guard.num_updates == 2
     # TRL skips its old-log-prob pass here (its defaults): the hidden states come from the loss
     # forward itself, so no extra forward.
     assert all(rec["deferred"] for rec in trainer.records)
@@ -235,7 +236,7 @@ def test_value_head_features_equal_the_trainers(tiny_model_dir, arithmetic_datas
     assert torch.equal(trl_mask, our_mask)
     torch.testing.assert_close(trl, ours, rtol=1e-4, atol=1e-5)
     assert trl[..., hidden:].abs().sum() > 0  # the log-prob features are there, not zeros
-    assert trainer.credit_method.num_updates == 1
+    assert trainer.credit_method.guard.num_updates == 1
 
 
 def test_value_head_saved_with_checkpoints_and_resumed(
@@ -252,7 +253,7 @@ def test_value_head_saved_with_checkpoints_and_resumed(
     resumed = make_trainer(
         tiny_model_dir, arithmetic_dataset, tmp_path, save_strategy="no", max_steps=3
     )
-    assert resumed.credit_method.num_updates == 0
+    assert resumed.credit_method.guard.num_updates == 0
     assert resumed.load_credit_state(ckpt)
     loaded = resumed.credit_method.head.state_dict()
     assert all(torch.equal(saved_head[k], loaded[k].to(saved_head[k].device)) for k in saved_head)
@@ -262,7 +263,7 @@ def test_value_head_saved_with_checkpoints_and_resumed(
     )
     fresh.train(resume_from_checkpoint=str(ckpt))
     assert fresh.state.global_step == 3
-    assert fresh.credit_method.num_updates == 3  # 2 restored + 1 after resuming
+    assert fresh.credit_method.guard.num_updates == 3  # 2 restored + 1 after resuming
 
     fresh.save_model(str(tmp_path / "final"))
     assert (tmp_path / "final" / CREDIT_STATE_FILE).exists()
@@ -329,7 +330,7 @@ def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tm
             varied += int(len(firsts) > 1 and max(firsts) - min(firsts) > 1e-6)
     assert varied > 0, "PRM credit should differ between the segments of a completion"
     method, batch, out = trainer.credit_method, trainer.last_batch, trainer.last_credit
-    assert method.num_updates == 2  # the hand-over measured each step's fresh outcomes
+    assert method.guard.num_updates == 2  # the hand-over measured each step's fresh outcomes
     again, mask = method.segment_values(batch)  # the PRM is frozen: the same scores
     interior = mask.clone()
     interior[:, 0] = False
@@ -371,7 +372,7 @@ def test_gathered_features_train_the_head_like_the_full_batch(
     S1 = expected.values.shape[1]
     torch.testing.assert_close(got.values[:, :S1], expected.values)
     assert torch.equal(got.mask[:, :S1], expected.mask) and not got.mask[:, S1:].any()
-    full.update(batch)
+    credit_reference.learn(full, batch)
     tensors.update_from_features(feats, mask, batch.rewards, batch.group_ids, live)
     for a, b in zip(full.head.parameters(), tensors.head.parameters()):
         torch.testing.assert_close(a, b)
@@ -693,7 +694,7 @@ def test_loss_forward_credit_equals_a_fresh_forward(tiny_model_dir, arithmetic_d
         assert float(rec["ours"].abs().max()) > 0
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
     assert history and all(h["rredcot/extra_forward"] == 0.0 for h in history)
-    assert trainer.credit_method.num_updates == 2
+    assert trainer.credit_method.guard.num_updates == 2
 
 
 def test_whiten_across_micro_batches_is_refused(tiny_model_dir, arithmetic_dataset, tmp_path):

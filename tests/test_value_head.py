@@ -9,11 +9,18 @@ import math
 import pytest
 import torch
 
+import credit_reference
 from conftest import make_rollout_batch
-from rredcot import credit
+from rredcot import credit, normalization, shared_prefixes
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig, from_dict
-from rredcot.methods.base import CreditContext, UniformCredit, build_credit, get_credit
-from rredcot.methods.handover import handover_scores
+from rredcot.methods.base import (
+    CreditContext,
+    UniformCredit,
+    build_credit,
+    get_credit,
+    uniform_values,
+)
+from rredcot.methods.guard import handover_scores
 from rredcot.methods.value_head import (
     MIN_HIDDEN,
     ValueHeadCredit,
@@ -90,7 +97,7 @@ def test_shapes_masks_and_metrics(tiny_policy, char_tokenizer, mixed_batch):
     ):
         assert key in m
     assert 0.0 <= m["value/calibration_error"] <= 1.0
-    stats = method.update(mixed_batch)
+    stats = credit_reference.learn(method, mixed_batch)
     assert stats["value/loss"] > 0 and math.isfinite(stats["value/loss"])
 
 
@@ -109,7 +116,7 @@ def test_values_read_the_hidden_state_at_each_prefix_end(
             tiny_policy, char_tokenizer, value_head=dict(logprob_features=with_logprobs)
         )
         torch.nn.init.normal_(method.head.fc2.weight)  # a non-constant head
-        values, mask = method.head_values(rollout_batch)
+        values, mask = credit_reference.head_values(method, rollout_batch)
         for row, bounds in enumerate(rollout_batch.boundaries):
             for k, b in enumerate(bounds):
                 x = rollout_batch.hidden_states[row, P + b - 1].float()
@@ -148,7 +155,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
     on the prompt, more right padding on the response) gives the same values."""
     method = make_method(tiny_policy, char_tokenizer)
     torch.nn.init.normal_(method.head.fc2.weight)
-    values, mask = method.head_values(rollout_batch)
+    values, mask = credit_reference.head_values(method, rollout_batch)
 
     noisy = copy.copy(rollout_batch)
     positions, _ = rollout_batch.boundary_positions()
@@ -162,7 +169,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
             torch.full_like(noisy.hidden_states, 1e4),
         )
     )
-    assert torch.equal(method.head_values(noisy)[0], values)
+    assert torch.equal(credit_reference.head_values(method, noisy)[0], values)
 
     pad_left, pad_right = 3, 5
     b = rollout_batch
@@ -197,7 +204,7 @@ def test_values_unaffected_by_padding(tiny_policy, char_tokenizer, rollout_batch
         segment_ids=credit.boundaries_to_segment_ids(b.boundaries, b.response_len + pad_right)
     )
     repadded = fill_forward(tiny_policy, repadded, hidden_layers=method.hidden_layers)
-    values2, mask2 = method.head_values(repadded)
+    values2, mask2 = credit_reference.head_values(method, repadded)
     assert torch.equal(mask2, mask)
     torch.testing.assert_close(values2, values, atol=1e-5, rtol=1e-4)
 
@@ -215,9 +222,12 @@ def test_values_are_computed_before_the_update(tiny_policy, char_tokenizer, mixe
     # reward, does, as GRPO's baseline does).
     flipped = copy.copy(mixed_batch)
     flipped = flipped.replace(rewards=1.0 - mixed_batch.rewards)
-    assert torch.equal(method.head_values(flipped)[0], method.head_values(mixed_batch)[0])
+    assert torch.equal(
+        credit_reference.head_values(method, flipped)[0],
+        credit_reference.head_values(method, mixed_batch)[0],
+    )
 
-    method.update(mixed_batch)
+    credit_reference.learn(method, mixed_batch)
     assert torch.equal(first.values, values_before)  # the returned credit is not aliased
     assert torch.equal(first.advantages, advantages_before)
     after = method.compute(mixed_batch)
@@ -241,11 +251,13 @@ def test_missing_or_mismatched_hidden_states_are_clear_errors(
     bad = copy.copy(rollout_batch)
     bad = bad.replace(rewards=torch.full_like(rollout_batch.rewards, 2.0))
     with pytest.raises(ValueError, match="value_head.loss mse"):
-        make_method(tiny_policy, char_tokenizer).update(bad)
+        credit_reference.learn(make_method(tiny_policy, char_tokenizer), bad)
     with pytest.raises(ValueError, match="value_head.output=sigmoid"):
         make_method(tiny_policy, char_tokenizer, value_head=dict(output="linear"))
     mse = make_method(tiny_policy, char_tokenizer, value_head=dict(loss="mse", output="linear"))
-    assert math.isfinite(mse.update(bad)["value/loss"])  # any reward scale with mse + linear
+    assert math.isfinite(
+        credit_reference.learn(mse, bad)["value/loss"]
+    )  # any reward scale with mse + linear
     with pytest.raises(ValueError, match="handover.smoothing"):
         CreditConfig(handover=HandoverConfig(smoothing=1.0))
 
@@ -254,7 +266,7 @@ def test_lazy_build_without_a_policy_config(char_tokenizer, rollout_batch):
     cfg = CreditConfig(value_head=ValueHeadConfig(hidden_size=12))
     method = build_credit("value_head", cfg, CreditContext(policy=None, tokenizer=char_tokenizer))
     assert method.head is None
-    values, _ = method.head_values(rollout_batch)
+    values, _ = credit_reference.head_values(method, rollout_batch)
     assert method.head.input_size == rollout_batch.hidden_states.shape[-1]
     assert method.head.hidden_size == 12
     assert torch.allclose(values[values != 0], torch.tensor(0.5))  # zero-initialised output
@@ -308,9 +320,9 @@ def test_td_targets_match_the_formula(lam):
 
 def test_update_reduces_the_value_loss(tiny_policy, char_tokenizer, mixed_batch):
     method = make_method(tiny_policy, char_tokenizer, value_head=dict(lr=1e-2, replay=0, epochs=10))
-    first = method.update(mixed_batch)
+    first = credit_reference.learn(method, mixed_batch)
     for _ in range(5):
-        last = method.update(mixed_batch)
+        last = credit_reference.learn(method, mixed_batch)
     # below the best constant prediction, H(1/3) = 0.637: the head tells rows apart
     assert first["value/loss_fresh"] == pytest.approx(math.log(2), abs=1e-6)  # zero-init output
     assert last["value/loss_fresh"] < 0.61
@@ -323,7 +335,7 @@ def test_td_and_ema_training_runs(tiny_policy, char_tokenizer, rollout_batch, td
         tiny_policy, char_tokenizer, value_head=dict(td_lambda=td_lambda, ema=ema, replay=0)
     )
     before = head_params(method)
-    method.update(rollout_batch)
+    credit_reference.learn(method, rollout_batch)
     assert any(not torch.equal(a, b) for a, b in zip(before, head_params(method)))
     if ema:
         # the target trails the head: it moved, but by (1 - ema) of each step
@@ -340,7 +352,7 @@ def test_replay_keeps_boundary_features_only(tiny_policy, char_tokenizer):
     counts = []
     for seed in range(3):
         batch = make_rollout_batch(tiny_policy, char_tokenizer, task, num_prompts=2, seed=seed)
-        counts.append(method.update(batch)["value/replay_batches"])
+        counts.append(credit_reference.learn(method, batch)["value/replay_batches"])
     assert counts == [1.0, 2.0, 3.0]
     assert len(method.replay) == 2
     entry = method.replay[-1]
@@ -362,8 +374,8 @@ def test_skipped_rows_do_not_train_the_head(tiny_policy, char_tokenizer, mixed_b
     flipped.rewards[0] = 1.0 - flipped.rewards[0]
     a = make_method(tiny_policy, char_tokenizer, value_head=dict(replay=0))
     b = make_method(tiny_policy, char_tokenizer, value_head=dict(replay=0))
-    a.update(skipped)
-    b.update(flipped)
+    credit_reference.learn(a, skipped)
+    credit_reference.learn(b, flipped)
     for pa, pb in zip(a.head.parameters(), b.head.parameters()):
         assert torch.equal(pa, pb)
 
@@ -380,20 +392,21 @@ def test_state_dict_round_trip_reproduces_exactly(tiny_policy, char_tokenizer, a
     kw = dict(value_head=dict(td_lambda=0.5, ema=0.5, replay=2, epochs=2))
     original = make_method(tiny_policy, char_tokenizer, **kw)
     for batch in batches[:2]:
-        original.update(batch)
+        credit_reference.learn(original, batch)
     buffer = io.BytesIO()
     torch.save(original.state_dict(), buffer)  # as the trainer's checkpoint does: plain data
     buffer.seek(0)
     resumed = make_method(tiny_policy, char_tokenizer, **kw)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
 
-    assert resumed.reliability == original.reliability
+    assert resumed.guard.reliability == original.guard.reliability
     assert len(resumed.replay) == len(original.replay) == 2
     assert torch.equal(
-        resumed.segment_values(batches[2])[0], original.segment_values(batches[2])[0]
+        credit_reference.anchored_values(resumed, batches[2])[0],
+        credit_reference.anchored_values(original, batches[2])[0],
     )
     for batch in batches[2:]:
-        got, want = resumed.update(batch), original.update(batch)
+        got, want = credit_reference.learn(resumed, batch), credit_reference.learn(original, batch)
         assert got.keys() == want.keys()
         for key in want:
             assert got[key] == want[key] or (math.isnan(got[key]) and math.isnan(want[key]))
@@ -402,7 +415,9 @@ def test_state_dict_round_trip_reproduces_exactly(tiny_policy, char_tokenizer, a
     for pa, pb in zip(resumed.target.parameters(), original.target.parameters()):
         assert torch.equal(pa, pb)
     snapshot = original.state_dict()
-    original.update(batches[0])  # the snapshot is a copy, not a view of live tensors
+    credit_reference.learn(
+        original, batches[0]
+    )  # the snapshot is a copy, not a view of live tensors
     assert not torch.equal(snapshot["head"]["fc1.weight"], original.head.fc1.weight)
 
 
@@ -422,10 +437,10 @@ def test_head_init_does_not_touch_the_global_rng(tiny_policy, char_tokenizer):
 
 
 def test_blend_zero_is_exactly_uniform(tiny_policy, char_tokenizer, mixed_batch):
-    for normalization in ("batch_std", "whiten", "none"):
-        method = make_method(tiny_policy, char_tokenizer, normalization=normalization, lam=0.5)
-        assert method.handover_weight == 0.0  # no reliability earned yet
-        cfg = CreditConfig(normalization=normalization)
+    for mode in ("batch_std", "whiten", "none"):
+        method = make_method(tiny_policy, char_tokenizer, normalization=mode, lam=0.5)
+        assert method.guard.weight == 0.0  # no reliability earned yet
+        cfg = CreditConfig(normalization=mode)
         uniform = UniformCredit(cfg, CreditContext(policy=tiny_policy, tokenizer=char_tokenizer))
         out = method.compute(mixed_batch)
         ref = uniform.compute(mixed_batch)
@@ -438,8 +453,8 @@ def test_blend_zero_is_exactly_uniform(tiny_policy, char_tokenizer, mixed_batch)
 def test_handover_off_is_pure_value_credit(tiny_policy, char_tokenizer, mixed_batch):
     method = make_method(tiny_policy, char_tokenizer, lam=0.5, handover=dict(mode="off"))
     torch.nn.init.normal_(method.head.fc2.weight)
-    values, mask = method.segment_values(mixed_batch)
-    expected = credit.token_advantages_from_values(
+    values, mask = credit_reference.anchored_values(method, mixed_batch)
+    expected = credit_reference.token_advantages_from_values(
         values,
         mask,
         mixed_batch.rewards,
@@ -454,7 +469,7 @@ def test_handover_off_is_pure_value_credit(tiny_policy, char_tokenizer, mixed_ba
 def test_partial_blend_mixes_segment_advantages(tiny_policy, char_tokenizer, mixed_batch):
     method = make_method(tiny_policy, char_tokenizer, lam=0.0)
     torch.nn.init.normal_(method.head.fc2.weight)
-    method.reliability = 0.25
+    method.guard.reliability = 0.25
     off = make_method(tiny_policy, char_tokenizer, lam=0.0, handover=dict(mode="off"))
     off.load_state_dict(method.state_dict())
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
@@ -475,7 +490,9 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
         handover=dict(smoothing=0.5, score="explained_variance"),
     )
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)  # confident, spread-out values
-    values, mask = method.segment_values(mixed_batch)  # before the head sees the outcomes
+    values, mask = credit_reference.anchored_values(
+        method, mixed_batch
+    )  # before the head sees the outcomes
     # Outcomes that the head's last prefix values predict well: a positive explained variance.
     n = mask.sum(1) - 1
     last = values[torch.arange(len(n)), (n - 1).clamp_min(0)]
@@ -483,18 +500,18 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     batch = batch.replace(rewards=(last > last.median()).float())
     live = batch.response_mask.sum(-1) > 0
     expected = explained_variance(values[live], mask[live], batch.rewards[live])
-    baseline, _ = UniformCredit(method.config, method.context).segment_values(batch)
+    baseline, _ = uniform_values(batch.rewards, batch.group_ids, batch.num_segments)
     _, target_mask = td_lambda_targets(values, mask, batch.rewards, 1.0)
     vs_group = brier_skill(values[live], baseline[live], target_mask[live], batch.rewards[live])
     assert expected > 0.1
 
-    stats = method.update(batch)
+    stats = credit_reference.learn(method, batch)
     assert stats["credit/handover_skill"] == pytest.approx(expected, abs=1e-6)
     assert stats["value/skill_vs_group_mean"] == pytest.approx(vs_group, abs=1e-6)
-    assert method.reliability == pytest.approx(0.5 * min(expected, 1.0))
+    assert method.guard.reliability == pytest.approx(0.5 * min(expected, 1.0))
     out = method.compute(batch)  # the next step's credit uses the earned weight
-    assert out.metrics["credit/handover_weight"] == pytest.approx(method.reliability)
-    assert out.metrics["credit/handover_reliability"] == pytest.approx(method.reliability)
+    assert out.metrics["credit/handover_weight"] == pytest.approx(method.guard.reliability)
+    assert out.metrics["credit/handover_reliability"] == pytest.approx(method.guard.reliability)
 
 
 def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenizer, mixed_batch):
@@ -504,12 +521,12 @@ def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenize
     torch.nn.init.normal_(method.head.fc2.weight, std=2.0)
     out = method.compute(mixed_batch)
     seg_rewards, seg_mask = credit.redistribute(out.values, out.value_mask, mixed_batch.rewards)
-    group_mean, _ = credit.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
+    group_mean, _ = normalization.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
     rows = seg_mask.any(dim=1)
     torch.testing.assert_close(
         seg_rewards.sum(dim=1)[rows], (mixed_batch.rewards - group_mean)[rows].float()
     )
-    raw, mask = method.head_values(mixed_batch)
+    raw, mask = credit_reference.head_values(method, mixed_batch)
     torch.testing.assert_close(out.values[:, 0][rows], group_mean[rows].float())
     # inside a trace the increments are the head's own
     torch.testing.assert_close(
@@ -517,7 +534,7 @@ def test_anchored_credit_gives_each_trace_grpos_total(tiny_policy, char_tokenize
     )
     unanchored = make_method(tiny_policy, char_tokenizer, anchor="none", handover=dict(mode="off"))
     unanchored.load_state_dict(method.state_dict())
-    assert torch.equal(unanchored.segment_values(mixed_batch)[0], raw)
+    assert torch.equal(credit_reference.anchored_values(unanchored, mixed_batch)[0], raw)
 
 
 def test_anchored_reliability_is_skill_beyond_the_group_mean(
@@ -533,7 +550,7 @@ def test_anchored_reliability_is_skill_beyond_the_group_mean(
     batch = make_rollout_batch(
         tiny_policy, char_tokenizer, arithmetic_task, num_generations=6, segmenter="tokens:4"
     )
-    raw, mask = method.head_values(batch)
+    raw, mask = credit_reference.head_values(method, batch)
     n = mask.sum(1) - 1
     assert int((n >= 2).sum()) >= len(n) - 2  # increments before the last segment exist
     rows = torch.arange(len(n))
@@ -544,12 +561,12 @@ def test_anchored_reliability_is_skill_beyond_the_group_mean(
         idx = (batch.group_ids == g).nonzero().squeeze(1)
         batch.rewards[idx] = (increment[idx] > increment[idx].median()).float()
     live = batch.response_mask.sum(-1) > 0
-    group_mean, _ = credit.group_mean_std(batch.rewards, batch.group_ids)
+    group_mean, _ = normalization.group_mean_std(batch.rewards, batch.group_ids)
     anchored = credit.anchor_values(raw, mask, group_mean)
     expected = explained_variance(anchored[live], mask[live], batch.rewards[live], group_mean[live])
-    stats = method.update(batch)
+    stats = credit_reference.learn(method, batch)
     assert stats["credit/handover_skill"] == pytest.approx(expected, abs=1e-6)
-    assert method.reliability == pytest.approx(min(max(expected, 0.0), 1.0))
+    assert method.guard.reliability == pytest.approx(min(max(expected, 0.0), 1.0))
     # The unanchored skill compares with the batch mean instead, a different number.
     assert expected != pytest.approx(explained_variance(raw[live], mask[live], batch.rewards[live]))
 
@@ -561,7 +578,7 @@ def test_handover_skill_is_bounded_for_small_spread_rewards():
     gen = torch.Generator().manual_seed(0)
     group_ids = torch.arange(4).repeat_interleave(8)
     rewards = 0.5 + 0.02 * torch.randn(32, generator=gen)
-    baseline = credit.group_mean_std(rewards, group_ids)[0]
+    baseline = normalization.group_mean_std(rewards, group_ids)[0]
     mask = torch.ones(32, 3, dtype=torch.bool)
     values = baseline[:, None] + 0.5 * torch.randn(32, 3, generator=gen)
     raw = explained_variance(values, mask, rewards, baseline)
@@ -594,13 +611,15 @@ def test_prediction_slope():
 def test_slope_sets_the_handover_weight(tiny_policy, char_tokenizer, mixed_batch):
     method = make_method(tiny_policy, char_tokenizer, handover=dict(smoothing=0.5))
     torch.nn.init.normal_(method.head.fc2.weight, std=4.0)
-    values, mask = method.segment_values(mixed_batch)  # anchored on the group mean
-    group_mean, _ = credit.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
+    values, mask = credit_reference.anchored_values(
+        method, mixed_batch
+    )  # anchored on the group mean
+    group_mean, _ = normalization.group_mean_std(mixed_batch.rewards, mixed_batch.group_ids)
     live = mixed_batch.response_mask.sum(-1) > 0
     slope = prediction_slope(values[live], mask[live], mixed_batch.rewards[live], group_mean[live])
-    stats = method.update(mixed_batch)
+    stats = credit_reference.learn(method, mixed_batch)
     assert stats["credit/handover_slope"] == pytest.approx(slope, abs=1e-6)
-    assert method.reliability == pytest.approx(0.5 * min(max(slope, 0.0), 1.0))
+    assert method.guard.reliability == pytest.approx(0.5 * min(max(slope, 0.0), 1.0))
 
 
 def test_explained_variance():
@@ -656,7 +675,7 @@ def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_bat
         return mixed_batch
 
     stats = method.pretrain(sample_batch, steps=4)
-    assert len(calls) == 4 and method.num_updates == 4
+    assert len(calls) == 4 and method.guard.num_updates == 4
     assert stats["value_pretrain/loss_last"] < stats["value_pretrain/loss_first"]
     assert method.pretrain(sample_batch, steps=0)["value_pretrain/steps"] == 0.0
     with pytest.raises(ValueError, match=">= 0"):
@@ -768,7 +787,7 @@ def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arit
         if step >= 25 and n:
             hits, wrong = hits + acc * n, wrong + n
             chances.append(chance)
-        method.update(batch)
+        credit_reference.learn(method, batch)
     chance = sum(chances) / len(chances)
     assert wrong >= 1000
     assert hits / wrong >= chance + 0.05, (hits / wrong, chance)
@@ -796,12 +815,12 @@ def test_defaults_are_grpo_until_the_head_earns_trust(tiny_policy, char_tokenize
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
     method = build_credit("value_head", CreditConfig(), ctx)
     torch.nn.init.normal_(method.head.fc2.weight, std=2.0)
-    grpo = credit.grpo_advantages(
+    grpo = credit_reference.grpo_advantages(
         mixed_batch.rewards, mixed_batch.group_ids, mixed_batch.response_mask
     )
-    assert method.reliability == 0.0
+    assert method.guard.reliability == 0.0
     torch.testing.assert_close(method.compute(mixed_batch).advantages, grpo)
-    method.reliability = 1.0
+    method.guard.reliability = 1.0
     trusted = method.compute(mixed_batch)
     assert not torch.allclose(trusted.advantages, grpo)
     first = mixed_batch.segment_ids == 0
@@ -821,11 +840,13 @@ def test_shared_prefixes_set_the_values_where_samples_agree(
     method = make_method(tiny_policy, char_tokenizer, value_head=dict(shared_prefixes=True))
     assert mixed_batch.prefix_ids is not None  # segment_batch fills them
     torch.nn.init.normal_(method.head.fc2.weight)
-    method.reliability = 0.4
+    method.guard.reliability = 0.4
     out = method.compute(mixed_batch)
-    anchored, mask = method.segment_values(mixed_batch)
-    shared, counts = credit.shared_prefix_values(mixed_batch.prefix_ids, mixed_batch.rewards)
-    values, lam = credit.combine_shared_prefix(shared, counts, anchored, mask, 0.4)
+    anchored, mask = credit_reference.anchored_values(method, mixed_batch)
+    shared, counts = shared_prefixes.shared_prefix_values(
+        mixed_batch.prefix_ids, mixed_batch.rewards
+    )
+    values, lam = shared_prefixes.combine_shared_prefix(shared, counts, anchored, mask, 0.4)
     seg_adv, _, _ = credit.segment_advantages_from_values(values, mask, mixed_batch.rewards, lam)
     assert torch.equal(out.segment_advantages, seg_adv)
     assert torch.equal(out.values, values)

@@ -12,10 +12,11 @@ import torch
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
+import credit_reference
 import rredcot.integrations.verl as rv
 from prm_scores import REWARDS as SCORES
 from prm_scores import TEXTS
-from rredcot import credit
+from rredcot import credit, normalization
 from rredcot.config import CreditConfig
 
 UIDS = np.array(["p0", "p0", "p0", "p1", "p1", "p1"], dtype=object)
@@ -140,7 +141,7 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     )
     scores = torch.tensor(SCORES)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
-    _, group_std = credit.group_mean_std(scores, torch.as_tensor(inverse))
+    _, group_std = normalization.group_mean_std(scores, torch.as_tensor(inverse))
     std = torch.where(group_std < 0.1, scores.std().clamp_min(0.1), group_std)
     torch.testing.assert_close(data2.batch["advantages"], adv / (std[:, None] + 1e-4))
     # by default the critic's values are anchored on the group's mean reward, like the value
@@ -149,7 +150,7 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     rv.compute_advantage_for_data(
         data3, char_tokenizer, {"rredcot": {"normalization": "none", "lam": 1.0, "handover": off}}
     )
-    mean, _ = credit.group_mean_std(scores, torch.as_tensor(inverse))
+    mean, _ = normalization.group_mean_std(scores, torch.as_tensor(inverse))
     torch.testing.assert_close(data3.batch["advantages"][:, 0], scores - mean)
 
 
@@ -159,7 +160,7 @@ def _grpo_advantages(data) -> torch.Tensor:
     outcomes agree)."""
     R = data.batch["token_level_rewards"].sum(dim=1)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
-    mean, group_std = credit.group_mean_std(R, torch.as_tensor(inverse))
+    mean, group_std = normalization.group_mean_std(R, torch.as_tensor(inverse))
     std = torch.where(group_std < 0.1, R.std().clamp_min(0.1), group_std)
     return ((R - mean) / (std + 1e-4))[:, None] * data.batch["response_mask"]
 
@@ -179,13 +180,13 @@ def _critic_credit_before_the_handover(data, tokenizer, lam: float) -> torch.Ten
     R = batch["token_level_rewards"].sum(dim=1)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
     groups = torch.as_tensor(inverse)
-    mean, _ = credit.group_mean_std(R, groups)
+    mean, _ = normalization.group_mean_std(R, groups)
     prefix = rv.dense_prefix_rewards(
         batch["token_level_rewards"], seg, rv.num_segments_of(seg, mask)
     )  # no holes: the segment ids are their filled ids
     anchored = credit.anchor_values(raw, raw_mask, mean) + prefix[:, : raw.shape[1]]
     estimate = credit.Values(anchored, raw_mask, lam=lam)
-    return credit.token_credit(
+    return credit_reference.token_credit(
         estimate, R, groups, seg, mask.float(), "group_or_batch_std"
     ).advantages
 
@@ -218,7 +219,7 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     torch.testing.assert_close(data.batch["advantages"], _grpo_advantages(data))
     torch.testing.assert_close(data.batch["returns"], data_off.batch["returns"], rtol=0, atol=0)
     method = rv._method_for("critic", rv.credit_settings(on)[1], on)
-    assert isinstance(method, rv.CriticCredit) and method.num_updates == 1
+    assert isinstance(method, rv.CriticCredit) and method.guard.num_updates == 1
     with pytest.raises(ValueError, match="verl's critic"):
         method.segment_values(None)
 
@@ -235,10 +236,10 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
         data = make_data(char_tokenizer)
         data.batch["values"] = predictive.clone()
         method = rv._method_for("critic", rv.credit_settings(on)[1], on)
-        w = method.handover_weight
+        w = method.guard.weight
         weights.append(w)
         rv.compute_advantage_for_data(data, char_tokenizer, on)
-        assert method.num_updates == step + 1
+        assert method.guard.num_updates == step + 1
         grpo = _grpo_advantages(data)
         own = _critic_credit_before_the_handover(data, char_tokenizer, lam)
         torch.testing.assert_close(data.batch["advantages"], grpo + w * (own - grpo))
@@ -354,7 +355,7 @@ def test_dense_rewards_stay_in_their_segments(char_tokenizer):
     adv = data.batch["advantages"]
     R = rewards.sum(dim=1)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)
-    mean, _ = credit.group_mean_std(R, torch.as_tensor(inverse))
+    mean, _ = normalization.group_mean_std(R, torch.as_tensor(inverse))
     seg = rv.segment_responses(
         data.batch["responses"],
         data.batch["response_mask"],
@@ -467,7 +468,7 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy, 
     for row in range(6):
         assert torch.allclose(adv[row][mask[row]], grpo[row].expand(int(mask[row].sum())))
     (method,) = rv._METHOD_CACHE.values()
-    assert method.num_updates == 1
+    assert method.guard.num_updates == 1
     off = {"rredcot": {**cfg["rredcot"], "handover": {"mode": "off"}}}
     rv.compute_advantage_for_data(data, char_tokenizer, off, boundary_values=values)
     assert not torch.allclose(data.batch["advantages"], adv)  # the probes' own credit
@@ -537,7 +538,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
             data.batch["advantages"][row][mask[row]], grpo[row].expand(int(mask[row].sum()))
         )
     (method,) = rv._METHOD_CACHE.values()
-    assert method.num_updates == 1 and method.reliability > 0
+    assert method.guard.num_updates == 1 and method.guard.reliability > 0
     with pytest.raises(ValueError, match="process_reward_values"):
         rv.compute_rredcot_advantage(
             token_level_rewards=data.batch["token_level_rewards"],

@@ -94,7 +94,7 @@ def run(model_dir: str, out: str, method: str) -> dict:
     else:
         head = trainer.credit_method.head.state_dict()
         digest = hashlib.sha256(b"".join(head[k].cpu().numpy().tobytes() for k in sorted(head)))
-        result.update(head=digest.hexdigest(), updates=trainer.credit_method.num_updates)
+        result.update(head=digest.hexdigest(), updates=trainer.credit_method.guard.num_updates)
         result["finite"] = all(bool(torch.isfinite(a).all()) for a in trainer.ours)
     return result
 

@@ -1,7 +1,6 @@
 """Reward statistics and the normalisation of advantages.
 
-Masked statistics, the per-prompt group statistics GRPO reads, GRPO's own advantages (the
-reference every uniform-credit path must equal), and the normaliser registry: a normaliser turns
+Masked statistics, the per-prompt group statistics GRPO reads, and the normaliser registry: a normaliser turns
 the rows' rewards into a :class:`Scale` (each row's divisor, or whitening over the tokens), which
 :func:`rredcot.credit.token_advantages` applies. The scale is computed on every row of a batch
 (over all processes, where a batch is split) and may then be cut to a process's own rows.
@@ -24,7 +23,6 @@ __all__ = [
     "batch_std",
     "get_normalizer",
     "group_mean_std",
-    "grpo_advantages",
     "masked_mean",
     "masked_var",
     "masked_whiten",
@@ -146,53 +144,6 @@ def batch_std(rewards: Tensor) -> Tensor:
         return torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     var = ((rewards - rewards.mean()) ** 2).mean()
     return torch.sqrt(var * (count / (count - 1)))
-
-
-# --------------------------------------------------------------------------------------
-# GRPO (uniform credit)
-# --------------------------------------------------------------------------------------
-
-
-def grpo_advantages(
-    rewards: Tensor,
-    group_ids: Tensor,
-    response_mask: Tensor,
-    scale_rewards: str | bool = "group",
-    eps: float = 1e-4,
-    leave_one_out: bool = False,
-) -> Tensor:
-    """GRPO's advantages, as TRL's ``GRPOTrainer`` computes them, on every response token.
-
-    ``A = (R - group_mean) / (std + eps)`` with ``std`` the group's (``"group"``), the whole
-    batch's (``"batch"``), or no scaling (``"none"``); ``True``/``False`` mean ``"group"``/
-    ``"none"`` as in TRL. A group whose rewards all agree gets advantage 0, never NaN.
-
-    Args:
-        rewards: ``(B,)``; group_ids: ``(B,)`` integer; response_mask: ``(B, T)``.
-        leave_one_out: use the RLOO baseline (see :func:`group_mean_std`).
-
-    Returns:
-        advantages ``(B, T)``, 0 on padding.
-    """
-    check_ndim(response_mask, 2, "response_mask", "(B, T)")
-    check_shape(rewards, (response_mask.shape[0],), "rewards", "(B,)")
-    if scale_rewards is True:
-        scale_rewards = "group"
-    elif scale_rewards is False:
-        scale_rewards = "none"
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(
-            f"scale_rewards must be one of 'group', 'batch', 'none', got {scale_rewards!r}"
-        )
-    rewards = as_float(rewards)
-    mean, std = group_mean_std(rewards, group_ids, leave_one_out=leave_one_out)
-    if scale_rewards == "batch":
-        std = batch_std(rewards).expand_as(rewards)
-    advantages = rewards - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + eps)
-    mask = as_bool(response_mask)
-    return torch.where(mask, advantages[:, None].expand_as(mask), torch.zeros((), dtype=mean.dtype))
 
 
 # --------------------------------------------------------------------------------------

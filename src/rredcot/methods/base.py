@@ -105,6 +105,41 @@ class CreditRows:
             tree=batch.token_share_counts is not None,
         )
 
+    @classmethod
+    def from_tensors(
+        cls,
+        rewards: Tensor,
+        group_ids: Tensor,
+        segment_ids: Tensor,
+        response_mask: Tensor,
+        **fields,
+    ) -> CreditRows:
+        """The rows of tensors (for callers that hold no :class:`RolloutBatch`).
+
+        Args:
+            rewards: ``(B,)``; group_ids: ``(B,)`` long; segment_ids: ``(B, T)`` long, ``-1`` on
+                padding, row ``b`` using segments ``0..n_b-1``; response_mask: ``(B, T)``.
+            fields: any other field (``values``, ``features``, ...).
+        """
+        num_segments = (
+            (segment_ids.max(dim=1).values + 1).clamp_min(0)
+            if segment_ids.shape[1]
+            else torch.zeros(len(rewards), dtype=torch.long)
+        )
+        S = int(num_segments.max()) if len(num_segments) else 0
+        value_mask = (
+            torch.arange(S + 1, device=segment_ids.device)[None, :] <= num_segments[:, None]
+        )
+        return cls(
+            rewards=rewards,
+            group_ids=group_ids,
+            num_segments=num_segments,
+            live=response_mask.sum(-1) > 0,
+            value_mask=value_mask,
+            segment_lengths=credit.segment_token_counts(segment_ids, response_mask, S),
+            **fields,
+        )
+
     @property
     def segment_mask(self) -> Tensor:
         """``(B, S)`` bool: the valid segments of each row."""
