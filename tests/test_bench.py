@@ -264,7 +264,7 @@ def test_fit_batches_are_cut_and_scored_at_the_sampling_temperature(tiny_policy,
     batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=4)
 
     class Recorder:
-        name, needs_hidden_states, hidden_layers = "recorder", True, (-1,)
+        name, needs_hidden_states, hidden_layers, learns = "recorder", True, (-1,), True
 
         def state_dict(self):
             return {"w": torch.zeros(1)}
