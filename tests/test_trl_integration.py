@@ -20,7 +20,7 @@ from rredcot.integrations.trl import (
     RREDCoTGRPOTrainer,
     task_reward,
 )
-from rredcot.methods.base import CreditContext, build_credit
+from rredcot.methods.base import CreditContext, CreditRows, build_credit
 from rredcot.normalization import group_mean_std
 from rredcot.rollout import fill_forward, segment_batch
 
@@ -210,8 +210,8 @@ def test_value_head_features_equal_the_trainers(tiny_model_dir, arithmetic_datas
             )
             ours = segment_batch(ours, self._tokenizer, self.segmenter)
             self.records[-1].update(
-                features_trl=method.boundary_features(batch),
-                features_trainer=method.boundary_features(ours),
+                features_trl=method.boundary_features(batch)[:2],
+                features_trainer=method.boundary_features(ours)[:2],
                 boundaries_trainer=ours.boundaries,
             )
             return output
@@ -331,7 +331,7 @@ def test_process_reward_prm_is_selectable(tiny_model_dir, arithmetic_dataset, tm
     assert varied > 0, "PRM credit should differ between the segments of a completion"
     method, batch, out = trainer.credit_method, trainer.last_batch, trainer.last_credit
     assert method.guard.num_updates == 2  # the hand-over measured each step's fresh outcomes
-    again, mask = method.segment_values(batch)  # the PRM is frozen: the same scores
+    again, mask, _ = method.boundary_values(batch)  # the PRM is frozen: the same scores
     interior = mask.clone()
     interior[:, 0] = False
     interior[torch.arange(batch.size), batch.num_segments] = False
@@ -360,20 +360,30 @@ def test_gathered_features_train_the_head_like_the_full_batch(
     )
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
     full, tensors = build_credit("value_head", cfg, ctx), build_credit("value_head", cfg, ctx)
-    feats, mask = tensors.boundary_features(batch)
+    feats, mask, _ = tensors.boundary_features(batch)
     width = feats.shape[1] + 2  # another process had longer rows
     feats = torch.cat([feats, feats.new_zeros(feats.shape[0], 2, feats.shape[2])], dim=1)
     mask = torch.cat([mask, mask.new_zeros(mask.shape[0], 2)], dim=1)
     assert feats.shape[1] == width
     assert feats.shape[2] == tensors.head.input_size + tensors.extra_size
     live = batch.response_mask.sum(-1) > 0
-    expected = full.estimate(batch).credit
-    got = tensors.estimate_from_features(feats, mask, batch.rewards, batch.group_ids, live).credit
+    expected = full.estimate(full.rows(batch)).credit
+    rows = CreditRows(
+        rewards=batch.rewards,
+        group_ids=batch.group_ids,
+        num_segments=batch.num_segments,
+        live=live,
+        value_mask=mask,
+        segment_lengths=torch.zeros(mask.shape[0], mask.shape[1] - 1),
+        features=feats,
+    )
+    estimate = tensors.estimate(rows)
+    got = estimate.credit
     S1 = expected.values.shape[1]
     torch.testing.assert_close(got.values[:, :S1], expected.values)
     assert torch.equal(got.mask[:, :S1], expected.mask) and not got.mask[:, S1:].any()
     credit_reference.learn(full, batch)
-    tensors.update_from_features(feats, mask, batch.rewards, batch.group_ids, live)
+    tensors.update(rows, estimate)
     for a, b in zip(full.head.parameters(), tensors.head.parameters()):
         torch.testing.assert_close(a, b)
 
@@ -671,8 +681,8 @@ def test_loss_forward_credit_equals_a_fresh_forward(tiny_model_dir, arithmetic_d
             assert pending is not None  # deferred to the loss forwards
             hidden, logps = self._extra_forward(output, "train")
             batch = pending.batch.replace(hidden_states=hidden, old_logprobs=logps)
-            feats = self._global_features(batch, pending.rows)
-            _, ref = self._credit(batch, pending.rows, feats=feats)
+            every = pending.rows.gather(self._local_rows(batch), self.collective)
+            _, _, ref = self._credit(batch, pending.rows, every)
             self.records[-1]["reference"] = ref * pending.loss_mask
             return output
 

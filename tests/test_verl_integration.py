@@ -195,7 +195,7 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     """The critic goes through the hand-over of every rredcot value source: GRPO's credit on the
     first step, the critic's as it earns trust on later steps' outcomes; with the hand-over off,
     the critic's anchored credit at full weight, as before. Its returns never change."""
-    monkeypatch.setattr(rv, "_METHOD_CACHE", {})
+    monkeypatch.setattr(rv, "_METHODS", {})
     lam = 0.5
     # hand-over off: today's critic credit (anchored values, weight 1), bit for bit
     off = {"rredcot": {"lam": lam, "handover": {"mode": "off"}}}
@@ -221,11 +221,11 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     method = rv._method_for("critic", rv.credit_settings(on)[1], on)
     assert isinstance(method, rv.CriticCredit) and method.guard.num_updates == 1
     with pytest.raises(ValueError, match="verl's critic"):
-        method.segment_values(None)
+        method.boundary_values(None)
 
     # a critic whose values predict the outcomes earns trust: the weight rises above 0 and the
     # credit departs from GRPO towards the critic's, A = A_grpo + w (A_critic - A_grpo)
-    rv._METHOD_CACHE.clear()
+    rv._METHODS.clear()
     scores = torch.tensor(SCORES)
     mask = make_data(char_tokenizer).batch["response_mask"]
     predictive = (0.1 + 0.8 * scores)[:, None].expand_as(mask).clone()
@@ -456,7 +456,7 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy, 
             "normalization": "none",
         }
     }
-    monkeypatch.setattr(rv, "_METHOD_CACHE", {})
+    monkeypatch.setattr(rv, "_METHODS", {})
     rv.compute_advantage_for_data(data, char_tokenizer, cfg, boundary_values=values)
     adv = data.batch["advantages"].clone()
     assert torch.isfinite(adv).all() and adv.abs().max() > 0
@@ -467,7 +467,7 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy, 
     mask = data.batch["response_mask"].bool()
     for row in range(6):
         assert torch.allclose(adv[row][mask[row]], grpo[row].expand(int(mask[row].sum())))
-    (method,) = rv._METHOD_CACHE.values()
+    (method,) = rv._METHODS.values()
     assert method.guard.num_updates == 1
     off = {"rredcot": {**cfg["rredcot"], "handover": {"mode": "off"}}}
     rv.compute_advantage_for_data(data, char_tokenizer, off, boundary_values=values)
@@ -495,7 +495,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
     the core method's (here by hand: lam 0, segment k gets V(s_k) - V(s_{k-1}))."""
     import prm_scores
 
-    monkeypatch.setattr(rv, "_METHOD_CACHE", {})
+    monkeypatch.setattr(rv, "_METHODS", {})
     settings = {
         "credit_method": "process_reward",
         "process_reward": {"function": "prm_scores:chain_scores"},
@@ -523,7 +523,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
 
     # the hand-over: GRPO on the first step, then the measured slope (update after the credit)
     reliable = {**settings, "handover": {"mode": "reliability"}, "lam": 1.0}
-    rv._METHOD_CACHE.clear()  # the driver keeps one method per settings, across steps
+    rv._METHODS.clear()  # the driver keeps one method per settings, across steps
     data = _probe_source(char_tokenizer)
     data.non_tensor_batch["raw_prompt"] = np.array(
         [[{"role": "user", "content": f"q{i}"}] for i in range(6)], dtype=object
@@ -537,7 +537,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
         assert torch.allclose(
             data.batch["advantages"][row][mask[row]], grpo[row].expand(int(mask[row].sum()))
         )
-    (method,) = rv._METHOD_CACHE.values()
+    (method,) = rv._METHODS.values()
     assert method.guard.num_updates == 1 and method.guard.reliability > 0
     with pytest.raises(ValueError, match="process_reward_values"):
         rv.compute_rredcot_advantage(
