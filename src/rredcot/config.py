@@ -4,8 +4,7 @@ Every field carries its help text in ``field(metadata={"help": ...})``. Nested d
 dotted flags (``--credit.lam 0.5``, ``--credit.value_head.lr 1e-3``); the same nesting is the
 YAML layout. ``--config FILE`` loads a YAML file first and flags given on the command line override
 it. Each credit method's own options are a dataclass of their own (``ValueHeadConfig``, ...),
-registered with the method and nested in ``CreditConfig``; the flat names they had before
-(``credit.value_lr``) are still read everywhere through the one table ``CreditConfig.RENAMED``.
+registered with the method and nested in ``CreditConfig``.
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
 from rredcot.errors import UserError
@@ -656,38 +654,6 @@ class CreditConfig:
     """How credit is assigned: segmentation, the credit algebra's settings shared by every
     method, and each method's own options (credit.<section>.<field>)."""
 
-    # The flat names these options had before they moved into their sections: still read from
-    # flags, YAML (a run's config.yaml included), --set and bench variants, with a note naming
-    # the new spelling. The one table of old names.
-    RENAMED: ClassVar[dict[str, str]] = {
-        "value_hidden_size": "value_head.hidden_size",
-        "value_layers": "value_head.layers",
-        "value_logprob_features": "value_head.logprob_features",
-        "value_alik_feature": "value_head.alik_feature",
-        "value_anchor": "anchor",
-        "value_shared_prefixes": "value_head.shared_prefixes",
-        "value_shared_min_count": "value_head.shared_min_count",
-        "value_lr": "value_head.lr",
-        "value_td_lambda": "value_head.td_lambda",
-        "value_loss": "value_head.loss",
-        "value_output": "value_head.output",
-        "value_epochs": "value_head.epochs",
-        "value_replay": "value_head.replay",
-        "value_ema": "value_head.ema",
-        "value_pretrain_steps": "value_head.pretrain_steps",
-        "handover": "handover.mode",
-        "handover_score": "handover.score",
-        "handover_smoothing": "handover.smoothing",
-        "answer_source": "answer_likelihood.source",
-        "answer_cue": "answer_likelihood.cue",
-        "answer_eos": "answer_likelihood.eos",
-        "answer_renderings": "answer_likelihood.renderings",
-        "answer_chunk_tokens": "answer_likelihood.chunk_tokens",
-        "answer_logits_mb": "answer_likelihood.logits_mb",
-        "mc_rollouts": "monte_carlo.rollouts",
-        "mc_max_boundaries": "monte_carlo.max_boundaries",
-    }
-
     segmenter: str = help_field(
         "Segmentation strategy: newline, paragraph, sentence, step, keywords, tokens:N, or the "
         "policy-entropy cuts entropy, keywords+entropy and newline+merge:target=N (`rredcot "
@@ -1020,10 +986,9 @@ def to_dict(cfg: Any) -> dict:
 
 def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested mapping; unknown keys are errors that list the valid
-    ones, and the old names of renamed fields (``CreditConfig.RENAMED``) are read as the new."""
+    ones."""
     if not isinstance(data, Mapping):
         raise ValueError(f"config section {where or 'top level'} must be a mapping, got {data!r}")
-    data = _move_renamed(cls, data, where)
     hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -1056,94 +1021,6 @@ def valid_keys(cls: type) -> str:
             inner = ", ".join(sorted(g.name for g in dataclasses.fields(hint)))
             names.append(f"{f.name}.{{{inner}}}")
     return ", ".join(names)
-
-
-# ---------------------------------------------------------------------------------------------
-# renamed fields: the one table is ``CreditConfig.RENAMED`` (a config class's ``RENAMED`` maps
-# an old field name to its dotted place now). Every route in goes through it: mappings (YAML, a
-# run's config.yaml, TRL's and verl's settings) through ``_move_renamed`` in ``from_dict`` and
-# ``upgrade_renamed``, dotted names (``--set``, bench variants) through ``current_key``, flags
-# through the hidden flags ``add_dataclass_flags`` adds.
-
-NOTED_RENAMES: set[str] = set()  # the old names noted in this process (each is noted once)
-
-
-def note_renamed(*pairs: tuple[str, str]) -> None:
-    """One line on stderr for the ``(old, new)`` names not noted before in this process: the old
-    name still works, the new one is the name to use."""
-    fresh = [(old, new) for old, new in pairs if old not in NOTED_RENAMES]
-    NOTED_RENAMES.update(old for old, _ in fresh)
-    if len(fresh) == 1:
-        print(f"rredcot: {fresh[0][0]} is deprecated; use {fresh[0][1]}", file=sys.stderr)
-    elif fresh:
-        names = ", ".join(f"{old} -> {new}" for old, new in fresh)
-        print(f"rredcot: deprecated names, read as the new ones: {names}", file=sys.stderr)
-
-
-def _renamed(cls: type) -> dict[str, str]:
-    return getattr(cls, "RENAMED", {})
-
-
-def _move_renamed(cls: type, data: Mapping, where: str = "") -> dict:
-    """``data`` (one level of ``cls``) with each old field name moved to its new place."""
-    renamed = _renamed(cls)
-    out = dict(data)
-    if not renamed or not any(k in renamed for k in out):
-        return out
-    fields = {f.name for f in dataclasses.fields(cls)}
-    moved = []
-    # an old name that is now a section's name (credit.handover) first, so that its section
-    # exists before the section's other old names move in
-    for old in sorted((k for k in out if k in renamed), key=lambda k: k not in fields):
-        value = out[old]
-        if old in fields and (value is None or isinstance(value, Mapping)):
-            continue  # the section itself, in the new layout
-        del out[old]
-        new = renamed[old]
-        moved.append((f"{where}{old}", f"{where}{new}"))
-        node = out
-        *parents, leaf = new.split(".")
-        for p in parents:
-            child = node.get(p)
-            if child is not None and not isinstance(child, Mapping):
-                raise ValueError(f"config section {where}{p} must be a mapping, got {child!r}")
-            node[p] = dict(child or {})
-            node = node[p]
-        if leaf in node:
-            raise ValueError(
-                f"both {where}{old} and {where}{new} are given; keep {where}{new} (the new name)"
-            )
-        node[leaf] = value
-    note_renamed(*moved)
-    return out
-
-
-def upgrade_renamed(cls: type, data: Mapping, where: str = "") -> dict:
-    """A nested config mapping of ``cls`` with every old field name, at any depth, moved to its
-    new place (``{"value_lr": 0.1}`` -> ``{"value_head": {"lr": 0.1}}`` for ``CreditConfig``)."""
-    out = _move_renamed(cls, data, where)
-    hints = _type_hints(cls)
-    for key, value in out.items():
-        hint = hints.get(key)
-        if hint is not None and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-            out[key] = upgrade_renamed(hint, value, f"{where}{key}.")
-    return out
-
-
-def current_key(dotted: str, cls: type | None = None, where: str = "") -> str:
-    """A dotted field name (``credit.value_lr``) as it is spelt now (``credit.value_head.lr``);
-    names that are current, or unknown, come back as they are. ``cls``: the config the name is
-    relative to (``TrainConfig``)."""
-    cls = TrainConfig if cls is None else cls
-    head, dot, rest = dotted.partition(".")
-    hint = _type_hints(cls).get(head)
-    if dot and hint is not None and dataclasses.is_dataclass(hint):
-        return f"{head}.{current_key(rest, hint, f'{where}{head}.')}"
-    new = _renamed(cls).get(dotted)
-    if new is None:
-        return dotted
-    note_renamed((f"{where}{dotted}", f"{where}{new}"))
-    return new
 
 
 def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
@@ -1238,25 +1115,20 @@ def add_dataclass_flags(
     prefix: str = "",
     skip: tuple[str, ...] = (),
     group: Any = None,
-    old_names: bool = True,
 ) -> None:
     """Add one ``--prefix.field`` flag per field, also spelled with hyphens (``--eval-every`` for
     ``--eval_every``) and with any ``flags`` aliases the field's metadata names. A nested
     dataclass recurses into a help group of its own (``credit.value_head``, described by its
-    docstring); the old names of renamed fields (``RENAMED``) stay as hidden flags that set the
-    new field, with a note. Defaults are unset (``argparse.SUPPRESS``): only flags actually given
+    docstring). Defaults are unset (``argparse.SUPPRESS``): only flags actually given
     override a YAML file or the dataclass's own defaults. ``skip``: fields set another way;
-    ``group``: the help group of ``cls``'s own fields (default: the parser's options);
-    ``old_names``: also the hidden flags of renamed fields (a command that never had them: no)."""
+    ``group``: the help group of ``cls``'s own fields (default: the parser's options)."""
     target = parser if group is None else group
     hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             section = parser.add_argument_group(f"{prefix}{f.name}", dataclass_doc(hint))
-            add_dataclass_flags(
-                parser, hint, prefix=f"{prefix}{f.name}.", group=section, old_names=old_names
-            )
+            add_dataclass_flags(parser, hint, prefix=f"{prefix}{f.name}.", group=section)
             continue
         if f.name == "task_args" or f.name in skip:
             continue  # task_args: free-form --task.KEY VALUE, parsed separately
@@ -1271,29 +1143,6 @@ def add_dataclass_flags(
             help=text.replace("%", "%%"),  # argparse formats help with %
             **extra,
         )
-    for old, new in _renamed(cls).items() if old_names else ():
-        extra = {"nargs": "?", "const": "true"} if _field_hint(cls, new) is bool else {}
-        target.add_argument(
-            *_flag_names(prefix, old),
-            dest=f"{prefix}{new}",
-            default=argparse.SUPPRESS,
-            help=argparse.SUPPRESS,
-            action=_RenamedFlag,
-            new_flag=f"--{prefix}{new}",
-            **extra,
-        )
-
-
-class _RenamedFlag(argparse.Action):
-    """The old spelling of a renamed field's flag: sets the new field, with a note."""
-
-    def __init__(self, *args: Any, new_flag: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.new_flag = new_flag
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        note_renamed((str(option_string), self.new_flag))
-        setattr(namespace, self.dest, values)
 
 
 def _flag_names(prefix: str, name: str, extra: tuple[str, ...] = ()) -> list[str]:
@@ -1301,14 +1150,6 @@ def _flag_names(prefix: str, name: str, extra: tuple[str, ...] = ()) -> list[str
     if "_" in name:
         names.append(f"--{prefix}{name.replace('_', '-')}")
     return names + list(extra)
-
-
-def _field_hint(cls: type, dotted: str) -> Any:
-    """The type of the field at dotted path ``dotted`` of ``cls``."""
-    for name in dotted.split("."):
-        hint = _type_hints(cls)[name]
-        cls = hint
-    return hint
 
 
 def dataclass_doc(cls: type) -> str | None:
@@ -1377,11 +1218,11 @@ def given_fields(
 ) -> set[str]:
     """Dotted names of the fields a command line sets: its flags, its ``--config`` file's keys and
     ``task_args`` for ``--task.*``."""
-    given = {current_key(k) for k in overrides}
+    given = set(overrides)
     if yaml_path:
         base = read_yaml_file(yaml_path, "--config") or {}
         if isinstance(base, dict):
-            given |= set(flatten(upgrade_renamed(TrainConfig, base)))
+            given |= set(flatten(base))
     if task_args:
         given.add("task_args")
     return given
@@ -1454,8 +1295,7 @@ def resolve_config(
                 f"--config {yaml_path} holds a {type(base).__name__}, not a mapping of config "
                 "fields (e.g. 'steps: 20')"
             )
-    base = upgrade_renamed(cls, base)
-    merged = merge_overrides(base, {current_key(k, cls): v for k, v in overrides.items()})
+    merged = merge_overrides(base, overrides)
     if task_args:
         merged.setdefault("task_args", {}).update(task_args)
     return from_dict(cls, merged)

@@ -102,8 +102,7 @@ def add_bench_parser(sub) -> None:
                 "credit.KEY=VALUE; a variant's own key=value wins).",
             )
             skip = CREDIT_FLAGS_SKIP.get(name, ())
-            # no old flat spellings: the bench took credit settings only through --set before
-            add_dataclass_flags(p, CreditConfig, "credit.", skip, group, old_names=False)
+            add_dataclass_flags(p, CreditConfig, "credit.", skip, group)
         if "trl_overrides" in fields:
             p.add_argument(
                 "--trl-set",
