@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from rredcot import credit
-from rredcot.config import (
-    AnswerLikelihoodConfig,
-    CreditConfig,
-    HandoverConfig,
-    ValueHeadConfig,
-    from_dict,
-)
+from rredcot.config import AnswerLikelihoodConfig, CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.config_io import from_dict
 from rredcot.methods.answer_likelihood import (
     ProbeFormat,
     _trunk_and_head,

@@ -19,10 +19,8 @@ from rredcot.config import (
     MonteCarloConfig,
     TrainConfig,
     ValueHeadConfig,
-    from_dict,
-    resolve_config,
-    to_dict,
 )
+from rredcot.config_io import from_dict, resolve_config, to_dict
 from rredcot.methods.base import CreditContext, build_credit, credit_names, credit_options
 
 

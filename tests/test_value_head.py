@@ -11,7 +11,8 @@ import torch
 
 from conftest import make_rollout_batch
 from rredcot import credit
-from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig, from_dict
+from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.config_io import from_dict
 from rredcot.methods.base import CreditContext, UniformCredit, build_credit, get_credit
 from rredcot.methods.handover import handover_scores
 from rredcot.methods.value_head import (

@@ -23,7 +23,8 @@ from rredcot.bench.configs import (
     parse_trl_overrides,
 )
 from rredcot.bench.variants import parse_set
-from rredcot.config import CreditConfig, add_dataclass_flags, from_dict
+from rredcot.config import CreditConfig
+from rredcot.config_io import add_dataclass_flags, from_dict
 from rredcot.errors import UserError
 
 # name -> (config, runner module, runner, help, description). A benchmark's module imports torch

@@ -17,13 +17,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from rredcot.config import (
-    CreditConfig,
-    TrainConfig,
-    from_dict,
-    merge_overrides,
-    valid_keys,
-)
+from rredcot.config import CreditConfig, TrainConfig
+from rredcot.config_io import from_dict, merge_overrides, valid_keys
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 

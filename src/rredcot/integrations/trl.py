@@ -52,7 +52,8 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
-from rredcot.config import CreditConfig, from_dict
+from rredcot.config import CreditConfig
+from rredcot.config_io import from_dict
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.integrations.saved import CREDIT_STATE_FILE, settings_dict, write_settings
