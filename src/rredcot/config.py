@@ -717,7 +717,7 @@ class CreditConfig:
             raise ValueError("credit.anchor must be 'group' or 'none'")
         if not self.agreeing_std >= 0.0:
             raise ValueError(f"credit.agreeing_std={self.agreeing_std} must be >= 0")
-        from rredcot.segment import get_segmenter  # lazy: segment.py imports nothing of ours
+        from rredcot.segment import get_segmenter  # lazy: rredcot.segment imports nothing of ours
 
         try:  # a misspelt strategy fails here, not when a trainer is built
             get_segmenter(self.segmenter)
