@@ -30,7 +30,8 @@ import statistics
 import torch
 from long_chain_gradient_share import region_shares  # benchmarks/ (the script's folder)
 
-from rredcot.config import TrainConfig, resolve_config
+from rredcot.config import TrainConfig
+from rredcot.config_io import resolve_config
 from rredcot.trainer import Trainer
 
 

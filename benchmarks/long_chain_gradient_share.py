@@ -30,7 +30,8 @@ import json
 
 import torch
 
-from rredcot.config import TrainConfig, resolve_config
+from rredcot.config import TrainConfig
+from rredcot.config_io import resolve_config
 from rredcot.diagnose import (
     KIND,
     chunk_from_batch,

@@ -12,13 +12,8 @@ import torch
 
 import credit_reference
 from rredcot import credit, normalization
-from rredcot.config import (
-    AnswerLikelihoodConfig,
-    CreditConfig,
-    HandoverConfig,
-    ValueHeadConfig,
-    from_dict,
-)
+from rredcot.config import AnswerLikelihoodConfig, CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.config_io import from_dict
 from rredcot.methods.answer_likelihood import (
     ProbeFormat,
     _trunk_and_head,

@@ -1,19 +1,16 @@
 """Each credit method's options in a dataclass of its own (issue 19, item 4): registered with the
-method, nested in ``CreditConfig`` as ``credit.<section>.<field>`` for flags and YAML alike, and
-the old flat names (``credit.value_lr``) still read by every route through one table, with a
-one-line note naming the new spelling."""
+method, nested in ``CreditConfig`` as ``credit.<section>.<field>`` for flags, YAML, ``--set`` and
+bench variants alike; an unknown key is an error that lists the valid ones."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import yaml
 
-from rredcot import config as config_module
 from rredcot.bench.cli import bench_config
-from rredcot.bench.variants import parse_set, parse_variant
+from rredcot.bench.variants import parse_variant
 from rredcot.cli import build_parser
 from rredcot.config import (
     AnswerLikelihoodConfig,
@@ -22,23 +19,9 @@ from rredcot.config import (
     MonteCarloConfig,
     TrainConfig,
     ValueHeadConfig,
-    current_key,
-    flatten,
-    from_dict,
-    load_yaml,
-    resolve_config,
-    to_dict,
-    upgrade_renamed,
 )
+from rredcot.config_io import from_dict, resolve_config, to_dict
 from rredcot.methods.base import CreditContext, build_credit, credit_names, credit_options
-
-FLAT = Path(__file__).parent / "fixtures" / "credit_section_flat.yaml"
-
-
-@pytest.fixture(autouse=True)
-def fresh_notes(monkeypatch):
-    """Each test sees the deprecation notes its own calls print (they print once a process)."""
-    monkeypatch.setattr(config_module, "NOTED_RENAMES", set())
 
 
 def _train_overrides(argv: list[str]) -> dict:
@@ -71,14 +54,11 @@ def test_each_method_is_registered_with_its_own_options():
         cfg.section(TrainConfig)
 
 
-def test_shared_options_stay_at_credit_level_and_old_names_all_have_a_home():
+def test_shared_options_stay_at_credit_level():
     shared = {"segmenter", "min_chars", "max_segments", "separate_answer", "lam", "normalization"}
     names = {f.name for f in dataclasses.fields(CreditConfig)}
     assert shared <= names
     assert {"value_head", "handover", "answer_likelihood", "monte_carlo"} <= names
-    leaves = set(flatten(to_dict(CreditConfig())))
-    assert set(CreditConfig.RENAMED.values()) <= leaves  # every old name points at a field
-    assert len(CreditConfig.RENAMED) == 26  # every flat option the config had before
 
 
 def test_validation_lives_in_each_section():
@@ -99,7 +79,7 @@ def test_validation_lives_in_each_section():
 # the new spelling: flags and YAML
 
 
-def test_new_flags_nest_per_method(capsys):
+def test_new_flags_nest_per_method():
     cfg = _train_config(
         [
             "--credit.value_head.lr",
@@ -127,10 +107,9 @@ def test_new_flags_nest_per_method(capsys):
     )
     assert (c.handover.mode, c.answer_likelihood.cue, c.monte_carlo.rollouts) == ("off", "think", 8)
     assert (c.anchor, c.lam) == ("none", 0.5)
-    assert "deprecated" not in capsys.readouterr().err
 
 
-def test_new_yaml_nests_the_same_way_and_flags_override_it(tmp_path, capsys):
+def test_new_yaml_nests_the_same_way_and_flags_override_it(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(
         "credit:\n"
@@ -146,10 +125,9 @@ def test_new_yaml_nests_the_same_way_and_flags_override_it(tmp_path, capsys):
     assert c.value_head.replay == ValueHeadConfig().replay  # the rest keeps its defaults
     saved = yaml.safe_load(yaml.safe_dump(to_dict(cfg)))["credit"]
     assert saved["value_head"]["lr"] == 0.003 and "value_lr" not in saved
-    assert "deprecated" not in capsys.readouterr().err
 
 
-def test_train_help_groups_each_methods_options_and_hides_the_old_names(capsys):
+def test_train_help_groups_each_methods_options(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     out = capsys.readouterr().out
@@ -157,125 +135,20 @@ def test_train_help_groups_each_methods_options_and_hides_the_old_names(capsys):
         assert f"\n{group}\n" in out
     assert "Options of the value_head method" in out
     assert "--credit.value_head.lr FLOAT" in out
-    assert "--credit.value_lr" not in out and "--credit.mc_rollouts" not in out
 
 
 # ---------------------------------------------------------------------------------------------
-# the old flat names, by every route
+# --set and bench variants
 
 
-OLD_FLAGS = [
-    "--credit.value_lr",
-    "3e-3",
-    "--credit.value-shared-min-count",
-    "1",
-    "--credit.handover",
-    "off",
-    "--credit.handover_score",
-    "explained_variance",
-    "--credit.mc_rollouts",
-    "8",
-    "--credit.value_anchor",
-    "none",
-    "--credit.answer_cue",
-    "think",
-]
-NEW_FLAGS = [
-    "--credit.value_head.lr",
-    "3e-3",
-    "--credit.value_head.shared_min_count",
-    "1",
-    "--credit.handover.mode",
-    "off",
-    "--credit.handover.score",
-    "explained_variance",
-    "--credit.monte_carlo.rollouts",
-    "8",
-    "--credit.anchor",
-    "none",
-    "--credit.answer_likelihood.cue",
-    "think",
-]
-
-
-def test_old_flags_set_the_new_fields_with_one_note_each(capsys):
-    old, new = _train_config(OLD_FLAGS), _train_config(NEW_FLAGS)
-    assert to_dict(old) == to_dict(new)
-    err = capsys.readouterr().err.splitlines()
-    assert "rredcot: --credit.value_lr is deprecated; use --credit.value_head.lr" in err
-    assert "rredcot: --credit.handover is deprecated; use --credit.handover.mode" in err
-    assert (
-        "rredcot: --credit.value-shared-min-count is deprecated; use "
-        "--credit.value_head.shared_min_count" in err
-    )
-    assert len(err) == 7  # one line per old name, none for the new ones
-    _train_config(OLD_FLAGS)
-    assert capsys.readouterr().err == ""  # once a process
-
-
-def test_old_yaml_keys_read_as_the_new(tmp_path, capsys):
-    path = tmp_path / "old.yaml"
-    path.write_text(
-        "credit:\n"
-        "  value_lr: 0.003\n"
-        "  value_shared_min_count: 1\n"
-        "  handover: 'off'\n"
-        "  handover_score: explained_variance\n"
-        "  mc_rollouts: 8\n"
-        "  value_anchor: none\n"
-        "  answer_cue: think\n"
-    )
-    assert to_dict(_train_config([], str(path))) == to_dict(_train_config(NEW_FLAGS))
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1  # one line for the whole file
-    assert err[0].startswith("rredcot: deprecated names, read as the new ones: credit.handover ")
-    assert "credit.value_lr -> credit.value_head.lr" in err[0]
-    assert "credit.mc_rollouts -> credit.monte_carlo.rollouts" in err[0]
-    # an old key in the YAML and a new flag for the same section merge
-    cfg = _train_config(["--credit.handover.smoothing", "0.5"], str(path))
-    assert (cfg.credit.handover.mode, cfg.credit.handover.smoothing) == ("off", 0.5)
-
-
-def test_old_and_new_name_of_one_field_together_are_refused():
-    with pytest.raises(ValueError, match="both credit.value_lr and credit.value_head.lr"):
-        from_dict(CreditConfig, {"value_lr": 0.1, "value_head": {"lr": 0.2}}, "credit.")
-
-
-def test_old_dotted_keys_of_set_and_bench_variants(capsys):
-    assert parse_set(["credit.value_shared_min_count=1", "value_lr=3e-3", "handover=off"]) == {
-        "credit.value_head.shared_min_count": "1",
-        "credit.value_head.lr": "3e-3",
-        "credit.handover.mode": "off",
-    }
-    old = parse_variant("value_head:value_shared_min_count=1:handover=off")
-    new = parse_variant("value_head:value_head.shared_min_count=1:handover.mode=off")
-    assert (
-        old.name == "value_head:value_shared_min_count=1:handover=off"
-    )  # its runs keep their dirs
-    assert (
-        old.overrides
-        == new.overrides
-        == {
-            "credit.value_head.shared_min_count": "1",
-            "credit.handover.mode": "off",
-        }
-    )
-    assert old.credit_config() == new.credit_config()
-    assert old.credit_config().value_head.shared_min_count == 1
-    err = capsys.readouterr().err
-    assert "rredcot: credit.value_shared_min_count is deprecated; use " in err
-    assert current_key("credit.handover.score") == "credit.handover.score"  # current: as it is
-    assert current_key("sampling.temperature") == "sampling.temperature"
-
-
-def test_bench_commands_take_credit_flags_and_old_set_keys():
+def test_bench_commands_take_credit_flags_and_set_keys():
     argv = [
         "bench",
         "learn",
         "--credit.value_head.lr",
         "3e-3",
         "--set",
-        "credit.value_shared_min_count=1",
+        "credit.value_head.shared_min_count=1",
         "--set",
         "credit.lam=0.5",
     ]
@@ -292,23 +165,12 @@ def test_bench_commands_take_credit_flags_and_old_set_keys():
         "--checkpoint",
         "x",
         "--set",
-        "value_lr=1",
+        "value_head.lr=1",
         "--credit.anchor",
         "none",
     ]
     cfg = bench_config("credit", build_parser().parse_args(argv), {})
     assert cfg.overrides == {"credit.value_head.lr": "1", "credit.anchor": "none"}
-
-
-def test_an_old_format_config_yaml_loads_into_the_sections(tmp_path):
-    """A run's config.yaml written before the change (main's layout, tests/fixtures)."""
-    old = yaml.safe_load(FLAT.read_text())
-    assert "value_lr" in old["credit"] and "value_head" not in old["credit"]
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({"steps": 3, **old}))
-    cfg = load_yaml(path)
-    assert cfg.credit == CreditConfig()  # main wrote every default: the same config
-    assert upgrade_renamed(TrainConfig, old)["credit"]["value_head"]["lr"] == 0.001
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import credit_reference
 from metrics_doc import undocumented
 from rredcot import credit
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, from_dict
+from rredcot.config import CreditConfig
+from rredcot.config_io import from_dict
 from rredcot.methods.answer_likelihood import Probe
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.continuation_likelihood import (

@@ -13,7 +13,8 @@ import yaml
 import credit_reference
 import prm_scores
 from metrics_doc import undocumented
-from rredcot.config import CreditConfig, ProcessRewardConfig, TrainConfig, from_dict, load_yaml
+from rredcot.config import CreditConfig, ProcessRewardConfig, TrainConfig
+from rredcot.config_io import from_dict, load_yaml
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import CreditContext, build_credit, credit_options
 from rredcot.methods.process_reward import PRMScorer, ProcessRewardCredit, segment_ends

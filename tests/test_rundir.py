@@ -9,14 +9,13 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import micro_config as shared_micro_config
-from rredcot import config as config_module
 from rredcot import runio
+from rredcot.cli import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
 from rredcot.trainer import Trainer, train
@@ -182,30 +181,24 @@ def test_resume_may_extend_steps_and_rewrites_the_config_by_a_rename(run_copy):
     assert "steps: 5" in config.read_text()
 
 
-def test_resume_reads_a_config_yaml_written_before_the_credit_sections(
-    run_copy, capsys, monkeypatch
-):
-    """A run made before each method's options moved into sections of their own keeps its flat
-    ``credit:`` (tests/fixtures: main's layout, every field at its default, as in this run);
-    ``--resume`` reads it, refuses a change under either spelling, and continues the run."""
-    monkeypatch.setattr(config_module, "NOTED_RENAMES", set())  # notes print once a process
+def test_resume_refuses_a_config_yaml_with_an_unknown_key(run_copy, capsys):
+    """A run's config.yaml holding a key no config field has (here a flat name the credit options
+    had before they moved into sections) gets the error every unknown key gets, naming the key
+    and the valid ones, before the run is touched."""
     config = run_copy / "config.yaml"
     saved = yaml.safe_load(config.read_text())
-    flat = yaml.safe_load(
-        (Path(__file__).parent / "fixtures" / "credit_section_flat.yaml").read_text()
+    saved["credit"]["value_lr"] = 0.001
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    before = (run_copy / "metrics.jsonl").read_bytes()
+    assert main(["train", "--resume", str(run_copy), "--steps", "5"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith(
+        "rredcot: error: unknown config key credit.value_lr; valid keys in credit: "
     )
-    assert set(flat["credit"]) > {"value_lr", "handover", "mc_rollouts"}
-    config.write_text(yaml.safe_dump({**saved, **flat}, sort_keys=False))
-    changed = TrainConfig(resume=str(run_copy))
-    changed.credit.value_head.lr = 0.5
-    with pytest.raises(UserError, match=r"credit\.value_head\.lr=0\.001"):
-        train(changed, given={"resume", "credit.value_head.lr"}, **QUIET)
-    result = _resume(run_copy, steps=5)
-    assert result["steps"] == 5
-    assert [r["step"] for r in _records(run_copy)] == [0, 1, 2, 3, 4, 5]
-    rewritten = yaml.safe_load(config.read_text())["credit"]
-    assert rewritten["value_head"]["lr"] == 0.001 and "value_lr" not in rewritten
-    assert "credit.value_lr -> credit.value_head.lr" in capsys.readouterr().err
+    assert "value_head.{alik_feature, ema, epochs, hidden_size" in message
+    assert (run_copy / "metrics.jsonl").read_bytes() == before
+    assert "value_lr" in config.read_text()  # the file is left as it was
 
 
 # ---------------------------------------------------------------------------------------------

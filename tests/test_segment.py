@@ -1,4 +1,4 @@
-"""Tests for rredcot.segment: text strategies, options, token offsets and boundaries.
+"""Tests for rredcot.segment (strategies, segmenter, tokens): text strategies, options, token offsets and boundaries.
 
 Tokenizers are real: a byte-level BPE (vocab 500) trained here on a GSM8K sample from
 tests/fixtures, and a character-level tokenizer built with ``tokenizers``.
@@ -21,7 +21,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from rredcot import segment
 from rredcot.cli_segment import add_segment_parser, run_segment
 from rredcot.segment import (
     DEFAULT_ANSWER_PATTERN,
@@ -36,6 +35,8 @@ from rredcot.segment import (
     token_offsets,
     token_positions,
 )
+from rredcot.segment import strategies as segment_strategies
+from rredcot.segment import tokens as segment_tokens
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NON_ASCII = "Über 3.5€ — naïve 日本語 😀"
@@ -284,7 +285,7 @@ def test_a_user_step_regex_that_backtracks_is_stopped(monkeypatch):
     with an error that names the pattern (the limit is made small here to keep the test fast)."""
     import time
 
-    monkeypatch.setattr(segment, "USER_REGEX_SECONDS", 0.05)
+    monkeypatch.setattr(segment_strategies, "USER_REGEX_SECONDS", 0.05)
     text = "a" * 40 + "!"
     started = time.perf_counter()
     with pytest.raises(ValueError, match=r"step:REGEX '\(a\|aa\)\+\$' ran over 0.05 s"):
@@ -488,7 +489,7 @@ def test_register_segmenter():
         with pytest.raises(ValueError, match="already registered"):
             register_segmenter("test_every_comma")(every_comma)
     finally:
-        segment._STRATEGIES.pop("test_every_comma")
+        segment_strategies._STRATEGIES.pop("test_every_comma")
 
 
 def test_spans_to_boundaries_rules():
@@ -578,8 +579,10 @@ def test_every_offset_path_agrees_on_starts(seg_bpe):
     text = NON_ASCII + "\nThe answer is 5."
     ids = seg_bpe.encode(text) + [seg_bpe.eos_token_id]
     _, expected = decode_with_offsets(seg_bpe, ids)
-    incremental = segment._offsets_from_pieces(segment._pieces_incremental(seg_bpe, ids, True))
-    by_prefix = segment._offsets_by_prefix(seg_bpe, ids, True, text)
+    incremental = segment_tokens._offsets_from_pieces(
+        segment_tokens._pieces_incremental(seg_bpe, ids, True)
+    )
+    by_prefix = segment_tokens._offsets_by_prefix(seg_bpe, ids, True, text)
     assert incremental[0] == text
     assert [s for s, _ in incremental[1]] == [s for s, _ in expected]
     assert [s for s, _ in by_prefix] == [s for s, _ in expected]
@@ -601,7 +604,7 @@ def test_context_dependent_decoder_uses_incremental_decoding(seg_metaspace):
         expected.append((pos, pos + len(piece)))
         pos += len(piece)
     assert offsets == [*expected, (len(text), len(text))]
-    assert segment._offsets_by_prefix(seg_metaspace, ids, True, text) == expected
+    assert segment_tokens._offsets_by_prefix(seg_metaspace, ids, True, text) == expected
     bounds = Segmenter("sentence", separate_answer=True).boundaries(decoded, offsets)
     second = next(k for k, (s, _) in enumerate(offsets) if s >= text.index(" So"))
     assert bounds == [0, second, len(ids) + 1]

@@ -11,7 +11,8 @@ from conftest import micro_config
 from metrics_doc import undocumented
 from rredcot import credit
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig, from_dict
+from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig
+from rredcot.config_io import from_dict
 from rredcot.loss import policy_loss
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.rollout import encode_prompts, policy_forward, sample_tree_group, segment_batch

@@ -12,7 +12,6 @@ import torch
 import credit_reference
 from conftest import make_rollout_batch
 from metrics_doc import undocumented
-from rredcot import config as config_module
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
@@ -196,7 +195,7 @@ def test_hidden_states_come_from_trls_own_forward(tiny_model_dir, arithmetic_dat
 
 
 def test_value_head_features_equal_the_trainers(tiny_model_dir, arithmetic_dataset, tmp_path):
-    """With ``credit.value_logprob_features`` the TRL path's value head reads what rredcot's own
+    """With ``credit.value_head.logprob_features`` the TRL path's value head reads what rredcot's own
     trainer gives it for the same completions: the same segments, and the same boundary features
     (hidden states at the prefix ends, then the log-prob features) as ``rollout.fill_forward``."""
 
@@ -221,7 +220,7 @@ def test_value_head_features_equal_the_trainers(tiny_model_dir, arithmetic_datas
         arithmetic_dataset,
         tmp_path,
         cls=Compare,
-        credit={"value_logprob_features": True},
+        credit={"value_head": {"logprob_features": True}},
         steps_per_generation=2,  # TRL runs its old-log-prob pass: hidden states and log-probs
         max_steps=1,
     )
@@ -417,24 +416,24 @@ def test_config_errors_name_the_problem(tmp_path):
         RREDCoTGRPOTrainer(model="unused", args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
 
 
-def test_credit_dict_takes_sections_and_the_old_flat_names(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(config_module, "NOTED_RENAMES", set())  # notes print once a process
-
+def test_credit_dict_takes_sections(tmp_path):
     def credit_config(credit):
         return RREDCoTGRPOConfig(
             output_dir=str(tmp_path), use_cpu=True, credit=credit
         ).credit_config
 
     new = credit_config({"value_head": {"lr": 0.003}, "handover": {"mode": "off"}})
-    old = credit_config('{"value_lr": 0.003, "handover": "off"}')
-    assert new == old
+    assert new == credit_config('{"value_head": {"lr": 0.003}, "handover": {"mode": "off"}}')
     assert (new.value_head.lr, new.handover.mode) == (0.003, "off")
     assert new.value_head.logprob_features is False  # off in TRL unless asked for
-    assert "credit.value_lr -> credit.value_head.lr" in capsys.readouterr().err
-    for credit in ({"value_head": {"logprob_features": True}}, {"value_logprob_features": True}):
-        assert credit_config(credit).value_head.logprob_features is True  # either spelling
+    on = credit_config({"value_head": {"logprob_features": True}})
+    assert on.value_head.logprob_features is True
     with pytest.raises(ValueError, match="alik_feature is not supported in TRL"):
         credit_config({"value_head": {"alik_feature": True}})
+    with pytest.raises(
+        ValueError, match="unknown config key credit.value_lr; valid keys in credit"
+    ):
+        credit_config({"value_lr": 0.003})
 
 
 def test_task_reward_scores_with_the_verifier():

@@ -12,7 +12,8 @@ import torch
 import credit_reference
 from conftest import make_rollout_batch
 from rredcot import credit, normalization, shared_prefixes
-from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig, from_dict
+from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.config_io import from_dict
 from rredcot.methods.base import (
     CreditContext,
     UniformCredit,

@@ -115,7 +115,7 @@ def test_one_token_segments_reproduce_verls_gae():
 def test_critic_credit_is_per_segment(char_tokenizer):
     data = make_data(char_tokenizer)
     off = {"mode": "off"}  # the critic's credit at full weight (no hand-over from GRPO)
-    raw = {"rredcot": {"normalization": "none", "value_anchor": "none", "handover": off}}
+    raw = {"rredcot": {"normalization": "none", "anchor": "none", "handover": off}}
     rv.compute_advantage_for_data(data, char_tokenizer, raw)
     adv, ret = data.batch["advantages"], data.batch["returns"]
     values, mask = data.batch["values"], data.batch["response_mask"].bool()
@@ -137,7 +137,7 @@ def test_critic_credit_is_per_segment(char_tokenizer):
     # where a group's outcomes agree
     data2 = make_data(char_tokenizer)
     rv.compute_advantage_for_data(
-        data2, char_tokenizer, {"rredcot": {"value_anchor": "none", "handover": off}}
+        data2, char_tokenizer, {"rredcot": {"anchor": "none", "handover": off}}
     )
     scores = torch.tensor(SCORES)
     _, inverse = np.unique(np.asarray(UIDS), return_inverse=True)

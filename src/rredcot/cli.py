@@ -14,7 +14,8 @@ from rredcot.bench.cli import add_bench_parser, run_bench
 from rredcot.cli_diagnose import add_diagnose_parser
 from rredcot.cli_explain import add_explain_parser, run_explain
 from rredcot.cli_segment import add_segment_parser
-from rredcot.config import SFTConfig, TrainConfig, add_dataclass_flags, split_task_args
+from rredcot.config import SFTConfig, TrainConfig
+from rredcot.config_io import add_dataclass_flags, split_task_args
 from rredcot.errors import UserError
 
 # The CLI's one lazy import. The flags of every command are built from torch-free modules (the

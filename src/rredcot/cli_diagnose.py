@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import sys
 
-from rredcot.config import add_dataclass_flags, from_dict
+from rredcot.config_io import add_dataclass_flags, from_dict
 from rredcot.diagnose_config import DiagnoseConfig
 
 # fields set by flags of their own: --task NAME and the free-form --task.KEY VALUE

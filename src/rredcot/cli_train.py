@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from rredcot.config import SFTConfig, TrainConfig, given_fields, resolve_config
+from rredcot.config import SFTConfig, TrainConfig
+from rredcot.config_io import given_fields, resolve_config
 from rredcot.sft import run_sft
 from rredcot.trainer import train
 

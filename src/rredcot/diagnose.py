@@ -56,7 +56,8 @@ from rredcot import credit as credit_algebra
 from rredcot.batch import RolloutBatch
 from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.credit import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
-from rredcot.config import CreditConfig, SamplingConfig, from_dict
+from rredcot.config import CreditConfig, SamplingConfig
+from rredcot.config_io import from_dict
 from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P, DiagnoseConfig
 from rredcot.errors import UserError
 from rredcot.explain_model import (

@@ -24,7 +24,8 @@ import torch
 
 from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, SamplingConfig, load_yaml
+from rredcot.config import CreditConfig, SamplingConfig
+from rredcot.config_io import load_yaml
 from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
 from rredcot.integrations.saved import (

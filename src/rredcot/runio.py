@@ -37,8 +37,9 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from rredcot.config import TrainConfig, read_yaml_file, to_dict
-from rredcot.config import write_text_atomic as atomic_write_text
+from rredcot.config import TrainConfig
+from rredcot.config_io import read_yaml_file, to_dict
+from rredcot.config_io import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
 
 try:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rredcot.config import SFTConfig, cache_root, save_yaml, to_dict
+from rredcot.config import SFTConfig, cache_root
+from rredcot.config_io import save_yaml, to_dict
 from rredcot.errors import UserError
 from rredcot.evaluation import greedy_accuracy
 from rredcot.models import (

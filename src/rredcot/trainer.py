@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from rredcot import runio
 from rredcot.batch import RolloutBatch
 from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_training_checkpoint
-from rredcot.config import TrainConfig, resume_config, write_text_atomic
+from rredcot.config import TrainConfig
+from rredcot.config_io import resume_config, write_text_atomic
 from rredcot.evaluation import greedy_accuracy
 from rredcot.loss import policy_loss
 from rredcot.normalization import masked_mean
@@ -595,7 +596,7 @@ def train(cfg: TrainConfig, log=print, given: set[str] | None = None) -> dict[st
     With ``cfg.resume`` the run's own ``config.yaml`` is the config and only the fields named in
     ``given`` (dotted names set on the command line or in ``--config``; by default the fields where
     ``cfg`` differs from the defaults) apply over it; a change to a field outside
-    ``config.RESUMABLE_FIELDS`` is refused, every one named (``config.resume_config``)."""
+    ``config.RESUMABLE_FIELDS`` is refused, every one named (``config_io.resume_config``)."""
     if cfg.resume:
         cfg = resume_config(cfg, given)
     return Trainer(cfg, log=log).train()

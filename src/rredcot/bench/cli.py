@@ -23,7 +23,8 @@ from rredcot.bench.configs import (
     parse_trl_overrides,
 )
 from rredcot.bench.variants import parse_set
-from rredcot.config import CreditConfig, add_dataclass_flags, from_dict
+from rredcot.config import CreditConfig
+from rredcot.config_io import add_dataclass_flags, from_dict
 from rredcot.errors import UserError
 
 # name -> (config, runner module, runner, help, description). A benchmark's module imports torch
@@ -102,8 +103,7 @@ def add_bench_parser(sub) -> None:
                 "credit.KEY=VALUE; a variant's own key=value wins).",
             )
             skip = CREDIT_FLAGS_SKIP.get(name, ())
-            # no old flat spellings: the bench took credit settings only through --set before
-            add_dataclass_flags(p, CreditConfig, "credit.", skip, group, old_names=False)
+            add_dataclass_flags(p, CreditConfig, "credit.", skip, group)
         if "trl_overrides" in fields:
             p.add_argument(
                 "--trl-set",

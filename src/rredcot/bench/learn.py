@@ -54,7 +54,8 @@ from rredcot.bench.report import (
 )
 from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
-from rredcot.config import TrainConfig, load_yaml, resolve_config, to_dict
+from rredcot.config import TrainConfig
+from rredcot.config_io import load_yaml, resolve_config, to_dict
 from rredcot.loss import policy_loss
 from rredcot.rollout import policy_forward
 from rredcot.runio import MetricsLog

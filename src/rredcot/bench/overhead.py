@@ -35,7 +35,8 @@ from rredcot.bench.configs import OverheadBenchConfig
 from rredcot.bench.learn import LearnBenchConfig, base_init
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
-from rredcot.config import TrainConfig, resolve_config
+from rredcot.config import TrainConfig
+from rredcot.config_io import resolve_config
 from rredcot.trainer import Trainer
 
 PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")

@@ -49,7 +49,8 @@ from typing import Any
 
 from rredcot.bench.configs import PeerBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
-from rredcot.config import TrainConfig, resolve_config
+from rredcot.config import TrainConfig
+from rredcot.config_io import resolve_config
 from rredcot.tasks import get_task
 
 TRAINERS = ("rredcot", "trl")

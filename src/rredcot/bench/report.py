@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rredcot.config import write_text_atomic
+from rredcot.config_io import write_text_atomic
 
 
 def clean(value: Any) -> Any:

@@ -7,8 +7,7 @@ docs/method.md (failure modes) runs next to the default::
 
 Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...) or of its sections
 (``value_head.lr``, ``handover.mode``), dotted ``TrainConfig`` paths (``sampling.temperature``) or
-top-level ``TrainConfig`` fields (``lr``); the old flat credit names (``value_lr``, ``handover``)
-still work, with a note naming the new one. Without a name the variant is called by its whole
+top-level ``TrainConfig`` fields (``lr``). Without a name the variant is called by its whole
 spec (``value_head:lam=0``), or by the method when there are no overrides.
 """
 
@@ -18,14 +17,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from rredcot.config import (
-    CreditConfig,
-    TrainConfig,
-    current_key,
-    from_dict,
-    merge_overrides,
-    valid_keys,
-)
+from rredcot.config import CreditConfig, TrainConfig
+from rredcot.config_io import from_dict, merge_overrides, valid_keys
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
@@ -50,15 +43,14 @@ class Variant:
 
 def _dotted_key(key: str) -> str:
     """A variant's or ``--set``'s key as a dotted ``TrainConfig`` name: credit fields and
-    sections (``lam``, ``value_head.lr``) get ``credit.``; old flat credit names
-    (``value_shared_min_count``, ``handover``) are read as their new ones, with a note."""
+    sections (``lam``, ``value_head.lr``) get ``credit.``."""
     credit_fields = {f.name for f in dataclasses.fields(CreditConfig)}
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     head = key.split(".", 1)[0]
-    if head in credit_fields or key in CreditConfig.RENAMED:
-        return current_key(f"credit.{key}")
+    if head in credit_fields:
+        return f"credit.{key}"
     if "." in key or key in train_fields:
-        return current_key(key)
+        return key
     raise ValueError(
         f"unknown variant key {key!r}; use a credit field ({valid_keys(CreditConfig)}), a "
         "top-level train field, or a dotted path like sampling.temperature"

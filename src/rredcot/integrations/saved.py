@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rredcot.config import CreditConfig, SamplingConfig, from_dict, to_dict
+from rredcot.config import CreditConfig, SamplingConfig
+from rredcot.config_io import from_dict, to_dict
 
 __all__ = [
     "CREDIT_STATE_FILE",

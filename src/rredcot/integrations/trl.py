@@ -51,7 +51,8 @@ import torch
 from torch import Tensor
 
 from rredcot import credit
-from rredcot.config import CreditConfig, from_dict, upgrade_renamed
+from rredcot.config import CreditConfig
+from rredcot.config_io import from_dict
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.integrations.saved import CREDIT_STATE_FILE, settings_dict, write_settings
@@ -127,7 +128,7 @@ class RREDCoTGRPOConfig(GRPOConfig):
     ``credit`` holds fields of :class:`rredcot.config.CreditConfig` (``segmenter``, ``lam``,
     ``normalization``, ``value_head``, ``handover``, ...), as a dict in Python or a JSON string on
     the command line, e.g. ``--credit '{"segmenter": "sentence", "value_head": {"lr": 0.003}}'``
-    (the old flat names, ``value_lr``, still work). With ``credit["normalization"]`` unset
+    (an unknown key is an error that lists the valid ones). With ``credit["normalization"]`` unset
     (``auto``) TRL's ``scale_rewards`` decides (:func:`normalization_for_scale_rewards`); an
     explicit one wins, with a warning if it disagrees with a non-default ``scale_rewards``.
     """
@@ -209,7 +210,7 @@ class RREDCoTGRPOConfig(GRPOConfig):
         ``value_head.logprob_features`` is off unless ``credit`` turns it on (the head then also reads
         the log-probs of TRL's pass, as in rredcot's trainer). ``normalization="auto"`` (the
         default) follows TRL's ``scale_rewards`` (:func:`normalization_for_scale_rewards`)."""
-        fields = upgrade_renamed(CreditConfig, _as_dict(self.credit, "credit"), "credit.")
+        fields = _as_dict(self.credit, "credit")
         head = fields.get("value_head")
         if head is None or isinstance(head, Mapping):  # else from_dict names the bad section
             fields["value_head"] = {"logprob_features": False, **(head or {})}

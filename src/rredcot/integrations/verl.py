@@ -57,7 +57,8 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, from_dict
+from rredcot.config import CreditConfig
+from rredcot.config_io import from_dict
 from rredcot.integrations._batch import (
     group_ids_from_keys,
     prompt_text,
