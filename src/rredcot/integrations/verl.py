@@ -65,7 +65,8 @@ from rredcot.integrations._batch import (
     segment_completions,
     span_mask,
 )
-from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit, build_probes
+from rredcot.methods.answer_likelihood import AnswerLikelihoodCredit
+from rredcot.methods.answer_probes import build_probes
 from rredcot.methods.base import CreditContext, CreditMethod, UniformCredit, uniform_values
 from rredcot.methods.frozen_values import FrozenValuesCredit
 from rredcot.methods.process_reward import ProcessRewardCredit

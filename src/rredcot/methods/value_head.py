@@ -51,7 +51,8 @@ from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import ValueHeadConfig
 from rredcot.credit import Cost, Values
-from rredcot.methods.answer_likelihood import ProbeFormat, answer_values, prefix_features
+from rredcot.methods.answer_likelihood import answer_values, prefix_features
+from rredcot.methods.answer_probes import ProbeFormat
 from rredcot.methods.base import CreditContext, CreditMethod, Estimate, register_credit
 from rredcot.methods.handover import (
     anchor,
