@@ -98,7 +98,8 @@ def _plain_forward(policy):
 def _no_autocast(device: torch.device):
     """Probe log-probs at the parameters' own dtype whatever autocast is active outside: packed
     and unpacked passes then agree to that dtype's precision (under a bf16 autocast they differ
-    by ~0.1-0.2 nats on a 30-layer model, which read as a mask the model does not honour)."""
+    by bf16 noise, which read as a mask the model does not honour; its size on SmolLM2-135M:
+    docs/answer_likelihood.md)."""
     return torch.autocast(device_type=device.type, enabled=False)
 
 
