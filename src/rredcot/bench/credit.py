@@ -641,6 +641,50 @@ def _add_time_ratios(results: list[dict[str, Any]], seg_name: str) -> None:
             r["time_ratio_to_uniform"] = r["seconds_per_trace"] / uniform_s if uniform_s else None
 
 
+def _score_segmentation(
+    bench: _Bench,
+    seg_name: str,
+    segmenter: Segmenter,
+    sampled: list[RolloutBatch],
+    variants: list[Variant],
+    fit_batches: list[RolloutBatch],
+    out_dir: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
+    """The sampled traces cut by ``segmenter``, scored by the ground truth and every variant:
+    ``(result rows, the ground truth's summary, the example page's file name or None)``. The
+    rows' ``time_ratio_to_uniform`` is added by the caller, over every row of ``seg_name``."""
+    cfg, policy, tokenizer = bench.cfg, bench.policy, bench.tokenizer
+    traces = Traces.of(
+        [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
+    )
+    # 2. ground truth
+    gt = ground_truth(policy, tokenizer, bench.task, traces, cfg)
+    summary = _ground_truth_summary(gt, traces, cfg)
+    bench.log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
+    examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv])
+    results = [_ground_truth_row(gt, traces, cfg, seg_name)]
+    # 3. every method
+    pages = _ground_truth_pages(gt, traces, examples, cfg)
+    for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
+        fill_forward(policy, b)  # (result unused)
+    for variant in variants:
+        row, method_examples = _method_row(
+            bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
+        )
+        results.append(row)
+        for i, segs in method_examples.items():
+            pages[i].append((variant.name, segs))
+        bench.log(
+            f"[{seg_name}] {variant.name}: rho {fmt(row['spearman_pooled'])}, "
+            f"sign {fmt(row['sign_agreement'])}, {row['seconds_per_trace'] * 1e3:.2f} ms/trace"
+        )
+    if not examples:
+        return results, summary, None
+    page = out_dir / f"examples_{dir_name(seg_name)}.html"
+    page.write_text(render_html(_example_sections(traces, pages)), encoding="utf-8")
+    return results, summary, page.name
+
+
 def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     """Run the credit-quality benchmark; writes ``credit.json``, ``credit.md`` and example
     pages ``examples_<segmenter>.html`` under ``cfg.out`` and returns the JSON content."""
@@ -682,35 +726,13 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     example_pages: dict[str, str] = {}
     for seg_name in segmenter_names:
         segmenter = segmenter_from_config(base_credit, pattern, seg_name)
-        traces = Traces.of(
-            [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
+        rows, gt_summary[seg_name], page = _score_segmentation(
+            bench, seg_name, segmenter, sampled, variants, fit_batches, out_dir
         )
-        # 2. ground truth
-        gt = ground_truth(policy, tokenizer, task, traces, cfg)
-        gt_summary[seg_name] = _ground_truth_summary(gt, traces, cfg)
-        log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
-        examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv])
-        results.append(_ground_truth_row(gt, traces, cfg, seg_name))
-        # 3. every method
-        pages = _ground_truth_pages(gt, traces, examples, cfg)
-        for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
-            fill_forward(policy, b)  # (result unused)
-        for variant in variants:
-            row, method_examples = _method_row(
-                bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
-            )
-            results.append(row)
-            for i, segs in method_examples.items():
-                pages[i].append((variant.name, segs))
-            log(
-                f"[{seg_name}] {variant.name}: rho {fmt(row['spearman_pooled'])}, "
-                f"sign {fmt(row['sign_agreement'])}, {row['seconds_per_trace'] * 1e3:.2f} ms/trace"
-            )
+        results += rows
         _add_time_ratios(results, seg_name)
-        if examples:
-            page = out_dir / f"examples_{dir_name(seg_name)}.html"
-            page.write_text(render_html(_example_sections(traces, pages)), encoding="utf-8")
-            example_pages[seg_name] = page.name
+        if page is not None:
+            example_pages[seg_name] = page
 
     report = {
         "config": dataclasses.asdict(cfg),
