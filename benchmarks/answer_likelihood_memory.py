@@ -42,11 +42,13 @@ def _measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     if args.old:
         spec = importlib.util.spec_from_file_location("old_answer_likelihood", args.old)
-        al = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = al  # dataclasses look their module up
-        spec.loader.exec_module(al)
+        old = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = old  # dataclasses look their module up
+        spec.loader.exec_module(old)
+        build_probes, packed_probe_logprobs = old.build_probes, old.packed_probe_logprobs
     else:
-        from rredcot.methods import answer_likelihood as al
+        from rredcot.methods.answer_probes import build_probes
+        from rredcot.methods.probe_logprobs import packed_probe_logprobs
 
     task = get_task("arithmetic", num_steps=args.steps)
     problems = task.train_problems(args.traces, seed=0)
@@ -109,11 +111,11 @@ def _measure(args: argparse.Namespace) -> dict:
         problems=problems,
         completions=texts,
     )
-    probes, _ = al.build_probes(batch, tok, task, [[p.answer] for p in problems])
+    probes, _ = build_probes(batch, tok, task, [[p.answer] for p in problems])
     kwargs = {} if args.old else {"logits_mb": args.logits_mb}
-    al.packed_probe_logprobs(model, batch, probes[:1], **kwargs)  # warm-up (and the head check)
+    packed_probe_logprobs(model, batch, probes[:1], **kwargs)  # warm-up (and the head check)
     before = _peak_mib()
-    out, forwarded = al.packed_probe_logprobs(model, batch, probes, **kwargs)
+    out, forwarded = packed_probe_logprobs(model, batch, probes, **kwargs)
     rise = _peak_mib() - before
     lengths = [
         batch.prompt_len

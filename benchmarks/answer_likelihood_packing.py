@@ -23,7 +23,7 @@ from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from rredcot.methods import answer_likelihood as al  # noqa: E402
+from rredcot.methods import answer_probes, probe_logprobs  # noqa: E402
 from rredcot.models import load_policy  # noqa: E402
 from rredcot.tasks import get_task  # noqa: E402
 from text_batches import batch_from_texts  # noqa: E402
@@ -43,17 +43,19 @@ def main() -> None:
     problems = task.train_problems(args.traces, seed=0)
     texts = [p.meta["solution"] for p in problems]
     batch = batch_from_texts(tokenizer, task, problems, texts, group_size=4)
-    probes, _ = al.build_probes(batch, tokenizer, task, [[p.answer] for p in problems])
-    packed_tokens, unpacked_tokens = al.probe_pass_tokens(batch, probes)
-    assert al._trunk_and_head(model) is not None, "the trunk does not reproduce the logits"
+    probes, _ = answer_probes.build_probes(batch, tokenizer, task, [[p.answer] for p in problems])
+    packed_tokens, unpacked_tokens = probe_logprobs.probe_pass_tokens(batch, probes)
+    assert probe_logprobs._trunk_and_head(model) is not None, (
+        "the trunk does not reproduce the logits"
+    )
     seconds: dict[str, list[float]] = {"packed": [], "unpacked": []}
     worst = 0.0
     for _ in range(args.repeats):
         start = time.perf_counter()
-        packed, _ = al.packed_probe_logprobs(model, batch, probes)
+        packed, _ = probe_logprobs.packed_probe_logprobs(model, batch, probes)
         seconds["packed"].append(round(time.perf_counter() - start, 2))
         start = time.perf_counter()
-        plain, _ = al.unpacked_probe_logprobs(model, batch, probes)
+        plain, _ = probe_logprobs.unpacked_probe_logprobs(model, batch, probes)
         seconds["unpacked"].append(round(time.perf_counter() - start, 2))
         worst = max(worst, *(float((a - b).abs().max()) for a, b in zip(packed, plain)))
     print(

@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from rredcot.methods.answer_likelihood import ProbeFormat, answer_values  # noqa: E402
+from rredcot.methods.answer_likelihood import answer_values  # noqa: E402
+from rredcot.methods.answer_probes import ProbeFormat  # noqa: E402
 from rredcot.models import build_char_tokenizer  # noqa: E402
 from test_answer_likelihood import (  # noqa: E402
     _column_at,

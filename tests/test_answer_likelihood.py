@@ -14,24 +14,26 @@ import credit_reference
 from rredcot import credit, normalization
 from rredcot.config import AnswerLikelihoodConfig, CreditConfig, HandoverConfig, ValueHeadConfig
 from rredcot.config_io import from_dict
-from rredcot.methods.answer_likelihood import (
+from rredcot.methods.answer_likelihood import answer_values
+from rredcot.methods.answer_probes import (
     ProbeFormat,
-    _trunk_and_head,
     answer_renderings,
-    answer_values,
     build_probes,
     correct_answers,
-    packed_probe_logprobs,
     probe_answers,
     probe_text,
     resolve_cue,
     thought_closed,
-    unpacked_probe_logprobs,
     uses_think_tags,
     wants_eos,
 )
 from rredcot.methods.base import CreditContext, CreditRows, get_credit
 from rredcot.methods.guard import prediction_slope
+from rredcot.methods.probe_logprobs import (
+    _trunk_and_head,
+    packed_probe_logprobs,
+    unpacked_probe_logprobs,
+)
 from rredcot.models import build_tiny_llama
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task

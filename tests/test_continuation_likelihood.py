@@ -15,13 +15,13 @@ from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig
 from rredcot.config_io import from_dict
-from rredcot.methods.answer_likelihood import Probe
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.continuation_likelihood import (
     continuation_values,
     reference_remainders,
     values_from_scorer,
 )
+from rredcot.methods.probe_logprobs import Probe
 from rredcot.models import build_tiny_llama
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task

@@ -132,11 +132,8 @@ def test_value_head_is_sized_and_fed_from_the_models_hidden_states(real_model, t
 
 
 def test_answer_likelihood_packed_logprobs_equal_unpacked(real_model, task, trace_batch):
-    from rredcot.methods.answer_likelihood import (
-        build_probes,
-        packed_probe_logprobs,
-        unpacked_probe_logprobs,
-    )
+    from rredcot.methods.answer_probes import build_probes
+    from rredcot.methods.probe_logprobs import packed_probe_logprobs, unpacked_probe_logprobs
 
     model, tokenizer = real_model
     answers = [[p.answer, str(int(p.answer) + 1)] for p in trace_batch.problems]
@@ -163,7 +160,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from rredcot.methods import answer_likelihood as al
+    from rredcot.methods import answer_probes, probe_logprobs
 
     model, tokenizer = real_model
     config = CreditConfig(answer_likelihood=AnswerLikelihoodConfig(renderings=False))
@@ -172,14 +169,15 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
     trace_batch = batch_from_texts(tokenizer, task, [problem] * 2, short, group_size=2)
 
     def probed():
-        al._SPLIT_CHECKED.pop(model, None)  # check the trunk against this forward afresh
+        # check the trunk against this forward afresh
+        probe_logprobs._SPLIT_CHECKED.pop(model, None)
         method = build_credit(
             "answer_likelihood", config, CreditContext(model, tokenizer, task=task)
         )
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # neither the trunk nor the packing may fall back
             values, mask, stats = method.probe_values(trace_batch)
-        assert al._SPLIT_CHECKED[model] is not None and method._packing == "auto"
+        assert probe_logprobs._SPLIT_CHECKED[model] is not None and method._packing == "auto"
         return values, mask, stats
 
     plain, mask, _ = probed()
@@ -190,16 +188,16 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
         mixed, _, stats = probed()
     finally:
         del model.forward  # back to the class's forward for the other tests
-        al._SPLIT_CHECKED.pop(model, None)
+        probe_logprobs._SPLIT_CHECKED.pop(model, None)
         AcceleratorState._reset_state(reset_partial_state=True)
     assert stats["credit/probe_packed"] == 1.0
     torch.testing.assert_close(mixed[mask], plain[mask], rtol=0, atol=1e-5)
 
-    probes, _ = al.build_probes(trace_batch, tokenizer, task, [[problem.answer]] * 2)
+    probes, _ = answer_probes.build_probes(trace_batch, tokenizer, task, [[problem.answer]] * 2)
     assert len(probes) == 4  # two boundaries s_0, s_1 of two traces
-    packed_tokens, unpacked_tokens = al.probe_pass_tokens(trace_batch, probes)
-    _, forwarded_packed = al.packed_probe_logprobs(model, trace_batch, probes)
-    _, forwarded_unpacked = al.unpacked_probe_logprobs(model, trace_batch, probes)
+    packed_tokens, unpacked_tokens = probe_logprobs.probe_pass_tokens(trace_batch, probes)
+    _, forwarded_packed = probe_logprobs.packed_probe_logprobs(model, trace_batch, probes)
+    _, forwarded_unpacked = probe_logprobs.unpacked_probe_logprobs(model, trace_batch, probes)
     assert (packed_tokens, unpacked_tokens) == (forwarded_packed, forwarded_unpacked)
 
 

@@ -266,9 +266,9 @@ def dequantised_dir(gguf_path: str | os.PathLike, log=None) -> Path:
     """A save_pretrained directory (safetensors, tokenizer, chat template) holding the model of
     GGUF file `gguf_path`, dequantised to float32.
 
-    Built once (the dequantisation takes about 30 s for SmolLM2-135M on 2 CPU cores) under
-    `rredcot.config.cache_root()/gguf/`, keyed by the file's content, and reused by every later load
-    (well under a second). Written atomically, so concurrent first loads are safe.
+    Built once (the dequantisation is the slow part of a first load) under
+    `rredcot.config.cache_root()/gguf/`, keyed by the file's content, and reused by every later
+    load, which only reads it. Written atomically, so concurrent first loads are safe.
     """
 
     src = Path(gguf_path).expanduser().resolve()

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,90 @@ def _check_out(out: Path) -> None:
         raise UserError(f"--out {out}: {parent} is a file, not a directory")
 
 
+def _batch_loss(model, tokenizer, task: Task, problems: list, rng, early_answer_prob, device):
+    """Mean cross-entropy over the completion tokens of a batch of gold traces of ``problems``
+    (some cut early, with ``early_answer_prob``)."""
+    prompts = [render_prompt(p, tokenizer) for p in problems]
+    completions = [_training_text(task, p, rng, early_answer_prob) for p in problems]
+    ids, attn, loss_mask = _encode_batch(tokenizer, prompts, completions, device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    token_loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(ids.shape[0], -1)
+    mask = loss_mask[:, 1:]
+    return (token_loss * mask).sum() / mask.sum()
+
+
+def _stops(cfg: SFTConfig, accuracy: float, step: int, out_of_time: bool, log) -> bool:
+    """Whether training stops after an evaluation at ``accuracy``: in the band, over it, or out
+    of time (the last two say so)."""
+    if cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
+        return True
+    if accuracy > cfg.max_accuracy:
+        log(f"warm-start overshot the band: {accuracy:.1%} > {cfg.max_accuracy:.0%} at step {step}")
+        return True
+    if out_of_time:
+        log(
+            f"warm-start stopped by max_seconds at {accuracy:.1%} (target {cfg.target_accuracy:.0%})"
+        )
+        return True
+    return False
+
+
+@dataclass
+class _Trained:
+    """Where warm-start training stopped."""
+
+    step: int
+    accuracy: float  # at the last evaluation
+    in_band: bool
+    history: list[dict[str, float]]
+    start: float  # time.perf_counter() when training began
+
+
+def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Trained:
+    """Train on gold traces, evaluating every ``eval_every`` steps, until the greedy accuracy is
+    in ``[target_accuracy, max_accuracy]``, over it, out of time or out of steps."""
+    device = torch.device("cpu")
+    train = task.train_problems(20_000, seed=cfg.seed)
+    evalset = task.eval_problems(cfg.eval_size, seed=cfg.seed)
+    if not train or not evalset:
+        raise ValueError(f"task {cfg.task!r} produced no problems")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = min(100, cfg.max_steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup))
+    )
+    rng = random.Random(cfg.seed)
+    done = _Trained(0, 0.0, False, [], time.perf_counter())
+    bar = None
+    if cfg.progress:
+        bar = tqdm(total=cfg.max_steps, desc="warm-start", unit="step", dynamic_ncols=True)
+    for step in range(1, cfg.max_steps + 1):
+        done.step = step
+        model.train()
+        problems = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
+        loss = _batch_loss(model, tokenizer, task, problems, rng, cfg.early_answer_prob, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{done.accuracy:.2f}")
+        out_of_time = cfg.max_seconds > 0 and time.perf_counter() - done.start > cfg.max_seconds
+        if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
+            done.accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
+            done.history.append({"step": step, "loss": loss.item(), "eval_accuracy": done.accuracy})
+            if _stops(cfg, done.accuracy, step, out_of_time, log):
+                done.in_band = cfg.target_accuracy <= done.accuracy <= cfg.max_accuracy
+                break
+    if bar is not None:
+        bar.close()
+    return done
+
+
 def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
     _check_out(Path(cfg.out))  # before minutes of training, not after
@@ -105,63 +190,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         num_heads=cfg.num_heads,
         seed=cfg.seed,
     )
-    device = torch.device("cpu")
-    train = task.train_problems(20_000, seed=cfg.seed)
-    evalset = task.eval_problems(cfg.eval_size, seed=cfg.seed)
-    if not train or not evalset:
-        raise ValueError(f"task {cfg.task!r} produced no problems")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    warmup = min(100, cfg.max_steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup))
-    )
-    rng = random.Random(cfg.seed)
-    start = time.perf_counter()
-    history: list[dict[str, float]] = []
-    accuracy, best_in_band = 0.0, None
-    bar = None
-    if cfg.progress:
-        bar = tqdm(total=cfg.max_steps, desc="warm-start", unit="step", dynamic_ncols=True)
-    step = 0
-    for step in range(1, cfg.max_steps + 1):
-        model.train()
-        problems = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
-        prompts = [render_prompt(p, tokenizer) for p in problems]
-        completions = [_training_text(task, p, rng, cfg.early_answer_prob) for p in problems]
-        ids, attn, loss_mask = _encode_batch(tokenizer, prompts, completions, device)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        token_loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        ).view(ids.shape[0], -1)
-        mask = loss_mask[:, 1:]
-        loss = (token_loss * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
-        out_of_time = cfg.max_seconds > 0 and time.perf_counter() - start > cfg.max_seconds
-        if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
-            accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
-            history.append({"step": step, "loss": loss.item(), "eval_accuracy": accuracy})
-            if cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
-                best_in_band = accuracy
-                break
-            if accuracy > cfg.max_accuracy:
-                log(
-                    f"warm-start overshot the band: {accuracy:.1%} > {cfg.max_accuracy:.0%} at step {step}"
-                )
-                break
-            if out_of_time:
-                log(
-                    f"warm-start stopped by max_seconds at {accuracy:.1%} (target {cfg.target_accuracy:.0%})"
-                )
-                break
-    if bar is not None:
-        bar.close()
+    done = _train_to_band(cfg, model, tokenizer, task, log)
     out = Path(cfg.out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
@@ -172,13 +201,13 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     info = {
         "task": cfg.task,
         "task_args": cfg.task_args,
-        "steps": step,
-        "seconds": time.perf_counter() - start,
-        "eval_accuracy": accuracy,
-        "in_band": best_in_band is not None,
+        "steps": done.step,
+        "seconds": time.perf_counter() - done.start,
+        "eval_accuracy": done.accuracy,
+        "in_band": done.in_band,
         "parameters": count_parameters(model),
         "early_answer_prob": cfg.early_answer_prob,
-        "history": history,
+        "history": done.history,
     }
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     save_yaml(cfg, tmp / "sft_config.yaml")
@@ -186,8 +215,8 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         shutil.rmtree(out)
     os.replace(tmp, out)
     log(
-        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {step} steps, "
-        f"{info['seconds']:.0f}s, greedy accuracy {accuracy:.1%} -> {out}"
+        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {done.step} steps, "
+        f"{info['seconds']:.0f}s, greedy accuracy {done.accuracy:.1%} -> {out}"
     )
     return info
 
@@ -213,8 +242,8 @@ def warmstart_preset(name: str) -> dict[str, Any]:
 
 def default_warmstart(task: Task, log=print, preset: str = "edge", **overrides: Any) -> Path:
     """The warm-start checkpoint for ``task``'s default settings (its ``warmstart_settings``,
-    then ``preset``, then ``overrides``): reused when cached, built (about 2-3 minutes on 2 CPU
-    cores) when not. The default preset on a task without settings of its own keeps the cache
+    then ``preset``, then ``overrides``): reused when cached, trained and cached when not. The
+    default preset on a task without settings of its own keeps the cache
     key of earlier versions."""
     overrides = {**task.warmstart_settings, **warmstart_preset(preset), **overrides}
     suggested = task.suggested_max_new_tokens()

@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ from rredcot.methods.value_head import expected_calibration_error
 from rredcot.models import load_policy
 from rredcot.normalization import group_mean_std
 from rredcot.rollout import build_rollout_batch, fill_forward, policy_forward, segment_batch
-from rredcot.segment import segmenter_from_config
+from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.train_setup import resolve_device
 
 # ---------------------------------------------------------------------------------------------
@@ -474,15 +475,221 @@ def fit_method(method, name: str, fit_batches, saved_run, cfg, policy, tokenizer
     return {"warning": "untrained: no fit batches and no --run"}
 
 
-def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
-    """Run the credit-quality benchmark; writes ``credit.json``, ``credit.md`` and example
-    pages ``examples_<segmenter>.html`` under ``cfg.out`` and returns the JSON content."""
+@dataclass
+class _Bench:
+    """What every stage of one credit benchmark shares: its settings and the frozen policy."""
+
+    cfg: CreditBenchConfig
+    policy: Any
+    tokenizer: Any
+    task: Any
+    device: torch.device
+    sampling_segmenter: Segmenter  # the first strategy; the traces are re-segmented per strategy
+    saved_run: tuple | None  # run_credit_config(cfg.run): a trained method's state to load
+    log: Callable[..., Any]
+
+    def sample(self, problems: list, seed: int) -> list[RolloutBatch]:
+        """``cfg.samples`` completions of each problem, in chunks of ``cfg.chunk_prompts``
+        prompts, chunk ``i`` sampled under seed ``seed + i``."""
+        cfg = self.cfg
+        batches = []
+        for i in range(0, len(problems), cfg.chunk_prompts):
+            torch.manual_seed(seed + i)
+            batch, _ = build_rollout_batch(
+                self.policy,
+                self.tokenizer,
+                self.task,
+                problems[i : i + cfg.chunk_prompts],
+                self.sampling_segmenter,
+                num_generations=cfg.samples,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+            )
+            batches.append(batch)
+        return batches
+
+
+def _variants_and_segmenters(cfg: CreditBenchConfig) -> tuple[list[Variant], list[str]]:
+    """The variants to score (uniform first when not named) and the segmentation strategies."""
     variants = parse_variants(cfg.methods)
     if "uniform" not in [v.name for v in variants]:
         variants.insert(0, Variant("uniform", "uniform"))
     segmenter_names = [s.strip() for s in cfg.segmenters.split(",") if s.strip()]
     if not segmenter_names:
         raise ValueError("--segmenter: give at least one segmentation strategy")
+    return variants, segmenter_names
+
+
+def _fit_batches(bench: _Bench, variants: list[Variant]) -> list[RolloutBatch]:
+    """Fresh traces on training problems (never the evaluated ones) to fit the learned methods
+    on; none when no variant learns or every learned one is loaded from ``--run``."""
+    cfg = bench.cfg
+    ctx0 = _method_context(bench.policy, bench.tokenizer, bench.task, None, cfg, bench.device)
+    needs_fit = any(
+        build_credit(v.method, v.credit_config(cfg.overrides), ctx0).state_dict()
+        and (bench.saved_run is None or bench.saved_run[0] != v.method)
+        for v in variants
+    )
+    fit_batches: list[RolloutBatch] = []
+    if needs_fit and cfg.value_fit_batches > 0:
+        fit_problems = bench.task.train_problems(
+            cfg.value_fit_batches * cfg.value_fit_prompts, seed=cfg.seed + 1
+        )
+        for i in range(cfg.value_fit_batches):
+            chunk = fit_problems[i * cfg.value_fit_prompts : (i + 1) * cfg.value_fit_prompts]
+            if chunk:
+                fit_batches += bench.sample(chunk, cfg.seed + 100_000 + 1_000 * i)
+    return fit_batches
+
+
+def _ground_truth_summary(gt: GroundTruth, traces: Traces, cfg: CreditBenchConfig) -> dict:
+    """The report's ``ground_truth`` entry of one segmentation: settings, time and cost."""
+    return {
+        "k": cfg.mc_k,
+        "lam": cfg.lam,
+        "seconds": gt.seconds,
+        "segments_per_trace": sum(len(r) for r in gt.adv) / max(traces.size, 1),
+        **{k.replace("credit/", ""): x for k, x in gt.stats.items()},
+    }
+
+
+def _ground_truth_row(
+    gt: GroundTruth, traces: Traces, cfg: CreditBenchConfig, seg_name: str
+) -> dict[str, Any]:
+    """The ``ground_truth`` result row: it agrees with itself, and scores its localisation."""
+    n = max(traces.size, 1)
+    return {
+        "method": "ground_truth",
+        "base_method": f"monte_carlo K={cfg.mc_k}",
+        "segmenter": seg_name,
+        "num_traces": traces.size,
+        "num_segments": sum(len(r) for r in gt.adv),
+        "spearman_pooled": 1.0,
+        "spearman_trace_mean": 1.0,
+        "sign_agreement": 1.0,
+        "extra_generated_tokens_per_trace": gt.stats.get("credit/extra_generated_tokens", 0) / n,
+        "extra_forward_tokens_per_trace": gt.stats.get("credit/extra_forward_tokens", 0) / n,
+        **traces.localisation(gt.adv, cfg.blame_threshold),
+    }
+
+
+def _ground_truth_pages(
+    gt: GroundTruth, traces: Traces, examples: list[int], cfg: CreditBenchConfig
+) -> dict[int, list]:
+    """Per example trace, its entries of the example page, starting with the ground truth's."""
+    pages: dict[int, list] = {i: [] for i in examples}
+    for i in examples:
+        c, r = traces.locate(i)
+        b, (v, m) = traces.batches[c], gt.full[c]
+        adv, _, _ = credit_algebra.segment_advantages_from_values(
+            v.double(), m, b.rewards.double().to(v.device), cfg.lam
+        )
+        pages[i].append((f"ground truth V_MC, K = {cfg.mc_k}", segment_credits(b, r, adv, v, m)))
+    return pages
+
+
+def _method_row(
+    bench: _Bench,
+    variant: Variant,
+    seg_name: str,
+    segmenter: Segmenter,
+    traces: Traces,
+    gt: GroundTruth,
+    fit_batches: list[RolloutBatch],
+    examples: list[int],
+) -> tuple[dict[str, Any], dict[int, list]]:
+    """Build, fit and evaluate one variant on one segmentation: its result row and its entries
+    of the example pages."""
+    cfg, policy = bench.cfg, bench.policy
+    credit_cfg = variant.credit_config(cfg.overrides)
+    credit_cfg.segmenter = seg_name
+    ctx = _method_context(policy, bench.tokenizer, bench.task, segmenter, cfg, bench.device)
+    method = build_credit(variant.method, credit_cfg, ctx)
+    fit = fit_method(
+        method,
+        variant.name,
+        fit_batches,
+        bench.saved_run,
+        cfg,
+        policy,
+        bench.tokenizer,
+        segmenter,
+        bench.log,
+    )
+    with _attention_for(policy, variant.method):
+        col = evaluate_method(method, policy, traces, cfg, examples, bench.device)
+    row = {
+        "method": variant.name,
+        "base_method": variant.method,
+        "overrides": variant.overrides,
+        "segmenter": seg_name,
+        **method_scores(col, gt, traces, cfg),
+        "fit": fit,
+    }
+    return row, col.examples
+
+
+def _add_time_ratios(results: list[dict[str, Any]], seg_name: str) -> None:
+    """``time_ratio_to_uniform`` on every timed row of segmentation ``seg_name``."""
+    uniform_s = next(
+        r["seconds_per_trace"]
+        for r in results
+        if r["method"] == "uniform" and r["segmenter"] == seg_name
+    )
+    for r in results:
+        if r["segmenter"] == seg_name and "seconds_per_trace" in r:
+            r["time_ratio_to_uniform"] = r["seconds_per_trace"] / uniform_s if uniform_s else None
+
+
+def _score_segmentation(
+    bench: _Bench,
+    seg_name: str,
+    segmenter: Segmenter,
+    sampled: list[RolloutBatch],
+    variants: list[Variant],
+    fit_batches: list[RolloutBatch],
+    out_dir: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
+    """The sampled traces cut by ``segmenter``, scored by the ground truth and every variant:
+    ``(result rows, the ground truth's summary, the example page's file name or None)``. The
+    rows' ``time_ratio_to_uniform`` is added by the caller, over every row of ``seg_name``."""
+    cfg, policy, tokenizer = bench.cfg, bench.policy, bench.tokenizer
+    traces = Traces.of(
+        [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
+    )
+    # 2. ground truth
+    gt = ground_truth(policy, tokenizer, bench.task, traces, cfg)
+    summary = _ground_truth_summary(gt, traces, cfg)
+    bench.log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
+    examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv])
+    results = [_ground_truth_row(gt, traces, cfg, seg_name)]
+    # 3. every method
+    pages = _ground_truth_pages(gt, traces, examples, cfg)
+    for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
+        fill_forward(policy, b)  # (result unused)
+    for variant in variants:
+        row, method_examples = _method_row(
+            bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
+        )
+        results.append(row)
+        for i, segs in method_examples.items():
+            pages[i].append((variant.name, segs))
+        bench.log(
+            f"[{seg_name}] {variant.name}: rho {fmt(row['spearman_pooled'])}, "
+            f"sign {fmt(row['sign_agreement'])}, {row['seconds_per_trace'] * 1e3:.2f} ms/trace"
+        )
+    if not examples:
+        return results, summary, None
+    page = out_dir / f"examples_{dir_name(seg_name)}.html"
+    page.write_text(render_html(_example_sections(traces, pages)), encoding="utf-8")
+    return results, summary, page.name
+
+
+def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
+    """Run the credit-quality benchmark; writes ``credit.json``, ``credit.md`` and example
+    pages ``examples_<segmenter>.html`` under ``cfg.out`` and returns the JSON content."""
+    variants, segmenter_names = _variants_and_segmenters(cfg)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved = resolve_checkpoint(cfg.checkpoint)
@@ -503,141 +710,30 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         f"credit bench: {cfg.prompts} prompts x {cfg.samples} samples of {task.name}, "
         f"ground truth K={cfg.mc_k}, methods {', '.join(v.name for v in variants)}"
     )
-
     pattern = task.answer_line_pattern
-
-    def sample_batches(problems, seed: int) -> list[RolloutBatch]:
-        first = segmenter_from_config(base_credit, pattern, segmenter_names[0])
-        batches = []
-        for i in range(0, len(problems), cfg.chunk_prompts):
-            torch.manual_seed(seed + i)
-            batch, _ = build_rollout_batch(
-                policy,
-                tokenizer,
-                task,
-                problems[i : i + cfg.chunk_prompts],
-                first,
-                num_generations=cfg.samples,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-            )
-            batches.append(batch)
-        return batches
+    first = segmenter_from_config(base_credit, pattern, segmenter_names[0])
+    bench = _Bench(cfg, policy, tokenizer, task, device, first, saved_run, log)
 
     # 1. the evaluated traces, sampled once (re-segmented per segmenter below)
     t0 = time.perf_counter()
-    sampled = sample_batches(task.eval_problems(cfg.prompts, seed=cfg.seed), cfg.seed)
+    sampled = bench.sample(task.eval_problems(cfg.prompts, seed=cfg.seed), cfg.seed)
     sample_seconds = time.perf_counter() - t0
     rewards = torch.cat([b.rewards.cpu() for b in sampled])
     log(f"sampled {len(rewards)} traces in {sample_seconds:.1f}s, mean reward {rewards.mean():.3f}")
-
-    # fresh traces on training problems for fitting learned methods (never the evaluated ones)
-    ctx0 = _method_context(policy, tokenizer, task, None, cfg, device)
-    needs_fit = any(
-        build_credit(v.method, v.credit_config(cfg.overrides), ctx0).state_dict()
-        and (saved_run is None or saved_run[0] != v.method)
-        for v in variants
-    )
-    fit_batches: list[RolloutBatch] = []
-    if needs_fit and cfg.value_fit_batches > 0:
-        fit_problems = task.train_problems(
-            cfg.value_fit_batches * cfg.value_fit_prompts, seed=cfg.seed + 1
-        )
-        for i in range(cfg.value_fit_batches):
-            chunk = fit_problems[i * cfg.value_fit_prompts : (i + 1) * cfg.value_fit_prompts]
-            if chunk:
-                fit_batches += sample_batches(chunk, cfg.seed + 100_000 + 1_000 * i)
+    fit_batches = _fit_batches(bench, variants)
 
     results: list[dict[str, Any]] = []
     gt_summary: dict[str, Any] = {}
     example_pages: dict[str, str] = {}
     for seg_name in segmenter_names:
         segmenter = segmenter_from_config(base_credit, pattern, seg_name)
-        traces = Traces.of(
-            [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
+        rows, gt_summary[seg_name], page = _score_segmentation(
+            bench, seg_name, segmenter, sampled, variants, fit_batches, out_dir
         )
-        # 2. ground truth
-        gt = ground_truth(policy, tokenizer, task, traces, cfg)
-        gt_summary[seg_name] = {
-            "k": cfg.mc_k,
-            "lam": cfg.lam,
-            "seconds": gt.seconds,
-            "segments_per_trace": sum(len(r) for r in gt.adv) / max(traces.size, 1),
-            **{k.replace("credit/", ""): x for k, x in gt.stats.items()},
-        }
-        log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
-        examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv])
-        n = max(traces.size, 1)
-        results.append(
-            {
-                "method": "ground_truth",
-                "base_method": f"monte_carlo K={cfg.mc_k}",
-                "segmenter": seg_name,
-                "num_traces": traces.size,
-                "num_segments": sum(len(r) for r in gt.adv),
-                "spearman_pooled": 1.0,
-                "spearman_trace_mean": 1.0,
-                "sign_agreement": 1.0,
-                "extra_generated_tokens_per_trace": gt.stats.get("credit/extra_generated_tokens", 0)
-                / n,
-                "extra_forward_tokens_per_trace": gt.stats.get("credit/extra_forward_tokens", 0)
-                / n,
-                **traces.localisation(gt.adv, cfg.blame_threshold),
-            }
-        )
-        # 3. every method
-        pages: dict[int, list] = {i: [] for i in examples}
-        for i in examples:
-            c, r = traces.locate(i)
-            b, (v, m) = traces.batches[c], gt.full[c]
-            adv, _, _ = credit_algebra.segment_advantages_from_values(
-                v.double(), m, b.rewards.double().to(v.device), cfg.lam
-            )
-            pages[i].append(
-                (f"ground truth V_MC, K = {cfg.mc_k}", segment_credits(b, r, adv, v, m))
-            )
-        for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
-            fill_forward(policy, b)  # (result unused)
-        for variant in variants:
-            credit_cfg = variant.credit_config(cfg.overrides)
-            credit_cfg.segmenter = seg_name
-            ctx = _method_context(policy, tokenizer, task, segmenter, cfg, device)
-            method = build_credit(variant.method, credit_cfg, ctx)
-            fit = fit_method(
-                method, variant.name, fit_batches, saved_run, cfg, policy, tokenizer, segmenter, log
-            )
-            with _attention_for(policy, variant.method):
-                col = evaluate_method(method, policy, traces, cfg, examples, device)
-            row = {
-                "method": variant.name,
-                "base_method": variant.method,
-                "overrides": variant.overrides,
-                "segmenter": seg_name,
-                **method_scores(col, gt, traces, cfg),
-                "fit": fit,
-            }
-            results.append(row)
-            for i, segs in col.examples.items():
-                pages[i].append((variant.name, segs))
-            log(
-                f"[{seg_name}] {variant.name}: rho {fmt(row['spearman_pooled'])}, "
-                f"sign {fmt(row['sign_agreement'])}, {row['seconds_per_trace'] * 1e3:.2f} ms/trace"
-            )
-        uniform_s = next(
-            r["seconds_per_trace"]
-            for r in results
-            if r["method"] == "uniform" and r["segmenter"] == seg_name
-        )
-        for r in results:
-            if r["segmenter"] == seg_name and "seconds_per_trace" in r:
-                r["time_ratio_to_uniform"] = (
-                    r["seconds_per_trace"] / uniform_s if uniform_s else None
-                )
-        if examples:
-            page = out_dir / f"examples_{dir_name(seg_name)}.html"
-            page.write_text(render_html(_example_sections(traces, pages)), encoding="utf-8")
-            example_pages[seg_name] = page.name
+        results += rows
+        _add_time_ratios(results, seg_name)
+        if page is not None:
+            example_pages[seg_name] = page
 
     report = {
         "config": dataclasses.asdict(cfg),

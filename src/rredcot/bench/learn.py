@@ -334,126 +334,153 @@ def first_reach(curve: dict[str, list[float]], target: float) -> dict[str, float
     return None
 
 
-def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) -> dict[str, Any]:
-    """Read every run directory and summarise per variant."""
-    out = Path(cfg.out)
-    curves = {
-        v.name: {s: run_curve(out / "runs" / dir_name(v.name) / f"seed{s}") for s in seeds}
-        for v in variants
+def _target_of(cfg: LearnBenchConfig, curve: dict[str, list]) -> float:
+    """The accuracy target of one run: ``--target-acc``, else its own warm start (each seed has
+    its own held-out set) + ``--target-delta``."""
+    return cfg.target_acc if cfg.target_acc is not None else curve["accuracy"][0] + cfg.target_delta
+
+
+def _training_mean(curve: dict[str, list]) -> float:
+    """Mean held-out accuracy over the evaluations after step 0."""
+    after = curve["accuracy"][1:]
+    return statistics.fmean(after) if after else float("nan")
+
+
+def _tokens_to_target(cfg: LearnBenchConfig, curve: dict[str, list]) -> float:
+    """Tokens until the run first reached its target; censored at the budget when it never did."""
+    hit = first_reach(curve, _target_of(cfg, curve))
+    return float(hit["tokens"]) if hit is not None else float(cfg.budget_tokens)
+
+
+def _per_seed_scores(
+    cfg: LearnBenchConfig, per: dict[int, dict[str, list]]
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per seed with an evaluation: final accuracy, training mean and tokens to target."""
+    runs = {s: c for s, c in per.items() if c["accuracy"]}
+    finals = {s: c["accuracy"][-1] for s, c in runs.items()}
+    means = {s: _training_mean(c) for s, c in runs.items()}
+    tokens = {s: _tokens_to_target(cfg, c) for s, c in runs.items()}
+    return finals, means, tokens
+
+
+def _grad_variance_summary(run_dirs: dict[int, Path]) -> dict[str, dict[str, float]]:
+    """Per probe fraction, the variance probes of every seed (``variance.jsonl``) averaged."""
+    variance: dict[str, dict[str, float]] = {}
+    for s, run_dir in run_dirs.items():
+        path = run_dir / VARIANCE
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    variance.setdefault(f"{rec['fraction']:.3f}", {})[str(s)] = rec
+    var_summary = {}
+    for frac, by_seed in sorted(variance.items()):
+        m, sd = mean_std([r["grad_var_trace"] for r in by_seed.values()])
+        mm, _ = mean_std([r["grad_mean_sqnorm"] for r in by_seed.values()])
+        tok, _ = mean_std([r["budget_tokens_used"] for r in by_seed.values()])
+        var_summary[frac] = {
+            "grad_var_trace_mean": m,
+            "grad_var_trace_std": sd,
+            "grad_mean_sqnorm_mean": mm,
+            "budget_tokens_used_mean": tok,
+            "seeds": len(by_seed),
+        }
+    return var_summary
+
+
+def _variant_summary(
+    cfg: LearnBenchConfig,
+    v: Variant,
+    per: dict[int, dict[str, list]],
+    reference: str,
+    ref_scores: tuple[dict[int, float], dict[int, float], dict[int, float]],
+    var_summary: dict[str, dict[str, float]],
+) -> dict[str, Any]:
+    """One variant's row of ``learn.json``'s summary: its seeds' curves ``per`` against the
+    reference variant's per-seed scores, seed by seed."""
+    ref_finals, ref_means, ref_tokens = ref_scores
+    finals, means, tokens = _per_seed_scores(cfg, per)
+    paired = {s: finals[s] - ref_finals[s] for s in finals if s in ref_finals}
+    paired_means = {s: means[s] - ref_means[s] for s in means if s in ref_means}
+    paired_tokens = {s: tokens[s] - ref_tokens[s] for s in tokens if s in ref_tokens}
+    reach = {s: first_reach(c, _target_of(cfg, c)) for s, c in per.items() if c["accuracy"]}
+    reached = [r for r in reach.values() if r is not None]
+    below = [s for s, c in per.items() if c["accuracy"] and c["accuracy"][-1] < c["accuracy"][0]]
+    fm, fs = mean_std(list(finals.values()))
+    mm_, ms_ = mean_std(list(means.values()))
+    tm, ts = mean_std([r["tokens"] for r in reached])
+    sm, _ = mean_std([r["seconds"] for r in reached])
+    pol, _ = mean_std([c["policy_tokens"][-1] for c in per.values() if c["policy_tokens"]])
+    ext, _ = mean_std([c["extra_tokens"][-1] for c in per.values() if c["extra_tokens"]])
+    wall, _ = mean_std([c["seconds"][-1] for c in per.values() if c["seconds"]])
+    steps, _ = mean_std([c["step"][-1] for c in per.values() if c["step"]])
+    return {
+        "variant": v.name,
+        "method": v.method,
+        "overrides": v.overrides,
+        "seeds": sorted(finals),
+        "start_accuracy": {str(s): c["accuracy"][0] for s, c in per.items() if c["accuracy"]},
+        "final_accuracy": {str(s): a for s, a in finals.items()},
+        "final_accuracy_mean": fm,
+        "final_accuracy_std": fs,
+        "mean_accuracy": {str(s): a for s, a in means.items()},
+        "mean_accuracy_mean": mm_,
+        "mean_accuracy_std": ms_,
+        "mean_accuracy_interval": interval_estimate(list(means.values())),
+        "final_accuracy_interval": interval_estimate(list(finals.values())),
+        "reference": reference,
+        "final_vs_reference": paired_summary(paired),
+        "mean_accuracy_vs_reference": paired_summary(paired_means),
+        "tokens_to_target_vs_reference": paired_summary(paired_tokens),
+        "mean_accuracy_improvement_probability": probability_of_improvement(
+            list(means.values()), list(ref_means.values())
+        ),
+        "final_accuracy_improvement_probability": probability_of_improvement(
+            list(finals.values()), list(ref_finals.values())
+        ),
+        "seeds_below_warm_start": below,
+        "any_below_warm_start": bool(below),
+        "target_reached": f"{len(reached)}/{len(reach)}",
+        "tokens_to_target_mean": tm,
+        "tokens_to_target_std": ts,
+        "seconds_to_target_mean": sm,
+        "tokens_to_target": {str(s): (r or {}).get("tokens") for s, r in reach.items()},
+        "policy_tokens_mean": pol,
+        "extra_generated_tokens_mean": ext,
+        "train_seconds_mean": wall,
+        "steps_mean": steps,
+        "grad_variance": var_summary,
     }
+
+
+def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) -> dict[str, Any]:
+    """Read every run directory and summarise per variant, each against the first variant."""
+    out = Path(cfg.out)
+    run_dirs = {
+        v.name: {s: out / "runs" / dir_name(v.name) / f"seed{s}" for s in seeds} for v in variants
+    }
+    curves = {name: {s: run_curve(d) for s, d in dirs.items()} for name, dirs in run_dirs.items()}
     starts = [c["accuracy"][0] for per in curves.values() for c in per.values() if c["accuracy"]]
     warm = statistics.fmean(starts) if starts else float("nan")
-
-    def target_of(curve) -> float:  # each seed has its own held-out set, so its own warm start
-        return (
-            cfg.target_acc
-            if cfg.target_acc is not None
-            else curve["accuracy"][0] + cfg.target_delta
-        )
-
     target = cfg.target_acc if cfg.target_acc is not None else warm + cfg.target_delta
     rule = (
         f"{cfg.target_acc:g}"
         if cfg.target_acc is not None
         else f"each seed's warm-start accuracy + {cfg.target_delta:g}"
     )
-
-    def training_mean(c) -> float:  # mean held-out accuracy over the evaluations after step 0
-        after = c["accuracy"][1:]
-        return statistics.fmean(after) if after else float("nan")
-
-    def tokens_to_target(c) -> float:  # censored at the budget when the run never reached it
-        hit = first_reach(c, target_of(c))
-        return float(hit["tokens"]) if hit is not None else float(cfg.budget_tokens)
-
     reference = variants[0].name
-    ref_curves = {s: c for s, c in curves[reference].items() if c["accuracy"]}
-    ref_finals = {s: c["accuracy"][-1] for s, c in ref_curves.items()}
-    ref_means = {s: training_mean(c) for s, c in ref_curves.items()}
-    ref_tokens = {s: tokens_to_target(c) for s, c in ref_curves.items()}
-    summary = []
-    for v in variants:
-        per = curves[v.name]
-        finals = {s: c["accuracy"][-1] for s, c in per.items() if c["accuracy"]}
-        means = {s: training_mean(c) for s, c in per.items() if c["accuracy"]}
-        tokens = {s: tokens_to_target(c) for s, c in per.items() if c["accuracy"]}
-        paired = {s: finals[s] - ref_finals[s] for s in finals if s in ref_finals}
-        paired_means = {s: means[s] - ref_means[s] for s in means if s in ref_means}
-        paired_tokens = {s: tokens[s] - ref_tokens[s] for s in tokens if s in ref_tokens}
-        reach = {s: first_reach(c, target_of(c)) for s, c in per.items() if c["accuracy"]}
-        reached = [r for r in reach.values() if r is not None]
-        below = [
-            s for s, c in per.items() if c["accuracy"] and c["accuracy"][-1] < c["accuracy"][0]
-        ]
-        variance: dict[str, dict[str, float]] = {}
-        for s in seeds:
-            path = out / "runs" / dir_name(v.name) / f"seed{s}" / VARIANCE
-            if path.exists():
-                for line in path.read_text().splitlines():
-                    if line.strip():
-                        rec = json.loads(line)
-                        variance.setdefault(f"{rec['fraction']:.3f}", {})[str(s)] = rec
-        var_summary = {}
-        for frac, by_seed in sorted(variance.items()):
-            m, sd = mean_std([r["grad_var_trace"] for r in by_seed.values()])
-            mm, _ = mean_std([r["grad_mean_sqnorm"] for r in by_seed.values()])
-            tok, _ = mean_std([r["budget_tokens_used"] for r in by_seed.values()])
-            var_summary[frac] = {
-                "grad_var_trace_mean": m,
-                "grad_var_trace_std": sd,
-                "grad_mean_sqnorm_mean": mm,
-                "budget_tokens_used_mean": tok,
-                "seeds": len(by_seed),
-            }
-        fm, fs = mean_std(list(finals.values()))
-        mm_, ms_ = mean_std(list(means.values()))
-        tm, ts = mean_std([r["tokens"] for r in reached])
-        sm, _ = mean_std([r["seconds"] for r in reached])
-        pol, _ = mean_std([c["policy_tokens"][-1] for c in per.values() if c["policy_tokens"]])
-        ext, _ = mean_std([c["extra_tokens"][-1] for c in per.values() if c["extra_tokens"]])
-        wall, _ = mean_std([c["seconds"][-1] for c in per.values() if c["seconds"]])
-        steps, _ = mean_std([c["step"][-1] for c in per.values() if c["step"]])
-        summary.append(
-            {
-                "variant": v.name,
-                "method": v.method,
-                "overrides": v.overrides,
-                "seeds": sorted(finals),
-                "start_accuracy": {
-                    str(s): c["accuracy"][0] for s, c in per.items() if c["accuracy"]
-                },
-                "final_accuracy": {str(s): a for s, a in finals.items()},
-                "final_accuracy_mean": fm,
-                "final_accuracy_std": fs,
-                "mean_accuracy": {str(s): a for s, a in means.items()},
-                "mean_accuracy_mean": mm_,
-                "mean_accuracy_std": ms_,
-                "mean_accuracy_interval": interval_estimate(list(means.values())),
-                "final_accuracy_interval": interval_estimate(list(finals.values())),
-                "reference": reference,
-                "final_vs_reference": paired_summary(paired),
-                "mean_accuracy_vs_reference": paired_summary(paired_means),
-                "tokens_to_target_vs_reference": paired_summary(paired_tokens),
-                "mean_accuracy_improvement_probability": probability_of_improvement(
-                    list(means.values()), list(ref_means.values())
-                ),
-                "final_accuracy_improvement_probability": probability_of_improvement(
-                    list(finals.values()), list(ref_finals.values())
-                ),
-                "seeds_below_warm_start": below,
-                "any_below_warm_start": bool(below),
-                "target_reached": f"{len(reached)}/{len(reach)}",
-                "tokens_to_target_mean": tm,
-                "tokens_to_target_std": ts,
-                "seconds_to_target_mean": sm,
-                "tokens_to_target": {str(s): (r or {}).get("tokens") for s, r in reach.items()},
-                "policy_tokens_mean": pol,
-                "extra_generated_tokens_mean": ext,
-                "train_seconds_mean": wall,
-                "steps_mean": steps,
-                "grad_variance": var_summary,
-            }
+    ref_scores = _per_seed_scores(cfg, curves[reference])
+    summary = [
+        _variant_summary(
+            cfg,
+            v,
+            curves[v.name],
+            reference,
+            ref_scores,
+            _grad_variance_summary(run_dirs[v.name]),
         )
+        for v in variants
+    ]
     return {
         "warm_start_accuracy": warm,
         "target_accuracy": target,

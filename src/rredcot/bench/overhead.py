@@ -48,24 +48,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
-    """Interleave full trainer steps of every method; write ``overhead.json`` / ``overhead.md``."""
-    variants = parse_variants(cfg.methods)
-    if "uniform" not in [v.name for v in variants]:
-        variants.insert(0, Variant("uniform", "uniform"))
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    init = base_init(
-        LearnBenchConfig(
-            init=cfg.init,
-            config=cfg.config,
-            overrides=cfg.overrides,
-            task=cfg.task,
-            task_args=cfg.task_args,
-        ),
-        log,
-    )
-    rounds = cfg.warmup + cfg.steps
+def _trainers(
+    cfg: OverheadBenchConfig, variants: list[Variant], init: str, out: Path, log
+) -> dict[str, Trainer]:
+    """One trainer per variant, all from the warm-start ``init`` and the same config, each for
+    ``warmup + steps`` steps in its own run directory under ``out/runs``."""
     trainers: dict[str, Trainer] = {}
     for v in variants:
         overrides = {
@@ -76,21 +63,23 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
             "out": str(out / "runs" / dir_name(v.name)),
             "resume": None,
             "seed": cfg.seed,
-            "steps": rounds,
+            "steps": cfg.warmup + cfg.steps,
             "max_tokens_generated": 0,
             "progress": False,
         }
         tcfg = resolve_config(TrainConfig, cfg.config, overrides, cfg.task_args)
         trainers[v.name] = Trainer(tcfg, log=log)
-    first = trainers[variants[0].name]
-    initial = copy.deepcopy(first.policy.state_dict())
-    device = first.device
-    log(
-        f"overhead bench: {len(variants)} methods x {rounds} interleaved steps ({cfg.warmup} warm-up)"
-    )
+    return trainers
 
+
+def _interleaved_steps(
+    cfg: OverheadBenchConfig, trainers: dict[str, Trainer], initial: dict, device, log
+) -> list[dict[str, Any]]:
+    """Round ``r`` runs step ``r + 1`` of every trainer, in an order rotated by ``r`` (each
+    policy reset to ``initial`` first with ``cfg.reset_policy``); one record per step."""
     records: list[dict[str, Any]] = []
-    names = [v.name for v in variants]
+    names = list(trainers)
+    rounds = cfg.warmup + cfg.steps
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
@@ -115,7 +104,13 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
             )
         if r == cfg.warmup - 1 or (r >= cfg.warmup and (r - cfg.warmup + 1) % 5 == 0):
             log(f"round {r + 1}/{rounds}")
+    return records
 
+
+def _method_summaries(
+    variants: list[Variant], records: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per variant, the medians over its timed steps and its ratios to uniform's."""
     timed = [x for x in records if x["timed"]]
     by_round: dict[int, dict[str, float]] = {}
     for x in timed:
@@ -150,12 +145,41 @@ def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
     uniform_entry = next(e for e in methods if e["method"] == "uniform")
     for entry in methods:
         entry["ratio_own_phases"] = own_phase_ratio(entry, uniform_entry)
+    return methods
+
+
+def run_overhead_bench(cfg: OverheadBenchConfig, log=print) -> dict[str, Any]:
+    """Interleave full trainer steps of every method; write ``overhead.json`` / ``overhead.md``."""
+    variants = parse_variants(cfg.methods)
+    if "uniform" not in [v.name for v in variants]:
+        variants.insert(0, Variant("uniform", "uniform"))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    init = base_init(
+        LearnBenchConfig(
+            init=cfg.init,
+            config=cfg.config,
+            overrides=cfg.overrides,
+            task=cfg.task,
+            task_args=cfg.task_args,
+        ),
+        log,
+    )
+    trainers = _trainers(cfg, variants, init, out, log)
+    first = trainers[variants[0].name]
+    initial = copy.deepcopy(first.policy.state_dict())
+    device = first.device
+    log(
+        f"overhead bench: {len(variants)} methods x {cfg.warmup + cfg.steps} interleaved steps "
+        f"({cfg.warmup} warm-up)"
+    )
+    records = _interleaved_steps(cfg, trainers, initial, device, log)
     report = {
         "config": dataclasses.asdict(cfg),
         "init": init,
         "device": str(device),
         "train_config": dataclasses.asdict(first.cfg),
-        "methods": methods,
+        "methods": _method_summaries(variants, records),
         "records": records,
     }
     md = write_report(report, out, "overhead", overhead_markdown)

@@ -204,27 +204,11 @@ def _trl_dataset(task, tokenizer, n: int, seed: int):
     return Dataset.from_list(rows)
 
 
-def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
-    """TRL's ``GRPOTrainer`` with the same model, prompts, batch and length; times per step."""
-    import torch  # a worker's own imports (see above); TRL below is the optional extra `trl`
-    from transformers import AutoTokenizer, TrainerCallback
+def _timed_grpo_trainer(grpo_trainer: type) -> type:
+    """A subclass of TRL's ``GRPOTrainer`` that adds up, on the class, the seconds spent in
+    ``_generate`` and in ``_generate_and_score_completions`` and the completion tokens scored."""
 
-    _require_trl()
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rredcot.integrations.trl import task_reward  # lazy: as run_rredcot's Trainer
-
-    rss_import = _rss_bytes()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    task, model_dir, length = _resolve(cfg, log)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    total = cfg.warmup + cfg.steps
-    dataset = _trl_dataset(task, tokenizer, cfg.prompts * total, cfg.seed)
-
-    class TimedGRPOTrainer(GRPOTrainer):
+    class TimedGRPOTrainer(grpo_trainer):
         gen_seconds = 0.0
         gas_seconds = 0.0
         tokens = 0.0
@@ -244,9 +228,14 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
             TimedGRPOTrainer.tokens += float(out["completion_mask"].sum())
             return out
 
-    steps: list[dict[str, Any]] = []
+    return TimedGRPOTrainer
 
-    class StepTimer(TrainerCallback):
+
+def _step_timer(trainer_callback: type, timed: type, warmup: int, steps: list[dict[str, Any]]):
+    """A ``TrainerCallback`` that appends one record per optimiser step to ``steps``: the wall
+    and CPU time since the last step, split into phases by ``timed``'s counters."""
+
+    class StepTimer(trainer_callback):
         def __init__(self) -> None:
             self.last = self.last_cpu = None
             self.seen = (0.0, 0.0, 0.0)
@@ -256,17 +245,13 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
 
         def on_step_end(self, args, state, control, **kwargs):
             now, cpu = time.perf_counter(), time.process_time()
-            gen, gas, tok = (
-                TimedGRPOTrainer.gen_seconds,
-                TimedGRPOTrainer.gas_seconds,
-                TimedGRPOTrainer.tokens,
-            )
+            gen, gas, tok = timed.gen_seconds, timed.gas_seconds, timed.tokens
             wall = now - self.last
             d_gen, d_gas, d_tok = gen - self.seen[0], gas - self.seen[1], tok - self.seen[2]
             steps.append(
                 {
                     "step": state.global_step,
-                    "timed": state.global_step > cfg.warmup,
+                    "timed": state.global_step > warmup,
                     "step_seconds": wall,
                     "cpu_seconds": cpu - self.last_cpu,
                     "generation": d_gen,
@@ -277,44 +262,74 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
             )
             self.seen, self.last, self.last_cpu = (gen, gas, tok), now, cpu
 
-    batch = cfg.prompts * cfg.generations
+    return StepTimer()
+
+
+def _grpo_args(
+    grpo_config: type, cfg: PeerBenchConfig, output_dir: str, length: int, use_cpu: bool
+) -> Any:
+    """TRL's ``GRPOConfig`` for the same batch, length, sampling and update as rredcot's trainer
+    (the module docstring lists the settings), then ``cfg.trl_overrides``."""
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir,
+        use_cpu=use_cpu,
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=cfg.prompts * cfg.generations,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=cfg.generations,
+        max_completion_length=length,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        learning_rate=cfg.lr,
+        max_steps=cfg.warmup + cfg.steps,
+        save_strategy="no",
+        seed=cfg.seed,
+        disable_tqdm=True,
+    )
+    # off, under transformers' current name where it has it (the old one warns there)
+    checkpointing = "activation_checkpointing"
+    if checkpointing not in {f.name for f in dataclasses.fields(grpo_config)}:
+        checkpointing = "gradient_checkpointing"
+    kwargs[checkpointing] = False
+    kwargs.update(cfg.trl_overrides)
+    return grpo_config(**kwargs)
+
+
+def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
+    """TRL's ``GRPOTrainer`` with the same model, prompts, batch and length; times per step."""
+    import torch  # a worker's own imports (see above); TRL below is the optional extra `trl`
+    from transformers import AutoTokenizer, TrainerCallback
+
+    _require_trl()
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rredcot.integrations.trl import task_reward  # lazy: as run_rredcot's Trainer
+
+    rss_import = _rss_bytes()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task, model_dir, length = _resolve(cfg, log)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dataset = _trl_dataset(task, tokenizer, cfg.prompts * (cfg.warmup + cfg.steps), cfg.seed)
+    timed = _timed_grpo_trainer(GRPOTrainer)
+    steps: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="trl-peer-") as tmp:
-        kwargs: dict[str, Any] = dict(
-            output_dir=tmp,
-            use_cpu=not torch.cuda.is_available(),
-            report_to="none",
-            bf16=False,
-            per_device_train_batch_size=batch,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
-            num_generations=cfg.generations,
-            max_completion_length=length,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            beta=0.0,
-            num_iterations=1,
-            epsilon=0.2,
-            epsilon_high=0.28,
-            learning_rate=cfg.lr,
-            max_steps=total,
-            save_strategy="no",
-            seed=cfg.seed,
-            disable_tqdm=True,
-        )
-        # off, under transformers' current name where it has it (the old one warns there)
-        checkpointing = "activation_checkpointing"
-        if checkpointing not in {f.name for f in dataclasses.fields(GRPOConfig)}:
-            checkpointing = "gradient_checkpointing"
-        kwargs[checkpointing] = False
-        kwargs.update(cfg.trl_overrides)
-        trainer = TimedGRPOTrainer(
+        trainer = timed(
             model=model_dir,
             reward_funcs=task_reward(task),
-            args=GRPOConfig(**kwargs),
+            args=_grpo_args(GRPOConfig, cfg, tmp, length, use_cpu=not torch.cuda.is_available()),
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[StepTimer()],
+            callbacks=[_step_timer(TrainerCallback, timed, cfg.warmup, steps)],
         )
         rss_setup = _rss_bytes()
         trainer.train()

@@ -66,7 +66,7 @@ from rredcot.integrations._batch import (
     segment_completions,
     span_mask,
 )
-from rredcot.methods.answer_likelihood import build_probes
+from rredcot.methods.answer_probes import build_probes
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,

@@ -41,7 +41,7 @@ not probed. Continuations per boundary are capped (``max_continuations``; the re
 then the group's in row order).
 
 **Cost**: no generation. ``π(u | s_k)`` for every boundary and continuation of a trace goes into one
-packed forward row (:func:`rredcot.methods.answer_likelihood.packed_probe_logprobs`: the
+packed forward row (:func:`rredcot.methods.probe_logprobs.packed_probe_logprobs`: the
 prompt, the response, then every continuation with a 4D attention mask that lets it see its own
 prefix only); the proposals ``π(u_j | y_j[:b_k^j])`` for every ``k`` at once come from one probe
 of the correct sample's whole response from its prompt. Log-probs are gathered only at the scored
@@ -67,13 +67,13 @@ from torch import Tensor
 
 from rredcot.batch import RolloutBatch
 from rredcot.config import ContinuationLikelihoodConfig
-from rredcot.methods.answer_likelihood import (
+from rredcot.methods.base import CreditContext, register_credit
+from rredcot.methods.probe_logprobs import (
     Probe,
     packed_probe_logprobs,
     packing_supported,
     unpacked_probe_logprobs,
 )
-from rredcot.methods.base import CreditContext, register_credit
 from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.rollout import eval_mode
 from rredcot.segment import Segmenter, segment_completion

@@ -29,6 +29,7 @@ ground truth.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,6 +104,138 @@ def generate_from_ids(
     return [new[i, : lengths[i]].tolist() for i in range(new.shape[0])]
 
 
+@dataclass
+class _Prefixes:
+    """The unique prefixes of a batch to continue, with what verifying a continuation needs."""
+
+    ids: list[list[int]] = field(default_factory=list)  # prompt + response[:b] ids
+    heads: list[list[int]] = field(default_factory=list)  # response[:b], decoded with the rest
+    problems: list = field(default_factory=list)  # the Problem of each prefix
+    budgets: list[int] = field(default_factory=list)  # tokens a continuation may use
+    row_estimates: list[dict[int, int]] = field(default_factory=list)  # row: k -> prefix index
+    boundaries_estimated: int = 0  # (row, k) pairs, before de-duplication
+
+
+def _check_mc_inputs(task, batch: RolloutBatch, k: int, max_new_tokens: int, row_boundaries):
+    if task is None:
+        raise ValueError("monte_carlo needs the task to verify continuations: CreditContext(task=)")
+    if k < 1:
+        raise ValueError(f"k={k}: Monte Carlo needs at least one continuation per prefix")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if len(batch.problems) != batch.size:
+        raise ValueError("monte_carlo needs batch.problems (one Problem per row) to verify")
+    if row_boundaries is not None and (
+        len(row_boundaries) != batch.size or any(0 not in ks for ks in row_boundaries)
+    ):
+        raise ValueError("row_boundaries needs one list per row, each holding boundary 0")
+
+
+def _unique_prefixes(
+    batch: RolloutBatch,
+    max_new_tokens: int,
+    max_boundaries: int,
+    row_boundaries: list[list[int]] | None,
+) -> _Prefixes:
+    """The prefixes ``s_k`` to estimate, each once: identical ones (same problem, same prompt
+    and prefix token ids) share an index, across the whole batch."""
+    P = batch.prompt_len
+    index: dict[tuple, int] = {}
+    found = _Prefixes()
+    for row, bounds in enumerate(batch.boundaries):
+        n = len(bounds) - 1
+        picked: dict[int, int] = {}
+        wanted = (
+            estimated_boundaries(n, max_boundaries)
+            if row_boundaries is None
+            else sorted(k for k in row_boundaries[row] if 0 <= k < n)
+        )
+        for j in wanted:
+            b = bounds[j]
+            ids = prefix_token_ids(batch, row, b)
+            problem = batch.problems[row]
+            key = (problem.prompt, problem.answer, tuple(ids))
+            if key not in index:
+                index[key] = len(found.ids)
+                found.ids.append(ids)
+                found.heads.append(batch.input_ids[row, P : P + b].tolist())
+                found.problems.append(problem)
+                found.budgets.append(max(1, max_new_tokens - b))
+            picked[j] = index[key]
+            found.boundaries_estimated += 1
+        found.row_estimates.append(picked)
+    return found
+
+
+def _continue_and_verify(
+    policy,
+    tokenizer,
+    task,
+    prefixes: _Prefixes,
+    k: int,
+    *,
+    temperature: float,
+    top_p: float,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[torch.Tensor, int, int, int]:
+    """``(estimates (len(prefixes.ids),), tokens generated, tokens forwarded, bad verdicts)``:
+    the mean verified reward of ``k`` continuations of each prefix, generated in chunks of
+    similar budget (longest first)."""
+    eos = tokenizer.eos_token_id
+    estimates = torch.zeros(len(prefixes.ids))
+    budgets = prefixes.budgets
+    order = sorted(range(len(prefixes.ids)), key=lambda i: -budgets[i])
+    per_call = max(1, batch_size // k)
+    generated = forwarded = bad = 0
+    with eval_mode(policy):
+        for start in range(0, len(order), per_call):
+            chunk = order[start : start + per_call]
+            conts = generate_from_ids(
+                policy,
+                tokenizer,
+                [prefixes.ids[i] for i in chunk],
+                num_samples=k,
+                max_new_tokens=max(budgets[i] for i in chunk),
+                temperature=temperature,
+                top_p=top_p,
+            )
+            for c, i in enumerate(chunk):
+                forwarded += k * len(prefixes.ids[i])
+                total = 0.0
+                for cont in conts[c * k : (c + 1) * k]:
+                    cont = cont[: budgets[i]]
+                    generated += len(cont)
+                    content = cont[:-1] if cont and cont[-1] == eos else cont
+                    text = tokenizer.decode(prefixes.heads[i] + content, skip_special_tokens=True)
+                    verdict, ok = checked_verify(task, prefixes.problems[i], text)
+                    bad += int(not ok)
+                    total += float(verdict.reward) if ok else 0.0
+                estimates[i] = total / k
+            if progress is not None:
+                progress(min(start + per_call, len(order)), len(order))
+    return estimates, generated, forwarded, bad
+
+
+def _values_from_estimates(
+    batch: RolloutBatch, row_estimates: list[dict[int, int]], estimates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values (B, S+1), value_mask (B, S+1))`` on the CPU: each row's estimated boundaries,
+    a skipped one holding the last estimate before it, and ``values[b, n_b] = R_b``."""
+    n = batch.num_segments
+    S = int(n.max()) if len(n) else 0
+    values = torch.zeros(batch.size, S + 1)
+    for row, picked in enumerate(row_estimates):
+        last = None
+        for j in range(int(n[row])):
+            if j in picked:
+                last = float(estimates[picked[j]])
+            values[row, j] = last
+    values[torch.arange(batch.size), n] = batch.rewards.detach().float().cpu()
+    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    return values, mask
+
+
 @torch.no_grad()
 def mc_values(
     policy,
@@ -135,102 +268,27 @@ def mc_values(
 
     Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``values[b, n_b] = R_b``.
     """
-    if task is None:
-        raise ValueError("monte_carlo needs the task to verify continuations: CreditContext(task=)")
-    if k < 1:
-        raise ValueError(f"k={k}: Monte Carlo needs at least one continuation per prefix")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if len(batch.problems) != batch.size:
-        raise ValueError("monte_carlo needs batch.problems (one Problem per row) to verify")
-    if row_boundaries is not None and (
-        len(row_boundaries) != batch.size or any(0 not in ks for ks in row_boundaries)
-    ):
-        raise ValueError("row_boundaries needs one list per row, each holding boundary 0")
-    eos = tokenizer.eos_token_id
-    P = batch.prompt_len
-
-    # Unique prefixes: key -> index; each carries what verification needs.
-    index: dict[tuple, int] = {}
-    prefixes: list[list[int]] = []  # prompt + response[:b] ids
-    heads: list[list[int]] = []  # response[:b] ids, decoded with the continuation
-    owners: list = []  # the Problem
-    budgets: list[int] = []
-    row_estimates: list[dict[int, int]] = []  # per row: boundary k -> prefix index
-    boundaries_estimated = 0
-    for row, bounds in enumerate(batch.boundaries):
-        n = len(bounds) - 1
-        picked: dict[int, int] = {}
-        wanted = (
-            estimated_boundaries(n, max_boundaries)
-            if row_boundaries is None
-            else sorted(k for k in row_boundaries[row] if 0 <= k < n)
-        )
-        for j in wanted:
-            b = bounds[j]
-            ids = prefix_token_ids(batch, row, b)
-            problem = batch.problems[row]
-            key = (problem.prompt, problem.answer, tuple(ids))
-            if key not in index:
-                index[key] = len(prefixes)
-                prefixes.append(ids)
-                heads.append(batch.input_ids[row, P : P + b].tolist())
-                owners.append(problem)
-                budgets.append(max(1, max_new_tokens - b))
-            picked[j] = index[key]
-            boundaries_estimated += 1
-        row_estimates.append(picked)
-
-    # Generate in chunks of similar budget (longest first), verify, average.
-    estimates = torch.zeros(len(prefixes))
-    order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
-    per_call = max(1, batch_size // k)
-    generated = forwarded = bad = 0
-    with eval_mode(policy):
-        for start in range(0, len(order), per_call):
-            chunk = order[start : start + per_call]
-            conts = generate_from_ids(
-                policy,
-                tokenizer,
-                [prefixes[i] for i in chunk],
-                num_samples=k,
-                max_new_tokens=max(budgets[i] for i in chunk),
-                temperature=temperature,
-                top_p=top_p,
-            )
-            for c, i in enumerate(chunk):
-                forwarded += k * len(prefixes[i])
-                total = 0.0
-                for cont in conts[c * k : (c + 1) * k]:
-                    cont = cont[: budgets[i]]
-                    generated += len(cont)
-                    content = cont[:-1] if cont and cont[-1] == eos else cont
-                    text = tokenizer.decode(heads[i] + content, skip_special_tokens=True)
-                    verdict, ok = checked_verify(task, owners[i], text)
-                    bad += int(not ok)
-                    total += float(verdict.reward) if ok else 0.0
-                estimates[i] = total / k
-            if progress is not None:
-                progress(min(start + per_call, len(order)), len(order))
-
-    n = batch.num_segments
-    S = int(n.max()) if len(n) else 0
-    values = torch.zeros(batch.size, S + 1)
-    for row, picked in enumerate(row_estimates):
-        last = None
-        for j in range(int(n[row])):
-            if j in picked:
-                last = float(estimates[picked[j]])
-            values[row, j] = last
-    values[torch.arange(batch.size), n] = batch.rewards.detach().float().cpu()
-    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    _check_mc_inputs(task, batch, k, max_new_tokens, row_boundaries)
+    prefixes = _unique_prefixes(batch, max_new_tokens, max_boundaries, row_boundaries)
+    estimates, generated, forwarded, bad = _continue_and_verify(
+        policy,
+        tokenizer,
+        task,
+        prefixes,
+        k,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=batch_size,
+        progress=progress,
+    )
+    values, mask = _values_from_estimates(batch, prefixes.row_estimates, estimates)
     device = batch.rewards.device
     stats = {
         "credit/extra_generated_tokens": float(generated),
         "credit/extra_forward_tokens": float(forwarded),
-        "credit/mc_prefixes": float(len(prefixes)),
-        "credit/mc_boundaries": float(boundaries_estimated),
-        "credit/mc_continuations": float(len(prefixes) * k),
+        "credit/mc_prefixes": float(len(prefixes.ids)),
+        "credit/mc_boundaries": float(prefixes.boundaries_estimated),
+        "credit/mc_continuations": float(len(prefixes.ids) * k),
         "credit/mc_bad_verdicts": float(bad),
     }
     return values.to(device), mask.to(device), stats

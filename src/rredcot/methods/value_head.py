@@ -49,7 +49,8 @@ from torch import Tensor, nn
 from rredcot.batch import RolloutBatch
 from rredcot.config import ValueHeadConfig
 from rredcot.credit import Cost, Values
-from rredcot.methods.answer_likelihood import ProbeFormat, answer_values, prefix_features
+from rredcot.methods.answer_likelihood import answer_values, prefix_features
+from rredcot.methods.answer_probes import ProbeFormat
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,

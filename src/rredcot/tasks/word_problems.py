@@ -6,18 +6,18 @@ as a story about someone's things, for a pretrained instruct model with a chat t
     Tom has 8 apples. He buys 5 more, then eats 2. How many apples does Tom have now?
 
 ``+`` is told as *buys / finds / gets N more*, ``-`` as *eats / gives away / loses N* (*eats* only
-for food). By default a problem takes one or two operations (``min_steps``, ``max_steps``). Greedy
-SmolLM2-135M-Instruct solves 22.7% of 128 held-out ones (about 37% of the one-step and 18% of the
-two-step problems; ``benchmarks/results/real_model/``): inside its edge of competence. It writes one short sentence per step ("She buys 7 more, so she has 3 + 7 =
-10 oranges."), so newline and sentence segmentation have something to cut, and its slips are
-real ones: the wrong operation (``7 - 2`` for "buys 2 more"), wrong arithmetic (``3 + 9 = 21``), or
-undoing a right result on the next line.
+for food). By default a problem takes one or two operations (``min_steps``, ``max_steps``): inside
+the edge of competence of greedy SmolLM2-135M-Instruct (its accuracy, overall and by length:
+``benchmarks/results/real_model/README.md``). It writes one short sentence per step ("She buys 7
+more, so she has 3 + 7 = 10 oranges."), so newline and sentence segmentation have something to
+cut, and its slips are real ones: the wrong operation (``7 - 2`` for "buys 2 more"), wrong
+arithmetic (``3 + 9 = 21``), or undoing a right result on the next line.
 
 Prompt: the problem is the user turn. With ``example=True`` a system turn asks for one step per
 line and shows one worked example, which makes the model close with ``The answer is N.``
-(``Problem.meta["system"]``, rendered by ``rollout.render_prompt``); it costs about 110 prompt
-tokens and lowers greedy accuracy (22% against 27%: the model copies the example's two steps on
-one-step problems), so it is off by default.
+(``Problem.meta["system"]``, rendered by ``rollout.render_prompt``); it costs prompt tokens and
+lowers greedy accuracy (the model copies the example's two steps on one-step problems; the
+figures: ``benchmarks/results/real_model/README.md``), so it is off by default.
 
 Verification reads only the prompt text and the completion (so TRL's reward functions, which see
 no ``meta``, score the same way):
