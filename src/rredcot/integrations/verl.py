@@ -633,7 +633,7 @@ def build_probe_data(
     For each trace, each boundary ``k < n`` and each reference answer, one row: prompt =
     ``prompt + response[:b_k]`` (left-padded), response = the probe ``render_answer(a) + EOS``
     (right-padded), with ``attention_mask``, ``position_ids`` and ``response_mask``; the probe
-    text and layout are the core's (:func:`rredcot.methods.answer_likelihood.build_probes`).
+    text and layout are the core's (:func:`rredcot.methods.answer_probes.build_probes`).
     Rows are padded to a multiple of ``divisor`` (the actor's data-parallel size) with copies of
     row 0, so verl splits them evenly and every rank runs the same number of forwards.
     ``non_tensor_batch["rredcot_probe"]`` holds ``(row, k)`` (``(-1, -1)`` on padding rows).

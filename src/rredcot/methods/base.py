@@ -188,7 +188,7 @@ class CreditMethod:
     # a group whose rewards agree); redistributed credit falls back to the batch's std there.
     default_normalization: ClassVar[str] = "group_or_batch_std"
     # where the nodes of the group's prefix tree (prefixes several samples share) override the
-    # method's values (credit.node_values): "tree" in tree groups (sampling.tree), "always",
+    # method's values (shared_prefixes.node_values): "tree" in tree groups (sampling.tree), "always",
     # or "never" (uniform credit; the value head, which does it itself by its own option)
     node_values: ClassVar[str] = "tree"
     # credit.form=reweight applies to this method's Values (uniform's are GRPO by definition)
