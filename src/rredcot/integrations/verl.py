@@ -412,6 +412,41 @@ def compute_rredcot_advantage(
             "compute_advantage_for_data(data, tokenizer, config)"
         )
     method_name, cfg = credit_settings(config)
+    if method_name == "uniform" and index is None:
+        raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
+    rows = _verl_rows(token_level_rewards, response_mask, index, segment_ids)
+    method = _method_for(method_name, cfg, config)
+    if method_name == "critic":
+        return _critic_credit(method, rows, values, cfg.value_head.td_lambda)
+    if method_name == "uniform":
+        given, given_mask = uniform_values(rows.rewards, rows.group_ids, rows.num_segments)
+    else:
+        given, given_mask = _driver_values(
+            method_name, boundary_values, rows.num_segments, rows.mask.device
+        )
+    out = _credit_from_values(method, given, given_mask, rows)
+    return out.advantages, out.advantages
+
+
+@dataclass
+class _VerlRows:
+    """verl's rows as tensors (its estimator sees no token ids)."""
+
+    mask: Tensor  # (B, T) bool response tokens (holes: tool outputs)
+    segment_ids: Tensor  # (B, T) long, -1 on padding and holes
+    filled: Tensor  # (B, T) segment ids with holes filled (the span's segment)
+    boundaries: list[list[int]]
+    rewards: Tensor  # (B,) R, the row sum of the token-level rewards
+    group_ids: Tensor  # (B,) long
+    num_segments: Tensor  # (B,) long
+    prefix: Tensor  # (B, S+1) rewards received before each boundary (dense_prefix_rewards)
+
+
+def _verl_rows(
+    token_level_rewards: Tensor, response_mask: Tensor, index, segment_ids: Tensor
+) -> _VerlRows:
+    """The rows of verl's batch: segment ids cut to the responses' spans (holes get no
+    advantage), the prompt groups of ``index`` (verl's ``uid``), outcomes and dense rewards."""
     B, T = response_mask.shape
     mask = response_mask.bool()
     span = span_mask(mask.long()).bool()
@@ -419,100 +454,93 @@ def compute_rredcot_advantage(
     segment_ids = torch.where(span, segment_ids, torch.full_like(segment_ids, -1))
     boundaries = boundaries_from_segment_ids(segment_ids, mask)
     filled = _filled_segment_ids(segment_ids, mask)
-    segment_ids = torch.where(mask, filled, torch.full_like(filled, -1))  # holes: no advantage
     if index is None:
         group_ids = torch.arange(B)
     else:
         group_ids = group_ids_from_keys(list(np.asarray(index, dtype=object)))
-    # The rows as tensors: outcomes, groups, segments (verl's estimator sees no token ids).
-    rewards = token_level_rewards.float().sum(dim=-1)
-    group_ids = group_ids.to(mask.device)
-    response_mask = mask.float()
     num_segments = torch.tensor([len(b) - 1 for b in boundaries], dtype=torch.long)
-    live = mask.any(dim=-1)
-    prefix = dense_prefix_rewards(token_level_rewards, filled, num_segments)
-    if method_name in ("uniform", "answer_likelihood", "process_reward"):
-        if method_name == "uniform" and index is None:
-            raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
-        method = _method_for(method_name, cfg, config)
-        if method_name == "uniform":
-            given, given_mask = uniform_values(rewards, group_ids, num_segments)
-        else:
-            if boundary_values is None and method_name == "process_reward":
-                raise ValueError(
-                    "algorithm.rredcot.credit_method=process_reward needs the step scores: call "
-                    "compute_advantage_for_data(data, tokenizer, config), which computes them "
-                    "with process_reward_values(data, tokenizer, config), or pass them as "
-                    "boundary_values (the rredcot_sync trainer mode does not compute them)"
-                )
-            if boundary_values is None:
-                raise ValueError(
-                    "algorithm.rredcot.credit_method=answer_likelihood needs the probe values: "
-                    "build the probes with build_probe_data(data, tokenizer, task), run them "
-                    "through actor_rollout_wg.compute_log_prob, turn the log-probs into values "
-                    "with probe_values(...) and pass them as boundary_values (or through "
-                    "rredcot_segments(segment_ids, boundary_values=...))"
-                )
-            S1 = int(num_segments.max()) + 1 if B else 1
-            given = _fit_width(boundary_values.to(mask.device).float(), S1, 0.0)
-            given_mask = torch.arange(S1, device=mask.device).unsqueeze(0) <= num_segments.to(
-                mask.device
-            ).unsqueeze(1)
-        out = _credit_from_values(
-            method, given, given_mask, prefix, rewards, group_ids, segment_ids, response_mask, live
+    return _VerlRows(
+        mask=mask,
+        segment_ids=torch.where(mask, filled, torch.full_like(filled, -1)),
+        filled=filled,
+        boundaries=boundaries,
+        rewards=token_level_rewards.float().sum(dim=-1),
+        group_ids=group_ids.to(mask.device),
+        num_segments=num_segments,
+        prefix=dense_prefix_rewards(token_level_rewards, filled, num_segments),
+    )
+
+
+def _driver_values(
+    method_name: str, boundary_values: Tensor | None, num_segments: Tensor, device
+) -> tuple[Tensor, Tensor]:
+    """``(values (B, S+1), mask)`` the driver computed (answer-likelihood probes, PRM scores)."""
+    if boundary_values is None and method_name == "process_reward":
+        raise ValueError(
+            "algorithm.rredcot.credit_method=process_reward needs the step scores: call "
+            "compute_advantage_for_data(data, tokenizer, config), which computes them "
+            "with process_reward_values(data, tokenizer, config), or pass them as "
+            "boundary_values (the rredcot_sync trainer mode does not compute them)"
         )
-        return out.advantages, out.advantages
+    if boundary_values is None:
+        raise ValueError(
+            "algorithm.rredcot.credit_method=answer_likelihood needs the probe values: "
+            "build the probes with build_probe_data(data, tokenizer, task), run them "
+            "through actor_rollout_wg.compute_log_prob, turn the log-probs into values "
+            "with probe_values(...) and pass them as boundary_values (or through "
+            "rredcot_segments(segment_ids, boundary_values=...))"
+        )
+    S1 = int(num_segments.max()) + 1 if len(num_segments) else 1
+    given = _fit_width(boundary_values.to(device).float(), S1, 0.0)
+    mask = torch.arange(S1, device=device).unsqueeze(0) <= num_segments.to(device).unsqueeze(1)
+    return given, mask
+
+
+def _critic_credit(
+    method: CreditMethod, rows: _VerlRows, values: Tensor | None, lam_v: float
+) -> tuple[Tensor, Tensor]:
+    """``(advantages, returns)`` from verl's critic: one more value source through the same
+    path as the others (its values at the segment starts, dense rewards kept, anchored and
+    handed over by the guard), and its TD(``lam_v``) targets, which exclude rewards already
+    received (the critic predicts the return still to come)."""
     if values is None:
         raise ValueError(
             "algorithm.rredcot.credit_method=critic needs the critic's values: set "
             "critic.enable=True (or choose +algorithm.rredcot.credit_method=uniform)"
         )
-    values = _fit_width(values.to(mask.device).float(), T, 0.0)
-    # The critic is one more value source through the same path as the others: its values at
-    # the segment starts (dense rewards kept) anchored on the group's mean reward and handed
-    # over from uniform credit by the reliability measured on earlier steps' outcomes.
-    raw, raw_mask = critic_boundary_values(values, boundaries)
-    method = _method_for(method_name, cfg, config)
-    out = _credit_from_values(
-        method, raw, raw_mask, prefix, rewards, group_ids, segment_ids, response_mask, live
-    )
-    # The critic predicts the return still to come: its targets exclude rewards already received.
+    T = rows.mask.shape[1]
+    values = _fit_width(values.to(rows.mask.device).float(), T, 0.0)
+    raw, raw_mask = critic_boundary_values(values, rows.boundaries)
+    out = _credit_from_values(method, raw, raw_mask, rows)
+    response_mask = rows.mask.float()
     returns = _critic_returns(
-        raw + prefix, raw_mask, rewards, segment_ids, response_mask, cfg.value_head.td_lambda
+        raw + rows.prefix, raw_mask, rows.rewards, rows.segment_ids, response_mask, lam_v
     )
-    received = credit.segments_to_tokens(prefix[:, :-1], segment_ids, response_mask)
-    return out.advantages, torch.where(mask, returns - received, torch.zeros_like(returns))
+    received = credit.segments_to_tokens(rows.prefix[:, :-1], rows.segment_ids, response_mask)
+    return out.advantages, torch.where(rows.mask, returns - received, torch.zeros_like(returns))
 
 
 def _credit_from_values(
-    method: CreditMethod,
-    values: Tensor,
-    value_mask: Tensor,
-    prefix: Tensor,
-    rewards: Tensor,
-    group_ids: Tensor,
-    segment_ids: Tensor,
-    response_mask: Tensor,
-    live: Tensor,
+    method: CreditMethod, values: Tensor, value_mask: Tensor, verl_rows: _VerlRows
 ) -> CreditOutput:
     """Boundary values of any verl value source through the contract every path runs: the rows
     (dense rewards kept in the values), the method's estimate (anchor, hand-over), the segment
     and token stages; then the method learns from this step's outcomes, after its credit (a
     no-op for uniform credit)."""
-    num_segments = value_mask.sum(dim=1) - 1
+    response_mask = verl_rows.mask.float()
     rows = CreditRows(
-        rewards=rewards,
-        group_ids=group_ids,
-        num_segments=num_segments,
-        live=live,
+        rewards=verl_rows.rewards,
+        group_ids=verl_rows.group_ids,
+        num_segments=value_mask.sum(dim=1) - 1,
+        live=verl_rows.mask.any(dim=-1),
         value_mask=value_mask,
         segment_lengths=credit.segment_token_counts(
-            segment_ids, response_mask, value_mask.shape[1] - 1
+            verl_rows.segment_ids, response_mask, value_mask.shape[1] - 1
         ),
-        values=_with_dense_rewards(values, value_mask, prefix),
+        values=_with_dense_rewards(values, value_mask, verl_rows.prefix),
     )
     estimate = method.estimate(rows)
-    out = method.credit_output(rows, estimate, segment_ids, response_mask)
+    out = method.credit_output(rows, estimate, verl_rows.segment_ids, response_mask)
     method.update(rows, estimate)
     return out
 
