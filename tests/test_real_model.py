@@ -176,7 +176,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
         )
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # neither the trunk nor the packing may fall back
-            values, mask, stats = method.probe_values(trace_batch)
+            values, mask, stats = method.boundary_values(trace_batch)
         assert probe_logprobs._SPLIT_CHECKED[model] is not None and method._packing == "auto"
         return values, mask, stats
 
