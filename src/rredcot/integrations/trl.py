@@ -267,7 +267,7 @@ def resolve_model(model: str | os.PathLike) -> str:
     """What ``GRPOTrainer`` should load for ``model``, as ``rredcot train`` and ``load_policy``
     read it: a shipped alias (``smollm2-135m-instruct``) or a ``.gguf`` file (or a directory
     holding one) becomes its dequantised float32 copy under ``~/.cache/rredcot/gguf/`` (built on
-    first use, 30-45 s once); a directory or hub id is returned unchanged. A shipped alias that
+    first use, once); a directory or hub id is returned unchanged. A shipped alias that
     is not installed fails here, with the install command, before anything is loaded."""
     return resolve_model_dir(model, log=lambda msg: print(f"rredcot: {msg}", flush=True))
 
