@@ -428,74 +428,15 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
     the verdict: at least two reasons for and more for than against: "finer credit is likely to
     help"; no reason for and at least one against: "little to win"; otherwise "may help a little".
     """
-    pros: list[str] = []
-    cons: list[str] = []
-    notes: list[str] = []
-    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
-    wrong, right = figures.get("all_wrong"), figures.get("all_right")
-    mean_reward = figures.get("mean_reward")
-    if mean_reward is not None and mean_reward < REWARD_LOW:
-        cons.append(
-            f"the policy solves only {pct(mean_reward)} of its samples: an outcome reward gives "
-            "almost no signal to any credit method; warm-start it or use easier prompts first"
-        )
-    elif wrong is not None and wrong >= ALL_WRONG_HIGH:
-        pros.append(
-            f"{pct(wrong)} of groups are all wrong: GRPO learns nothing from them; value-based "
-            "credit with values pooled beyond the group, or tree groups that branch from "
-            "intermediate steps, can learn from them"
-        )
-    if right is not None and right >= ALL_RIGHT_HIGH:
-        notes.append(
-            f"{pct(right)} of groups are all right: those prompts are too easy for this policy "
-            "and give no update whatever the credit; harder prompts help more than finer credit"
-        )
-    prefix, tokens = figures.get("prefix_share"), figures.get("prefix_tokens")
-    error = figures.get("error_share")
-    if prefix is not None:
-        where = (
-            f"only {pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right "
-            f"prefix ({pct(tokens)} of their tokens)"
-            if tokens is not None
-            else f"{pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right prefix"
-        )
-        if prefix <= PREFIX_LOW:
-            cons.append(
-                where
-                + (f", and {pct(error)} on the step that failed" if error is not None else "")
-                + ": the softmax already points uniform credit at the uncertain tokens"
-            )
-        elif prefix >= PREFIX_HIGH:
-            pros.append(
-                f"{pct(prefix)} of GRPO's gradient on wrong traces blames their still-right "
-                f"prefix ({pct(tokens or float('nan'))} of their tokens): uniform credit spends "
-                "much of its update on steps that were right"
-            )
-    uncertain = figures.get("uncertain_per_trace")
-    thr = figures.get("uncertain_p", DEFAULT_UNCERTAIN_P)
-    if uncertain is not None:
-        if uncertain < UNCERTAIN_LOW:
-            cons.append(
-                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
-                "there are few choices for credit to sort out"
-            )
-        elif uncertain >= UNCERTAIN_HIGH:
-            pros.append(
-                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
-                "many choices share one outcome, which is where segment credit pays"
-            )
-    removed = figures.get("variance_removed")
-    if removed is not None and math.isfinite(removed):
-        if removed >= VARIANCE_HIGH:
-            pros.append(
-                f"step-level values would remove {pct(removed)} of the logit gradient's mean "
-                "square (Monte Carlo)"
-            )
-        elif removed <= VARIANCE_LOW:
-            cons.append(
-                f"step-level values would remove only {pct(removed)} of the logit gradient's "
-                "mean square (Monte Carlo): the noise they cut sits on tokens the policy is sure of"
-            )
+    found = [
+        *_outcome_reasons(figures),
+        *_prefix_reasons(figures),
+        *_uncertainty_reasons(figures),
+        *_variance_reasons(figures),
+    ]
+    pros = [text for sign, text in found if sign == "+"]
+    cons = [text for sign, text in found if sign == "-"]
+    notes = [text for sign, text in found if sign == " "]
     if len(pros) >= 2 and len(pros) > len(cons):
         head = "finer credit is likely to help this run"
     elif not pros and cons:
@@ -504,6 +445,132 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
         head = "finer credit may help a little; measure a ceiling before paying for it"
     reasons = [f"+ {p}" for p in pros] + [f"- {c}" for c in cons] + [f"  {n}" for n in notes]
     return head, reasons
+
+
+# A reason of the verdict: ("+", text) for finer credit, ("-", text) against, (" ", text) a note.
+_Reason = tuple[str, str]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the mean reward and the shares of all-wrong and all-right groups."""
+    reasons: list[_Reason] = []
+    wrong, right = figures.get("all_wrong"), figures.get("all_right")
+    mean_reward = figures.get("mean_reward")
+    if mean_reward is not None and mean_reward < REWARD_LOW:
+        reasons.append(
+            (
+                "-",
+                f"the policy solves only {_pct(mean_reward)} of its samples: an outcome reward "
+                "gives almost no signal to any credit method; warm-start it or use easier "
+                "prompts first",
+            )
+        )
+    elif wrong is not None and wrong >= ALL_WRONG_HIGH:
+        reasons.append(
+            (
+                "+",
+                f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
+                "value-based credit with values pooled beyond the group, or tree groups that "
+                "branch from intermediate steps, can learn from them",
+            )
+        )
+    if right is not None and right >= ALL_RIGHT_HIGH:
+        reasons.append(
+            (
+                " ",
+                f"{_pct(right)} of groups are all right: those prompts are too easy for this "
+                "policy and give no update whatever the credit; harder prompts help more than "
+                "finer credit",
+            )
+        )
+    return reasons
+
+
+def _prefix_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from GRPO's gradient share on the still-right prefix of wrong traces."""
+    prefix, tokens = figures.get("prefix_share"), figures.get("prefix_tokens")
+    error = figures.get("error_share")
+    if prefix is None:
+        return []
+    where = (
+        f"only {_pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right "
+        f"prefix ({_pct(tokens)} of their tokens)"
+        if tokens is not None
+        else f"{_pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right prefix"
+    )
+    if prefix <= PREFIX_LOW:
+        return [
+            (
+                "-",
+                where
+                + (f", and {_pct(error)} on the step that failed" if error is not None else "")
+                + ": the softmax already points uniform credit at the uncertain tokens",
+            )
+        ]
+    if prefix >= PREFIX_HIGH:
+        return [
+            (
+                "+",
+                f"{_pct(prefix)} of GRPO's gradient on wrong traces blames their still-right "
+                f"prefix ({_pct(tokens or float('nan'))} of their tokens): uniform credit spends "
+                "much of its update on steps that were right",
+            )
+        ]
+    return []
+
+
+def _uncertainty_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the uncertain decisions per trace."""
+    uncertain = figures.get("uncertain_per_trace")
+    thr = figures.get("uncertain_p", DEFAULT_UNCERTAIN_P)
+    if uncertain is None:
+        return []
+    if uncertain < UNCERTAIN_LOW:
+        return [
+            (
+                "-",
+                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
+                "there are few choices for credit to sort out",
+            )
+        ]
+    if uncertain >= UNCERTAIN_HIGH:
+        return [
+            (
+                "+",
+                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
+                "many choices share one outcome, which is where segment credit pays",
+            )
+        ]
+    return []
+
+
+def _variance_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the share of the logit gradient's mean square that step values remove."""
+    removed = figures.get("variance_removed")
+    if removed is None or not math.isfinite(removed):
+        return []
+    if removed >= VARIANCE_HIGH:
+        return [
+            (
+                "+",
+                f"step-level values would remove {_pct(removed)} of the logit gradient's mean "
+                "square (Monte Carlo)",
+            )
+        ]
+    if removed <= VARIANCE_LOW:
+        return [
+            (
+                "-",
+                f"step-level values would remove only {_pct(removed)} of the logit gradient's "
+                "mean square (Monte Carlo): the noise they cut sits on tokens the policy is sure "
+                "of",
+            )
+        ]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,8 +687,23 @@ def _ci(entry: dict[str, Any], spec: str = ".1%") -> str:
 
 def summary_text(report: DiagnoseReport) -> str:
     """The report in plain text (Markdown): verdict first, then each figure with its interval."""
-    s, g, tr = report.settings, report.gradient, report.trace
     lines = [
+        *_summary_head(report),
+        *_groups_table(report.groups),
+        *_gradient_tables(report.gradient, report.trace),
+        *_trace_summary(report.settings, report.trace),
+        *_monte_carlo_summary(report.monte_carlo),
+        *_estimators_table(report.estimators),
+        "",
+        "Figures defined in docs/diagnose.md; the numbers are in diagnose.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_head(report: DiagnoseReport) -> list[str]:
+    """The verdict, its reasons and what was sampled."""
+    s = report.settings
+    return [
         f"# rredcot diagnose: {report.verdict}",
         "",
         *[f"{r}" for r in report.reasons],
@@ -630,13 +712,19 @@ def summary_text(report: DiagnoseReport) -> str:
         f"{s['prompts']} prompts x {s['samples']} samples at temperature {s['temperature']:g} "
         f"(top-p {s['top_p']:g}, {s['max_new_tokens']} new tokens), segmenter `{s['segmenter']}`;"
         f" mean reward {_fmt(s['mean_reward'], '.3f')}; {s['seconds']:.0f} s.",
+    ]
+
+
+def _groups_table(groups: dict[str, Any]) -> list[str]:
+    """Section 1: the shares of agreeing groups at every group size."""
+    lines = [
         "",
         "## 1. Where GRPO is blind: groups whose rewards all agree",
         "",
         "| G | agree | all wrong | all right | interval |",
         "|---|---|---|---|---|",
     ]
-    for row in report.groups["by_group_size"]:
+    for row in groups["by_group_size"]:
 
         def cell(name: str, row=row) -> str:
             lo, hi = row[f"{name}_ci"]
@@ -646,7 +734,13 @@ def summary_text(report: DiagnoseReport) -> str:
             f"| {row['group_size']} | {cell('agree')} | {cell('all_wrong')} | "
             f"{cell('all_right')} | {row['interval']} |"
         )
-    lines += [
+    return lines
+
+
+def _gradient_tables(g: dict[str, Any], tr: dict[str, Any]) -> list[str]:
+    """Section 2: where the gradient mass lands by segment kind, relative position (with the
+    entropy there) and segment position."""
+    lines = [
         "",
         "## 2. Where GRPO's update lands (traces of groups whose rewards differ)",
         "",
@@ -687,53 +781,62 @@ def summary_text(report: DiagnoseReport) -> str:
     used = [b for b in g["segments"] if b["tokens"] and b["tokens"] > 0]
     for b in used or g["segments"]:
         lines.append(f"| {b['label']} | {_fmt(b['tokens'])} | {_ci(b['mass'])} |")
+    return lines
+
+
+def _trace_summary(s: dict[str, Any], tr: dict[str, Any]) -> list[str]:
+    """The uncertain decisions, entropy and length of a trace."""
     u = tr["uncertain_per_trace"]
-    lines += [
+    return [
         "",
         f"Uncertain decisions (sampled tokens with p < {s['uncertain_p']:g}) per trace: "
         f"{_ci(u, '.2f')}; traces with none: {_fmt(tr['traces_without_uncertain'])}; mean "
         f"entropy per token {_fmt(tr['mean_entropy'], '.3f')} nats; tokens per trace "
         f"{_fmt(tr['tokens_per_trace'], '.1f')}.",
-        "",
-        "## 3. What better credit could change (Monte Carlo)",
-        "",
     ]
-    mc = report.monte_carlo
+
+
+def _monte_carlo_summary(mc: dict[str, Any] | None) -> list[str]:
+    """Section 3: what step-level values would change, or that it was not measured."""
+    lines = ["", "## 3. What better credit could change (Monte Carlo)", ""]
     if not mc:
-        lines.append("Not measured (--mc-traces 0).")
-    else:
-        lines += [
-            f"{mc['traces']} traces ({mc['wrong_traces']} wrong), K = {mc['k']} continuations "
-            f"per boundary, {mc['continuations']} continuations, "
-            f"{mc['generated_tokens']:.0f} generated tokens, {mc['seconds']:.0f} s.",
-            "",
-            f"- share of the per-token advantage's mean square that step-level values remove: "
-            f"{_ci(mc['variance_removed'])}; of the logit gradient's (weighted by (1 - p)^2): "
-            f"{_ci(mc['gradient_variance_removed'])}",
-            f"- still-right prefix of wrong traces ({mc['prefix_definition']}): "
-            f"{_ci(mc['prefix_tokens'])} of their tokens; GRPO's blame there "
-            f"{_ci(mc['grpo_prefix_blame'])}; step-level credit's blame there "
-            f"{_ci(mc['step_prefix_blame'])}",
-        ]
-    if report.estimators:
-        lines += [
-            "",
-            "## 4. Cheap estimators against the Monte Carlo values",
-            "",
-            "| estimator | ρ pooled | ρ per trace | sign agr. | value MSE | error_acc | "
-            "correct_acc | F1 |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for e in report.estimators:
-            lines.append(
-                f"| {e['method']} | {_fmt(e.get('spearman_pooled'), '.3f')} | "
-                f"{_fmt(e.get('spearman_trace_mean'), '.3f')} | "
-                f"{_fmt(e.get('sign_agreement'), '.3f')} | {_fmt(e.get('value_mse'), '.4f')} | "
-                f"{_fmt(e.get('error_acc'), '.3f')} | {_fmt(e.get('correct_acc'), '.3f')} | "
-                f"{_fmt(e.get('f1'), '.3f')} |"
-            )
-    lines += ["", "Figures defined in docs/diagnose.md; the numbers are in diagnose.json."]
-    return "\n".join(lines) + "\n"
+        return lines + ["Not measured (--mc-traces 0)."]
+    return lines + [
+        f"{mc['traces']} traces ({mc['wrong_traces']} wrong), K = {mc['k']} continuations "
+        f"per boundary, {mc['continuations']} continuations, "
+        f"{mc['generated_tokens']:.0f} generated tokens, {mc['seconds']:.0f} s.",
+        "",
+        f"- share of the per-token advantage's mean square that step-level values remove: "
+        f"{_ci(mc['variance_removed'])}; of the logit gradient's (weighted by (1 - p)^2): "
+        f"{_ci(mc['gradient_variance_removed'])}",
+        f"- still-right prefix of wrong traces ({mc['prefix_definition']}): "
+        f"{_ci(mc['prefix_tokens'])} of their tokens; GRPO's blame there "
+        f"{_ci(mc['grpo_prefix_blame'])}; step-level credit's blame there "
+        f"{_ci(mc['step_prefix_blame'])}",
+    ]
+
+
+def _estimators_table(estimators: list[dict[str, Any]] | None) -> list[str]:
+    """Section 4 (only where estimators were scored): each against the Monte Carlo values."""
+    if not estimators:
+        return []
+    lines = [
+        "",
+        "## 4. Cheap estimators against the Monte Carlo values",
+        "",
+        "| estimator | ρ pooled | ρ per trace | sign agr. | value MSE | error_acc | "
+        "correct_acc | F1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in estimators:
+        lines.append(
+            f"| {e['method']} | {_fmt(e.get('spearman_pooled'), '.3f')} | "
+            f"{_fmt(e.get('spearman_trace_mean'), '.3f')} | "
+            f"{_fmt(e.get('sign_agreement'), '.3f')} | {_fmt(e.get('value_mse'), '.4f')} | "
+            f"{_fmt(e.get('error_acc'), '.3f')} | {_fmt(e.get('correct_acc'), '.3f')} | "
+            f"{_fmt(e.get('f1'), '.3f')} |"
+        )
+    return lines
 
 
 def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
