@@ -988,6 +988,22 @@ def _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log) ->
 
 def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
     """Section 2: token and gradient-mass shares per kind, relative position and segment."""
+    acc, counts = _gradient_sums(chunks, cfg, num_units)
+    reps, seed = cfg.bootstrap, cfg.seed
+    return {
+        **counts,
+        **_kind_shares(acc, reps, seed),
+        **_position_shares(acc, cfg.position_bins, reps, seed),
+        "segments": _segment_shares(acc, cfg.max_positions, reps, seed),
+    }
+
+
+def _gradient_sums(
+    chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per-prompt sums ``(U, labels)`` of tokens and gradient mass over the traces of mixed
+    groups, by kind, relative position and segment (and the wrong traces' by kind); and the
+    counts of wrong, right and step-labelled wrong traces."""
     L = len(KINDS)
     bins, positions = cfg.position_bins, cfg.max_positions
     acc: dict[str, np.ndarray] = {}
@@ -1027,8 +1043,17 @@ def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -
         labelled += sum(
             1 for r in range(b.size) if bool(wrong[r]) and c.error_segments[r] is not None
         )
+    counts = {
+        "wrong_traces": wrong_traces,
+        "right_traces": right_traces,
+        "labelled_wrong_traces": labelled,
+    }
+    return acc, counts
 
-    reps, seed = cfg.bootstrap, cfg.seed
+
+def _kind_shares(acc: dict[str, np.ndarray], reps: int, seed: int) -> dict[str, Any]:
+    """Each segment kind's share of tokens and gradient mass (all traces and wrong ones), with
+    its mean 1 - p and share of uncertain tokens."""
     tok_share = label_shares(acc["kind_tokens"])
     mass_pt = ratio_interval(acc["kind_mass"], reps=reps, seed=seed)
     tok_pt = ratio_interval(acc["kind_tokens"], reps=reps, seed=seed)
@@ -1046,19 +1071,22 @@ def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -
         }
         if name in WRONG_KINDS:
             wrong_out[name] = {"tokens": _entry(*wrong_tok, j), "mass": _entry(*wrong_mass, j)}
+    return {
+        "kinds": kinds_out,
+        "wrong_kinds": wrong_out,
+        "token_share_by_kind": {n: float(tok_share[j]) for j, n in enumerate(KINDS)},
+    }
+
+
+def _position_shares(acc: dict[str, np.ndarray], bins: int, reps: int, seed: int) -> dict[str, Any]:
+    """Each relative-position bin's share of tokens and gradient mass, and the mass of every
+    (bin, kind) pair."""
+    L = len(KINDS)
     pos_mass = ratio_interval(acc["pos_mass"], reps=reps, seed=seed)
     pos_tok = label_shares(acc["pos_tokens"])
     total_mass = acc["pos_kind_mass"].sum()
     by_kind = acc["pos_kind_mass"].sum(0).reshape(bins, L) / (total_mass if total_mass else 1)
-    seg_mass = ratio_interval(acc["seg_mass"], reps=reps, seed=seed)
-    seg_tok = label_shares(acc["seg_tokens"])
     return {
-        "wrong_traces": wrong_traces,
-        "right_traces": right_traces,
-        "labelled_wrong_traces": labelled,
-        "kinds": kinds_out,
-        "wrong_kinds": wrong_out,
-        "token_share_by_kind": {n: float(tok_share[j]) for j, n in enumerate(KINDS)},
         "positions": [
             {
                 "index": j,
@@ -1071,16 +1099,24 @@ def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -
         "mass_by_position_and_kind": {
             n: [float(by_kind[j, i]) for j in range(bins)] for i, n in enumerate(KINDS)
         },
-        "segments": [
-            {
-                "index": j + 1,
-                "label": f"{j + 1}" if j < positions - 1 else f"{j + 1}+",
-                "tokens": float(seg_tok[j]),
-                "mass": _entry(*seg_mass, j),
-            }
-            for j in range(positions)
-        ],
     }
+
+
+def _segment_shares(
+    acc: dict[str, np.ndarray], positions: int, reps: int, seed: int
+) -> list[dict[str, Any]]:
+    """Each segment position's share of tokens and gradient mass (the last pools the later)."""
+    seg_mass = ratio_interval(acc["seg_mass"], reps=reps, seed=seed)
+    seg_tok = label_shares(acc["seg_tokens"])
+    return [
+        {
+            "index": j + 1,
+            "label": f"{j + 1}" if j < positions - 1 else f"{j + 1}+",
+            "tokens": float(seg_tok[j]),
+            "mass": _entry(*seg_mass, j),
+        }
+        for j in range(positions)
+    ]
 
 
 def trace_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
@@ -1153,21 +1189,7 @@ def _mc_cost(chunks: list[Chunk], picked: list[tuple[int, int]], k: int) -> tupl
 
 def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, log):
     """Section 3 (and the batches and values section 4 scores against)."""
-    picked = _mc_subset(chunks, cfg, cfg.mc_traces)
-    prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
-    log(
-        f"Monte Carlo values: {len(picked)} traces, {prefixes} boundary prefixes x K = "
-        f"{cfg.mc_k}: {conts} continuations, about {tokens:,.0f} generated tokens"
-        + (f" (~{tokens / rate:.0f} s at this run's sampling rate)" if rate else "")
-    )
-    if tokens > cfg.mc_max_tokens:
-        while picked and _mc_cost(chunks, picked, cfg.mc_k)[2] > cfg.mc_max_tokens:
-            picked = picked[:-1]
-        prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
-        log(
-            f"  over --mc-max-tokens {cfg.mc_max_tokens:,}: the subset is cut to {len(picked)} "
-            f"traces ({conts} continuations, about {tokens:,.0f} tokens)"
-        )
+    picked, prefixes, conts, tokens = _mc_plan(chunks, cfg, rate, log)
     if not picked:
         return None, []
     t0 = time.perf_counter()
@@ -1183,39 +1205,11 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
     for ci, rows in by_chunk.items():
         c = chunks[ci]
         sub = c.batch.select(rows)
-
-        def advance(n: int, total: int) -> None:
-            bar.update(n - advance.last)
-            advance.last = n
-
-        advance.last = 0
-        values, vmask, st = mc_values(
-            policy,
-            tokenizer,
-            task,
-            sub,
-            cfg.mc_k,
-            temperature=s["temperature"],
-            top_p=s["top_p"],
-            max_new_tokens=s["max_new_tokens"],
-            progress=advance,
-        )
+        values, vmask, st = _mc_values(policy, tokenizer, task, sub, cfg, s, bar)
         for key, x in st.items():
             stats[key] = stats.get(key, 0.0) + x
-        seg_r, _ = credit_algebra.redistribute(values.double(), vmask, sub.rewards.double())
-        ends: list[int | None] = []
-        for j, r in enumerate(rows):
-            if float(c.batch.rewards[r]) >= SUCCESS:
-                ends.append(None)
-                continue
-            wrong += 1
-            if c.error_segments[r] is not None:
-                ends.append(c.error_segments[r])
-                definition.add("before the segment of the verifier's first wrong line")
-            else:
-                n = len(sub.boundaries[j]) - 1
-                ends.append(int(torch.argmin(seg_r[j, :n]).item()))
-                definition.add("before the segment Monte Carlo blames most (min r_k)")
+        ends = _prefix_ends(c, sub, rows, values, vmask, definition)
+        wrong += sum(end is not None for end in ends)
         rows_t = torch.tensor(rows)
         figures = step_credit_figures(
             values.cpu(),
@@ -1232,16 +1226,6 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         subs.append((sub, values, vmask, c.batch, rows))
     bar.close()
     seconds = time.perf_counter() - t0
-    f = {k: np.concatenate(v) for k, v in sums.items()}
-    reps, seed = cfg.bootstrap, cfg.seed
-    removed = ratio_interval(f["step_sq"], f["outcome_sq"], reps=reps, seed=seed)
-    removed_grad = ratio_interval(f["step_sq_grad"], f["outcome_sq_grad"], reps=reps, seed=seed)
-    # prefix sums are 0 on right traces (no prefix); the denominators count wrong traces only
-    wrong_rows = np.concatenate([(sub.rewards.cpu() < SUCCESS).numpy() for sub, *_ in subs])
-    only_wrong = lambda x: np.where(wrong_rows, x, 0.0)  # noqa: E731
-    pt = ratio_interval(f["prefix_tokens"], only_wrong(f["tokens"]), reps=reps, seed=seed)
-    gp = ratio_interval(f["grpo_prefix"], only_wrong(f["grpo_blame"]), reps=reps, seed=seed)
-    sp = ratio_interval(f["step_prefix"], only_wrong(f["step_blame"]), reps=reps, seed=seed)
     result = {
         "traces": len(picked),
         "wrong_traces": wrong,
@@ -1251,6 +1235,92 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         "estimated_tokens": tokens,
         "generated_tokens": stats.get("credit/extra_generated_tokens", 0.0),
         "seconds": seconds,
+        **_mc_shares(sums, subs, definition, cfg.bootstrap, cfg.seed),
+    }
+    return result, subs
+
+
+def _mc_plan(chunks: list[Chunk], cfg: DiagnoseConfig, rate, log):
+    """The Monte Carlo subset ``(chunk, row)`` and its cost ``(prefixes, continuations,
+    estimated tokens)``, cut from the end until the cost fits ``cfg.mc_max_tokens``; logs both."""
+    picked = _mc_subset(chunks, cfg, cfg.mc_traces)
+    prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
+    log(
+        f"Monte Carlo values: {len(picked)} traces, {prefixes} boundary prefixes x K = "
+        f"{cfg.mc_k}: {conts} continuations, about {tokens:,.0f} generated tokens"
+        + (f" (~{tokens / rate:.0f} s at this run's sampling rate)" if rate else "")
+    )
+    if tokens > cfg.mc_max_tokens:
+        while picked and _mc_cost(chunks, picked, cfg.mc_k)[2] > cfg.mc_max_tokens:
+            picked = picked[:-1]
+        prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
+        log(
+            f"  over --mc-max-tokens {cfg.mc_max_tokens:,}: the subset is cut to {len(picked)} "
+            f"traces ({conts} continuations, about {tokens:,.0f} tokens)"
+        )
+    return picked, prefixes, conts, tokens
+
+
+def _mc_values(policy, tokenizer, task, sub: RolloutBatch, cfg: DiagnoseConfig, s, bar):
+    """:func:`mc_values` of ``sub``'s boundaries at the report's sampling settings, advancing
+    ``bar`` by the prefixes done."""
+
+    def advance(n: int, total: int) -> None:
+        bar.update(n - advance.last)
+        advance.last = n
+
+    advance.last = 0
+    return mc_values(
+        policy,
+        tokenizer,
+        task,
+        sub,
+        cfg.mc_k,
+        temperature=s["temperature"],
+        top_p=s["top_p"],
+        max_new_tokens=s["max_new_tokens"],
+        progress=advance,
+    )
+
+
+def _prefix_ends(
+    c: Chunk, sub: RolloutBatch, rows: list[int], values, vmask, definition: set[str]
+) -> list[int | None]:
+    """Where the still-right prefix of each of ``rows`` (of chunk ``c``; ``sub`` holds them)
+    ends: ``None`` for a right trace; else the segment of the verifier's first wrong line, or
+    failing that the segment Monte Carlo blames most. Adds the definitions used to
+    ``definition``."""
+    seg_r, _ = credit_algebra.redistribute(values.double(), vmask, sub.rewards.double())
+    ends: list[int | None] = []
+    for j, r in enumerate(rows):
+        if float(c.batch.rewards[r]) >= SUCCESS:
+            ends.append(None)
+            continue
+        if c.error_segments[r] is not None:
+            ends.append(c.error_segments[r])
+            definition.add("before the segment of the verifier's first wrong line")
+        else:
+            n = len(sub.boundaries[j]) - 1
+            ends.append(int(torch.argmin(seg_r[j, :n]).item()))
+            definition.add("before the segment Monte Carlo blames most (min r_k)")
+    return ends
+
+
+def _mc_shares(
+    sums: dict[str, list[np.ndarray]], subs: list, definition: set[str], reps: int, seed: int
+) -> dict[str, Any]:
+    """The Monte Carlo figures with their intervals: the mean square step values remove, and
+    the still-right prefix's share of tokens and of GRPO's and step credit's blame."""
+    f = {k: np.concatenate(v) for k, v in sums.items()}
+    removed = ratio_interval(f["step_sq"], f["outcome_sq"], reps=reps, seed=seed)
+    removed_grad = ratio_interval(f["step_sq_grad"], f["outcome_sq_grad"], reps=reps, seed=seed)
+    # prefix sums are 0 on right traces (no prefix); the denominators count wrong traces only
+    wrong_rows = np.concatenate([(sub.rewards.cpu() < SUCCESS).numpy() for sub, *_ in subs])
+    only_wrong = lambda x: np.where(wrong_rows, x, 0.0)  # noqa: E731
+    pt = ratio_interval(f["prefix_tokens"], only_wrong(f["tokens"]), reps=reps, seed=seed)
+    gp = ratio_interval(f["grpo_prefix"], only_wrong(f["grpo_blame"]), reps=reps, seed=seed)
+    sp = ratio_interval(f["step_prefix"], only_wrong(f["step_blame"]), reps=reps, seed=seed)
+    return {
         "variance_removed": _one_minus(removed),
         "gradient_variance_removed": _one_minus(removed_grad),
         "prefix_definition": "; ".join(sorted(definition)) or "no wrong trace in the subset",
@@ -1258,7 +1328,6 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         "grpo_prefix_blame": _entry(*gp, 0),
         "step_prefix_blame": _entry(*sp, 0),
     }
-    return result, subs
 
 
 def _one_minus(interval) -> dict[str, float]:
@@ -1420,55 +1489,8 @@ def diagnose(
         f"diagnose: {len(problems)} prompts x {cfg.samples} samples of {task.name} at temperature "
         f"{s['temperature']:g}, {s['max_new_tokens']} new tokens, segmenter {segmenter.strategy}"
     )
-
-    # 1. sample, verify, segment, score
-    t0 = time.perf_counter()
-    chunks = _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log)
-    sample_seconds = time.perf_counter() - t0
-    num_units = len(problems)
-    rewards = torch.cat([c.batch.rewards.cpu() for c in chunks])
-    units = torch.cat([c.units for c in chunks])
-    generated = float(sum(c.batch.response_mask.sum() for c in chunks))
-    rate = generated / sample_seconds if sample_seconds > 0 else None
-
-    # 2. where GRPO is blind
-    groups = {
-        "by_group_size": agreement_by_group_size(rewards, units, sizes, cfg.bootstrap, cfg.seed),
-        "mean_reward": float(rewards.mean()) if len(rewards) else float("nan"),
-    }
-    # 3. where its update lands
-    gradient = gradient_figures(chunks, cfg, num_units)
-    trace = trace_figures(chunks, cfg, num_units)
-    # 4. what better credit could change
-    monte_carlo, subs = None, []
-    if cfg.mc_traces > 0:
-        monte_carlo, subs = _monte_carlo(policy, tokenizer, task, chunks, cfg, s, rate, log)
-    estimators = None
-    if subs:
-        estimators = _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg, s, log)
-
-    at_g = groups["by_group_size"][-1]
-    wrong_kinds = gradient["wrong_kinds"]
-    labelled = gradient["labelled_wrong_traces"] > 0
-    prefix_share = wrong_kinds["correct_prefix"]["mass"]["value"] if labelled else None
-    prefix_tokens = wrong_kinds["correct_prefix"]["tokens"]["value"] if labelled else None
-    if not labelled and monte_carlo and monte_carlo["wrong_traces"]:
-        prefix_share = monte_carlo["grpo_prefix_blame"]["value"]
-        prefix_tokens = monte_carlo["prefix_tokens"]["value"]
-    headline = {
-        "mean_reward": groups["mean_reward"],
-        "all_wrong": at_g["all_wrong"],
-        "all_right": at_g["all_right"],
-        "agree": at_g["agree"],
-        "prefix_share": prefix_share,
-        "prefix_tokens": prefix_tokens,
-        "error_share": wrong_kinds["first_error"]["mass"]["value"] if labelled else None,
-        "uncertain_per_trace": trace["uncertain_per_trace"]["value"],
-        "uncertain_p": cfg.uncertain_p,
-        "variance_removed": monte_carlo["gradient_variance_removed"]["value"]
-        if monte_carlo
-        else None,
-    }
+    m = _measure(policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg, s, log)
+    headline = _headline(m, cfg.uncertain_p)
     head, reasons = verdict(headline)
     settings = {
         "policy": source or getattr(getattr(policy, "config", None), "_name_or_path", ""),
@@ -1488,22 +1510,98 @@ def diagnose(
         "bootstrap": cfg.bootstrap,
         "confidence": CONFIDENCE,
         "seed": cfg.seed,
-        "traces": int(len(rewards)),
-        "mean_reward": groups["mean_reward"],
-        "sample_seconds": sample_seconds,
+        "traces": m.traces,
+        "mean_reward": m.groups["mean_reward"],
+        "sample_seconds": m.sample_seconds,
         "seconds": time.perf_counter() - t_start,
     }
     return DiagnoseReport(
         settings=settings,
-        groups=groups,
-        gradient=gradient,
-        trace=trace,
-        monte_carlo=monte_carlo,
-        estimators=estimators,
+        groups=m.groups,
+        gradient=m.gradient,
+        trace=m.trace,
+        monte_carlo=m.monte_carlo,
+        estimators=m.estimators,
         verdict=head,
         reasons=reasons,
         headline=headline,
     )
+
+
+@dataclass
+class _Measured:
+    """The four sections of a report (:func:`_measure`), and what sampling took."""
+
+    groups: dict[str, Any]
+    gradient: dict[str, Any]
+    trace: dict[str, Any]
+    monte_carlo: dict[str, Any] | None
+    estimators: list[dict[str, Any]] | None
+    traces: int  # rows sampled (skipped samples left out)
+    sample_seconds: float
+
+
+def _measure(
+    policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg: DiagnoseConfig, s, log
+) -> _Measured:
+    """Sample, verify, segment and score every prompt's group, then measure each section
+    (``sizes``: the group sizes of section 1; ``wanted``: :func:`estimator_specs`)."""
+    t0 = time.perf_counter()
+    chunks = _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log)
+    sample_seconds = time.perf_counter() - t0
+    num_units = len(problems)
+    rewards = torch.cat([c.batch.rewards.cpu() for c in chunks])
+    units = torch.cat([c.units for c in chunks])
+    generated = float(sum(c.batch.response_mask.sum() for c in chunks))
+    rate = generated / sample_seconds if sample_seconds > 0 else None
+
+    # 1. where GRPO is blind
+    groups = {
+        "by_group_size": agreement_by_group_size(rewards, units, sizes, cfg.bootstrap, cfg.seed),
+        "mean_reward": float(rewards.mean()) if len(rewards) else float("nan"),
+    }
+    # 2. where its update lands
+    gradient = gradient_figures(chunks, cfg, num_units)
+    trace = trace_figures(chunks, cfg, num_units)
+    # 3. what better credit could change
+    monte_carlo, subs = None, []
+    if cfg.mc_traces > 0:
+        monte_carlo, subs = _monte_carlo(policy, tokenizer, task, chunks, cfg, s, rate, log)
+    # 4. the cheap estimators against it
+    estimators = None
+    if subs:
+        estimators = _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg, s, log)
+    return _Measured(
+        groups, gradient, trace, monte_carlo, estimators, int(len(rewards)), sample_seconds
+    )
+
+
+def _headline(m: _Measured, uncertain_p: float) -> dict[str, Any]:
+    """The figures :func:`verdict` reads. GRPO's share on the still-right prefix comes from the
+    step labels where the verifier gives them, else from the Monte Carlo subset."""
+    at_g = m.groups["by_group_size"][-1]
+    wrong_kinds = m.gradient["wrong_kinds"]
+    labelled = m.gradient["labelled_wrong_traces"] > 0
+    prefix_share = wrong_kinds["correct_prefix"]["mass"]["value"] if labelled else None
+    prefix_tokens = wrong_kinds["correct_prefix"]["tokens"]["value"] if labelled else None
+    monte_carlo = m.monte_carlo
+    if not labelled and monte_carlo and monte_carlo["wrong_traces"]:
+        prefix_share = monte_carlo["grpo_prefix_blame"]["value"]
+        prefix_tokens = monte_carlo["prefix_tokens"]["value"]
+    return {
+        "mean_reward": m.groups["mean_reward"],
+        "all_wrong": at_g["all_wrong"],
+        "all_right": at_g["all_right"],
+        "agree": at_g["agree"],
+        "prefix_share": prefix_share,
+        "prefix_tokens": prefix_tokens,
+        "error_share": wrong_kinds["first_error"]["mass"]["value"] if labelled else None,
+        "uncertain_per_trace": m.trace["uncertain_per_trace"]["value"],
+        "uncertain_p": uncertain_p,
+        "variance_removed": monte_carlo["gradient_variance_removed"]["value"]
+        if monte_carlo
+        else None,
+    }
 
 
 def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:
