@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rredcot.decode import Decoder, check_left_padded, next_token_scores
+from rredcot.decode import Decoder, check_left_padded, next_token_scores, prefill_prompts
 
 __all__ = ["TreeSample", "branch_points", "pick_forks", "sample_tree", "token_share_counts"]
 
@@ -220,22 +220,13 @@ def sample_tree(
 def _prefill(
     policy, input_ids: Tensor, attention_mask: Tensor, roots: int, max_new_tokens: int
 ) -> _Prompts:
-    """One prefill of the ``(U, P)`` left-padded prompts, as :func:`rredcot.decode.generate`
-    does, in a decoder with room for ``roots`` samples per prompt."""
+    """One prefill of the ``(U, P)`` left-padded prompts (:func:`rredcot.decode.prefill_prompts`,
+    as :func:`rredcot.decode.generate` does), in a decoder with room for ``roots`` samples per
+    prompt."""
     U, P = input_ids.shape
-    device = input_ids.device
-    mask = attention_mask.bool()
     decoder = Decoder(policy, U, roots, P, max(max_new_tokens, 1))
-    dtype = decoder.cache.keys.dtype
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    allowed = (causal & mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-    prefill_bias = torch.zeros(U, 1, P, P, dtype=dtype, device=device)
-    prefill_bias.masked_fill_(~allowed[:, None], float("-inf"))
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = decoder.prefill(input_ids, positions, prefill_bias)  # (U, V)
-    bias = torch.zeros(U, P, dtype=dtype, device=device).masked_fill_(~mask, -torch.inf)
-    bias = bias.repeat_interleave(decoder.kv_heads, dim=0)[:, None]
-    return _Prompts(decoder, logits, bias, positions[:, -1])
+    logits, last_position, bias = prefill_prompts(decoder, input_ids, attention_mask)
+    return _Prompts(decoder, logits, bias, last_position)
 
 
 def _grow_roots(prompts: _Prompts, roots: int, settings: dict) -> list[list[_Leaf]]:
