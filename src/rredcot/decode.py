@@ -283,29 +283,76 @@ def generate(
     mask = attention_mask.bool()
     check_left_padded(mask)
     groups, P = input_ids.shape
-    B, device = groups * num_return_sequences, input_ids.device
+    G = num_return_sequences
+    B, device = groups * G, input_ids.device
     if max_new_tokens == 0 or B == 0:
         empty = torch.zeros(B, 0, dtype=torch.long, device=device)
         return (empty, empty.float()) if return_logprobs else empty
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    decoder = Decoder(policy, groups, num_return_sequences, P, max_new_tokens)
-    dtype = decoder.cache.keys.dtype
+    decoder = Decoder(policy, groups, G, P, max_new_tokens)
+    logits, last_position, prompt_bias = prefill_prompts(decoder, input_ids, attention_mask)
+    out, logprobs = _decode(
+        decoder,
+        logits.repeat_interleave(G, dim=0),
+        last_position[:, None].repeat_interleave(G, dim=0),
+        prompt_bias,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        greedy=greedy,
+        temperature=temperature,
+        top_p=top_p,
+        return_logprobs=return_logprobs,
+    )
+    return (out, logprobs) if return_logprobs else out
 
-    # the prefill: a query sees the prompt's earlier tokens (a padding query only itself)
+
+def prefill_prompts(
+    decoder: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the ``(U, P)`` left-padded prompts through ``decoder`` (filling its prompt cache).
+
+    Returns ``(logits (U, V), last_position (U,), prompt_bias (U * H_kv, 1, P))``: the next-token
+    logits after each prompt, the rotary position of its last token, and the additive attention
+    bias that later steps read the prompt columns with (0 on the prompt's tokens, -inf on its
+    padding). In the prefill a query sees the prompt's earlier tokens (a padding query only
+    itself).
+    """
+    mask = attention_mask.bool()
+    U, P = input_ids.shape
+    device = input_ids.device
+    dtype = decoder.cache.keys.dtype
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     allowed = (causal & mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-    prefill_bias = torch.zeros(groups, 1, P, P, dtype=dtype, device=device)
+    prefill_bias = torch.zeros(U, 1, P, P, dtype=dtype, device=device)
     prefill_bias.masked_fill_(~allowed[:, None], float("-inf"))
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = decoder.prefill(input_ids, positions, prefill_bias)
-    logits = logits.repeat_interleave(num_return_sequences, dim=0)
-    position = positions[:, -1:].repeat_interleave(num_return_sequences, dim=0)
-
-    # decoding: the prompt's padding stays masked; every decoded column is visible, finished
-    # rows included (as in `generate`, whose attention mask grows by a one per step)
-    prompt_bias = torch.zeros(groups, P, dtype=dtype, device=device).masked_fill_(~mask, -torch.inf)
+    prompt_bias = torch.zeros(U, P, dtype=dtype, device=device).masked_fill_(~mask, -torch.inf)
     prompt_bias = prompt_bias.repeat_interleave(decoder.kv_heads, dim=0)[:, None]
+    return logits, positions[:, -1], prompt_bias
+
+
+def _decode(
+    decoder: Decoder,
+    logits: torch.Tensor,
+    position: torch.Tensor,
+    prompt_bias: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    greedy: bool,
+    temperature: float,
+    top_p: float,
+    return_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoding loop of :func:`generate` from the prefill's ``logits (B, V)`` at rotary
+    ``position (B, 1)``: ``(tokens (B, T), logprobs (B, T) | None)``. The prompt's padding stays
+    masked; every decoded column is visible, finished rows included (as in ``generate``, whose
+    attention mask grows by a one per step)."""
+    B, device = logits.shape[0], prompt_bias.device
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, device=device) if return_logprobs else None
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
@@ -331,6 +378,4 @@ def generate(
             break
         position = position + 1
         logits = decoder.step(token[:, None], position, t, prompt_bias)
-    if logprobs is not None:
-        return out[:, :steps], logprobs[:, :steps]
-    return out[:, :steps]
+    return out[:, :steps], None if logprobs is None else logprobs[:, :steps]

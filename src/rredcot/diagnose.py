@@ -428,74 +428,15 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
     the verdict: at least two reasons for and more for than against: "finer credit is likely to
     help"; no reason for and at least one against: "little to win"; otherwise "may help a little".
     """
-    pros: list[str] = []
-    cons: list[str] = []
-    notes: list[str] = []
-    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
-    wrong, right = figures.get("all_wrong"), figures.get("all_right")
-    mean_reward = figures.get("mean_reward")
-    if mean_reward is not None and mean_reward < REWARD_LOW:
-        cons.append(
-            f"the policy solves only {pct(mean_reward)} of its samples: an outcome reward gives "
-            "almost no signal to any credit method; warm-start it or use easier prompts first"
-        )
-    elif wrong is not None and wrong >= ALL_WRONG_HIGH:
-        pros.append(
-            f"{pct(wrong)} of groups are all wrong: GRPO learns nothing from them; value-based "
-            "credit with values pooled beyond the group, or tree groups that branch from "
-            "intermediate steps, can learn from them"
-        )
-    if right is not None and right >= ALL_RIGHT_HIGH:
-        notes.append(
-            f"{pct(right)} of groups are all right: those prompts are too easy for this policy "
-            "and give no update whatever the credit; harder prompts help more than finer credit"
-        )
-    prefix, tokens = figures.get("prefix_share"), figures.get("prefix_tokens")
-    error = figures.get("error_share")
-    if prefix is not None:
-        where = (
-            f"only {pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right "
-            f"prefix ({pct(tokens)} of their tokens)"
-            if tokens is not None
-            else f"{pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right prefix"
-        )
-        if prefix <= PREFIX_LOW:
-            cons.append(
-                where
-                + (f", and {pct(error)} on the step that failed" if error is not None else "")
-                + ": the softmax already points uniform credit at the uncertain tokens"
-            )
-        elif prefix >= PREFIX_HIGH:
-            pros.append(
-                f"{pct(prefix)} of GRPO's gradient on wrong traces blames their still-right "
-                f"prefix ({pct(tokens or float('nan'))} of their tokens): uniform credit spends "
-                "much of its update on steps that were right"
-            )
-    uncertain = figures.get("uncertain_per_trace")
-    thr = figures.get("uncertain_p", DEFAULT_UNCERTAIN_P)
-    if uncertain is not None:
-        if uncertain < UNCERTAIN_LOW:
-            cons.append(
-                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
-                "there are few choices for credit to sort out"
-            )
-        elif uncertain >= UNCERTAIN_HIGH:
-            pros.append(
-                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
-                "many choices share one outcome, which is where segment credit pays"
-            )
-    removed = figures.get("variance_removed")
-    if removed is not None and math.isfinite(removed):
-        if removed >= VARIANCE_HIGH:
-            pros.append(
-                f"step-level values would remove {pct(removed)} of the logit gradient's mean "
-                "square (Monte Carlo)"
-            )
-        elif removed <= VARIANCE_LOW:
-            cons.append(
-                f"step-level values would remove only {pct(removed)} of the logit gradient's "
-                "mean square (Monte Carlo): the noise they cut sits on tokens the policy is sure of"
-            )
+    found = [
+        *_outcome_reasons(figures),
+        *_prefix_reasons(figures),
+        *_uncertainty_reasons(figures),
+        *_variance_reasons(figures),
+    ]
+    pros = [text for sign, text in found if sign == "+"]
+    cons = [text for sign, text in found if sign == "-"]
+    notes = [text for sign, text in found if sign == " "]
     if len(pros) >= 2 and len(pros) > len(cons):
         head = "finer credit is likely to help this run"
     elif not pros and cons:
@@ -504,6 +445,132 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
         head = "finer credit may help a little; measure a ceiling before paying for it"
     reasons = [f"+ {p}" for p in pros] + [f"- {c}" for c in cons] + [f"  {n}" for n in notes]
     return head, reasons
+
+
+# A reason of the verdict: ("+", text) for finer credit, ("-", text) against, (" ", text) a note.
+_Reason = tuple[str, str]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the mean reward and the shares of all-wrong and all-right groups."""
+    reasons: list[_Reason] = []
+    wrong, right = figures.get("all_wrong"), figures.get("all_right")
+    mean_reward = figures.get("mean_reward")
+    if mean_reward is not None and mean_reward < REWARD_LOW:
+        reasons.append(
+            (
+                "-",
+                f"the policy solves only {_pct(mean_reward)} of its samples: an outcome reward "
+                "gives almost no signal to any credit method; warm-start it or use easier "
+                "prompts first",
+            )
+        )
+    elif wrong is not None and wrong >= ALL_WRONG_HIGH:
+        reasons.append(
+            (
+                "+",
+                f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
+                "value-based credit with values pooled beyond the group, or tree groups that "
+                "branch from intermediate steps, can learn from them",
+            )
+        )
+    if right is not None and right >= ALL_RIGHT_HIGH:
+        reasons.append(
+            (
+                " ",
+                f"{_pct(right)} of groups are all right: those prompts are too easy for this "
+                "policy and give no update whatever the credit; harder prompts help more than "
+                "finer credit",
+            )
+        )
+    return reasons
+
+
+def _prefix_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from GRPO's gradient share on the still-right prefix of wrong traces."""
+    prefix, tokens = figures.get("prefix_share"), figures.get("prefix_tokens")
+    error = figures.get("error_share")
+    if prefix is None:
+        return []
+    where = (
+        f"only {_pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right "
+        f"prefix ({_pct(tokens)} of their tokens)"
+        if tokens is not None
+        else f"{_pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right prefix"
+    )
+    if prefix <= PREFIX_LOW:
+        return [
+            (
+                "-",
+                where
+                + (f", and {_pct(error)} on the step that failed" if error is not None else "")
+                + ": the softmax already points uniform credit at the uncertain tokens",
+            )
+        ]
+    if prefix >= PREFIX_HIGH:
+        return [
+            (
+                "+",
+                f"{_pct(prefix)} of GRPO's gradient on wrong traces blames their still-right "
+                f"prefix ({_pct(tokens or float('nan'))} of their tokens): uniform credit spends "
+                "much of its update on steps that were right",
+            )
+        ]
+    return []
+
+
+def _uncertainty_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the uncertain decisions per trace."""
+    uncertain = figures.get("uncertain_per_trace")
+    thr = figures.get("uncertain_p", DEFAULT_UNCERTAIN_P)
+    if uncertain is None:
+        return []
+    if uncertain < UNCERTAIN_LOW:
+        return [
+            (
+                "-",
+                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
+                "there are few choices for credit to sort out",
+            )
+        ]
+    if uncertain >= UNCERTAIN_HIGH:
+        return [
+            (
+                "+",
+                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
+                "many choices share one outcome, which is where segment credit pays",
+            )
+        ]
+    return []
+
+
+def _variance_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the share of the logit gradient's mean square that step values remove."""
+    removed = figures.get("variance_removed")
+    if removed is None or not math.isfinite(removed):
+        return []
+    if removed >= VARIANCE_HIGH:
+        return [
+            (
+                "+",
+                f"step-level values would remove {_pct(removed)} of the logit gradient's mean "
+                "square (Monte Carlo)",
+            )
+        ]
+    if removed <= VARIANCE_LOW:
+        return [
+            (
+                "-",
+                f"step-level values would remove only {_pct(removed)} of the logit gradient's "
+                "mean square (Monte Carlo): the noise they cut sits on tokens the policy is sure "
+                "of",
+            )
+        ]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,8 +687,23 @@ def _ci(entry: dict[str, Any], spec: str = ".1%") -> str:
 
 def summary_text(report: DiagnoseReport) -> str:
     """The report in plain text (Markdown): verdict first, then each figure with its interval."""
-    s, g, tr = report.settings, report.gradient, report.trace
     lines = [
+        *_summary_head(report),
+        *_groups_table(report.groups),
+        *_gradient_tables(report.gradient, report.trace),
+        *_trace_summary(report.settings, report.trace),
+        *_monte_carlo_summary(report.monte_carlo),
+        *_estimators_table(report.estimators),
+        "",
+        "Figures defined in docs/diagnose.md; the numbers are in diagnose.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_head(report: DiagnoseReport) -> list[str]:
+    """The verdict, its reasons and what was sampled."""
+    s = report.settings
+    return [
         f"# rredcot diagnose: {report.verdict}",
         "",
         *[f"{r}" for r in report.reasons],
@@ -630,13 +712,19 @@ def summary_text(report: DiagnoseReport) -> str:
         f"{s['prompts']} prompts x {s['samples']} samples at temperature {s['temperature']:g} "
         f"(top-p {s['top_p']:g}, {s['max_new_tokens']} new tokens), segmenter `{s['segmenter']}`;"
         f" mean reward {_fmt(s['mean_reward'], '.3f')}; {s['seconds']:.0f} s.",
+    ]
+
+
+def _groups_table(groups: dict[str, Any]) -> list[str]:
+    """Section 1: the shares of agreeing groups at every group size."""
+    lines = [
         "",
         "## 1. Where GRPO is blind: groups whose rewards all agree",
         "",
         "| G | agree | all wrong | all right | interval |",
         "|---|---|---|---|---|",
     ]
-    for row in report.groups["by_group_size"]:
+    for row in groups["by_group_size"]:
 
         def cell(name: str, row=row) -> str:
             lo, hi = row[f"{name}_ci"]
@@ -646,7 +734,13 @@ def summary_text(report: DiagnoseReport) -> str:
             f"| {row['group_size']} | {cell('agree')} | {cell('all_wrong')} | "
             f"{cell('all_right')} | {row['interval']} |"
         )
-    lines += [
+    return lines
+
+
+def _gradient_tables(g: dict[str, Any], tr: dict[str, Any]) -> list[str]:
+    """Section 2: where the gradient mass lands by segment kind, relative position (with the
+    entropy there) and segment position."""
+    lines = [
         "",
         "## 2. Where GRPO's update lands (traces of groups whose rewards differ)",
         "",
@@ -687,53 +781,62 @@ def summary_text(report: DiagnoseReport) -> str:
     used = [b for b in g["segments"] if b["tokens"] and b["tokens"] > 0]
     for b in used or g["segments"]:
         lines.append(f"| {b['label']} | {_fmt(b['tokens'])} | {_ci(b['mass'])} |")
+    return lines
+
+
+def _trace_summary(s: dict[str, Any], tr: dict[str, Any]) -> list[str]:
+    """The uncertain decisions, entropy and length of a trace."""
     u = tr["uncertain_per_trace"]
-    lines += [
+    return [
         "",
         f"Uncertain decisions (sampled tokens with p < {s['uncertain_p']:g}) per trace: "
         f"{_ci(u, '.2f')}; traces with none: {_fmt(tr['traces_without_uncertain'])}; mean "
         f"entropy per token {_fmt(tr['mean_entropy'], '.3f')} nats; tokens per trace "
         f"{_fmt(tr['tokens_per_trace'], '.1f')}.",
-        "",
-        "## 3. What better credit could change (Monte Carlo)",
-        "",
     ]
-    mc = report.monte_carlo
+
+
+def _monte_carlo_summary(mc: dict[str, Any] | None) -> list[str]:
+    """Section 3: what step-level values would change, or that it was not measured."""
+    lines = ["", "## 3. What better credit could change (Monte Carlo)", ""]
     if not mc:
-        lines.append("Not measured (--mc-traces 0).")
-    else:
-        lines += [
-            f"{mc['traces']} traces ({mc['wrong_traces']} wrong), K = {mc['k']} continuations "
-            f"per boundary, {mc['continuations']} continuations, "
-            f"{mc['generated_tokens']:.0f} generated tokens, {mc['seconds']:.0f} s.",
-            "",
-            f"- share of the per-token advantage's mean square that step-level values remove: "
-            f"{_ci(mc['variance_removed'])}; of the logit gradient's (weighted by (1 - p)^2): "
-            f"{_ci(mc['gradient_variance_removed'])}",
-            f"- still-right prefix of wrong traces ({mc['prefix_definition']}): "
-            f"{_ci(mc['prefix_tokens'])} of their tokens; GRPO's blame there "
-            f"{_ci(mc['grpo_prefix_blame'])}; step-level credit's blame there "
-            f"{_ci(mc['step_prefix_blame'])}",
-        ]
-    if report.estimators:
-        lines += [
-            "",
-            "## 4. Cheap estimators against the Monte Carlo values",
-            "",
-            "| estimator | ρ pooled | ρ per trace | sign agr. | value MSE | error_acc | "
-            "correct_acc | F1 |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for e in report.estimators:
-            lines.append(
-                f"| {e['method']} | {_fmt(e.get('spearman_pooled'), '.3f')} | "
-                f"{_fmt(e.get('spearman_trace_mean'), '.3f')} | "
-                f"{_fmt(e.get('sign_agreement'), '.3f')} | {_fmt(e.get('value_mse'), '.4f')} | "
-                f"{_fmt(e.get('error_acc'), '.3f')} | {_fmt(e.get('correct_acc'), '.3f')} | "
-                f"{_fmt(e.get('f1'), '.3f')} |"
-            )
-    lines += ["", "Figures defined in docs/diagnose.md; the numbers are in diagnose.json."]
-    return "\n".join(lines) + "\n"
+        return lines + ["Not measured (--mc-traces 0)."]
+    return lines + [
+        f"{mc['traces']} traces ({mc['wrong_traces']} wrong), K = {mc['k']} continuations "
+        f"per boundary, {mc['continuations']} continuations, "
+        f"{mc['generated_tokens']:.0f} generated tokens, {mc['seconds']:.0f} s.",
+        "",
+        f"- share of the per-token advantage's mean square that step-level values remove: "
+        f"{_ci(mc['variance_removed'])}; of the logit gradient's (weighted by (1 - p)^2): "
+        f"{_ci(mc['gradient_variance_removed'])}",
+        f"- still-right prefix of wrong traces ({mc['prefix_definition']}): "
+        f"{_ci(mc['prefix_tokens'])} of their tokens; GRPO's blame there "
+        f"{_ci(mc['grpo_prefix_blame'])}; step-level credit's blame there "
+        f"{_ci(mc['step_prefix_blame'])}",
+    ]
+
+
+def _estimators_table(estimators: list[dict[str, Any]] | None) -> list[str]:
+    """Section 4 (only where estimators were scored): each against the Monte Carlo values."""
+    if not estimators:
+        return []
+    lines = [
+        "",
+        "## 4. Cheap estimators against the Monte Carlo values",
+        "",
+        "| estimator | ρ pooled | ρ per trace | sign agr. | value MSE | error_acc | "
+        "correct_acc | F1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in estimators:
+        lines.append(
+            f"| {e['method']} | {_fmt(e.get('spearman_pooled'), '.3f')} | "
+            f"{_fmt(e.get('spearman_trace_mean'), '.3f')} | "
+            f"{_fmt(e.get('sign_agreement'), '.3f')} | {_fmt(e.get('value_mse'), '.4f')} | "
+            f"{_fmt(e.get('error_acc'), '.3f')} | {_fmt(e.get('correct_acc'), '.3f')} | "
+            f"{_fmt(e.get('f1'), '.3f')} |"
+        )
+    return lines
 
 
 def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
@@ -885,6 +988,22 @@ def _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log) ->
 
 def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
     """Section 2: token and gradient-mass shares per kind, relative position and segment."""
+    acc, counts = _gradient_sums(chunks, cfg, num_units)
+    reps, seed = cfg.bootstrap, cfg.seed
+    return {
+        **counts,
+        **_kind_shares(acc, reps, seed),
+        **_position_shares(acc, cfg.position_bins, reps, seed),
+        "segments": _segment_shares(acc, cfg.max_positions, reps, seed),
+    }
+
+
+def _gradient_sums(
+    chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per-prompt sums ``(U, labels)`` of tokens and gradient mass over the traces of mixed
+    groups, by kind, relative position and segment (and the wrong traces' by kind); and the
+    counts of wrong, right and step-labelled wrong traces."""
     L = len(KINDS)
     bins, positions = cfg.position_bins, cfg.max_positions
     acc: dict[str, np.ndarray] = {}
@@ -924,8 +1043,17 @@ def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -
         labelled += sum(
             1 for r in range(b.size) if bool(wrong[r]) and c.error_segments[r] is not None
         )
+    counts = {
+        "wrong_traces": wrong_traces,
+        "right_traces": right_traces,
+        "labelled_wrong_traces": labelled,
+    }
+    return acc, counts
 
-    reps, seed = cfg.bootstrap, cfg.seed
+
+def _kind_shares(acc: dict[str, np.ndarray], reps: int, seed: int) -> dict[str, Any]:
+    """Each segment kind's share of tokens and gradient mass (all traces and wrong ones), with
+    its mean 1 - p and share of uncertain tokens."""
     tok_share = label_shares(acc["kind_tokens"])
     mass_pt = ratio_interval(acc["kind_mass"], reps=reps, seed=seed)
     tok_pt = ratio_interval(acc["kind_tokens"], reps=reps, seed=seed)
@@ -943,19 +1071,22 @@ def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -
         }
         if name in WRONG_KINDS:
             wrong_out[name] = {"tokens": _entry(*wrong_tok, j), "mass": _entry(*wrong_mass, j)}
+    return {
+        "kinds": kinds_out,
+        "wrong_kinds": wrong_out,
+        "token_share_by_kind": {n: float(tok_share[j]) for j, n in enumerate(KINDS)},
+    }
+
+
+def _position_shares(acc: dict[str, np.ndarray], bins: int, reps: int, seed: int) -> dict[str, Any]:
+    """Each relative-position bin's share of tokens and gradient mass, and the mass of every
+    (bin, kind) pair."""
+    L = len(KINDS)
     pos_mass = ratio_interval(acc["pos_mass"], reps=reps, seed=seed)
     pos_tok = label_shares(acc["pos_tokens"])
     total_mass = acc["pos_kind_mass"].sum()
     by_kind = acc["pos_kind_mass"].sum(0).reshape(bins, L) / (total_mass if total_mass else 1)
-    seg_mass = ratio_interval(acc["seg_mass"], reps=reps, seed=seed)
-    seg_tok = label_shares(acc["seg_tokens"])
     return {
-        "wrong_traces": wrong_traces,
-        "right_traces": right_traces,
-        "labelled_wrong_traces": labelled,
-        "kinds": kinds_out,
-        "wrong_kinds": wrong_out,
-        "token_share_by_kind": {n: float(tok_share[j]) for j, n in enumerate(KINDS)},
         "positions": [
             {
                 "index": j,
@@ -968,16 +1099,24 @@ def gradient_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -
         "mass_by_position_and_kind": {
             n: [float(by_kind[j, i]) for j in range(bins)] for i, n in enumerate(KINDS)
         },
-        "segments": [
-            {
-                "index": j + 1,
-                "label": f"{j + 1}" if j < positions - 1 else f"{j + 1}+",
-                "tokens": float(seg_tok[j]),
-                "mass": _entry(*seg_mass, j),
-            }
-            for j in range(positions)
-        ],
     }
+
+
+def _segment_shares(
+    acc: dict[str, np.ndarray], positions: int, reps: int, seed: int
+) -> list[dict[str, Any]]:
+    """Each segment position's share of tokens and gradient mass (the last pools the later)."""
+    seg_mass = ratio_interval(acc["seg_mass"], reps=reps, seed=seed)
+    seg_tok = label_shares(acc["seg_tokens"])
+    return [
+        {
+            "index": j + 1,
+            "label": f"{j + 1}" if j < positions - 1 else f"{j + 1}+",
+            "tokens": float(seg_tok[j]),
+            "mass": _entry(*seg_mass, j),
+        }
+        for j in range(positions)
+    ]
 
 
 def trace_figures(chunks: list[Chunk], cfg: DiagnoseConfig, num_units: int) -> dict:
@@ -1050,21 +1189,7 @@ def _mc_cost(chunks: list[Chunk], picked: list[tuple[int, int]], k: int) -> tupl
 
 def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, log):
     """Section 3 (and the batches and values section 4 scores against)."""
-    picked = _mc_subset(chunks, cfg, cfg.mc_traces)
-    prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
-    log(
-        f"Monte Carlo values: {len(picked)} traces, {prefixes} boundary prefixes x K = "
-        f"{cfg.mc_k}: {conts} continuations, about {tokens:,.0f} generated tokens"
-        + (f" (~{tokens / rate:.0f} s at this run's sampling rate)" if rate else "")
-    )
-    if tokens > cfg.mc_max_tokens:
-        while picked and _mc_cost(chunks, picked, cfg.mc_k)[2] > cfg.mc_max_tokens:
-            picked = picked[:-1]
-        prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
-        log(
-            f"  over --mc-max-tokens {cfg.mc_max_tokens:,}: the subset is cut to {len(picked)} "
-            f"traces ({conts} continuations, about {tokens:,.0f} tokens)"
-        )
+    picked, prefixes, conts, tokens = _mc_plan(chunks, cfg, rate, log)
     if not picked:
         return None, []
     t0 = time.perf_counter()
@@ -1080,39 +1205,11 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
     for ci, rows in by_chunk.items():
         c = chunks[ci]
         sub = c.batch.select(rows)
-
-        def advance(n: int, total: int) -> None:
-            bar.update(n - advance.last)
-            advance.last = n
-
-        advance.last = 0
-        values, vmask, st = mc_values(
-            policy,
-            tokenizer,
-            task,
-            sub,
-            cfg.mc_k,
-            temperature=s["temperature"],
-            top_p=s["top_p"],
-            max_new_tokens=s["max_new_tokens"],
-            progress=advance,
-        )
+        values, vmask, st = _mc_values(policy, tokenizer, task, sub, cfg, s, bar)
         for key, x in st.items():
             stats[key] = stats.get(key, 0.0) + x
-        seg_r, _ = credit_algebra.redistribute(values.double(), vmask, sub.rewards.double())
-        ends: list[int | None] = []
-        for j, r in enumerate(rows):
-            if float(c.batch.rewards[r]) >= SUCCESS:
-                ends.append(None)
-                continue
-            wrong += 1
-            if c.error_segments[r] is not None:
-                ends.append(c.error_segments[r])
-                definition.add("before the segment of the verifier's first wrong line")
-            else:
-                n = len(sub.boundaries[j]) - 1
-                ends.append(int(torch.argmin(seg_r[j, :n]).item()))
-                definition.add("before the segment Monte Carlo blames most (min r_k)")
+        ends = _prefix_ends(c, sub, rows, values, vmask, definition)
+        wrong += sum(end is not None for end in ends)
         rows_t = torch.tensor(rows)
         figures = step_credit_figures(
             values.cpu(),
@@ -1129,16 +1226,6 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         subs.append((sub, values, vmask, c.batch, rows))
     bar.close()
     seconds = time.perf_counter() - t0
-    f = {k: np.concatenate(v) for k, v in sums.items()}
-    reps, seed = cfg.bootstrap, cfg.seed
-    removed = ratio_interval(f["step_sq"], f["outcome_sq"], reps=reps, seed=seed)
-    removed_grad = ratio_interval(f["step_sq_grad"], f["outcome_sq_grad"], reps=reps, seed=seed)
-    # prefix sums are 0 on right traces (no prefix); the denominators count wrong traces only
-    wrong_rows = np.concatenate([(sub.rewards.cpu() < SUCCESS).numpy() for sub, *_ in subs])
-    only_wrong = lambda x: np.where(wrong_rows, x, 0.0)  # noqa: E731
-    pt = ratio_interval(f["prefix_tokens"], only_wrong(f["tokens"]), reps=reps, seed=seed)
-    gp = ratio_interval(f["grpo_prefix"], only_wrong(f["grpo_blame"]), reps=reps, seed=seed)
-    sp = ratio_interval(f["step_prefix"], only_wrong(f["step_blame"]), reps=reps, seed=seed)
     result = {
         "traces": len(picked),
         "wrong_traces": wrong,
@@ -1148,6 +1235,92 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         "estimated_tokens": tokens,
         "generated_tokens": stats.get("credit/extra_generated_tokens", 0.0),
         "seconds": seconds,
+        **_mc_shares(sums, subs, definition, cfg.bootstrap, cfg.seed),
+    }
+    return result, subs
+
+
+def _mc_plan(chunks: list[Chunk], cfg: DiagnoseConfig, rate, log):
+    """The Monte Carlo subset ``(chunk, row)`` and its cost ``(prefixes, continuations,
+    estimated tokens)``, cut from the end until the cost fits ``cfg.mc_max_tokens``; logs both."""
+    picked = _mc_subset(chunks, cfg, cfg.mc_traces)
+    prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
+    log(
+        f"Monte Carlo values: {len(picked)} traces, {prefixes} boundary prefixes x K = "
+        f"{cfg.mc_k}: {conts} continuations, about {tokens:,.0f} generated tokens"
+        + (f" (~{tokens / rate:.0f} s at this run's sampling rate)" if rate else "")
+    )
+    if tokens > cfg.mc_max_tokens:
+        while picked and _mc_cost(chunks, picked, cfg.mc_k)[2] > cfg.mc_max_tokens:
+            picked = picked[:-1]
+        prefixes, conts, tokens = _mc_cost(chunks, picked, cfg.mc_k)
+        log(
+            f"  over --mc-max-tokens {cfg.mc_max_tokens:,}: the subset is cut to {len(picked)} "
+            f"traces ({conts} continuations, about {tokens:,.0f} tokens)"
+        )
+    return picked, prefixes, conts, tokens
+
+
+def _mc_values(policy, tokenizer, task, sub: RolloutBatch, cfg: DiagnoseConfig, s, bar):
+    """:func:`mc_values` of ``sub``'s boundaries at the report's sampling settings, advancing
+    ``bar`` by the prefixes done."""
+
+    def advance(n: int, total: int) -> None:
+        bar.update(n - advance.last)
+        advance.last = n
+
+    advance.last = 0
+    return mc_values(
+        policy,
+        tokenizer,
+        task,
+        sub,
+        cfg.mc_k,
+        temperature=s["temperature"],
+        top_p=s["top_p"],
+        max_new_tokens=s["max_new_tokens"],
+        progress=advance,
+    )
+
+
+def _prefix_ends(
+    c: Chunk, sub: RolloutBatch, rows: list[int], values, vmask, definition: set[str]
+) -> list[int | None]:
+    """Where the still-right prefix of each of ``rows`` (of chunk ``c``; ``sub`` holds them)
+    ends: ``None`` for a right trace; else the segment of the verifier's first wrong line, or
+    failing that the segment Monte Carlo blames most. Adds the definitions used to
+    ``definition``."""
+    seg_r, _ = credit_algebra.redistribute(values.double(), vmask, sub.rewards.double())
+    ends: list[int | None] = []
+    for j, r in enumerate(rows):
+        if float(c.batch.rewards[r]) >= SUCCESS:
+            ends.append(None)
+            continue
+        if c.error_segments[r] is not None:
+            ends.append(c.error_segments[r])
+            definition.add("before the segment of the verifier's first wrong line")
+        else:
+            n = len(sub.boundaries[j]) - 1
+            ends.append(int(torch.argmin(seg_r[j, :n]).item()))
+            definition.add("before the segment Monte Carlo blames most (min r_k)")
+    return ends
+
+
+def _mc_shares(
+    sums: dict[str, list[np.ndarray]], subs: list, definition: set[str], reps: int, seed: int
+) -> dict[str, Any]:
+    """The Monte Carlo figures with their intervals: the mean square step values remove, and
+    the still-right prefix's share of tokens and of GRPO's and step credit's blame."""
+    f = {k: np.concatenate(v) for k, v in sums.items()}
+    removed = ratio_interval(f["step_sq"], f["outcome_sq"], reps=reps, seed=seed)
+    removed_grad = ratio_interval(f["step_sq_grad"], f["outcome_sq_grad"], reps=reps, seed=seed)
+    # prefix sums are 0 on right traces (no prefix); the denominators count wrong traces only
+    wrong_rows = np.concatenate([(sub.rewards.cpu() < SUCCESS).numpy() for sub, *_ in subs])
+    only_wrong = lambda x: np.where(wrong_rows, x, 0.0)  # noqa: E731
+    pt = ratio_interval(f["prefix_tokens"], only_wrong(f["tokens"]), reps=reps, seed=seed)
+    gp = ratio_interval(f["grpo_prefix"], only_wrong(f["grpo_blame"]), reps=reps, seed=seed)
+    sp = ratio_interval(f["step_prefix"], only_wrong(f["step_blame"]), reps=reps, seed=seed)
+    return {
         "variance_removed": _one_minus(removed),
         "gradient_variance_removed": _one_minus(removed_grad),
         "prefix_definition": "; ".join(sorted(definition)) or "no wrong trace in the subset",
@@ -1155,7 +1328,6 @@ def _monte_carlo(policy, tokenizer, task, chunks, cfg: DiagnoseConfig, s, rate, 
         "grpo_prefix_blame": _entry(*gp, 0),
         "step_prefix_blame": _entry(*sp, 0),
     }
-    return result, subs
 
 
 def _one_minus(interval) -> dict[str, float]:
@@ -1317,55 +1489,8 @@ def diagnose(
         f"diagnose: {len(problems)} prompts x {cfg.samples} samples of {task.name} at temperature "
         f"{s['temperature']:g}, {s['max_new_tokens']} new tokens, segmenter {segmenter.strategy}"
     )
-
-    # 1. sample, verify, segment, score
-    t0 = time.perf_counter()
-    chunks = _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log)
-    sample_seconds = time.perf_counter() - t0
-    num_units = len(problems)
-    rewards = torch.cat([c.batch.rewards.cpu() for c in chunks])
-    units = torch.cat([c.units for c in chunks])
-    generated = float(sum(c.batch.response_mask.sum() for c in chunks))
-    rate = generated / sample_seconds if sample_seconds > 0 else None
-
-    # 2. where GRPO is blind
-    groups = {
-        "by_group_size": agreement_by_group_size(rewards, units, sizes, cfg.bootstrap, cfg.seed),
-        "mean_reward": float(rewards.mean()) if len(rewards) else float("nan"),
-    }
-    # 3. where its update lands
-    gradient = gradient_figures(chunks, cfg, num_units)
-    trace = trace_figures(chunks, cfg, num_units)
-    # 4. what better credit could change
-    monte_carlo, subs = None, []
-    if cfg.mc_traces > 0:
-        monte_carlo, subs = _monte_carlo(policy, tokenizer, task, chunks, cfg, s, rate, log)
-    estimators = None
-    if subs:
-        estimators = _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg, s, log)
-
-    at_g = groups["by_group_size"][-1]
-    wrong_kinds = gradient["wrong_kinds"]
-    labelled = gradient["labelled_wrong_traces"] > 0
-    prefix_share = wrong_kinds["correct_prefix"]["mass"]["value"] if labelled else None
-    prefix_tokens = wrong_kinds["correct_prefix"]["tokens"]["value"] if labelled else None
-    if not labelled and monte_carlo and monte_carlo["wrong_traces"]:
-        prefix_share = monte_carlo["grpo_prefix_blame"]["value"]
-        prefix_tokens = monte_carlo["prefix_tokens"]["value"]
-    headline = {
-        "mean_reward": groups["mean_reward"],
-        "all_wrong": at_g["all_wrong"],
-        "all_right": at_g["all_right"],
-        "agree": at_g["agree"],
-        "prefix_share": prefix_share,
-        "prefix_tokens": prefix_tokens,
-        "error_share": wrong_kinds["first_error"]["mass"]["value"] if labelled else None,
-        "uncertain_per_trace": trace["uncertain_per_trace"]["value"],
-        "uncertain_p": cfg.uncertain_p,
-        "variance_removed": monte_carlo["gradient_variance_removed"]["value"]
-        if monte_carlo
-        else None,
-    }
+    m = _measure(policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg, s, log)
+    headline = _headline(m, cfg.uncertain_p)
     head, reasons = verdict(headline)
     settings = {
         "policy": source or getattr(getattr(policy, "config", None), "_name_or_path", ""),
@@ -1385,22 +1510,98 @@ def diagnose(
         "bootstrap": cfg.bootstrap,
         "confidence": CONFIDENCE,
         "seed": cfg.seed,
-        "traces": int(len(rewards)),
-        "mean_reward": groups["mean_reward"],
-        "sample_seconds": sample_seconds,
+        "traces": m.traces,
+        "mean_reward": m.groups["mean_reward"],
+        "sample_seconds": m.sample_seconds,
         "seconds": time.perf_counter() - t_start,
     }
     return DiagnoseReport(
         settings=settings,
-        groups=groups,
-        gradient=gradient,
-        trace=trace,
-        monte_carlo=monte_carlo,
-        estimators=estimators,
+        groups=m.groups,
+        gradient=m.gradient,
+        trace=m.trace,
+        monte_carlo=m.monte_carlo,
+        estimators=m.estimators,
         verdict=head,
         reasons=reasons,
         headline=headline,
     )
+
+
+@dataclass
+class _Measured:
+    """The four sections of a report (:func:`_measure`), and what sampling took."""
+
+    groups: dict[str, Any]
+    gradient: dict[str, Any]
+    trace: dict[str, Any]
+    monte_carlo: dict[str, Any] | None
+    estimators: list[dict[str, Any]] | None
+    traces: int  # rows sampled (skipped samples left out)
+    sample_seconds: float
+
+
+def _measure(
+    policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg: DiagnoseConfig, s, log
+) -> _Measured:
+    """Sample, verify, segment and score every prompt's group, then measure each section
+    (``sizes``: the group sizes of section 1; ``wanted``: :func:`estimator_specs`)."""
+    t0 = time.perf_counter()
+    chunks = _sample_chunks(policy, tokenizer, task, problems, segmenter, cfg, s, log)
+    sample_seconds = time.perf_counter() - t0
+    num_units = len(problems)
+    rewards = torch.cat([c.batch.rewards.cpu() for c in chunks])
+    units = torch.cat([c.units for c in chunks])
+    generated = float(sum(c.batch.response_mask.sum() for c in chunks))
+    rate = generated / sample_seconds if sample_seconds > 0 else None
+
+    # 1. where GRPO is blind
+    groups = {
+        "by_group_size": agreement_by_group_size(rewards, units, sizes, cfg.bootstrap, cfg.seed),
+        "mean_reward": float(rewards.mean()) if len(rewards) else float("nan"),
+    }
+    # 2. where its update lands
+    gradient = gradient_figures(chunks, cfg, num_units)
+    trace = trace_figures(chunks, cfg, num_units)
+    # 3. what better credit could change
+    monte_carlo, subs = None, []
+    if cfg.mc_traces > 0:
+        monte_carlo, subs = _monte_carlo(policy, tokenizer, task, chunks, cfg, s, rate, log)
+    # 4. the cheap estimators against it
+    estimators = None
+    if subs:
+        estimators = _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg, s, log)
+    return _Measured(
+        groups, gradient, trace, monte_carlo, estimators, int(len(rewards)), sample_seconds
+    )
+
+
+def _headline(m: _Measured, uncertain_p: float) -> dict[str, Any]:
+    """The figures :func:`verdict` reads. GRPO's share on the still-right prefix comes from the
+    step labels where the verifier gives them, else from the Monte Carlo subset."""
+    at_g = m.groups["by_group_size"][-1]
+    wrong_kinds = m.gradient["wrong_kinds"]
+    labelled = m.gradient["labelled_wrong_traces"] > 0
+    prefix_share = wrong_kinds["correct_prefix"]["mass"]["value"] if labelled else None
+    prefix_tokens = wrong_kinds["correct_prefix"]["tokens"]["value"] if labelled else None
+    monte_carlo = m.monte_carlo
+    if not labelled and monte_carlo and monte_carlo["wrong_traces"]:
+        prefix_share = monte_carlo["grpo_prefix_blame"]["value"]
+        prefix_tokens = monte_carlo["prefix_tokens"]["value"]
+    return {
+        "mean_reward": m.groups["mean_reward"],
+        "all_wrong": at_g["all_wrong"],
+        "all_right": at_g["all_right"],
+        "agree": at_g["agree"],
+        "prefix_share": prefix_share,
+        "prefix_tokens": prefix_tokens,
+        "error_share": wrong_kinds["first_error"]["mass"]["value"] if labelled else None,
+        "uncertain_per_trace": m.trace["uncertain_per_trace"]["value"],
+        "uncertain_p": uncertain_p,
+        "variance_removed": monte_carlo["gradient_variance_removed"]["value"]
+        if monte_carlo
+        else None,
+    }
 
 
 def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:

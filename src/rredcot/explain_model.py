@@ -308,28 +308,17 @@ def explain_checkpoint(
     an incorrect trace (or one trace when all agree)."""
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: sample at least one completion")
-    run_arg = getattr(args, "run", None)
-    trl_dir = trl_settings_dir(run_arg or args.checkpoint)
-    checkpoint = args.checkpoint or (str(trl_dir) if trl_dir is not None else run_arg)
-    if checkpoint is None:
-        raise UserError("pass --checkpoint DIR (a policy) or --run DIR (a run of rredcot or TRL)")
-    resolved = resolve_checkpoint(checkpoint)
-    run_dir = trl_dir or (Path(run_arg) if run_arg else resolved.run_dir)
-    saved = run_credit_config(run_dir)
-    saved_task = None
-    if trl_dir is not None:
-        trl = read_settings(trl_dir)
-        saved_task = (trl.task, trl.task_args) if trl.task else None
-    task = choose_task(resolved, getattr(args, "task_name", None), task_args, saved_task)
+    resolved, run_dir, saved, task = _explain_sources(args, task_args)
     if getattr(args, "method", None) is None:  # the run's own method, else the value head
         args.method = saved[0] if saved is not None else "value_head"
+    own_run = saved is not None and saved[0] == args.method
     credit_cfg, sampling = CreditConfig(), SamplingConfig()
-    if saved is not None and saved[0] == args.method:
+    if own_run:
         credit_cfg, sampling = saved[1], saved[2]
     elif saved is not None:
         sampling = saved[2]
     # read before the model loads: a refused trainer_state.pt stops the command at once
-    method_state = read_method_state(run_dir) if saved and saved[0] == args.method else None
+    method_state = read_method_state(run_dir) if own_run else None
     attn = "eager" if args.method == "attention" else None
     policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
     segmenter = segmenter_from_config(credit_cfg, task.answer_line_pattern)
@@ -342,48 +331,12 @@ def explain_checkpoint(
     )
     note = ""
     if method.state_dict():  # a learned method (the value head)
-        if saved is not None and saved[0] == args.method:
+        if own_run:
             ckpt = load_method_state(method, run_dir, method_state)
             note = f" (head from {ckpt})"
         else:
-            note = (
-                " (no hand-over yet)" if args.method == "answer_likelihood" else " (untrained head)"
-            )
-            if run_dir is None:
-                why = "no --run given"
-            elif saved is None:
-                why = (
-                    f"--run {str(run_dir)!r} holds no rredcot run (neither config.yaml of "
-                    "`rredcot train` nor rredcot_credit.json of a TRL run)"
-                )
-            else:
-                why = f"the run {str(run_dir)!r} trained {saved[0]!r}, not {args.method!r}"
-            what = (
-                "hand-over weight is 0, so its credit is uniform's"
-                if args.method == "answer_likelihood"
-                else "head is untrained and its values are meaningless"
-            )
-            print(
-                f"warning: {why}, so the {args.method} {what}; pass --run RUN_DIR of a "
-                "`rredcot train` run or a TRL output_dir of this method",
-                file=sys.stderr,
-            )
-
-    answer = getattr(args, "answer", None)
-    if args.prompt:
-        text, guess = _reference_answer(task, args.prompt)
-        problem = Problem(prompt=text, answer=answer if answer is not None else guess)
-        if not problem.answer:
-            print(
-                "warning: no reference answer for this prompt (pass --answer); rewards and "
-                "answer-based credit may be meaningless",
-                file=sys.stderr,
-            )
-    else:
-        problem = task.eval_problems(1, seed=args.seed)[0]
-        if answer is not None:
-            problem = Problem(problem.prompt, answer, problem.meta)
-
+            note = _untrained_note(args.method, run_dir, saved)
+    problem = _explain_problem(args, task)
     torch.manual_seed(args.seed)
     batch, _ = build_rollout_batch(
         policy,
@@ -400,18 +353,92 @@ def explain_checkpoint(
         policy, batch, hidden_layers=method.hidden_layers if method.needs_hidden_states else None
     )
     out = method.compute(batch)
+    sections = _explain_sections(args.method, note, method, batch, out, problem.prompt)
+    if not sections:
+        raise ValueError("every sampled completion was empty or skipped; nothing to show")
+    return sections
+
+
+def _explain_sources(args: argparse.Namespace, task_args: dict):
+    """``(resolved checkpoint, run directory, the run's saved credit settings, task)`` of
+    ``--checkpoint`` and ``--run`` (a rredcot run or a TRL output_dir)."""
+    run_arg = getattr(args, "run", None)
+    trl_dir = trl_settings_dir(run_arg or args.checkpoint)
+    checkpoint = args.checkpoint or (str(trl_dir) if trl_dir is not None else run_arg)
+    if checkpoint is None:
+        raise UserError("pass --checkpoint DIR (a policy) or --run DIR (a run of rredcot or TRL)")
+    resolved = resolve_checkpoint(checkpoint)
+    run_dir = trl_dir or (Path(run_arg) if run_arg else resolved.run_dir)
+    saved = run_credit_config(run_dir)
+    saved_task = None
+    if trl_dir is not None:
+        trl = read_settings(trl_dir)
+        saved_task = (trl.task, trl.task_args) if trl.task else None
+    task = choose_task(resolved, getattr(args, "task_name", None), task_args, saved_task)
+    return resolved, run_dir, saved, task
+
+
+def _untrained_note(method_name: str, run_dir: Path | None, saved) -> str:
+    """The title note of a learned method that no run of its own trained; warns on stderr why,
+    and what its credit then is."""
+    if run_dir is None:
+        why = "no --run given"
+    elif saved is None:
+        why = (
+            f"--run {str(run_dir)!r} holds no rredcot run (neither config.yaml of "
+            "`rredcot train` nor rredcot_credit.json of a TRL run)"
+        )
+    else:
+        why = f"the run {str(run_dir)!r} trained {saved[0]!r}, not {method_name!r}"
+    what = (
+        "hand-over weight is 0, so its credit is uniform's"
+        if method_name == "answer_likelihood"
+        else "head is untrained and its values are meaningless"
+    )
+    print(
+        f"warning: {why}, so the {method_name} {what}; pass --run RUN_DIR of a "
+        "`rredcot train` run or a TRL output_dir of this method",
+        file=sys.stderr,
+    )
+    return " (no hand-over yet)" if method_name == "answer_likelihood" else " (untrained head)"
+
+
+def _explain_problem(args: argparse.Namespace, task) -> Problem:
+    """``--prompt`` (with ``--answer``, else the answer the task works out, else a warning), or
+    the task's first evaluation problem for ``--seed``."""
+    answer = getattr(args, "answer", None)
+    if args.prompt:
+        text, guess = _reference_answer(task, args.prompt)
+        problem = Problem(prompt=text, answer=answer if answer is not None else guess)
+        if not problem.answer:
+            print(
+                "warning: no reference answer for this prompt (pass --answer); rewards and "
+                "answer-based credit may be meaningless",
+                file=sys.stderr,
+            )
+        return problem
+    problem = task.eval_problems(1, seed=args.seed)[0]
+    if answer is not None:
+        problem = Problem(problem.prompt, answer, problem.meta)
+    return problem
+
+
+def _explain_sections(
+    method_name: str, note: str, method, batch: RolloutBatch, out: CreditOutput, prompt: str
+) -> list[tuple[str, str, list[SegmentCredit]]]:
+    """The ``(title, prompt, segments)`` sections of the rows to show. A group whose rewards
+    agree: every sample, with R, the normaliser and w (why its credit is what it is); otherwise
+    one correct and one wrong sample."""
     blend = out.metrics.get("credit/handover_weight")
     blend_note = "" if blend is None or blend >= 1.0 else f", blended {blend:.2f} with uniform"
     correct = int(sum(float(r) >= 1.0 for r in batch.rewards))
     agree = correct in (0, batch.size)
-    # A group whose rewards agree: every sample, with R, the normaliser and w (why its credit is
-    # what it is); otherwise one correct and one wrong sample.
     rows = [i for i in range(batch.size) if len(batch.boundaries[i]) > 1] if agree else None
     sections = []
     for row in rows or pick_rows(batch):
         verdict = batch.verdicts[row]
         title = (
-            f"{args.method}{note}{blend_note}: sample {row + 1} of {batch.size} "
+            f"{method_name}{note}{blend_note}: sample {row + 1} of {batch.size} "
             f"({correct} correct), R = {float(batch.rewards[row]):g}, {verdict.reason}"
         )
         if agree:
@@ -421,9 +448,7 @@ def explain_checkpoint(
         starts = batch.boundaries[row][:-1]
         for seg, start in zip(segments, starts):
             seg.scaled = float(out.advantages[row, start])
-        sections.append((title, problem.prompt, segments))
-    if not sections:
-        raise ValueError("every sampled completion was empty or skipped; nothing to show")
+        sections.append((title, prompt, segments))
     return sections
 
 

@@ -479,82 +479,116 @@ def build_rollout_batch(
     step's forward pass.
     """
     prompts = [render_prompt(p, tokenizer) for p in problems]
+    options = dict(
+        num_generations=num_generations,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        use_model_generation_config=use_model_generation_config,
+        decoder=decoder,
+    )
     grown = None
     if tree is not None and tree.enabled:
         input_ids, attention_mask, P, response_mask, grown = sample_tree_group(
-            policy,
-            tokenizer,
-            prompts,
-            segmenter,
-            tree,
-            num_generations=num_generations,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            use_model_generation_config=use_model_generation_config,
-            decoder=decoder,
+            policy, tokenizer, prompts, segmenter, tree, **options
         )
     else:
-        input_ids, attention_mask, P, response_mask = sample(
-            policy,
-            tokenizer,
-            prompts,
-            num_generations=num_generations,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            use_model_generation_config=use_model_generation_config,
-            decoder=decoder,
-        )
-    B, T = response_mask.shape
-    leaf_tokens = float(response_mask.sum())
-    generated_tokens = leaf_tokens if grown is None else float(grown.generated_tokens)
+        input_ids, attention_mask, P, response_mask = sample(policy, tokenizer, prompts, **options)
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
-    completions, verdicts, rewards = [], [], []
-    skipped = truncated = 0
-    valid: list[bool] = []
+    checked = _verify_rows(tokenizer, task, rows_problems, input_ids[:, P:], response_mask)
+    batch = _unsegmented_batch(
+        input_ids, attention_mask, P, response_mask, group_ids, rows_problems, checked, grown
+    )
+    if checked.skipped:
+        batch = batch.select([row for row, ok in enumerate(checked.valid) if ok])
+    if not segmenter.uses_entropy:
+        batch = segment_batch(batch, tokenizer, segmenter)
+    return batch, _rollout_stats(batch, response_mask, checked, grown)
+
+
+@dataclass
+class _CheckedRows:
+    """Every sampled row decoded and verified (:func:`_verify_rows`)."""
+
+    completions: list[str]  # the decoded text, EOS and special tokens left out
+    verdicts: list[Verdict]
+    rewards: list[float]
+    valid: list[bool]  # False: the verifier failed or gave no finite reward (the row is dropped)
+    skipped: int  # rows not valid
+    truncated: int  # rows that did not end with EOS
+
+
+def _verify_rows(
+    tokenizer, task: Task, problems: list[Problem], response_ids, response_mask
+) -> _CheckedRows:
+    """Decode each row's response ``response_ids (B, T)`` (its ``response_mask`` tokens) and
+    verify it against its problem (:func:`checked_verify`)."""
+    checked = _CheckedRows([], [], [], [], 0, 0)
     eos = tokenizer.eos_token_id
     lengths = response_mask.sum(-1).long().tolist()
-    for row in range(B):
-        ids = input_ids[row, P : P + lengths[row]].tolist()
+    for row in range(response_mask.shape[0]):
+        ids = response_ids[row, : lengths[row]].tolist()
         content_ids = ids[:-1] if ids and ids[-1] == eos else ids
-        truncated += int(not ids or ids[-1] != eos)
+        checked.truncated += int(not ids or ids[-1] != eos)
         text = tokenizer.decode(content_ids, skip_special_tokens=True)
-        verdict, ok = checked_verify(task, rows_problems[row], text)
-        skipped += int(not ok)
-        valid.append(ok)
-        completions.append(text)
-        verdicts.append(verdict)
-        rewards.append(float(verdict.reward))
+        verdict, ok = checked_verify(task, problems[row], text)
+        checked.skipped += int(not ok)
+        checked.valid.append(ok)
+        checked.completions.append(text)
+        checked.verdicts.append(verdict)
+        checked.rewards.append(float(verdict.reward))
+    return checked
+
+
+def _unsegmented_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    P: int,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    problems: list[Problem],
+    checked: _CheckedRows,
+    grown,
+) -> RolloutBatch:
+    """The batch of every sampled row, each one segment; a tree's rows (``grown`` not ``None``)
+    carry ``token_share_counts``."""
+    device = input_ids.device
+    lengths = response_mask.sum(-1).long().tolist()
     whole = [[0, n] if n else [0] for n in lengths]
-    batch = RolloutBatch(
+    return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         prompt_len=P,
         response_mask=response_mask,
-        rewards=torch.tensor(rewards, dtype=torch.float, device=input_ids.device),
-        group_ids=group_ids.to(input_ids.device),
+        rewards=torch.tensor(checked.rewards, dtype=torch.float, device=device),
+        group_ids=group_ids.to(device),
         boundaries=whole,
-        segment_ids=credit.boundaries_to_segment_ids(whole, T).to(input_ids.device),
+        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
         segment_char_starts=[[0] if n else [] for n in lengths],
-        problems=rows_problems,
-        completions=completions,
-        verdicts=verdicts,
+        problems=problems,
+        completions=checked.completions,
+        verdicts=checked.verdicts,
         token_share_counts=None
         if grown is None
         else tree_sampling.token_share_counts(
-            input_ids[:, P:], response_mask, group_ids.to(input_ids.device)
+            input_ids[:, P:], response_mask, group_ids.to(device)
         ),
     )
-    if skipped:
-        batch = batch.select([row for row, ok in enumerate(valid) if ok])
-    if not segmenter.uses_entropy:
-        batch = segment_batch(batch, tokenizer, segmenter)
+
+
+def _rollout_stats(
+    batch: RolloutBatch, response_mask: torch.Tensor, checked: _CheckedRows, grown
+) -> dict[str, float]:
+    """The ``rollout/*`` metrics of a step: ``response_mask (B, T)`` of every sampled row (the
+    skipped ones too), ``batch`` the segmented rows kept; a tree's cost where ``grown`` is one."""
+    B = response_mask.shape[0]
+    leaf_tokens = float(response_mask.sum())
+    generated_tokens = leaf_tokens if grown is None else float(grown.generated_tokens)
     stats = {
-        "rollout/skipped_samples": float(skipped),
-        "rollout/verify_timeouts": float(sum(v.timed_out for v in verdicts)),
-        "rollout/truncated_fraction": truncated / max(B, 1),
+        "rollout/skipped_samples": float(checked.skipped),
+        "rollout/verify_timeouts": float(sum(v.timed_out for v in checked.verdicts)),
+        "rollout/truncated_fraction": checked.truncated / max(B, 1),
         "rollout/mean_length": float(response_mask.sum(-1).mean()) if B else 0.0,
         "rollout/mean_segments": sum(len(b) - 1 for b in batch.boundaries) / max(batch.size, 1),
         "rollout/tokens": generated_tokens,
@@ -570,7 +604,7 @@ def build_rollout_batch(
                 / max(len(grown.fork_depths), 1),
             }
         )
-    return batch, stats
+    return stats
 
 
 @torch.no_grad()

@@ -81,18 +81,40 @@ def forward(
     if len(first) == B:
         return None
     model = base_model(policy)
-    inner, config = model.model, model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    device = input_ids.device
-    mask = attention_mask.bool()
+    inner = model.model
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    prompt_mask, response_mask = mask[first, :P], mask[:, P:]
-    T = L - P
+    see_p, see_r = _visibility(attention_mask.bool(), first, inverse, P)
+    xp = inner.embed_tokens(input_ids[first, :P])
+    xr = inner.embed_tokens(input_ids[:, P:])
+    rot_p = tuple(t.unsqueeze(1) for t in inner.rotary_emb(xp, positions[first, :P]))
+    rot_r = tuple(t.unsqueeze(1) for t in inner.rotary_emb(xr, positions[:, P:]))
+    states = _layers(model, xp, xr, rot_p, rot_r, see_p, see_r, inverse)
+    xp, xr = states[-1]
+    # the first response token is scored at the prompt's last position, the others at the
+    # response positions before them
+    first_logits = model.lm_head(inner.norm(xp[:, -1:]))[inverse]
+    logits = torch.cat([first_logits, model.lm_head(inner.norm(xr[:, :-1]))], dim=1)
+    hidden = None
+    if hidden_layers is not None:
+        states[-1] = (inner.norm(xp), inner.norm(xr))  # as Hugging Face's hidden_states
+        hidden = torch.cat(
+            [torch.cat([states[i][0][inverse], states[i][1]], dim=1) for i in hidden_layers],
+            dim=-1,
+        )
+    return logits, hidden
 
-    # who sees whom: causal within a part, padding masked; a query also sees itself, so that
-    # no padding query's row is empty (its output is never read)
+
+def _visibility(
+    mask: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor, P: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Who sees whom (boolean attention masks): ``(U, 1, P, P)`` among the distinct prompts'
+    tokens, ``(B, 1, T, P + T)`` of the responses over their prompt and themselves. Causal
+    within a part, padding masked; a query also sees itself, so that no padding query's row is
+    empty (its output is never read)."""
+    B, L = mask.shape
+    T = L - P
+    device = mask.device
+    prompt_mask, response_mask = mask[first, :P], mask[:, P:]
     causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     eye_p = torch.eye(P, dtype=torch.bool, device=device)
     see_p = ((causal_p & prompt_mask[:, None, :]) | eye_p)[:, None]  # (U, 1, P, P)
@@ -101,6 +123,18 @@ def forward(
     see_own = (causal_r & response_mask[:, None, :]) | eye_r  # (B, T, T)
     see_prompt = prompt_mask[inverse][:, None, :].expand(B, T, P)
     see_r = torch.cat([see_prompt, see_own], dim=-1)[:, None]  # (B, 1, T, P + T)
+    return see_p, see_r
+
+
+def _layers(model, xp, xr, rot_p, rot_r, see_p, see_r, inverse) -> list[tuple]:
+    """Run the prompts ``xp (U, P, H)`` and the responses ``xr (B, T, H)`` through every layer,
+    each response reading its prompt's keys and values; ``rot_p``, ``rot_r``: their rotary
+    ``(cos, sin)``. Returns ``(xp, xr)`` before the first layer and after each."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    groups = heads // kv_heads
 
     def qkv(attn, h, cos, sin):
         N, n, _ = h.shape
@@ -109,16 +143,11 @@ def forward(
         v = attn.v_proj(h).view(N, n, kv_heads, head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    xp = inner.embed_tokens(input_ids[first, :P])
-    xr = inner.embed_tokens(input_ids[:, P:])
-    cos_p, sin_p = (t.unsqueeze(1) for t in inner.rotary_emb(xp, positions[first, :P]))
-    cos_r, sin_r = (t.unsqueeze(1) for t in inner.rotary_emb(xr, positions[:, P:]))
-    groups = heads // kv_heads
     states = [(xp, xr)]
-    for layer in inner.layers:
+    for layer in model.model.layers:
         attn = layer.self_attn
-        qp, kp, vp = qkv(attn, layer.input_layernorm(xp), cos_p, sin_p)
-        qr, kr, vr = qkv(attn, layer.input_layernorm(xr), cos_r, sin_r)
+        qp, kp, vp = qkv(attn, layer.input_layernorm(xp), *rot_p)
+        qr, kr, vr = qkv(attn, layer.input_layernorm(xr), *rot_r)
         keys = torch.cat([kp[inverse], kr], dim=2)  # every response reads its prompt's keys
         values = torch.cat([vp[inverse], vr], dim=2)
         xp = xp + attn.o_proj(_attend(attn, qp, kp, vp, see_p, groups))
@@ -126,16 +155,4 @@ def forward(
         xp = xp + layer.mlp(layer.post_attention_layernorm(xp))
         xr = xr + layer.mlp(layer.post_attention_layernorm(xr))
         states.append((xp, xr))
-    # the first response token is scored at the prompt's last position, the others at the
-    # response positions before them
-    first_logits = model.lm_head(inner.norm(xp[:, -1:]))[inverse]
-    logits = torch.cat([first_logits, model.lm_head(inner.norm(xr[:, :-1]))], dim=1)
-    hidden = None
-    if hidden_layers is not None:
-        last = len(states) - 1
-        states[last] = (inner.norm(xp), inner.norm(xr))  # as Hugging Face's hidden_states
-        hidden = torch.cat(
-            [torch.cat([states[i][0][inverse], states[i][1]], dim=1) for i in hidden_layers],
-            dim=-1,
-        )
-    return logits, hidden
+    return states

@@ -252,15 +252,7 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     resolve_max_new_tokens(cfg, task)
     policy, tokenizer, source = load_train_policy(cfg, task, log=log)
     policy.to(device)
-    decoder, why = resolve_decoder(
-        policy, cfg.sampling.decoder, cfg.sampling.use_model_generation_config
-    )
-    log(f"sampling decoder: {decoder} ({why})")
-    if cfg.sampling.tree.enabled and decoder != "fast":
-        raise UserError(
-            f"sampling.tree needs rredcot's fast decoder (it forks its KV cache), but {why}: "
-            "use a llama / qwen2 model with sampling.decoder auto, or turn sampling.tree off"
-        )
+    decoder = _sampling_decoder(cfg, policy, log)
     reference = None
     if cfg.kl_coef > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -278,23 +270,8 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
             device=device,
         ),
     )
-
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(policy, optimizer)
-    per_step = cfg.epochs_per_batch * cfg.minibatches  # optimiser steps per RL step
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps * per_step, cfg.steps * per_step)
-    )
-
-    train_pool = task.train_problems(max(4096, cfg.prompts_per_step * 8), seed=cfg.seed)
-    eval_set = task.eval_problems(cfg.eval_size, seed=cfg.seed)
-    if not train_pool:
-        raise ValueError(f"task {cfg.task!r} produced no training problems; check its data")
-    max_new = cfg.sampling.max_new_tokens
-    train_pool = prompts_that_fit(train_pool, policy, tokenizer, max_new, "train_pool", log)
-    eval_set = prompts_that_fit(eval_set, policy, tokenizer, max_new, "eval_set", log)
-
+    model, optimizer, scheduler = _optimiser(cfg, policy, accelerator)
+    train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
     if cfg.sampling.num_generations == 1:
         log(
             "warning: sampling.num_generations=1: each prompt's group is one sample, so its "
@@ -320,3 +297,45 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         train_pool=train_pool,
         eval_set=eval_set,
     )
+
+
+def _sampling_decoder(cfg: TrainConfig, policy, log) -> str:
+    """The sampling loop the run uses (``sampling.decoder``; logged); a tree needs the fast one."""
+    decoder, why = resolve_decoder(
+        policy, cfg.sampling.decoder, cfg.sampling.use_model_generation_config
+    )
+    log(f"sampling decoder: {decoder} ({why})")
+    if cfg.sampling.tree.enabled and decoder != "fast":
+        raise UserError(
+            f"sampling.tree needs rredcot's fast decoder (it forks its KV cache), but {why}: "
+            "use a llama / qwen2 model with sampling.decoder auto, or turn sampling.tree off"
+        )
+    return decoder
+
+
+def _optimiser(cfg: TrainConfig, policy, accelerator: Accelerator):
+    """``(model, optimizer, scheduler)``: AdamW over the policy's trainable parameters, both
+    prepared by ``accelerator``, and the LR schedule counted in optimiser steps."""
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(policy, optimizer)
+    per_step = cfg.epochs_per_batch * cfg.minibatches  # optimiser steps per RL step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps * per_step, cfg.steps * per_step)
+    )
+    return model, optimizer, scheduler
+
+
+def _prompt_sets(
+    cfg: TrainConfig, task: Task, policy, tokenizer, log
+) -> tuple[list[Problem], list[Problem]]:
+    """``(train_pool, eval_set)``: the task's problems for ``cfg.seed``, those that fit the
+    context with ``sampling.max_new_tokens`` new tokens."""
+    train_pool = task.train_problems(max(4096, cfg.prompts_per_step * 8), seed=cfg.seed)
+    eval_set = task.eval_problems(cfg.eval_size, seed=cfg.seed)
+    if not train_pool:
+        raise ValueError(f"task {cfg.task!r} produced no training problems; check its data")
+    max_new = cfg.sampling.max_new_tokens
+    train_pool = prompts_that_fit(train_pool, policy, tokenizer, max_new, "train_pool", log)
+    eval_set = prompts_that_fit(eval_set, policy, tokenizer, max_new, "eval_set", log)
+    return train_pool, eval_set

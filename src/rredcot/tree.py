@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rredcot.decode import Decoder, check_left_padded, next_token_scores
+from rredcot.decode import Decoder, check_left_padded, next_token_scores, prefill_prompts
 
 __all__ = ["TreeSample", "branch_points", "pick_forks", "sample_tree", "token_share_counts"]
 
@@ -51,6 +51,16 @@ class TreeSample:
     rounds: int  # decoding passes: 1 for the roots, then one per round of forks
     fork_depths: list[int]  # the response position of every branch point taken
     entropies: list[list[float]]  # per row, the sampling distribution's entropy at each token
+
+
+@dataclass
+class _Prompts:
+    """The prompts' one prefill, which every round of a tree reads."""
+
+    decoder: Decoder  # the roots' decoder; its cache holds the prompts' keys and values
+    logits: Tensor  # (U, V) next-token logits after each prompt
+    bias: Tensor  # (U * kv, 1, P) 0 on a prompt's tokens, -inf on its left padding
+    last_position: Tensor  # (U,) rotary position of each prompt's last token
 
 
 def pick_forks(
@@ -177,7 +187,6 @@ def sample_tree(
     mask = attention_mask.bool()
     check_left_padded(mask)
     U, P = input_ids.shape
-    device = input_ids.device
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     settings = dict(
@@ -187,117 +196,172 @@ def sample_tree(
         temperature=temperature,
         top_p=top_p,
     )
-
-    # the roots: one prefill per prompt, as decode.generate
-    first = Decoder(policy, U, roots, P, max(max_new_tokens, 1))
-    dtype = first.cache.keys.dtype
-    kv = first.kv_heads
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    allowed = (causal & mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-    prefill_bias = torch.zeros(U, 1, P, P, dtype=dtype, device=device)
-    prefill_bias.masked_fill_(~allowed[:, None], float("-inf"))
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    prompt_logits = first.prefill(input_ids, positions, prefill_bias)  # (U, V)
-    prompt_bias = torch.zeros(U, P, dtype=dtype, device=device).masked_fill_(~mask, -torch.inf)
-    prompt_bias = prompt_bias.repeat_interleave(kv, dim=0)[:, None]
-    last_position = positions[:, -1]
-
-    leaves: list[list[_Leaf]] = [[] for _ in range(U)]
-    generated = refed = 0
-    rounds = 0
+    prompts = _prefill(policy, input_ids, attention_mask, roots, max_new_tokens)
+    leaves = _grow_roots(prompts, roots, settings)
+    generated = sum(len(leaf.tokens) for tree in leaves for leaf in tree)
+    refed = 0
+    rounds = 1 if max_new_tokens > 0 else 0
     fork_depths: list[int] = []
-    if max_new_tokens > 0:
-        new, ents = _grow(
-            first,
-            prompt_logits.repeat_interleave(roots, dim=0),
-            [0] * (U * roots),
-            -1,
-            last_position.repeat_interleave(roots),
-            prompt_bias,
-            None,
-            **settings,
-        )
-        rounds = 1
-        for i, (toks, ent) in enumerate(zip(new, ents)):
-            leaves[i // roots].append(_Leaf(toks, ent, first.cache, i, 0))
-            generated += len(toks)
-    else:
-        for u in range(U):
-            leaves[u] = [_Leaf([], [], first.cache, 0, 0) for _ in range(roots)]
-
     forked: list[set[tuple[int, ...]]] = [set() for _ in range(U)]
     while max_new_tokens > 0 and len(leaves[0]) < num_leaves:
         f = min(forks_per_round, num_leaves - len(leaves[0]))
         plan = [_plan_forks(leaves[u], forked[u], f, fork_rule, candidates) for u in range(U)]
         forks = [(u, parent, b) for u in range(U) for parent, b in plan[u]]
-        depths = [b for _, _, b in forks]
-        fork_depths.extend(d for d in depths if d > 0)
-        # row i's prefix tokens [0, b_i - 1) sit in the columns just before `column`, where its
-        # token b_i - 1 is re-fed; a row with b_i = 0 starts after it
-        column = max(depths) - 1
-        decoder = Decoder(policy, U, f, P, column + 1 + max_new_tokens)
-        decoder.cache.prompt_keys = first.cache.prompt_keys
-        decoder.cache.prompt_values = first.cache.prompt_values
-        columns = decoder.cache.keys.shape[1]
-        # columns a row does not use are hidden by -inf, and -inf + garbage may be NaN: zero them
-        decoder.cache.keys[:, : column + 1].zero_()
-        decoder.cache.values[:, : column + 1].zero_()
-        decoded_bias = torch.zeros(columns, U * f * kv, 1, dtype=dtype, device=device)
-        feed = torch.full((U * f,), pad_token_id, dtype=torch.long, device=device)
-        row_positions = last_position.repeat_interleave(f).clone()
-        for i, (u, parent, b) in enumerate(forks):
-            rows = slice(i * kv, (i + 1) * kv)
-            decoded_bias[: column + 1 - b, rows] = float("-inf")
-            if b >= 1:
-                src = leaves[u][parent]
-                n = b - 1
-                src_rows = slice(src.row * kv, (src.row + 1) * kv)
-                at = src.first_column
-                cache = decoder.cache
-                cache.keys[:, column - n : column, rows] = src.cache.keys[:, at : at + n, src_rows]
-                cache.values[:, column - n : column, rows] = src.cache.values[
-                    :, at : at + n, src_rows
-                ]
-                feed[i] = src.tokens[b - 1]
-                row_positions[i] = last_position[u] + b
-                refed += 1
-        if column >= 0:
-            logits = decoder.step(
-                feed[:, None], row_positions[:, None], column, prompt_bias, decoded_bias
-            )
-            root_rows = [i for i, b in enumerate(depths) if b == 0]
-            if root_rows:
-                idx = torch.tensor(root_rows, device=device)
-                logits[idx] = prompt_logits[torch.tensor([forks[i][0] for i in root_rows])]
-        else:
-            logits = prompt_logits.repeat_interleave(f, dim=0)
-        new, ents = _grow(
-            decoder,
-            logits,
-            depths,
-            column,
-            last_position.repeat_interleave(f),
-            prompt_bias,
-            decoded_bias,
-            **settings,
-        )
+        fork_depths.extend(b for _, _, b in forks if b > 0)
+        new_tokens, new_refed = _grow_forks(policy, prompts, leaves, forks, f, P, settings)
+        generated += new_tokens
+        refed += new_refed
         rounds += 1
-        for i, ((u, parent, b), toks, ent) in enumerate(zip(forks, new, ents)):
-            src = leaves[u][parent]
-            prefix, prefix_ent = src.tokens[:b], src.entropies[:b]
-            leaves[u].append(
-                _Leaf(prefix + toks, prefix_ent + ent, decoder.cache, i, column + 1 - b)
-            )
-            generated += len(toks)
+    response = _response_ids(leaves, pad_token_id, input_ids.device)
+    entropies = [leaf.entropies for tree in leaves for leaf in tree]
+    return TreeSample(response, generated, refed, rounds, fork_depths, entropies)
 
+
+def _prefill(
+    policy, input_ids: Tensor, attention_mask: Tensor, roots: int, max_new_tokens: int
+) -> _Prompts:
+    """One prefill of the ``(U, P)`` left-padded prompts (:func:`rredcot.decode.prefill_prompts`,
+    as :func:`rredcot.decode.generate` does), in a decoder with room for ``roots`` samples per
+    prompt."""
+    U, P = input_ids.shape
+    decoder = Decoder(policy, U, roots, P, max(max_new_tokens, 1))
+    logits, last_position, bias = prefill_prompts(decoder, input_ids, attention_mask)
+    return _Prompts(decoder, logits, bias, last_position)
+
+
+def _grow_roots(prompts: _Prompts, roots: int, settings: dict) -> list[list[_Leaf]]:
+    """Each prompt's ``roots`` independent completions (empty ones if ``max_new_tokens`` is 0),
+    sampled in the prefill's decoder."""
+    first = prompts.decoder
+    U = prompts.logits.shape[0]
+    if settings["max_new_tokens"] <= 0:
+        return [[_Leaf([], [], first.cache, 0, 0) for _ in range(roots)] for _ in range(U)]
+    new, ents = _grow(
+        first,
+        prompts.logits.repeat_interleave(roots, dim=0),
+        [0] * (U * roots),
+        -1,
+        prompts.last_position.repeat_interleave(roots),
+        prompts.bias,
+        None,
+        **settings,
+    )
+    leaves: list[list[_Leaf]] = [[] for _ in range(U)]
+    for i, (toks, ent) in enumerate(zip(new, ents)):
+        leaves[i // roots].append(_Leaf(toks, ent, first.cache, i, 0))
+    return leaves
+
+
+def _grow_forks(
+    policy,
+    prompts: _Prompts,
+    leaves: list[list[_Leaf]],
+    forks: list[tuple[int, int, int]],
+    f: int,
+    P: int,
+    settings: dict,
+) -> tuple[int, int]:
+    """One round: sample a continuation from each ``(prompt, parent leaf, depth)`` of ``forks``
+    (``f`` per prompt, prompt-major) in a new decoder, and append the new leaves to ``leaves``.
+    Returns ``(tokens generated, prefix tokens re-fed)``."""
+    depths = [b for _, _, b in forks]
+    # row i's prefix tokens [0, b_i - 1) sit in the columns just before `column`, where its
+    # token b_i - 1 is re-fed; a row with b_i = 0 starts after it
+    column = max(depths) - 1
+    decoder, decoded_bias = _branch_decoder(policy, prompts, f, P, column, settings)
+    logits, refed = _feed_prefixes(
+        decoder, decoded_bias, prompts, leaves, forks, f, column, settings
+    )
+    new, ents = _grow(
+        decoder,
+        logits,
+        depths,
+        column,
+        prompts.last_position.repeat_interleave(f),
+        prompts.bias,
+        decoded_bias,
+        **settings,
+    )
+    generated = 0
+    for i, ((u, parent, b), toks, ent) in enumerate(zip(forks, new, ents)):
+        src = leaves[u][parent]
+        prefix, prefix_ent = src.tokens[:b], src.entropies[:b]
+        leaves[u].append(_Leaf(prefix + toks, prefix_ent + ent, decoder.cache, i, column + 1 - b))
+        generated += len(toks)
+    return generated, refed
+
+
+def _branch_decoder(
+    policy, prompts: _Prompts, f: int, P: int, column: int, settings: dict
+) -> tuple[Decoder, Tensor]:
+    """A decoder for ``f`` branches per prompt that shares the prompts' cache, with room for
+    ``column + 1`` prefix columns (zeroed) before the new tokens; and its decoded-column bias
+    ``(columns, U * f * kv, 1)``, all 0 (:func:`_feed_prefixes` hides what a row does not use)."""
+    first = prompts.decoder
+    U = prompts.logits.shape[0]
+    decoder = Decoder(policy, U, f, P, column + 1 + settings["max_new_tokens"])
+    decoder.cache.prompt_keys = first.cache.prompt_keys
+    decoder.cache.prompt_values = first.cache.prompt_values
+    columns = decoder.cache.keys.shape[1]
+    # columns a row does not use are hidden by -inf, and -inf + garbage may be NaN: zero them
+    decoder.cache.keys[:, : column + 1].zero_()
+    decoder.cache.values[:, : column + 1].zero_()
+    dtype, device = first.cache.keys.dtype, prompts.bias.device
+    decoded_bias = torch.zeros(columns, U * f * first.kv_heads, 1, dtype=dtype, device=device)
+    return decoder, decoded_bias
+
+
+def _feed_prefixes(
+    decoder: Decoder,
+    decoded_bias: Tensor,
+    prompts: _Prompts,
+    leaves: list[list[_Leaf]],
+    forks: list[tuple[int, int, int]],
+    f: int,
+    column: int,
+    settings: dict,
+) -> tuple[Tensor, int]:
+    """Copy each branch's prefix keys and values from its parent's cache into the columns before
+    ``column``, hide the columns it does not use, and re-feed its last prefix token at
+    ``column`` (``f`` branches per prompt). Returns the branches' first next-token logits ``(U * f, V)`` (a new root's are its
+    prompt's) and the count of re-fed tokens."""
+    kv, device = prompts.decoder.kv_heads, prompts.bias.device
+    feed = torch.full((len(forks),), settings["pad_token_id"], dtype=torch.long, device=device)
+    row_positions = prompts.last_position.repeat_interleave(f).clone()
+    refed = 0
+    cache = decoder.cache
+    for i, (u, parent, b) in enumerate(forks):
+        rows = slice(i * kv, (i + 1) * kv)
+        decoded_bias[: column + 1 - b, rows] = float("-inf")
+        if b >= 1:
+            src = leaves[u][parent]
+            n = b - 1
+            src_rows = slice(src.row * kv, (src.row + 1) * kv)
+            at = src.first_column
+            cache.keys[:, column - n : column, rows] = src.cache.keys[:, at : at + n, src_rows]
+            cache.values[:, column - n : column, rows] = src.cache.values[:, at : at + n, src_rows]
+            feed[i] = src.tokens[b - 1]
+            row_positions[i] = prompts.last_position[u] + b
+            refed += 1
+    if column < 0:  # every branch is a new root
+        return prompts.logits.repeat_interleave(f, dim=0), refed
+    logits = decoder.step(feed[:, None], row_positions[:, None], column, prompts.bias, decoded_bias)
+    root_rows = [i for i, (_, _, b) in enumerate(forks) if b == 0]
+    if root_rows:
+        idx = torch.tensor(root_rows, device=device)
+        logits[idx] = prompts.logits[torch.tensor([forks[i][0] for i in root_rows])]
+    return logits, refed
+
+
+def _response_ids(leaves: list[list[_Leaf]], pad_token_id: int, device) -> Tensor:
+    """``(U * G, T)`` the leaves' tokens, prompt-major, right-padded with ``pad_token_id``."""
     rows = [leaf.tokens for tree in leaves for leaf in tree]
     T = max((len(r) for r in rows), default=0)
     response = torch.full((len(rows), T), pad_token_id, dtype=torch.long, device=device)
     for i, r in enumerate(rows):
         if r:
             response[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
-    entropies = [leaf.entropies for tree in leaves for leaf in tree]
-    return TreeSample(response, generated, refed, rounds, fork_depths, entropies)
+    return response
 
 
 def _plan_forks(

@@ -576,35 +576,9 @@ def _fmt_probability(summary: dict[str, Any], key: str) -> str:
 
 
 def learn_markdown(report: dict[str, Any]) -> str:
+    """``learn.md``: the settings, one table row per variant, what the columns mean, the plots."""
     agg = report
-    rows = []
-    for s in agg["summary"]:
-        var0 = next(iter(sorted(s["grad_variance"].items())), (None, {}))[1]
-        var_last = (sorted(s["grad_variance"].items()) or [(None, {})])[-1][1]
-        rows.append(
-            [
-                s["variant"],
-                len(s["seeds"]),
-                fmt_mean_std(s["final_accuracy_mean"], s["final_accuracy_std"]),
-                _fmt_paired(s["final_vs_reference"], s["variant"] == s["reference"]),
-                fmt_mean_std(s["mean_accuracy_mean"], s["mean_accuracy_std"]),
-                _fmt_paired(s["mean_accuracy_vs_reference"], s["variant"] == s["reference"]),
-                _fmt_interval(s["mean_accuracy_interval"]),
-                _fmt_probability(s, "mean_accuracy_improvement_probability"),
-                fmt(s["any_below_warm_start"]),
-                s["target_reached"],
-                fmt_mean_std(s["tokens_to_target_mean"], s["tokens_to_target_std"], ".0f"),
-                _fmt_paired(
-                    s["tokens_to_target_vs_reference"], s["variant"] == s["reference"], ".0f"
-                ),
-                fmt(s["seconds_to_target_mean"], ".0f"),
-                fmt(s["policy_tokens_mean"], ".0f"),
-                fmt(s["extra_generated_tokens_mean"], ".0f"),
-                fmt(s["train_seconds_mean"], ".0f"),
-                fmt(var0.get("grad_var_trace_mean"), ".3g"),
-                fmt(var_last.get("grad_var_trace_mean"), ".3g"),
-            ]
-        )
+    rows = [_learn_row(s) for s in agg["summary"]]
     cfg = agg["config"]
     ref = agg["summary"][0]["reference"] if agg["summary"] else "-"
     lines = [
@@ -617,30 +591,69 @@ def learn_markdown(report: dict[str, Any]) -> str:
         f"{fmt(agg['warm_start_accuracy'])} (mean over seeds; each seed evaluates on its own "
         f"held-out set); target accuracy: {agg['target_rule']}.",
         "",
-        markdown_table(
-            [
-                "method",
-                "seeds",
-                "final acc",
-                f"final − {ref} (paired)",
-                "mean acc in training",
-                f"mean acc − {ref} (paired)",
-                "mean acc, IQM [95% CI]",
-                f"P(mean acc > {ref})",
-                "any seed below warm start",
-                "reached target",
-                "tokens to target",
-                f"tokens to target − {ref} (paired; unreached = budget)",
-                "s to target",
-                "policy tokens",
-                "extra gen. tokens",
-                "train s",
-                "PG var @ start",
-                "PG var @ end",
-            ],
-            rows,
-        ),
+        markdown_table(_learn_columns(ref), rows),
         "",
+        *_learn_notes(ref, cfg["variance_minibatch"]),
+        "",
+    ]
+    lines += [f"![{f}]({f})" for f in agg.get("plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _learn_columns(ref: str) -> list[str]:
+    """The table's header; paired columns compare with the reference variant ``ref``."""
+    return [
+        "method",
+        "seeds",
+        "final acc",
+        f"final − {ref} (paired)",
+        "mean acc in training",
+        f"mean acc − {ref} (paired)",
+        "mean acc, IQM [95% CI]",
+        f"P(mean acc > {ref})",
+        "any seed below warm start",
+        "reached target",
+        "tokens to target",
+        f"tokens to target − {ref} (paired; unreached = budget)",
+        "s to target",
+        "policy tokens",
+        "extra gen. tokens",
+        "train s",
+        "PG var @ start",
+        "PG var @ end",
+    ]
+
+
+def _learn_row(s: dict[str, Any]) -> list:
+    """One variant's row of the table (:func:`_learn_columns`) from its summary ``s``."""
+    var0 = next(iter(sorted(s["grad_variance"].items())), (None, {}))[1]
+    var_last = (sorted(s["grad_variance"].items()) or [(None, {})])[-1][1]
+    is_reference = s["variant"] == s["reference"]
+    return [
+        s["variant"],
+        len(s["seeds"]),
+        fmt_mean_std(s["final_accuracy_mean"], s["final_accuracy_std"]),
+        _fmt_paired(s["final_vs_reference"], is_reference),
+        fmt_mean_std(s["mean_accuracy_mean"], s["mean_accuracy_std"]),
+        _fmt_paired(s["mean_accuracy_vs_reference"], is_reference),
+        _fmt_interval(s["mean_accuracy_interval"]),
+        _fmt_probability(s, "mean_accuracy_improvement_probability"),
+        fmt(s["any_below_warm_start"]),
+        s["target_reached"],
+        fmt_mean_std(s["tokens_to_target_mean"], s["tokens_to_target_std"], ".0f"),
+        _fmt_paired(s["tokens_to_target_vs_reference"], is_reference, ".0f"),
+        fmt(s["seconds_to_target_mean"], ".0f"),
+        fmt(s["policy_tokens_mean"], ".0f"),
+        fmt(s["extra_generated_tokens_mean"], ".0f"),
+        fmt(s["train_seconds_mean"], ".0f"),
+        fmt(var0.get("grad_var_trace_mean"), ".3g"),
+        fmt(var_last.get("grad_var_trace_mean"), ".3g"),
+    ]
+
+
+def _learn_notes(ref: str, variance_minibatch) -> list[str]:
+    """What the table's columns mean."""
+    return [
         "- final acc: last held-out greedy accuracy, mean ± std over seeds; tokens / s to target: "
         "mean over the seeds that reached it.",
         "- mean acc in training: mean of each run's held-out accuracies after step 0 (the area "
@@ -652,12 +665,9 @@ def learn_markdown(report: dict[str, Any]) -> str:
         f"and P(mean acc > {ref}): the probability of improvement with its interval, both from "
         "`rliable`.",
         "- PG var: bootstrap trace of the covariance of a minibatch policy-gradient estimate "
-        f"({cfg['variance_minibatch']} prompt groups per minibatch) on a fixed probe batch, at "
+        f"({variance_minibatch} prompt groups per minibatch) on a fixed probe batch, at "
         "the start and the end of the budget (see `bench/learn.py`).",
-        "",
     ]
-    lines += [f"![{f}]({f})" for f in agg.get("plots", [])]
-    return "\n".join(lines) + "\n"
 
 
 def run_learn_bench(cfg: LearnBenchConfig, log=print) -> dict[str, Any]:

@@ -109,44 +109,9 @@ def answer_values(
     probe = probe or ProbeFormat()
     answers = probe_answers(batch, task, answer_source, probe.renderings)
     probes, _ = build_probes(batch, tokenizer, task, answers, probe)
-    use_packed = packing == "packed"
-    if packing == "auto":
-        use_packed = packing_supported(policy)
-        if not use_packed:
-            impl = getattr(policy.config, "_attn_implementation", None)
-            warnings.warn(
-                f"answer_likelihood: attention implementation {impl!r} may not take a custom 4D "
-                f"mask; probing with one row per probe: {_fallback_cost(batch, probes)}. Load the "
-                "policy with attn_implementation='sdpa' or 'eager' to pack the probes.",
-                stacklevel=2,
-            )
     budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
-    with eval_mode(policy):
-        logprobs, forwarded = None, 0
-        if use_packed and probes:
-            try:
-                logprobs, forwarded = packed_probe_logprobs(policy, batch, probes, **budget)
-            except (RuntimeError, ValueError, TypeError) as err:
-                if packing == "packed":
-                    raise
-                warnings.warn(
-                    f"answer_likelihood: the packed probe pass failed ({type(err).__name__}: "
-                    f"{err}); falling back to one row per probe: {_fallback_cost(batch, probes)}",
-                    stacklevel=2,
-                )
-                use_packed = False
-        if logprobs is None:
-            logprobs, forwarded = unpacked_probe_logprobs(policy, batch, probes, **budget)
-
-    n = batch.num_segments
-    S = int(n.max()) if len(n) else 0
-    values = torch.zeros(batch.size, S + 1, dtype=torch.float)
-    for p, lp in zip(probes, logprobs):
-        values[p.row, p.k] += float(lp.sum().exp())
-    values = values.clamp(max=1.0)
-    rows = torch.arange(batch.size)
-    values[rows, n] = batch.rewards.detach().float().cpu()
-    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    logprobs, forwarded, use_packed = _probe_logprobs(policy, batch, probes, packing, budget)
+    values, mask = _values_from_probes(batch, probes, logprobs)
     device = batch.rewards.device
     probed_rows = [a for a in answers if a]
     stats = {
@@ -160,6 +125,59 @@ def answer_values(
         "credit/empty_answer_sets": float(sum(1 for a in answers if not a)),
     }
     return values.to(device), mask.to(device), stats
+
+
+def _probe_logprobs(
+    policy, batch: RolloutBatch, probes: list, packing: str, budget: dict
+) -> tuple[list[Tensor], int, bool]:
+    """``(log-probs of each probe's tokens, tokens forwarded, packed or not)``: packed where
+    ``packing`` asks for it or ``auto`` finds the attention takes a custom 4D mask, else (or
+    where an ``auto`` packed pass raises) one row per probe, with a warning."""
+    use_packed = packing == "packed"
+    if packing == "auto":
+        use_packed = packing_supported(policy)
+        if not use_packed:
+            impl = getattr(policy.config, "_attn_implementation", None)
+            warnings.warn(
+                f"answer_likelihood: attention implementation {impl!r} may not take a custom 4D "
+                f"mask; probing with one row per probe: {_fallback_cost(batch, probes)}. Load the "
+                "policy with attn_implementation='sdpa' or 'eager' to pack the probes.",
+                stacklevel=3,
+            )
+    with eval_mode(policy):
+        logprobs, forwarded = None, 0
+        if use_packed and probes:
+            try:
+                logprobs, forwarded = packed_probe_logprobs(policy, batch, probes, **budget)
+            except (RuntimeError, ValueError, TypeError) as err:
+                if packing == "packed":
+                    raise
+                warnings.warn(
+                    f"answer_likelihood: the packed probe pass failed ({type(err).__name__}: "
+                    f"{err}); falling back to one row per probe: {_fallback_cost(batch, probes)}",
+                    stacklevel=3,
+                )
+                use_packed = False
+        if logprobs is None:
+            logprobs, forwarded = unpacked_probe_logprobs(policy, batch, probes, **budget)
+    return logprobs, forwarded, use_packed
+
+
+def _values_from_probes(
+    batch: RolloutBatch, probes: list, logprobs: list[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """``(values (B, S+1), value_mask (B, S+1))`` on the CPU: ``V(s_k)`` the summed probability
+    of row ``b``'s probes at boundary ``k`` (capped at 1), ``V(s_n) = R``."""
+    n = batch.num_segments
+    S = int(n.max()) if len(n) else 0
+    values = torch.zeros(batch.size, S + 1, dtype=torch.float)
+    for p, lp in zip(probes, logprobs):
+        values[p.row, p.k] += float(lp.sum().exp())
+    values = values.clamp(max=1.0)
+    rows = torch.arange(batch.size)
+    values[rows, n] = batch.rewards.detach().float().cpu()
+    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    return values, mask
 
 
 def prefix_features(values: Tensor, value_mask: Tensor) -> Tensor:
