@@ -390,14 +390,6 @@ def agreeing_group_share(rewards: torch.Tensor, group_ids: torch.Tensor, below: 
     return float(agreeing.float().mean())
 
 
-def segment_mask(batch: RolloutBatch, device: torch.device | None = None) -> torch.Tensor:
-    """``(B, S)`` bool: the valid segments of each row."""
-    n = batch.num_segments
-    max_s = int(n.max()) if len(n) else 0
-    mask = torch.arange(max_s).unsqueeze(0) < n.unsqueeze(1)
-    return mask if device is None else mask.to(device)
-
-
 # ---------------------------------------------------------------------------------------------
 # registry
 
