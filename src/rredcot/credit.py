@@ -120,6 +120,17 @@ class Cost:
     extra_backward_tokens: float = 0.0  # ... of which also through a backward pass
     extra_generated_tokens: float = 0.0  # tokens sampled for it (they count against budgets)
 
+    @classmethod
+    def split_from(cls, stats: dict[str, float]) -> tuple[Cost, dict[str, float]]:
+        """``(the cost a pass reported in stats, the other stats)``: a pass's
+        ``credit/extra_forward_tokens`` and ``credit/extra_generated_tokens`` (0 if absent)."""
+        rest = dict(stats)
+        cost = cls(
+            extra_forward_tokens=rest.pop("credit/extra_forward_tokens", 0.0),
+            extra_generated_tokens=rest.pop("credit/extra_generated_tokens", 0.0),
+        )
+        return cost, rest
+
     def metrics(self) -> dict[str, float]:
         return {
             "credit/extra_forward_tokens": float(self.extra_forward_tokens),

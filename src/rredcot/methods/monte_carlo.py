@@ -311,10 +311,7 @@ class MonteCarloCredit(CreditMethod):
     def rows(self, batch: RolloutBatch) -> CreditRows:
         """The batch's rows with the Monte Carlo values of their boundaries."""
         values, mask, stats = self.rollout_values(batch)
-        cost = Cost(
-            extra_forward_tokens=stats.pop("credit/extra_forward_tokens"),
-            extra_generated_tokens=stats.pop("credit/extra_generated_tokens"),
-        )
+        cost, stats = Cost.split_from(stats)
         return CreditRows.of(batch).replace(
             values=values, value_mask=mask, cost=cost, metrics=stats
         )

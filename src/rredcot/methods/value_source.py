@@ -59,11 +59,7 @@ class ValueSourceCredit(CreditMethod):
     # -- the contract ---------------------------------------------------------------------------
     def rows(self, batch: RolloutBatch) -> CreditRows:
         values, mask, stats = self.boundary_values(batch)
-        stats = dict(stats)
-        cost = Cost(
-            extra_forward_tokens=stats.pop("credit/extra_forward_tokens", 0.0),
-            extra_generated_tokens=stats.pop("credit/extra_generated_tokens", 0.0),
-        )
+        cost, stats = Cost.split_from(stats)
         return CreditRows.of(batch).replace(
             values=values, value_mask=mask, cost=cost, metrics=stats
         )
