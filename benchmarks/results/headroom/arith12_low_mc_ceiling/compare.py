@@ -1,6 +1,7 @@
 """The Monte Carlo oracle (K = 16) against GRPO and the pooled oracle on the reporting seeds:
 per-seed mean held-out accuracy after step 0 (bench learn's `mean acc in training`), paired
 differences with scipy's t-test."""
+
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ for ref in ("uniform", "oracle_pooled"):
     diffs = [a - b for a, b in zip(mc, base)]
     t = stats.ttest_1samp(diffs, 0.0) if len(diffs) > 1 else None
     sem = stats.sem(diffs) if len(diffs) > 1 else float("nan")
-    print(f"oracle_mc - {ref}: seeds {seeds}, per seed {[round(d, 4) for d in diffs]}, "
-          f"mean {sum(diffs) / len(diffs):+.4f} ± {sem:.4f} (sem), p = {t.pvalue if t else float('nan'):.3g}")
+    print(
+        f"oracle_mc - {ref}: seeds {seeds}, per seed {[round(d, 4) for d in diffs]}, "
+        f"mean {sum(diffs) / len(diffs):+.4f} ± {sem:.4f} (sem), p = {t.pvalue if t else float('nan'):.3g}"
+    )
 print("oracle_mc mean acc per seed", [round(m, 4) for m in mc])
