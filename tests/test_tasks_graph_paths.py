@@ -116,7 +116,7 @@ def test_default_warmstarts_take_the_task_settings_then_the_preset(monkeypatch, 
     assert bands == [
         ("graph_paths", 0.3, 0.6, graph.suggested_max_new_tokens()),
         ("arithmetic", 0.5, 0.75, 136),
-        ("arithmetic", 0.1, 0.35, 136),
+        ("arithmetic", 0.25, 0.4, 136),
     ]
     assert len({c.out for c in built}) == 3  # each cached on its own
     with pytest.raises(ValueError, match="unknown warm-start preset 'mid'; valid: edge, low"):

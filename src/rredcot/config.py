@@ -52,7 +52,7 @@ class ModelConfig:
     tiny_num_heads: int = help_field("Attention heads of the built-in tiny Llama.", default=4)
     tiny_warmstart: str = help_field(
         "How far the built-in tiny Llama's cached warm-start is trained: edge (the task's edge "
-        "of competence) or low (10-35% greedy accuracy, most groups all wrong; rredcot.sft."
+        "of competence) or low (25-40% greedy accuracy, most groups all wrong; rredcot.sft."
         "WARMSTART_PRESETS).",
         default="edge",
     )

@@ -223,12 +223,15 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
 
 WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     "edge": {},
-    # most groups all wrong: GRPO learns nothing from them (the headroom testbeds, issue 26)
-    "low": {"target_accuracy": 0.1, "max_accuracy": 0.35},
+    # most groups all wrong: GRPO learns nothing from them (the headroom testbeds, issue 26).
+    # A narrow band checked every 25 steps: builds of the same settings on other CPUs differ in
+    # float rounding, and a wide band let one build stop at 31% and another at 16%, two testbeds
+    # with different headroom (benchmarks/results/headroom/).
+    "low": {"target_accuracy": 0.25, "max_accuracy": 0.4, "eval_every": 25},
 }
 """Named warm-starts of the tiny model (``--model.tiny_warmstart``): ``SFTConfig`` overrides
 on top of the task's own ``warmstart_settings``. ``edge``: the task's edge of competence;
-``low``: stopped at 10-35% greedy accuracy, so that most groups' rewards are all 0."""
+``low``: stopped at 25-40% greedy accuracy, so that most groups' rewards are all 0."""
 
 
 def warmstart_preset(name: str) -> dict[str, Any]:
