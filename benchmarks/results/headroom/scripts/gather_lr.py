@@ -1,0 +1,105 @@
+"""Aggregate learn-bench runs trained at several learning rates, each lr in its own --out
+(`<root>/lr<LR>/runs/<variant>/seed<k>`), with rredcot's own bench-learn aggregation.
+
+    python gather_lr.py ROOT tune  SEEDS            # per lr: every variant; then each variant's
+                                                    # lr with the best mean accuracy (chosen.txt)
+    python gather_lr.py ROOT report SEEDS OUT VARIANT=LR ...   # one report at the chosen rates
+
+SEEDS: first:count. The run settings (budget, evaluation, task) are read from a run's config.yaml.
+"""
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from rredcot.bench.configs import LearnBenchConfig
+from rredcot.bench.learn import aggregate, learn_markdown, plot_learning
+from rredcot.bench.report import write_report
+from rredcot.bench.variants import parse_variants
+
+SPECS = {
+    "uniform": "uniform",
+    "value_head": "value_head",
+    "oracle_pooled": "oracle:oracle.values=pooled",
+    "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
+}
+
+
+def bench_config(root: Path, methods: str, first: int, n: int, out: Path) -> LearnBenchConfig:
+    run = yaml.safe_load(next(root.glob("lr*/runs/*/seed*/config.yaml")).read_text())
+    return LearnBenchConfig(
+        methods=methods,
+        seeds=n,
+        first_seed=first,
+        out=str(out),
+        budget_tokens=run["max_tokens_generated"],
+        eval_every=run["eval_every"],
+        eval_size=run["eval_size"],
+        steps_max=run["steps"],
+        task=run["task"],
+        task_args=dict(run["task_args"]),
+        overrides={"model.tiny_warmstart": run["model"]["tiny_warmstart"], "threads": "1"},
+    )
+
+
+def report(cfg: LearnBenchConfig, out: Path, extra: dict) -> dict:
+    variants = parse_variants(cfg.methods)
+    seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
+    agg = aggregate(cfg, variants, seeds)
+    run = yaml.safe_load(next(Path(cfg.out).glob("runs/*/seed*/config.yaml")).read_text())
+    init = f"{run['init']} (model.tiny_warmstart={run['model']['tiny_warmstart']})"
+    body = {"config": dataclasses.asdict(cfg), "init": init, "seeds": seeds, **extra, **agg}
+    body["plots"] = plot_learning(agg, out)
+    write_report(body, out, "learn", learn_markdown)
+    return agg
+
+
+def spec(name: str) -> str:
+    return name if SPECS[name] == name else f"{name}={SPECS[name]}"
+
+
+def main() -> None:
+    root, mode, seeds = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    first, n = (int(x) for x in seeds.split(":"))
+    if mode == "tune":
+        lines = []
+        best: dict[str, tuple[float, str]] = {}
+        for lr_dir in sorted(root.glob("lr*"), key=lambda p: float(p.name[2:])):
+            names = sorted(
+                p.name
+                for p in (lr_dir / "runs").iterdir()
+                if all((p / f"seed{s}" / "result.json").exists() for s in range(first, first + n))
+            )
+            if not names:
+                continue
+            cfg = bench_config(root, ",".join(spec(v) for v in names), first, n, lr_dir)
+            agg = report(cfg, lr_dir, {"lr": float(lr_dir.name[2:])})
+            for row in agg["summary"]:
+                m = row["mean_accuracy_mean"]
+                lines.append(f"{row['variant']:14s} lr {lr_dir.name[2:]:8s} mean acc {m:.4f} "
+                             f"per seed {row['mean_accuracy']} final {row['final_accuracy']}")
+                if m > best.get(row["variant"], (-1.0, ""))[0]:
+                    best[row["variant"]] = (m, lr_dir.name[2:])
+        lines += [f"{v} chosen lr {lr} (mean acc {m:.4f})" for v, (m, lr) in sorted(best.items())]
+        (root / "chosen.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
+    out = Path(sys.argv[4])
+    chosen = dict(arg.split("=") for arg in sys.argv[5:])
+    for name, lr in chosen.items():
+        for s in range(first, first + n):
+            src = root / f"lr{lr}" / "runs" / name / f"seed{s}"
+            dst = out / "runs" / name / f"seed{s}"
+            if not dst.exists():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints", "plots"))
+    cfg = bench_config(root, ",".join(spec(v) for v in chosen), first, n, out)
+    report(cfg, out, {"learning_rates": {k: float(v) for k, v in chosen.items()}})
+    print((out / "learn.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
