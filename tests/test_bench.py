@@ -149,10 +149,22 @@ def test_parse_variants_names_methods_and_overrides():
     }
 
 
+def test_parse_variants_keeps_a_segmenters_own_options():
+    (merge, entropy) = parse_variants(
+        "m=value_head:segmenter=newline+merge:fraction=0.5:lam=0,"
+        "e=value_head:lam=0.5:segmenter=entropy:top=0.2"
+    )
+    assert merge.overrides == {"credit.segmenter": "newline+merge:fraction=0.5", "credit.lam": "0"}
+    assert merge.credit_config().segmenter == "newline+merge:fraction=0.5"
+    assert entropy.overrides == {"credit.lam": "0.5", "credit.segmenter": "entropy:top=0.2"}
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
         ("nope", "unknown credit method"),
+        ("value_head:fraction=0.5", "unknown variant key 'fraction'"),
+        ("value_head:segmenter=newline+merge:bogus=1", "newline\\+merge: give target=N"),
         ("value_head:bogus=1", "unknown variant key"),
         ("value_head:lam", "not key=value"),
         ("value_head:lam=2", "lam"),

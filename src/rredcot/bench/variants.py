@@ -8,7 +8,8 @@ docs/method.md (failure modes) runs next to the default::
 Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...) or of its sections
 (``value_head.lr``, ``handover.mode``), dotted ``TrainConfig`` paths (``sampling.temperature``) or
 top-level ``TrainConfig`` fields (``lr``). Without a name the variant is called by its whole
-spec (``value_head:lam=0``), or by the method when there are no overrides.
+spec (``value_head:lam=0``), or by the method when there are no overrides. A segmenter with
+options keeps them: ``vh_merge=value_head:segmenter=newline+merge:fraction=0.5:lam=0``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def _dotted_key(key: str) -> str:
     )
 
 
+SEGMENTER_KEY = "credit.segmenter"
+
+
+def _is_known_key(key: str) -> bool:
+    try:
+        _dotted_key(key)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_variant(spec: str) -> Variant:
     """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked)."""
     # lazy: CLI start-up (bench.cli builds its flags with this module; methods.base imports torch)
@@ -72,12 +84,18 @@ def parse_variant(spec: str) -> Variant:
     method, *pairs = spec.split(":")
     method = method.strip()
     get_credit(method)  # raises with the valid names
-    overrides = {}
+    overrides: dict[str, str] = {}
+    last = None
     for pair in pairs:
         key, eq, value = pair.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"variant {spec!r}: {pair!r} is not key=value")
-        overrides[_dotted_key(key.strip())] = value.strip()
+        if last == SEGMENTER_KEY and not _is_known_key(key.strip()):
+            # a segmenter's own options share the ':' (segmenter=newline+merge:target=4)
+            overrides[last] = f"{overrides[last]}:{pair.strip()}"
+            continue
+        last = _dotted_key(key.strip())
+        overrides[last] = value.strip()
     name = name or (spec if overrides else method)
     if not _NAME_RE.match(name.replace(":", "+").replace("=", "-")):
         raise ValueError(f"variant name {name!r}: use letters, digits, _ . + -")

@@ -9,7 +9,6 @@ SEEDS: first:count. The run settings (budget, evaluation, task) are read from a 
 """
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -80,8 +79,10 @@ def main() -> None:
             agg = report(cfg, lr_dir, {"lr": float(lr_dir.name[2:])})
             for row in agg["summary"]:
                 m = row["mean_accuracy_mean"]
-                lines.append(f"{row['variant']:14s} lr {lr_dir.name[2:]:8s} mean acc {m:.4f} "
-                             f"per seed {row['mean_accuracy']} final {row['final_accuracy']}")
+                lines.append(
+                    f"{row['variant']:14s} lr {lr_dir.name[2:]:8s} mean acc {m:.4f} "
+                    f"per seed {row['mean_accuracy']} final {row['final_accuracy']}"
+                )
                 if m > best.get(row["variant"], (-1.0, ""))[0]:
                     best[row["variant"]] = (m, lr_dir.name[2:])
         lines += [f"{v} chosen lr {lr} (mean acc {m:.4f})" for v, (m, lr) in sorted(best.items())]
