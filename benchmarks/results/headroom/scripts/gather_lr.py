@@ -25,6 +25,7 @@ SPECS = {
     "value_head": "value_head",
     "oracle_pooled": "oracle:oracle.values=pooled",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
+    "vh_merge": "value_head:segmenter=newline+merge:fraction=0.5",
 }
 
 
