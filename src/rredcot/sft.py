@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
 import random
 import shutil
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 
 from rredcot.config import SFTConfig, cache_root
@@ -225,10 +227,6 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
 def build_environment() -> dict[str, str]:
     """What a build's floats depend on beyond its config: the same settings rebuilt with other
     library versions or on another CPU can stop at another step and accuracy."""
-    import platform
-
-    import transformers
-
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,

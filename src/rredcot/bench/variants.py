@@ -58,17 +58,6 @@ def _dotted_key(key: str) -> str:
     )
 
 
-SEGMENTER_KEY = "credit.segmenter"
-
-
-def _is_known_key(key: str) -> bool:
-    try:
-        _dotted_key(key)
-    except ValueError:
-        return False
-    return True
-
-
 def parse_variant(spec: str) -> Variant:
     """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked)."""
     # lazy: CLI start-up (bench.cli builds its flags with this module; methods.base imports torch)
@@ -90,12 +79,16 @@ def parse_variant(spec: str) -> Variant:
         key, eq, value = pair.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"variant {spec!r}: {pair!r} is not key=value")
-        if last == SEGMENTER_KEY and not _is_known_key(key.strip()):
+        try:
+            dotted = _dotted_key(key.strip())
+        except ValueError:
+            if last != "credit.segmenter":
+                raise
             # a segmenter's own options share the ':' (segmenter=newline+merge:target=4)
             overrides[last] = f"{overrides[last]}:{pair.strip()}"
             continue
-        last = _dotted_key(key.strip())
-        overrides[last] = value.strip()
+        last = dotted
+        overrides[dotted] = value.strip()
     name = name or (spec if overrides else method)
     if not _NAME_RE.match(name.replace(":", "+").replace("=", "-")):
         raise ValueError(f"variant name {name!r}: use letters, digits, _ . + -")
