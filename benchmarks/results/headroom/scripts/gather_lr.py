@@ -4,6 +4,7 @@
     python gather_lr.py ROOT tune  SEEDS            # per lr: every variant; then each variant's
                                                     # lr with the best mean accuracy (chosen.txt)
     python gather_lr.py ROOT report SEEDS OUT VARIANT=LR ...   # one report at the chosen rates
+    python gather_lr.py spec VARIANT                # its --methods spec (learn_at_lr.sh runs it)
 
 SEEDS: first:count. The run settings (budget, evaluation, task) are read from a run's config.yaml.
 """
@@ -30,8 +31,12 @@ SPECS = {
 }
 
 
-def bench_config(root: Path, methods: str, first: int, n: int, out: Path) -> LearnBenchConfig:
-    run = yaml.safe_load(next(root.glob("lr*/runs/*/seed*/config.yaml")).read_text())
+def run_config(root: Path) -> dict:
+    """The train config of one run under ``root`` (every run there shares its settings)."""
+    return yaml.safe_load(next(root.glob("lr*/runs/*/seed*/config.yaml")).read_text())
+
+
+def bench_config(run: dict, methods: str, first: int, n: int, out: Path) -> LearnBenchConfig:
     return LearnBenchConfig(
         methods=methods,
         seeds=n,
@@ -47,11 +52,10 @@ def bench_config(root: Path, methods: str, first: int, n: int, out: Path) -> Lea
     )
 
 
-def report(cfg: LearnBenchConfig, out: Path, extra: dict) -> dict:
+def report(cfg: LearnBenchConfig, run: dict, out: Path, extra: dict) -> dict:
     variants = parse_variants(cfg.methods)
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     agg = aggregate(cfg, variants, seeds)
-    run = yaml.safe_load(next(Path(cfg.out).glob("runs/*/seed*/config.yaml")).read_text())
     init = f"{run['init']} (model.tiny_warmstart={run['model']['tiny_warmstart']})"
     body = {"config": dataclasses.asdict(cfg), "init": init, "seeds": seeds, **extra, **agg}
     body["plots"] = plot_learning(agg, out)
@@ -60,12 +64,18 @@ def report(cfg: LearnBenchConfig, out: Path, extra: dict) -> dict:
 
 
 def spec(name: str) -> str:
+    if name not in SPECS:
+        raise SystemExit(f"unknown variant {name!r}; valid: {', '.join(SPECS)}")
     return name if SPECS[name] == name else f"{name}={SPECS[name]}"
 
 
 def main() -> None:
+    if sys.argv[1] == "spec":
+        print(spec(sys.argv[2]))
+        return
     root, mode, seeds = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     first, n = (int(x) for x in seeds.split(":"))
+    run = run_config(root)
     if mode == "tune":
         lines = []
         best: dict[str, tuple[float, str]] = {}
@@ -77,8 +87,8 @@ def main() -> None:
             )
             if not names:
                 continue
-            cfg = bench_config(root, ",".join(spec(v) for v in names), first, n, lr_dir)
-            agg = report(cfg, lr_dir, {"lr": float(lr_dir.name[2:])})
+            cfg = bench_config(run, ",".join(spec(v) for v in names), first, n, lr_dir)
+            agg = report(cfg, run, lr_dir, {"lr": float(lr_dir.name[2:])})
             for row in agg["summary"]:
                 m = row["mean_accuracy_mean"]
                 lines.append(
@@ -99,8 +109,8 @@ def main() -> None:
             dst = out / "runs" / name / f"seed{s}"
             if not dst.exists():
                 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints", "plots"))
-    cfg = bench_config(root, ",".join(spec(v) for v in chosen), first, n, out)
-    report(cfg, out, {"learning_rates": {k: float(v) for k, v in chosen.items()}})
+    cfg = bench_config(run, ",".join(spec(v) for v in chosen), first, n, out)
+    report(cfg, run, out, {"learning_rates": {k: float(v) for k, v in chosen.items()}})
     print((out / "learn.md").read_text())
 
 

@@ -1,0 +1,18 @@
+#!/bin/bash
+# One learn-bench run per job, each lr in its own --out (the layout gather_lr.py reads), on the
+# 12-step low warm-start. The variant specs are gather_lr.py's SPECS.
+#   learn_at_lr.sh ROOT BUDGET EVAL_EVERY STEPS_MAX SEED:LR:VARIANT ...
+# The runs of arith12_low16_tuning and arith12_low27_tuning: ROOT 170000 4 40;
+# arith12_low27_500k_tuning and arith12_low27_500k_report: ROOT 500000 5 80.
+here=$(cd "$(dirname "$0")" && pwd)
+root=$1 budget=$2 eval_every=$3 steps_max=$4; shift 4
+mkdir -p "$root" && cd "$root" || exit 1
+export OMP_NUM_THREADS=1
+common="--task arithmetic --task.num_steps 12 --set model.tiny_warmstart=low --set threads=1 --budget-tokens $budget --eval-every $eval_every --eval-size 128 --steps-max $steps_max --progress false"
+for job in "$@"; do
+  seed=${job%%:*}; rest=${job#*:}; lr=${rest%%:*}; name=${rest#*:}
+  spec=$(python "$here/gather_lr.py" spec "$name") || exit 1
+  echo "$(date +%T) start $seed $lr $name" >> tune.log
+  rredcot bench learn $common --methods "$spec" --seeds 1 --first-seed "$seed" --lr "$lr" --out "$root/lr$lr" >> "run_$$.log" 2>&1
+  echo "$(date +%T) done $seed $lr $name rc=$?" >> tune.log
+done
