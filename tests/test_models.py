@@ -1,5 +1,7 @@
 """Character tokenizer, tiny Llama factory, load_policy, count_parameters."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -275,3 +277,94 @@ def test_a_warm_start_records_what_its_floats_depend_on(warm_checkpoint):
     assert built["torch"] == torch.__version__
     assert built["transformers"] == transformers.__version__
     assert built["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def _tiny_sft(out, **kw):
+    from rredcot.sft import SFTConfig
+
+    settings = dict(
+        task_args={"num_steps": 2},
+        out=str(out),
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        batch_size=4,
+        max_steps=20,
+        eval_size=2,
+        max_new_tokens=8,
+        progress=False,
+    )
+    return SFTConfig(**{**settings, **kw})
+
+
+def test_stop_at_step_stops_there_and_evaluation_leaves_the_weights_alone(tmp_path):
+    """A build stopped at step 3 ignores the accuracy band and is the same weights however often
+    it evaluated on the way (the shipped low warm-start was built evaluating once)."""
+    from safetensors.torch import load_file
+
+    from rredcot.sft import run_sft
+
+    a = run_sft(_tiny_sft(tmp_path / "a", stop_at_step=3, eval_every=1), log=lambda *_: None)
+    b = run_sft(_tiny_sft(tmp_path / "b", stop_at_step=3, eval_every=10), log=lambda *_: None)
+    assert a["steps"] == b["steps"] == 3
+    assert [h["step"] for h in a["history"]] == [1, 2, 3]
+    assert [h["step"] for h in b["history"]] == [3]  # the last step is always evaluated
+    wa, wb = (
+        load_file(tmp_path / "a" / "model.safetensors"),
+        load_file(tmp_path / "b" / "model.safetensors"),
+    )
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match=r"stop_at_step=30 must be in \[0, max_steps=20\]"):
+        _tiny_sft(tmp_path / "c", stop_at_step=30)
+
+
+def test_warm_start_cache_names_survive_the_new_setting():
+    """stop_at_step at its default leaves a build's cache name as it was before the setting
+    existed: the committed headroom results name this one (the old low band, 12-step chains)."""
+    from rredcot.sft import SFTConfig, warmstart_dir_name
+
+    old_low = SFTConfig(
+        task_args={
+            "num_steps": 12, "operators": "+-*", "min_operand": 1, "max_operand": 9,
+            "max_value": 99, "eval_fraction": 0.1, "seed": 0,
+        },
+        eval_every=25, target_accuracy=0.25, max_accuracy=0.4, max_new_tokens=136,
+    )  # fmt: skip
+    assert warmstart_dir_name(old_low) == "warmstart-arithmetic-d0461381ecc7"
+    assert warmstart_dir_name(dataclasses.replace(old_low, stop_at_step=450)) != (
+        "warmstart-arithmetic-d0461381ecc7"
+    )
+
+
+def test_shipped_warm_starts_are_their_settings_build(monkeypatch, tmp_path):
+    """Each shipped warm-start sits under the name its own settings give, is what those settings
+    return without building anything, and scores what its record says: its greedy accuracy on
+    its held-out prompts, up to 3 of 128 prompts (another CPU's float rounding can flip a greedy
+    token)."""
+    import json
+
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rredcot.sft as sft
+    from rredcot.evaluation import greedy_accuracy
+    from rredcot.tasks import get_task
+
+    shipped = sorted(p for p in sft.SHIPPED_WARMSTARTS.iterdir() if p.is_dir())
+    assert [p.name for p in shipped] == [
+        sft.warmstart_dir_name(sft.SFTConfig(**yaml.safe_load((p / "sft_config.yaml").read_text())))
+        for p in shipped
+    ]
+    monkeypatch.setattr(sft, "cache_root", lambda: tmp_path / "empty")
+    monkeypatch.setattr(sft, "run_sft", lambda *a, **k: pytest.fail("built, not shipped"))
+    task = get_task("arithmetic", num_steps=12)
+    path = sft.default_warmstart(task, log=lambda *_: None, preset="low")
+    assert path in shipped
+    cfg = sft.SFTConfig(**yaml.safe_load((path / "sft_config.yaml").read_text()))
+    info = json.loads((path / "warmstart.json").read_text())
+    assert info["steps"] == cfg.stop_at_step == 450
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    evalset = task.eval_problems(cfg.eval_size, seed=cfg.seed)
+    accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
+    assert abs(accuracy - info["eval_accuracy"]) <= 3 / 128

@@ -111,13 +111,18 @@ def test_default_warmstarts_take_the_task_settings_then_the_preset(monkeypatch, 
     arithmetic = get_task("arithmetic", num_steps=12)
     sft.default_policy_source(graph, log=lambda *a: None)  # graph_paths runs the tiny model
     sft.default_warmstart(arithmetic, log=lambda *a: None)
-    sft.default_warmstart(arithmetic, log=lambda *a: None, preset="low")
-    bands = [(c.task, c.target_accuracy, c.max_accuracy, c.max_new_tokens) for c in built]
-    assert bands == [
-        ("graph_paths", 0.3, 0.6, graph.suggested_max_new_tokens()),
-        ("arithmetic", 0.5, 0.75, 136),
-        ("arithmetic", 0.25, 0.4, 136),
+    sft.default_warmstart(graph, log=lambda *a: None, preset="low")
+    settings = [
+        (c.task, c.target_accuracy, c.max_accuracy, c.stop_at_step, c.max_new_tokens) for c in built
+    ]
+    assert settings == [
+        ("graph_paths", 0.3, 0.6, 0, graph.suggested_max_new_tokens()),
+        ("arithmetic", 0.5, 0.75, 0, 136),
+        ("graph_paths", 0.3, 0.6, 450, graph.suggested_max_new_tokens()),
     ]
     assert len({c.out for c in built}) == 3  # each cached on its own
+    # the 12-step chains' low warm-start ships: nothing is built for it
+    shipped = sft.default_warmstart(arithmetic, log=lambda *a: None, preset="low")
+    assert shipped.parent == sft.SHIPPED_WARMSTARTS and len(built) == 3
     with pytest.raises(ValueError, match="unknown warm-start preset 'mid'; valid: edge, low"):
         sft.default_warmstart(arithmetic, preset="mid")

@@ -52,8 +52,9 @@ class ModelConfig:
     tiny_num_heads: int = help_field("Attention heads of the built-in tiny Llama.", default=4)
     tiny_warmstart: str = help_field(
         "How far the built-in tiny Llama's cached warm-start is trained: edge (the task's edge "
-        "of competence) or low (25-40% greedy accuracy, most groups all wrong; rredcot.sft."
-        "WARMSTART_PRESETS).",
+        "of competence) or low (450 supervised steps, most groups all wrong; the 12-step "
+        "arithmetic chains' build ships with the package, the same on every machine; "
+        "rredcot.sft.WARMSTART_PRESETS).",
         default="edge",
     )
     dtype: str = help_field("Policy dtype: float32, bfloat16 or float16.", default="float32")
@@ -883,6 +884,11 @@ class TrainConfig:
             raise ValueError(
                 f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
             )
+        if not 0 <= self.stop_at_step <= self.max_steps:
+            raise ValueError(
+                f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "
+                "(0: stop by the accuracy band)"
+            )
         if not self.out.strip():
             raise ValueError("out='' names no directory (it would be the current one); give --out")
         if self.resume is not None and not self.resume.strip():
@@ -937,6 +943,12 @@ class SFTConfig:
         default=0.5,
     )
     max_accuracy: float = help_field("Upper end of the edge-of-competence band.", default=0.75)
+    stop_at_step: int = help_field(
+        "Stop after exactly this many steps, whatever the accuracy (0: stop by the accuracy "
+        "band). The learning-rate warm-up still follows max_steps, so a build stopped here has "
+        "the weights of the same settings' longer build at this step.",
+        default=0,
+    )
     early_answer_prob: float = help_field(
         "Probability that a gold trace is cut after k < n steps and then answered (teaches the "
         "model to answer early; needed by answer_likelihood credit).",
@@ -954,5 +966,10 @@ class SFTConfig:
             raise ValueError("max_seconds and threads must be >= 0")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        if not 0 <= self.stop_at_step <= self.max_steps:
+            raise ValueError(
+                f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "
+                "(0: stop by the accuracy band)"
+            )
         if not self.out.strip():
             raise ValueError("out='' names no directory (it would be the current one); give --out")

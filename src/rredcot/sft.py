@@ -109,10 +109,12 @@ def _batch_loss(model, tokenizer, task: Task, problems: list, rng, early_answer_
 
 def _stops(cfg: SFTConfig, accuracy: float, step: int, out_of_time: bool, log) -> bool:
     """Whether training stops after an evaluation at ``accuracy``: in the band, over it, or out
-    of time (the last two say so)."""
-    if cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
+    of time (the last two say so); with ``stop_at_step``, at that step and nowhere else."""
+    if cfg.stop_at_step and step >= cfg.stop_at_step:
         return True
-    if accuracy > cfg.max_accuracy:
+    if not cfg.stop_at_step and cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
+        return True
+    if not cfg.stop_at_step and accuracy > cfg.max_accuracy:
         log(f"warm-start overshot the band: {accuracy:.1%} > {cfg.max_accuracy:.0%} at step {step}")
         return True
     if out_of_time:
@@ -166,7 +168,8 @@ def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Traine
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{done.accuracy:.2f}")
         out_of_time = cfg.max_seconds > 0 and time.perf_counter() - done.start > cfg.max_seconds
-        if step % cfg.eval_every == 0 or out_of_time or step == cfg.max_steps:
+        last = step in (cfg.max_steps, cfg.stop_at_step)
+        if step % cfg.eval_every == 0 or out_of_time or last:
             done.accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
             done.history.append({"step": step, "loss": loss.item(), "eval_accuracy": done.accuracy})
             if _stops(cfg, done.accuracy, step, out_of_time, log):
@@ -238,15 +241,16 @@ def build_environment() -> dict[str, str]:
 
 WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     "edge": {},
-    # most groups all wrong: GRPO learns nothing from them (the headroom testbeds, issue 26).
-    # A narrow band checked every 25 steps: builds of the same settings on other CPUs differ in
-    # float rounding, and a wide band let one build stop at 31% and another at 16%, two testbeds
-    # with different headroom (benchmarks/results/headroom/).
-    "low": {"target_accuracy": 0.25, "max_accuracy": 0.4, "eval_every": 25},
+    # most groups all wrong: GRPO learns nothing from them (the headroom testbed, issue 26).
+    # A fixed step count, not an accuracy band: builds of the same settings on other CPUs differ
+    # in float rounding, and a band let one build stop at 31% and others at 16% and 26.6%, each
+    # a testbed with other headroom. The 12-step chains' build ships (SHIPPED_WARMSTARTS), so
+    # every machine trains from the same weights (benchmarks/results/headroom/).
+    "low": {"stop_at_step": 450, "eval_every": 25},
 }
 """Named warm-starts of the tiny model (``--model.tiny_warmstart``): ``SFTConfig`` overrides
 on top of the task's own ``warmstart_settings``. ``edge``: the task's edge of competence;
-``low``: stopped at 25-40% greedy accuracy, so that most groups' rewards are all 0."""
+``low``: 450 supervised steps, short of competence, so that most groups' rewards are all 0."""
 
 
 def warmstart_preset(name: str) -> dict[str, Any]:
@@ -258,20 +262,41 @@ def warmstart_preset(name: str) -> dict[str, Any]:
     return dict(WARMSTART_PRESETS[name])
 
 
+def warmstart_dir_name(cfg: SFTConfig) -> str:
+    """The directory a warm-start of ``cfg`` is cached (or shipped) under: the task's name and a
+    digest of every setting that changes the weights (not where it is written, its progress bar
+    or its thread count)."""
+    volatile = ("out", "progress", "threads")
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in volatile}
+    if not cfg.stop_at_step:  # added later: at its default, earlier builds keep their names
+        del settings["stop_at_step"]
+    key = json.dumps(settings, sort_keys=True)
+    return f"warmstart-{cfg.task}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+SHIPPED_WARMSTARTS = Path(__file__).parent / "warmstarts"
+"""Warm-starts that ship with the package, each under the name its settings would be cached
+under: builds of the same settings on other CPUs differ in float rounding, so a testbed whose
+figures are compared across machines ships its weights instead of its recipe alone."""
+
+
 def default_warmstart(task: Task, log=print, preset: str = "edge", **overrides: Any) -> Path:
     """The warm-start checkpoint for ``task``'s default settings (its ``warmstart_settings``,
-    then ``preset``, then ``overrides``): reused when cached, trained and cached when not. The
-    default preset on a task without settings of its own keeps the cache
-    key of earlier versions."""
+    then ``preset``, then ``overrides``): the shipped one when the package has these settings'
+    build (``SHIPPED_WARMSTARTS``), else reused when cached, trained and cached when not. The
+    default preset on a task without settings of its own keeps the cache key of earlier
+    versions."""
     overrides = {**task.warmstart_settings, **warmstart_preset(preset), **overrides}
     suggested = task.suggested_max_new_tokens()
     if suggested is not None and "max_new_tokens" not in overrides:
         overrides["max_new_tokens"] = suggested
     cfg = SFTConfig(task=task.name, task_args=dataclasses.asdict(task.params), **overrides)
-    volatile = ("out", "progress", "threads")
-    key = json.dumps({k: v for k, v in to_dict(cfg).items() if k not in volatile}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    out = cache_root() / f"warmstart-{task.name}-{digest}"
+    name = warmstart_dir_name(cfg)
+    shipped = SHIPPED_WARMSTARTS / name
+    if (shipped / "warmstart.json").exists():
+        log(f"using the shipped warm-start {shipped}")
+        return shipped
+    out = cache_root() / name
     if (out / "warmstart.json").exists():
         log(f"reusing warm-start {out}")
         return out

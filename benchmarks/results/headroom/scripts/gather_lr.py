@@ -26,6 +26,7 @@ SPECS = {
     "value_head": "value_head",
     "oracle_pooled": "oracle:oracle.values=pooled",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
+    "cl_flow_off": "continuation_likelihood:lam=0:anchor=none:handover.mode=off",
     "vh_merge": "value_head:segmenter=newline+merge:fraction=0.5",
     "cl_rw_merge": "continuation_likelihood:form=reweight:segmenter=newline+merge:fraction=0.5",
 }
