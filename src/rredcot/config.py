@@ -884,11 +884,6 @@ class TrainConfig:
             raise ValueError(
                 f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
             )
-        if not 0 <= self.stop_at_step <= self.max_steps:
-            raise ValueError(
-                f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "
-                "(0: stop by the accuracy band)"
-            )
         if not self.out.strip():
             raise ValueError("out='' names no directory (it would be the current one); give --out")
         if self.resume is not None and not self.resume.strip():
