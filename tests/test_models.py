@@ -357,6 +357,8 @@ def test_shipped_warm_starts_are_their_settings_build(monkeypatch, tmp_path):
     ]
     monkeypatch.setattr(sft, "cache_root", lambda: tmp_path / "empty")
     monkeypatch.setattr(sft, "run_sft", lambda *a, **k: pytest.fail("built, not shipped"))
+    # the default task's own warm-start (the README's first command) ships too
+    assert sft.default_warmstart(get_task("arithmetic"), log=lambda *_: None) in shipped
     task = get_task("arithmetic", num_steps=12)
     path = sft.default_warmstart(task, log=lambda *_: None, preset="low")
     assert path in shipped

@@ -276,8 +276,9 @@ def warmstart_dir_name(cfg: SFTConfig) -> str:
 
 SHIPPED_WARMSTARTS = Path(__file__).parent / "warmstarts"
 """Warm-starts that ship with the package, each under the name its settings would be cached
-under: builds of the same settings on other CPUs differ in float rounding, so a testbed whose
-figures are compared across machines ships its weights instead of its recipe alone."""
+under: the default task's (4-step arithmetic, the README's first command) and the 12-step
+chains' ``low`` (the headroom testbed). Builds of the same settings on other CPUs differ in float
+rounding, so a seed fixes a run on every machine only from shipped weights."""
 
 
 def default_warmstart(task: Task, log=print, preset: str = "edge", **overrides: Any) -> Path:
