@@ -25,6 +25,7 @@ SPECS = {
     "uniform": "uniform",
     "value_head": "value_head",
     "oracle_pooled": "oracle:oracle.values=pooled",
+    "oracle_mc": "oracle:oracle.values=monte_carlo:oracle.rollouts=16",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
     "cl_flow_off": "continuation_likelihood:lam=0:anchor=none:handover.mode=off",
     "vh_merge": "value_head:segmenter=newline+merge:fraction=0.5",
@@ -57,7 +58,9 @@ def report(cfg: LearnBenchConfig, run: dict, out: Path, extra: dict) -> dict:
     variants = parse_variants(cfg.methods)
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     agg = aggregate(cfg, variants, seeds)
-    init = f"{run['init']} (model.tiny_warmstart={run['model']['tiny_warmstart']})"
+    init = run["init"]
+    if Path(init).name.startswith("warmstart-"):  # a cached or shipped preset, not --set init
+        init += f" (model.tiny_warmstart={run['model']['tiny_warmstart']})"
     body = {"config": dataclasses.asdict(cfg), "init": init, "seeds": seeds, **extra, **agg}
     body["plots"] = plot_learning(agg, out)
     write_report(body, out, "learn", learn_markdown)
