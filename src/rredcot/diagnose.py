@@ -474,8 +474,10 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
             (
                 "+",
                 f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
-                "value-based credit with values pooled beyond the group, or tree groups that "
-                "branch from intermediate steps, can learn from them",
+                "credit that blames the line where a trace broke can, without generating: "
+                "where the task has reference solutions, --credit continuation_likelihood "
+                "--credit.lam 0 --credit.anchor none --credit.handover.smoothing 0.5 "
+                "(measured ahead of GRPO where the default value head was not; docs/diagnose.md)",
             )
         )
     if right is not None and right >= ALL_RIGHT_HIGH:
