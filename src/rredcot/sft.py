@@ -110,11 +110,12 @@ def _batch_loss(model, tokenizer, task: Task, problems: list, rng, early_answer_
 def _stops(cfg: SFTConfig, accuracy: float, step: int, out_of_time: bool, log) -> bool:
     """Whether training stops after an evaluation at ``accuracy``: in the band, over it, or out
     of time (the last two say so); with ``stop_at_step``, at that step and nowhere else."""
-    if cfg.stop_at_step and step >= cfg.stop_at_step:
+    if cfg.stop_at_step:
+        if step >= cfg.stop_at_step:
+            return True
+    elif cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
         return True
-    if not cfg.stop_at_step and cfg.target_accuracy <= accuracy <= cfg.max_accuracy:
-        return True
-    if not cfg.stop_at_step and accuracy > cfg.max_accuracy:
+    elif accuracy > cfg.max_accuracy:
         log(f"warm-start overshot the band: {accuracy:.1%} > {cfg.max_accuracy:.0%} at step {step}")
         return True
     if out_of_time:
