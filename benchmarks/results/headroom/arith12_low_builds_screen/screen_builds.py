@@ -4,16 +4,16 @@ accuracy over training minus GRPO's, paired by seed (tar xzf runs.tar.gz first).
     python screen_builds.py s450 s475
 """
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
+# the learn bench's own reading of a run and its "mean accuracy over training"
+from rredcot.bench.learn import _training_mean, run_curve
 
-def training_mean(metrics: Path) -> float:
-    accs = [json.loads(line).get("eval_accuracy") for line in metrics.read_text().splitlines()]
-    accs = [a for a in accs if a is not None]
-    return statistics.fmean(accs[1:])  # the bench's rule: evaluations after step 0
+
+def training_mean(run_dir: Path) -> float:
+    return _training_mean(run_curve(run_dir))
 
 
 for build in sys.argv[1:]:
@@ -21,8 +21,7 @@ for build in sys.argv[1:]:
         runs = lr_dir / "runs"
         seeds = sorted(p.name for p in (runs / "uniform").glob("seed*"))
         diffs = {
-            s: training_mean(runs / "oracle_pooled" / s / "metrics.jsonl")
-            - training_mean(runs / "uniform" / s / "metrics.jsonl")
+            s: training_mean(runs / "oracle_pooled" / s) - training_mean(runs / "uniform" / s)
             for s in seeds
             if (runs / "oracle_pooled" / s / "metrics.jsonl").exists()
         }
