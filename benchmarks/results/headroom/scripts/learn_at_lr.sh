@@ -2,7 +2,8 @@
 # One learn-bench run per job, each lr in its own --out (the layout gather_lr.py reads), on the
 # 12-step low warm-start (or, with INIT=DIR in the environment, from that checkpoint). The
 # variant specs are gather_lr.py's SPECS.
-#   [INIT=DIR] learn_at_lr.sh ROOT BUDGET EVAL_EVERY STEPS_MAX SEED:LR:VARIANT ...
+#   [INIT=DIR] [TASK=default] [EVAL_SIZE=N] learn_at_lr.sh ROOT BUDGET EVAL_EVERY STEPS_MAX SEED:LR:VARIANT ...
+# TASK=default: the default task instead (4-step arithmetic from its shipped warm-start).
 # The runs of arith12_low16_tuning and arith12_low27_tuning: ROOT 170000 4 40;
 # arith12_low27_500k_tuning and arith12_low27_500k_report: ROOT 500000 5 80 (all four made when
 # the low preset was an accuracy band; it is now the shipped 450-step build); the build screen
@@ -11,9 +12,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$1 budget=$2 eval_every=$3 steps_max=$4; shift 4
 mkdir -p "$root" && cd "$root" || exit 1
 export OMP_NUM_THREADS=1
-policy="--set model.tiny_warmstart=low"
+task="--task arithmetic --task.num_steps 12" policy="--set model.tiny_warmstart=low"
+[ "$TASK" = default ] && task="--task arithmetic" && policy=""
 [ -n "$INIT" ] && policy="--set init=$INIT"
-common="--task arithmetic --task.num_steps 12 $policy --set threads=1 --budget-tokens $budget --eval-every $eval_every --eval-size 128 --steps-max $steps_max --progress false"
+common="$task $policy --set threads=1 --budget-tokens $budget --eval-every $eval_every --eval-size ${EVAL_SIZE:-128} --steps-max $steps_max --progress false"
 for job in "$@"; do
   seed=${job%%:*}; rest=${job#*:}; lr=${rest%%:*}; name=${rest#*:}
   spec=$(python "$here/gather_lr.py" spec "$name") || exit 1
