@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import yaml
 
 from rredcot.bench.configs import LEARN_LR
 from rredcot.bench.credit import (
@@ -493,6 +494,32 @@ def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
     # other settings in the same directory would mix two experiments: refused
     with pytest.raises(ValueError, match="other settings.*max_tokens_generated"):
         run_learn_bench(dataclasses.replace(cfg, budget_tokens=80), **QUIET)
+
+
+def test_bench_learn_runs_auto_and_skips_it_when_complete(init_dir, tmp_path):
+    cfg = LearnBenchConfig(
+        methods="uniform,auto",
+        seeds=1,
+        budget_tokens=40,
+        init=str(init_dir),
+        out=str(tmp_path / "learn"),
+        steps_max=3,
+        eval_every=1,
+        task="bench_first_char",
+        overrides={**_tiny_train_overrides(), "credit.auto_prompts": "4"},
+        variance_probes=0,
+    )
+    run_learn_bench(cfg, **QUIET)
+    run_dir = tmp_path / "learn" / "runs" / "auto" / "seed0"
+    choice = json.loads((run_dir / "credit_choice.json").read_text())
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["credit_method"] == choice["method"] != "auto"
+    # the saved run holds the resolved method: a second call still knows it as "auto"
+    lines = []
+    run_learn_bench(cfg, log=lines.append)
+    assert any("auto seed 0: complete, skipped" in line for line in lines)
+    with pytest.raises(ValueError, match="training run starts"):
+        parse_variants("auto")
 
 
 def test_bench_overhead_structure(init_dir, tmp_path):

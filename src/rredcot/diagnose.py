@@ -58,6 +58,7 @@ from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.credit import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config_io import from_dict
+from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, SUCCESS, flow_flags
 from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P, DiagnoseConfig
 from rredcot.errors import UserError
 from rredcot.explain_model import (
@@ -106,7 +107,6 @@ __all__ = [
 ]
 
 CONFIDENCE = 0.95
-SUCCESS = 1.0  # a reward at or above this is a right trace (the project's 0/1 convention)
 
 # Segment kinds of a token (docs/diagnose.md). Right traces: their reasoning and their answer
 # line. Wrong traces with a step label: the still-right steps before the first wrong one, the
@@ -406,9 +406,8 @@ def step_credit_figures(
     return {k: v.numpy().reshape(B) for k, v in out.items()}
 
 
-# the verdict's thresholds (docs/diagnose.md, "the verdict")
-REWARD_LOW = 0.05  # mean reward below which no outcome-based credit has a signal
-ALL_WRONG_HIGH = 0.25  # share of all-wrong groups at G above which GRPO is blind to much
+# the verdict's thresholds (docs/diagnose.md, "the verdict"); REWARD_LOW and ALL_WRONG_HIGH are
+# --credit auto's too (rredcot.credit_choice)
 ALL_RIGHT_HIGH = 0.5  # share of all-right groups at G above which the prompts are too easy
 PREFIX_LOW, PREFIX_HIGH = 0.15, 0.30  # GRPO's gradient share on still-right prefixes
 UNCERTAIN_LOW, UNCERTAIN_HIGH = 1.0, 4.0  # uncertain decisions per trace
@@ -475,9 +474,9 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "+",
                 f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
                 "credit that blames the line where a trace broke can, without generating: "
-                "where the task has reference solutions, --credit continuation_likelihood "
-                "--credit.lam 0 --credit.anchor none --credit.handover.smoothing 0.5 "
-                "(measured ahead of GRPO where the default value head was not; docs/diagnose.md)",
+                f"where the task has reference solutions, {flow_flags()} (measured ahead of "
+                "GRPO where the value head was not; --credit auto chooses it; "
+                "docs/diagnose.md)",
             )
         )
     if right is not None and right >= ALL_RIGHT_HIGH:

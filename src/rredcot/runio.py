@@ -80,6 +80,7 @@ MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 UNREADABLE_METRICS = "metrics.unreadable.jsonl"
+CREDIT_CHOICE = "credit_choice.json"  # what --credit auto chose, and why
 RUN_FILES = (
     CONFIG,
     METRICS,
@@ -87,6 +88,7 @@ RUN_FILES = (
     CHECKPOINTS,
     PLOTS,
     "value_pretrain.json",
+    CREDIT_CHOICE,
     "tensorboard",
     "wandb",
 )

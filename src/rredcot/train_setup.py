@@ -1,7 +1,7 @@
 """Everything ``rredcot train`` is built from, before its first step: the device and threads, the
-policy (and its LoRA adapter), the frozen KL reference, the segmenter and credit method, the
-optimiser and learning-rate schedule, and the training and evaluation prompts that fit the
-context. :func:`build_train_parts` returns them as one :class:`TrainParts`; the RL loop
+policy (and its LoRA adapter), the frozen KL reference, the segmenter, the training and
+evaluation prompts that fit the context, the credit method (with ``--credit auto``, chosen by a
+probe of the starting policy), the optimiser and learning-rate schedule. :func:`build_train_parts` returns them as one :class:`TrainParts`; the RL loop
 (``rredcot.trainer``) only reads them.
 """
 
@@ -9,23 +9,32 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from rredcot.config import TrainConfig
+from rredcot.credit_choice import AUTO, CreditChoice, apply_choice, choose_credit, group_outcomes
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit, get_credit
 from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.normalization import get_normalizer
-from rredcot.rollout import context_limit, prompt_special_tokens, render_prompt, resolve_decoder
-from rredcot.seeding import seed_everything
+from rredcot.rollout import (
+    build_rollout_batch,
+    context_limit,
+    prompt_special_tokens,
+    render_prompt,
+    resolve_decoder,
+)
+from rredcot.seeding import seed_everything, step_seed
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
@@ -113,7 +122,11 @@ def check_names(cfg: TrainConfig) -> None:
     and its parameters, the segmenter, the advantage normalisation, a process-reward method's
     value source) so that a typo fails in a moment, before a run directory is claimed or a
     model is built or loaded; each error lists the valid names."""
-    get_credit(cfg.credit_method)
+    if cfg.credit_method != AUTO:
+        try:
+            get_credit(cfg.credit_method)
+        except ValueError as err:
+            raise ValueError(f"{err}, or {AUTO} (rredcot chooses)") from None
     make_params(get_task_class(cfg.task).Params, cfg.task_args, owner=f"task {cfg.task!r}")
     segmenter_from_config(cfg.credit)
     if cfg.credit.normalization != "auto":
@@ -230,6 +243,7 @@ class TrainParts:
     reference: Any | None  # a frozen copy of the initial policy (None when kl_coef == 0)
     segmenter: Segmenter
     method: CreditMethod
+    credit_choice: CreditChoice | None  # what --credit auto chose, and why (None: named)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_pool: list[Problem]  # the prompts the steps draw from (prompts that fit)
@@ -258,6 +272,12 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     c = cfg.credit
     segmenter = segmenter_from_config(c, task.answer_line_pattern)
+    train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
+    choice = None
+    if cfg.credit_method == AUTO:
+        choice = probe_credit_choice(cfg, task, policy, tokenizer, segmenter, decoder, train_pool)
+        apply_choice(cfg, choice)
+        log(f"credit auto: {choice.method}, because {choice.reason}")
     method = build_credit(
         cfg.credit_method,
         c,
@@ -271,7 +291,6 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         ),
     )
     model, optimizer, scheduler = _optimiser(cfg, policy, accelerator)
-    train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
     if cfg.sampling.num_generations == 1:
         log(
             "warning: sampling.num_generations=1: each prompt's group is one sample, so its "
@@ -292,11 +311,59 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         reference=reference,
         segmenter=segmenter,
         method=method,
+        credit_choice=choice,
         optimizer=optimizer,
         scheduler=scheduler,
         train_pool=train_pool,
         eval_set=eval_set,
     )
+
+
+def probe_credit_choice(
+    cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, decoder: str, pool: list[Problem]
+) -> CreditChoice:
+    """``--credit auto``'s choice (``rredcot.credit_choice``) from ``credit.auto_prompts``
+    prompts of the training pool, each sampled ``num_generations`` times from the starting
+    policy at the run's sampling settings (never a tree: the probe measures the policy, not the
+    sampler). Its prompts and samples are seeded from ``cfg.seed`` alone (every process of a
+    distributed run draws the same ones, so all choose alike), and the generators' states are
+    restored afterwards, so the run that follows is the one a named method would have started.
+    ``figures`` adds the probe's ``prompts``, ``group_size`` and generated ``tokens``."""
+    s = cfg.sampling
+    rng = random.Random(step_seed(cfg.seed, 0, salt=23))  # RL steps are 1.., pretraining < 0
+    problems = [pool[rng.randrange(len(pool))] for _ in range(cfg.credit.auto_prompts)]
+    has_references = all(task.gold_completion(p) is not None for p in problems)
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        seed_everything(step_seed(cfg.seed, 0, salt=29))
+        was_training = policy.training
+        policy.eval()
+        batch, stats = build_rollout_batch(
+            policy,
+            tokenizer,
+            task,
+            problems,
+            segmenter,
+            num_generations=s.num_generations,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            use_model_generation_config=s.use_model_generation_config,
+            decoder=decoder,
+        )
+        policy.train(was_training)
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+    figures = group_outcomes(batch.rewards.cpu(), batch.group_ids.cpu())
+    figures.update(
+        prompts=len(problems), group_size=s.num_generations, tokens=int(stats["rollout/tokens"])
+    )
+    return choose_credit(figures, has_references)
 
 
 def _sampling_decoder(cfg: TrainConfig, policy, log) -> str:

@@ -31,6 +31,7 @@ estimate of the trace of the covariance of a minibatch gradient estimate at a fi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -56,6 +57,7 @@ from rredcot.bench.stats import interval_estimate, paired_difference, probabilit
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
 from rredcot.config_io import load_yaml, resolve_config, to_dict
+from rredcot.credit_choice import AUTO, CreditChoice, apply_choice
 from rredcot.loss import policy_loss
 from rredcot.rollout import policy_forward
 from rredcot.runio import MetricsLog
@@ -263,6 +265,10 @@ def _check_same_config(run_dir: Path, tcfg) -> None:
     saved = run_dir / "config.yaml"
     if not saved.exists():
         return
+    choice = run_dir / runio.CREDIT_CHOICE
+    if tcfg.credit_method == AUTO and choice.exists():  # the run saved what auto chose
+        tcfg = copy.deepcopy(tcfg)
+        apply_choice(tcfg, CreditChoice.read(choice))
     old, new = to_dict(load_yaml(saved)), to_dict(tcfg)
     old.pop("progress", None), new.pop("progress", None)
     if old != new:
@@ -672,7 +678,7 @@ def _learn_notes(ref: str, variance_minibatch) -> list[str]:
 
 def run_learn_bench(cfg: LearnBenchConfig, log=print) -> dict[str, Any]:
     """Train every (variant, seed), then write ``learn.json``, ``learn.md`` and the PNGs."""
-    variants = parse_variants(cfg.methods)
+    variants = parse_variants(cfg.methods, allow_auto=True)
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from rredcot.config import CreditConfig, TrainConfig
 from rredcot.config_io import from_dict, merge_overrides, valid_keys
+from rredcot.credit_choice import AUTO
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
@@ -58,8 +59,9 @@ def _dotted_key(key: str) -> str:
     )
 
 
-def parse_variant(spec: str) -> Variant:
-    """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked)."""
+def parse_variant(spec: str, allow_auto: bool = False) -> Variant:
+    """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked;
+    ``auto``, which a training run resolves when it starts, only with ``allow_auto``)."""
     # lazy: CLI start-up (bench.cli builds its flags with this module; methods.base imports torch)
     from rredcot.methods.base import get_credit
 
@@ -72,7 +74,18 @@ def parse_variant(spec: str) -> Variant:
         name, spec = head.strip(), rest.strip()
     method, *pairs = spec.split(":")
     method = method.strip()
-    get_credit(method)  # raises with the valid names
+    if method == AUTO and not allow_auto:
+        raise ValueError(
+            f"{AUTO} chooses a method when a training run starts (rredcot train, bench learn); "
+            "here name the methods to compare"
+        )
+    if method != AUTO:  # auto: the run chooses (rredcot.credit_choice)
+        try:
+            get_credit(method)  # raises with the valid names
+        except ValueError as err:
+            raise ValueError(
+                f"{err}" + (f", or {AUTO} (the run chooses)" if allow_auto else "")
+            ) from None
     overrides: dict[str, str] = {}
     last = None
     for pair in pairs:
@@ -97,11 +110,12 @@ def parse_variant(spec: str) -> Variant:
     return variant
 
 
-def parse_variants(specs: str | list[str]) -> list[Variant]:
-    """A comma-separated list (or a list) of specs; names must be unique."""
+def parse_variants(specs: str | list[str], allow_auto: bool = False) -> list[Variant]:
+    """A comma-separated list (or a list) of specs; names must be unique (``allow_auto``: see
+    :func:`parse_variant`)."""
     if isinstance(specs, str):
         specs = [s for s in specs.split(",") if s.strip()]
-    variants = [parse_variant(s) for s in specs]
+    variants = [parse_variant(s, allow_auto) for s in specs]
     names = [v.name for v in variants]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
