@@ -60,6 +60,7 @@ def test_the_rule_chooses_flow_only_where_groups_are_all_wrong_and_references_ex
 
 def test_apply_choice_sets_the_nested_settings_and_the_result_is_the_bench_variant():
     cfg = TrainConfig()
+    assert cfg.credit_method == "auto"  # the default
     apply_choice(cfg, choose_credit({"mean_reward": 0.2, "all_wrong": 0.4}, True))
     assert cfg.credit_method == "continuation_likelihood"
     assert (cfg.credit.lam, cfg.credit.anchor, cfg.credit.handover.smoothing) == (0.0, "none", 0.5)

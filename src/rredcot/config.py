@@ -762,7 +762,7 @@ class TrainConfig:
         "task has reference solutions, value_head elsewhere; the choice and its figures are "
         "logged and written to the run's credit_choice.json, and config.yaml holds the chosen "
         "method (docs/diagnose.md).",
-        default="value_head",
+        default="auto",
     )
     init: str | None = help_field(
         "Policy checkpoint directory to start from (e.g. from `rredcot sft`); takes precedence "
@@ -788,7 +788,11 @@ class TrainConfig:
     seed: int = help_field("Random seed; on CPU a seed fixes the run.", default=0)
     steps: int = help_field("RL steps (one batch of prompts each).", default=60)
     prompts_per_step: int = help_field("Prompts per RL step.", default=16)
-    lr: float = help_field("Policy learning rate.", default=2e-4)
+    lr: float = help_field(
+        "Policy learning rate (the default chosen on the default task's tuning seeds: "
+        "benchmarks/results/headroom/arith4_default_tuning).",
+        default=1e-4,
+    )
     lr_schedule: str = help_field("constant, linear or cosine (after warm-up).", default="constant")
     warmup_steps: int = help_field("Linear LR warm-up steps.", default=0)
     weight_decay: float = help_field("AdamW weight decay.", default=0.0)

@@ -475,7 +475,7 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
                 "credit that blames the line where a trace broke can, without generating: "
                 f"where the task has reference solutions, {flow_flags()} (measured ahead of "
-                "GRPO where the value head was not; --credit auto chooses it; "
+                "GRPO where the value head was not; --credit auto, the default, chooses it; "
                 "docs/diagnose.md)",
             )
         )
