@@ -450,6 +450,35 @@ def _with_branch_points(
     return merged, new_starts
 
 
+def sample_groups(
+    policy,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    segmenter: Segmenter,
+    sampling,
+    decoder,
+    *,
+    tree: bool = True,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """:func:`build_rollout_batch` at a run's sampling settings (``sampling``: its
+    ``SamplingConfig``), as tree groups where ``sampling.tree.enabled`` and ``tree``."""
+    return build_rollout_batch(
+        policy,
+        tokenizer,
+        task,
+        problems,
+        segmenter,
+        num_generations=sampling.num_generations,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        use_model_generation_config=sampling.use_model_generation_config,
+        decoder=decoder,
+        tree=sampling.tree if tree and sampling.tree.enabled else None,
+    )
+
+
 def build_rollout_batch(
     policy,
     tokenizer,

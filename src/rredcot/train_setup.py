@@ -28,11 +28,11 @@ from rredcot.methods.base import CreditContext, CreditMethod, build_credit, get_
 from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.normalization import get_normalizer
 from rredcot.rollout import (
-    build_rollout_batch,
     context_limit,
     prompt_special_tokens,
     render_prompt,
     resolve_decoder,
+    sample_groups,
 )
 from rredcot.seeding import seed_everything, step_seed
 from rredcot.segment import Segmenter, segmenter_from_config
@@ -339,18 +339,8 @@ def probe_credit_choice(
         seed_everything(step_seed(cfg.seed, 0, salt=29))
         was_training = policy.training
         policy.eval()
-        batch, stats = build_rollout_batch(
-            policy,
-            tokenizer,
-            task,
-            problems,
-            segmenter,
-            num_generations=s.num_generations,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            use_model_generation_config=s.use_model_generation_config,
-            decoder=decoder,
+        batch, stats = sample_groups(
+            policy, tokenizer, task, problems, segmenter, cfg.sampling, decoder, tree=False
         )
         policy.train(was_training)
     finally:

@@ -34,9 +34,9 @@ from rredcot.loss import policy_loss
 from rredcot.normalization import masked_mean
 from rredcot.plots import plot_run
 from rredcot.rollout import (
-    build_rollout_batch,
     fill_forward,
     policy_forward,
+    sample_groups,
     segment_batch,
     train_mode_without_dropout,
 )
@@ -250,21 +250,15 @@ class Trainer:
     def rollout(self, problems, forward: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample, verify and segment G completions per problem with the current policy (the
         caller seeds); with ``forward`` also fill the old log-probs and hidden states."""
-        s = self.cfg.sampling
         self.policy.eval()
-        batch, stats = build_rollout_batch(
+        batch, stats = sample_groups(
             self.policy,
             self.tokenizer,
             self.task,
             problems,
             self.segmenter,
-            num_generations=s.num_generations,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            use_model_generation_config=s.use_model_generation_config,
-            decoder=self.decoder,
-            tree=s.tree if s.tree.enabled else None,
+            self.cfg.sampling,
+            self.decoder,
         )
         if forward:
             batch = self._fill_forward(batch)
