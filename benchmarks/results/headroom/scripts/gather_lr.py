@@ -56,7 +56,7 @@ def bench_config(run: dict, methods: str, first: int, n: int, out: Path) -> Lear
 
 
 def report(cfg: LearnBenchConfig, run: dict, out: Path, extra: dict) -> dict:
-    variants = parse_variants(cfg.methods)
+    variants = parse_variants(cfg.methods, allow_auto=True)
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     agg = aggregate(cfg, variants, seeds)
     init = run["init"]
