@@ -1,8 +1,9 @@
 """Everything ``rredcot train`` is built from, before its first step: the device and threads, the
 policy (and its LoRA adapter), the frozen KL reference, the segmenter, the training and
 evaluation prompts that fit the context, the credit method (with ``--credit auto``, chosen by a
-probe of the starting policy), the optimiser and learning-rate schedule. :func:`build_train_parts` returns them as one :class:`TrainParts`; the RL loop
-(``rredcot.trainer``) only reads them.
+probe of the starting policy), the optimiser and learning-rate schedule.
+:func:`build_train_parts` returns them as one :class:`TrainParts`; the RL loop (``rredcot.trainer``)
+only reads them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
@@ -34,6 +34,7 @@ from rredcot.rollout import (
     resolve_decoder,
     sample_groups,
 )
+from rredcot.runio import capture_rng_state, restore_rng_state
 from rredcot.seeding import seed_everything, step_seed
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.sft import default_policy_source
@@ -333,22 +334,16 @@ def probe_credit_choice(
     rng = random.Random(step_seed(cfg.seed, 0, salt=23))  # RL steps are 1.., pretraining < 0
     problems = [pool[rng.randrange(len(pool))] for _ in range(cfg.credit.auto_prompts)]
     has_references = all(task.gold_completion(p) is not None for p in problems)
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng_state, was_training = capture_rng_state(), policy.training
     try:
         seed_everything(step_seed(cfg.seed, 0, salt=29))
-        was_training = policy.training
         policy.eval()
         batch, stats = sample_groups(
             policy, tokenizer, task, problems, segmenter, cfg.sampling, decoder, tree=False
         )
-        policy.train(was_training)
     finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
+        restore_rng_state(rng_state)
+        policy.train(was_training)
     figures = group_outcomes(batch.rewards.cpu(), batch.group_ids.cpu())
     figures.update(
         prompts=len(problems), group_size=s.num_generations, tokens=int(stats["rollout/tokens"])
