@@ -40,6 +40,28 @@ FLOW_SETTINGS: dict[str, Any] = {"lam": 0.0, "anchor": "none", "handover.smoothi
 ``cl_flow`` variant), dotted below the credit config."""
 
 
+def check_method_name(name: str, allow_auto: bool = True) -> None:
+    """Raise unless ``name`` is a registered credit method, or ``auto`` where ``allow_auto`` (a
+    training run resolves it when it starts; a benchmark of frozen traces cannot); the error
+    lists the valid names."""
+    # lazy: methods.base imports torch, and this module stays free of it
+    from rredcot.methods.base import get_credit
+
+    if name == AUTO:
+        if allow_auto:
+            return
+        raise ValueError(
+            f"{AUTO} chooses a method when a training run starts (rredcot train, bench learn); "
+            "here name the methods to compare"
+        )
+    try:
+        get_credit(name)
+    except ValueError as err:
+        if not allow_auto:
+            raise
+        raise ValueError(f"{err}, or {AUTO} (the run chooses)") from None
+
+
 def flow_flags() -> str:
     """The command-line flags of the flowing continuation likelihood, as the verdict prints them."""
     flags = " ".join(f"--credit.{k} {_flag_value(v)}" for k, v in FLOW_SETTINGS.items())

@@ -21,10 +21,17 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from rredcot.config import TrainConfig
-from rredcot.credit_choice import AUTO, CreditChoice, apply_choice, choose_credit, group_outcomes
+from rredcot.credit_choice import (
+    AUTO,
+    CreditChoice,
+    apply_choice,
+    check_method_name,
+    choose_credit,
+    group_outcomes,
+)
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
-from rredcot.methods.base import CreditContext, CreditMethod, build_credit, get_credit
+from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.normalization import get_normalizer
 from rredcot.rollout import (
@@ -123,11 +130,7 @@ def check_names(cfg: TrainConfig) -> None:
     and its parameters, the segmenter, the advantage normalisation, a process-reward method's
     value source) so that a typo fails in a moment, before a run directory is claimed or a
     model is built or loaded; each error lists the valid names."""
-    if cfg.credit_method != AUTO:
-        try:
-            get_credit(cfg.credit_method)
-        except ValueError as err:
-            raise ValueError(f"{err}, or {AUTO} (rredcot chooses)") from None
+    check_method_name(cfg.credit_method)
     make_params(get_task_class(cfg.task).Params, cfg.task_args, owner=f"task {cfg.task!r}")
     segmenter_from_config(cfg.credit)
     if cfg.credit.normalization != "auto":

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from rredcot.config import CreditConfig, TrainConfig
 from rredcot.config_io import from_dict, merge_overrides, valid_keys
-from rredcot.credit_choice import AUTO
+from rredcot.credit_choice import check_method_name
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
@@ -62,9 +62,6 @@ def _dotted_key(key: str) -> str:
 def parse_variant(spec: str, allow_auto: bool = False) -> Variant:
     """``[name=]method[:key=value...]`` -> :class:`Variant` (the method name is checked;
     ``auto``, which a training run resolves when it starts, only with ``allow_auto``)."""
-    # lazy: CLI start-up (bench.cli builds its flags with this module; methods.base imports torch)
-    from rredcot.methods.base import get_credit
-
     spec = spec.strip()
     if not spec:
         raise ValueError("empty method spec; give e.g. value_head or vh=value_head:lam=0")
@@ -74,18 +71,7 @@ def parse_variant(spec: str, allow_auto: bool = False) -> Variant:
         name, spec = head.strip(), rest.strip()
     method, *pairs = spec.split(":")
     method = method.strip()
-    if method == AUTO and not allow_auto:
-        raise ValueError(
-            f"{AUTO} chooses a method when a training run starts (rredcot train, bench learn); "
-            "here name the methods to compare"
-        )
-    if method != AUTO:  # auto: the run chooses (rredcot.credit_choice)
-        try:
-            get_credit(method)  # raises with the valid names
-        except ValueError as err:
-            raise ValueError(
-                f"{err}" + (f", or {AUTO} (the run chooses)" if allow_auto else "")
-            ) from None
+    check_method_name(method, allow_auto)  # raises with the valid names
     overrides: dict[str, str] = {}
     last = None
     for pair in pairs:
