@@ -95,6 +95,8 @@ class Trainer:
         probed = self.credit_choice is not None and self.rank == 0
         self.extra_tokens_generated = self.credit_choice.figures["tokens"] if probed else 0
         self.skipped_total = 0
+        self.train_seconds = 0.0  # the steps' step_seconds summed (max_train_seconds)
+        self.compute_used = 0.0  # forward-token equivalents (max_compute; step_compute)
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""
@@ -446,6 +448,17 @@ class Trainer:
         self.tokens_generated += int(stats["rollout/tokens"])
         self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
         self.skipped_total += int(stats["rollout/skipped_samples"])
+        compute = step_compute(
+            sampled_tokens=float(batch.attention_mask.sum()),
+            generated_tokens=float(stats["rollout/tokens"]),
+            scoring_passes=int(scoring_pass) + int(self.reference is not None),
+            epochs=self.cfg.epochs_per_batch,
+            credit_forward_tokens=float(credit_out.cost.extra_forward_tokens),
+            credit_backward_tokens=float(credit_out.cost.extra_backward_tokens),
+            credit_generated_tokens=float(credit_out.cost.extra_generated_tokens),
+        )
+        self.compute_used += compute
+        self.train_seconds += clock.total
         stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / B
         mask = batch.response_mask
         advantages = credit_out.advantages.detach()
@@ -467,6 +480,9 @@ class Trainer:
             "forward/scoring_pass": 1.0 if scoring_pass else 0.0,
             **{f"time/{name}": seconds for name, seconds in clock.laps.items()},
             "step_seconds": clock.total,
+            "train_seconds": self.train_seconds,
+            "compute/step": compute,
+            "compute/used": self.compute_used,
         }
 
     # -- before the first step ----------------------------------------------------------------
@@ -540,15 +556,54 @@ class Trainer:
             self.metrics.continue_after(self.step, counters, log=self.log)
 
     def budget_spent(self) -> bool:
-        """Whether ``max_tokens_generated`` is reached (policy rollouts + credit generations,
-        summed over processes)."""
-        budget = self.cfg.max_tokens_generated
+        """Whether a budget is reached: ``max_train_seconds`` (rank 0's training seconds: every
+        process stops at the same step), ``max_compute`` or ``max_tokens_generated`` (policy
+        rollouts + credit generations, summed over processes)."""
+        cfg = self.cfg
+        if cfg.max_train_seconds > 0 or cfg.max_compute > 0:
+            used = torch.tensor([self.train_seconds, self.compute_used], dtype=torch.float64)
+            if self.world > 1:  # rank 0's clock decides; compute adds up over processes
+                seconds = self.accelerator.reduce(
+                    used[:1].to(self.device) * (self.rank == 0), reduction="sum"
+                )
+                compute = self.accelerator.reduce(used[1:].to(self.device), reduction="sum")
+                used = torch.cat([seconds.cpu(), compute.cpu()])
+            if 0 < cfg.max_train_seconds <= float(used[0]):
+                return True
+            if 0 < cfg.max_compute <= float(used[1]):
+                return True
+        budget = cfg.max_tokens_generated
         if budget <= 0:
             return False
         used = torch.tensor(float(self.tokens_generated + self.extra_tokens_generated))
         if self.world > 1:
             used = self.accelerator.reduce(used.to(self.device), reduction="sum")
         return float(used) >= budget
+
+
+def step_compute(
+    sampled_tokens: float,
+    generated_tokens: float,
+    scoring_passes: int,
+    epochs: int,
+    credit_forward_tokens: float,
+    credit_backward_tokens: float,
+    credit_generated_tokens: float,
+) -> float:
+    """One step's compute in forward-token equivalents (FLOPs / 2N, N the policy's parameters;
+    attention's quadratic term ignored): sampling forwards every real token of the batch once
+    (``sampled_tokens``: prompt + response; ``generated_tokens`` of them sampled one by one, each
+    a forward), a no-grad scoring pass (the loss's old log-probs, the KL reference) forwards them
+    once more each, training forwards and backwards them every epoch (2N + 4N = 3 forwards), and
+    the credit method's extra forward and generated tokens are a forward each (its backward
+    tokens, a value head's, 2 more)."""
+    del generated_tokens  # inside sampled_tokens: named so the caller says what it counts
+    return (
+        sampled_tokens * (1 + scoring_passes + 3 * epochs)
+        + credit_forward_tokens
+        + 2 * credit_backward_tokens
+        + credit_generated_tokens
+    )
 
 
 class _StepClock:
