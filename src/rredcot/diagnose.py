@@ -58,7 +58,7 @@ from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.credit import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config_io import from_dict
-from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, SUCCESS, flow_flags
+from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, SUCCESS, choose_credit, flow_flags
 from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P, DiagnoseConfig
 from rredcot.errors import UserError
 from rredcot.explain_model import (
@@ -474,11 +474,18 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "+",
                 f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
                 "credit that blames the line where a trace broke can, without generating: "
-                f"where the task has reference solutions, {flow_flags()} (measured ahead of "
-                "GRPO where the value head was not; --credit auto, the default, chooses it; "
-                "docs/diagnose.md)",
+                f"where the task has reference solutions, {flow_flags()} is ahead of GRPO per "
+                "sampled token (docs/diagnose.md)",
             )
         )
+    if wrong is not None and mean_reward is not None:
+        # --credit auto's rule (rredcot.credit_choice): what it would run, measured per second
+        choice = choose_credit(
+            {"mean_reward": mean_reward, "all_wrong": wrong},
+            has_references=figures.get("has_references", True),
+            seen_in="the policy",
+        )
+        reasons.append((" ", f"--credit auto would run {choice.method}: {choice.reason}"))
     if right is not None and right >= ALL_RIGHT_HIGH:
         reasons.append(
             (

@@ -158,6 +158,8 @@ class VarianceProbe:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def maybe_measure(self, trainer: Trainer, final: bool = False) -> None:
+        if trainer.method is None:  # --credit auto chooses at step 1: measured after it
+            return
         budget = trainer.cfg.max_tokens_generated
         used = trainer.tokens_generated + trainer.extra_tokens_generated
         for f in self.fractions:
