@@ -537,11 +537,11 @@ def test_bench_learn_budget_seconds_stops_on_training_time_and_resumes(
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = records[1:]
         # the run's clock is the sum of its steps' seconds (evaluation is outside the step)
-        assert [r["train_seconds"] for r in steps] == pytest.approx(
+        assert [r["time/train_seconds"] for r in steps] == pytest.approx(
             [sum(r["step_seconds"] for r in steps[: i + 1]) for i in range(len(steps))]
         )
         # it stops after the first step that reaches the budget, well before steps_max
-        seconds = [r["train_seconds"] for r in steps]
+        seconds = [r["time/train_seconds"] for r in steps]
         assert seconds[-1] >= 5.0 and all(t < 5.0 for t in seconds[:-1])
         assert 1 < len(steps) < 50 and steps[-1]["eval_accuracy"] is not None
         # compute counts every step (forward-token equivalents), summed

@@ -113,6 +113,12 @@ def test_todays_table_runs_uniform_on_both_arithmetic_testbeds_and_says_which_ro
         {"lam": 0.0},
         cheap.source,
     )
+    # a first batch of 16 groups measures its shares to about +-0.1: the bands widen by two
+    # standard errors (the README's first command's step 1: 55% solved, 12% all wrong)
+    first = {"mean_reward": 0.55, "all_wrong": 0.12}
+    assert choose_credit(first, True).decided_by is None  # no batch size: the bare bands
+    sized = choose_credit({**first, "groups": 16.0}, True)
+    assert sized.decided_by == "headroom/arith4_default_report/learn.json"
     # where nothing was measured: uniform, and it says so
     easy = choose_credit({"mean_reward": 0.9, "all_wrong": 0.0}, True)
     assert easy.method == "uniform" and easy.decided_by is None

@@ -30,7 +30,7 @@ COUNTERS = (
 )
 """The run's totals after the checkpoint's step, as ``trainer_state.pt`` keys."""
 
-# absent from older checkpoints: their default
+# absent from older checkpoints: their default (a resumed old run counts from there)
 _ADDED_LATER = {"extra_tokens_generated": 0, "train_seconds": 0.0, "compute_used": 0.0}
 
 

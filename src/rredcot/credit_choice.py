@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,13 +66,21 @@ class Measurement:
         return all(m - 2 * se > 0 for m, se in (self.at_grpo_last_second, self.time_averaged))
 
     def like(self, figures: dict[str, Any], has_references: bool) -> bool:
-        """Whether a run whose first batch scored ``figures`` is on a testbed like this one."""
+        """Whether a run whose first batch scored ``figures`` is on a testbed like this one:
+        within the bands, widened by two standard errors of the batch's own shares (a batch of
+        16 groups measures a share to about ±0.1; ``figures["groups"]``, when given)."""
         if self.needs_references and not has_references:
             return False
-        return (
-            abs(figures["all_wrong"] - self.all_wrong) <= ALL_WRONG_BAND
-            and abs(figures["mean_reward"] - self.mean_reward) <= REWARD_BAND
-        )
+        groups = figures.get("groups") or 0
+
+        def slack(share: float) -> float:
+            share = min(max(share, 0.0), 1.0)
+            return 2 * math.sqrt(share * (1 - share) / groups) if groups else 0.0
+
+        wrong, mean = figures["all_wrong"], figures["mean_reward"]
+        return abs(wrong - self.all_wrong) <= ALL_WRONG_BAND + slack(wrong) and abs(
+            mean - self.mean_reward
+        ) <= REWARD_BAND + slack(mean)
 
     def words(self) -> str:
         """The measurement in one phrase (the start-up line's)."""
@@ -256,7 +265,8 @@ def choose_credit(
         return CreditChoice(FALLBACK_METHOD, {}, reason, figures, nearest.source)
     reason = (
         f"{seen}; no credit method was measured on a testbed like it (all-wrong share within "
-        f"{ALL_WRONG_BAND:.0%} and mean reward within {REWARD_BAND:.2f} of a measured one"
+        f"{ALL_WRONG_BAND:.0%} and mean reward within {REWARD_BAND:.2f} of a measured one, "
+        "each widened by two standard errors of the batch's"
         f"{'' if has_references else ', with no reference solutions'}); "
         f"{FALLBACK_METHOD} (GRPO)"
     )

@@ -478,14 +478,13 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "sampled token (docs/diagnose.md)",
             )
         )
-    if wrong is not None and mean_reward is not None:
-        # --credit auto's rule (rredcot.credit_choice): what it would run, measured per second
-        choice = choose_credit(
-            {"mean_reward": mean_reward, "all_wrong": wrong},
-            has_references=figures.get("has_references", True),
-            seen_in="the policy",
-        )
-        reasons.append((" ", f"--credit auto would run {choice.method}: {choice.reason}"))
+        if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
+            choice = choose_credit(
+                {"mean_reward": mean_reward, "all_wrong": wrong},
+                has_references=figures.get("has_references", True),
+                seen_in="the policy",
+            )
+            reasons.append((" ", f"--credit auto would run {choice.method}: {choice.reason}"))
     if right is not None and right >= ALL_RIGHT_HIGH:
         reasons.append(
             (

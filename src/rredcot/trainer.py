@@ -529,7 +529,7 @@ class Trainer:
             "forward/scoring_pass": 1.0 if scoring_pass else 0.0,
             **{f"time/{name}": seconds for name, seconds in clock.laps.items()},
             "step_seconds": clock.total,
-            "train_seconds": self.train_seconds,
+            "time/train_seconds": self.train_seconds,
             "compute/step": compute,
             "compute/used": self.compute_used,
         }
