@@ -960,6 +960,7 @@ def test_credit_output_on_a_process_rows(tiny_policy, char_tokenizer, arithmetic
     row, the token stage one process's rows; equal to those rows of the whole batch's credit.
     Whitening needs every token and refuses a part."""
     batch = make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, segmenter="tokens:5")
+    batch = batch.replace(rewards=(torch.arange(batch.size) % 3 / 2).float())  # groups vary
     ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
     method = build_credit("uniform", CreditConfig(), ctx)
     rows = method.rows(batch)

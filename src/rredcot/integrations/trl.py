@@ -469,10 +469,6 @@ class _GlobalRows:
         """``S + 1``: the most boundaries of any row."""
         return (int(self.counts.max()) if self.counts.numel() else 0) + 1
 
-    def live(self, device) -> Tensor:
-        """``(N,)`` bool: rows with a response (unscorable and empty rows have no segment)."""
-        return (self.counts > 0).to(device)
-
     def gather(self, local: CreditRows, collective: _Collective) -> CreditRows:
         """The credit rows of every process (:class:`~rredcot.methods.base.CreditRows`): this
         process's ``local`` rows' measurements gathered (padded to the widest row), the rewards
