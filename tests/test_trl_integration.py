@@ -158,7 +158,7 @@ def test_uniform_reproduces_trl_advantages(tiny_model_dir, arithmetic_dataset, t
         trl, ours, mask = rec["trl"], rec["ours"], rec["mask"].to(torch.float32)
         assert trl.dim() == 1 and ours.dim() == 2
         expected = trl.unsqueeze(1) * mask
-        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours, expected)  # bit for bit
         nonzero += int((trl.abs() > 1e-3).sum())
     assert nonzero > 0, "rewards never varied within a group: the comparison would be vacuous"
 
@@ -527,7 +527,7 @@ def test_uniform_follows_scale_rewards_exactly(
     trainer.train()
     for rec in trainer.records:
         expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
-        torch.testing.assert_close(rec["ours"], expected, rtol=0, atol=1e-6)
+        assert torch.equal(rec["ours"], expected)  # TRL's advantages bit for bit
         assert float(rec["trl"].abs().max()) > 1e-3  # rewards varied: not a vacuous check
 
 
@@ -585,7 +585,7 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
     assert trainer.last_credit.metrics["credit/handover_weight"] == 0.0
     assert trainer.last_credit.metrics["credit/agreeing_groups"] == 1.0
     expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
-    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rec["ours"], expected)  # TRL's GRPO bit for bit
     assert float(rec["trl"].abs().max()) > 0.5  # GRPO's scale: rewards varied in the groups
 
 
@@ -612,7 +612,7 @@ def test_scale_rewards_batch_is_trls_for_small_spread_rewards(
     rec = trainer.records[0]
     assert float(trainer.last_batch.rewards.std()) < 0.1
     expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
-    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rec["ours"], expected)  # TRL's advantages bit for bit
     assert float(rec["trl"].abs().max()) > 0.5
 
 
