@@ -198,12 +198,13 @@ class RREDCoTGRPOConfig(GRPOConfig):
         if self.credit_method not in (AUTO, *TRL_METHODS):
             raise ValueError(
                 f"credit_method={self.credit_method!r} is not supported in TRL (it needs rredcot's "
-                f"own sampling loop); use one of: {', '.join((AUTO, *TRL_METHODS))}"
+                "own sampling loop, or passes the adapter does not run); use one of: "
+                f"{', '.join((AUTO, *TRL_METHODS))}"
             )
         if self.credit_config.value_head.alik_feature:
             raise ValueError(
-                "credit.value_head.alik_feature is not supported in TRL (its probe forwards would run "
-                "per micro-batch and unevenly across processes); leave it unset"
+                "credit.value_head.alik_feature is not supported in TRL (the adapter does not run "
+                "its probe forwards); leave it unset"
             )
         if self.credit_config.value_head.pretrain_steps:
             raise ValueError(
