@@ -15,8 +15,8 @@ benchmarks and ``explain`` (docs/architecture.md, the credit seam):
    stage, on a process's own rows and tokens.
 5. ``method.update(rows, est)``: learn from the outcomes, after the credit was formed.
 
-:meth:`CreditMethod.credit_output` runs stages 3-4 for one process; :meth:`CreditMethod.compute`
-runs 1-4 on a batch.
+:meth:`CreditMethod.credit_output` runs stages 3-4 (for one process's rows of a gathered batch:
+``local``); :meth:`CreditMethod.compute` runs 1-4 on a batch.
 """
 
 from __future__ import annotations
@@ -299,17 +299,35 @@ class CreditMethod:
         return advantage_scale(rows.rewards, rows.group_ids, mode, min_std=floor, like=like)
 
     def credit_output(
-        self, rows: CreditRows, est: Estimate, segment_ids: Tensor, response_mask: Tensor
+        self,
+        rows: CreditRows,
+        est: Estimate,
+        segment_ids: Tensor,
+        response_mask: Tensor,
+        local: slice | None = None,
     ) -> CreditOutput:
-        """Stages 3 and 4 for rows held by one process.
+        """Stages 3 and 4: the segment stage and the scale over every row of ``rows``, the token
+        stage on the rows one process holds.
 
         Args:
-            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
+            rows, est: every row (an adapter gathers them across processes).
+            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``: the
+                tokens of the rows ``local``.
+            local: the rows of ``rows`` this process holds (None: all of them); the output is
+                theirs. ``whiten`` needs every token, so it refuses a part of the rows.
         """
         seg, metrics = self.segment_stage(rows, est)
         scale = self.scale(rows, est, like=seg.advantages)
-        advantages = credit.token_advantages(seg, segment_ids, response_mask, scale)
         value_mask = est.credit.mask if isinstance(est.credit, Values) else None
+        if local is not None:
+            if scale.whiten and len(range(len(rows.rewards))[local]) != len(rows.rewards):
+                raise ValueError(
+                    "credit.normalization='whiten' whitens over every token of the batch, but "
+                    "this process holds part of it; use group_or_batch_std or batch_std"
+                )
+            seg, scale = seg.rows(local), scale.rows(local)
+            value_mask = None if value_mask is None else value_mask[local]
+        advantages = credit.token_advantages(seg, segment_ids, response_mask, scale)
         return CreditOutput(
             advantages,
             seg.advantages,
