@@ -59,6 +59,7 @@ from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig
 from rredcot.config_io import from_dict
+from rredcot.errors import require_extra
 from rredcot.integrations._batch import (
     group_ids_from_keys,
     prompt_text,
@@ -81,13 +82,12 @@ from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem
 
-try:
-    from verl.trainer.ppo import core_algos
-except ImportError as err:  # pragma: no cover - the extra is not installed
-    raise ImportError(
-        "rredcot.integrations.verl needs verl's core: pip install 'rredcot[verl]' and then "
-        "pip install --no-deps 'verl>=0.9,<0.10' (or install verl by its own instructions)"
-    ) from err
+core_algos = require_extra(
+    "verl.trainer.ppo.core_algos",
+    "verl",
+    "rredcot.integrations.verl",
+    then="and then pip install --no-deps 'verl>=0.9,<0.10' (or install verl by its own instructions)",
+)
 
 __all__ = [
     "CriticCredit",
