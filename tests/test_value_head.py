@@ -689,7 +689,7 @@ def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_bat
 
 def _localise(method, batch) -> tuple[float, int, float]:
     """(error_acc, number of wrong traces scored, chance) of the method's credit on a batch."""
-    from rredcot.bench.localisation import chance_error_acc, localisation_scores
+    from rredcot.localisation import chance_error_acc, localisation_scores
 
     out = method.compute(batch)
     scores = localisation_scores(
