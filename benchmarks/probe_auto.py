@@ -23,7 +23,12 @@ def main() -> None:
     task_args = dict(a.split("=", 1) for a in rest if a != "--low")
     torch.set_num_threads(1)
     for seed in range(int(first), int(end)):
-        fields = {"seed": seed, "out": str(Path(tempfile.gettempdir()) / "probe-auto"), "threads": 1, "credit_method": "uniform"}
+        fields = {
+            "seed": seed,
+            "out": str(Path(tempfile.gettempdir()) / "probe-auto"),
+            "threads": 1,
+            "credit_method": "uniform",
+        }
         if low:
             fields["model.tiny_warmstart"] = "low"
         cfg = resolve_config(TrainConfig, None, fields, task_args)
