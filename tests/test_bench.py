@@ -13,22 +13,14 @@ import torch
 import yaml
 
 from rredcot.bench.configs import LEARN_LR
-from rredcot.bench.credit import (
-    credit_markdown,
-    fit_method,
-    merge_credit_reports,
-    per_trace_spearman,
-    resegment,
-    sign_agreement,
-    spearman,
-    value_errors,
-)
+from rredcot.bench.credit import credit_markdown, fit_method, merge_credit_reports, resegment
 from rredcot.bench.learn import LearnBenchConfig, bootstrap_trace_cov, run_learn_bench, train_config
 from rredcot.bench.overhead import PHASES, OverheadBenchConfig, run_overhead_bench
 from rredcot.bench.report import fmt, interpolate_runs, markdown_table
 from rredcot.bench.variants import parse_set, parse_variants
 from rredcot.cli import main
 from rredcot.config import TrainConfig
+from rredcot.credit_scores import per_trace_spearman, sign_agreement, spearman, value_errors
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.base import Problem, Task
 

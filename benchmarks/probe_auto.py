@@ -1,12 +1,14 @@
 """What ``--credit auto`` chooses, seed by seed: its probe of the starting policy, without training.
 
-    python probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
+    python benchmarks/probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
 
 Prints ``prompts seed method mean_reward all_wrong probe_tokens`` per seed (``--low``: the
 shipped low warm-start, ``model.tiny_warmstart=low``).
 """
 
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -21,7 +23,12 @@ def main() -> None:
     task_args = dict(a.split("=", 1) for a in rest if a != "--low")
     torch.set_num_threads(1)
     for seed in range(int(first), int(end)):
-        fields = {"seed": seed, "out": "/tmp/probe-auto", "threads": 1, "credit_method": "uniform"}
+        fields = {
+            "seed": seed,
+            "out": str(Path(tempfile.gettempdir()) / "probe-auto"),
+            "threads": 1,
+            "credit_method": "uniform",
+        }
         if low:
             fields["model.tiny_warmstart"] = "low"
         cfg = resolve_config(TrainConfig, None, fields, task_args)
