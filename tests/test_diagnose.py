@@ -342,7 +342,7 @@ def test_run_directory_source_and_value_head_estimator(init_dir, tmp_path):
 
 def test_token_probabilities_in_row_chunks_match_one_forward(monkeypatch, char_tokenizer):
     """The forward is split by rows to bound the logits' memory; the figures do not change."""
-    import rredcot.diagnose as diagnose_module
+    import rredcot.diagnose.measure as diagnose_module
     from conftest import make_rollout_batch
     from rredcot.models import build_tiny_llama
 

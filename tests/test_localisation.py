@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from rredcot.bench.localisation import (
+from rredcot.localisation import (
     blame_hit,
     chance_error_acc,
     error_segment,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
-from rredcot.bench.localisation import chance_error_acc, localisation_scores
 from rredcot.config import CreditConfig, MonteCarloConfig, SamplingConfig
+from rredcot.localisation import chance_error_acc, localisation_scores
 from rredcot.methods import monte_carlo
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.monte_carlo import estimated_boundaries, mc_values, prefix_token_ids
@@ -270,7 +270,7 @@ def test_monte_carlo_blames_the_first_wrong_step(warm_checkpoint, arithmetic_tas
     Measured (32 prompts x 4 samples, 7 batches over two sharpened warm starts): error_acc
     0.42-0.55 against chance 0.33; mean credit at the first wrong segment -0.10 to -0.19, at the
     other segments -0.03 to 0.00."""
-    from rredcot.bench.localisation import error_segment
+    from rredcot.localisation import error_segment
 
     policy, tokenizer = load_policy(warm_checkpoint)
     torch.manual_seed(0)

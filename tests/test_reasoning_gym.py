@@ -124,5 +124,5 @@ def test_parameters() -> None:
 
 def test_missing_reasoning_gym_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # makes `import reasoning_gym` fail
-    with pytest.raises(ImportError, match=r"pip install rredcot\[gym\]"):
+    with pytest.raises(ImportError, match=r"pip install 'rredcot\[gym\]'"):
         get_task("reasoning_gym", dataset_name="chain_sum")

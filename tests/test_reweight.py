@@ -159,7 +159,7 @@ def _uniform_values():
 
 def test_credit_bench_compares_reweight_as_grpo_times_sigma():
     from rredcot.batch import RolloutBatch
-    from rredcot.bench.credit import _comparison_advantages
+    from rredcot.credit_scores import comparison_advantages
     from rredcot.methods.base import CreditOutput
 
     segment_ids, response_mask, value_mask = _layout()
@@ -182,12 +182,12 @@ def test_credit_bench_compares_reweight_as_grpo_times_sigma():
         value_mask=value_mask,
     )
     method = _FixedValues(CreditConfig(form="reweight"), values, value_mask, 0.0)
-    adv = _comparison_advantages(out, REWARDS, 0.0, method, batch)
+    adv = comparison_advantages(out, REWARDS, 0.0, method, batch)
     grpo = (REWARDS - normalization.group_mean_std(REWARDS, GROUPS)[0]).double()
     assert bool((adv * grpo[:, None] >= 0).all())  # GRPO's sign on every segment
     lengths = credit.segment_token_counts(segment_ids, response_mask, 3).double()
     torch.testing.assert_close((adv * lengths).sum(1), grpo * lengths.sum(1))
     # the redistribute form is compared through its values at the comparison lambda
     plain = _FixedValues(CreditConfig(), values, value_mask, 0.0)
-    redistributed = _comparison_advantages(out, REWARDS, 0.0, plain, batch)
+    redistributed = comparison_advantages(out, REWARDS, 0.0, plain, batch)
     assert not torch.allclose(adv, redistributed)

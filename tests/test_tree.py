@@ -256,14 +256,7 @@ def test_a_tree_step_trains_with_every_method_family(init_dir, tmp_path, method)
     assert torch.isfinite(torch.tensor(record["policy_loss"]))
     assert undocumented(set(record)) == []  # every key, the tree's too, is in docs/metrics.md
     if method not in ("uniform", "gradient", "first_last"):  # values: the tree's nodes are used
-        assert (
-            record[
-                "credit/node_boundary_fraction"
-                if method != "value_head"
-                else "credit/shared_boundary_fraction"
-            ]
-            > 0
-        )
+        assert record["credit/node_boundary_fraction"] > 0
 
 
 def test_tree_groups_refuse_a_model_the_fast_decoder_cannot_fork(tmp_path, char_tokenizer):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -12,14 +15,14 @@ import torch
 import credit_reference
 from conftest import make_rollout_batch
 from metrics_doc import undocumented
-from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
+from rredcot.config import CreditConfig, HandoverConfig, TrainConfig, ValueHeadConfig
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
     RREDCoTGRPOConfig,
     RREDCoTGRPOTrainer,
     task_reward,
 )
-from rredcot.methods.base import CreditContext, CreditRows, build_credit
+from rredcot.methods.base import CreditContext, CreditRows, build_credit, credit_names
 from rredcot.normalization import group_mean_std
 from rredcot.rollout import fill_forward, segment_batch
 
@@ -155,7 +158,7 @@ def test_uniform_reproduces_trl_advantages(tiny_model_dir, arithmetic_dataset, t
         trl, ours, mask = rec["trl"], rec["ours"], rec["mask"].to(torch.float32)
         assert trl.dim() == 1 and ours.dim() == 2
         expected = trl.unsqueeze(1) * mask
-        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours, expected)  # bit for bit
         nonzero += int((trl.abs() > 1e-3).sum())
     assert nonzero > 0, "rewards never varied within a group: the comparison would be vacuous"
 
@@ -425,9 +428,13 @@ def test_credit_dict_takes_sections(tmp_path):
     new = credit_config({"value_head": {"lr": 0.003}, "handover": {"mode": "off"}})
     assert new == credit_config('{"value_head": {"lr": 0.003}, "handover": {"mode": "off"}}')
     assert (new.value_head.lr, new.handover.mode) == (0.003, "off")
-    assert new.value_head.logprob_features is False  # off in TRL unless asked for
-    on = credit_config({"value_head": {"logprob_features": True}})
-    assert on.value_head.logprob_features is True
+    # every unset field is rredcot train's default (TrainConfig's credit), not a TRL copy
+    unset = credit_config({})
+    assert unset.normalization == "group_or_batch_std"  # auto, through scale_rewards="group"
+    assert dataclasses.replace(unset, normalization="auto") == TrainConfig().credit
+    assert new.value_head.logprob_features is True
+    off = credit_config({"value_head": {"logprob_features": False}})
+    assert off.value_head.logprob_features is False
     with pytest.raises(ValueError, match="alik_feature is not supported in TRL"):
         credit_config({"value_head": {"alik_feature": True}})
     with pytest.raises(
@@ -520,7 +527,7 @@ def test_uniform_follows_scale_rewards_exactly(
     trainer.train()
     for rec in trainer.records:
         expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
-        torch.testing.assert_close(rec["ours"], expected, rtol=0, atol=1e-6)
+        assert torch.equal(rec["ours"], expected)  # TRL's advantages bit for bit
         assert float(rec["trl"].abs().max()) > 1e-3  # rewards varied: not a vacuous check
 
 
@@ -559,7 +566,8 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
     )
     assert "hand-over=reliability (slope, starts at w = 0: GRPO)" in started
     features = {
-        "value_head": "features=hidden states of layers [-1] from each micro-batch's loss forward",
+        "value_head": "features=hidden states of layers [-1] + log-prob features from the loss "
+        "forward (one micro-batch per generation batch)",
         "process_reward": f"features=step scores of {__name__}:step_scores",
         "answer_likelihood": "features=the policy's probability of the reference answer",
     }
@@ -577,7 +585,7 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
     assert trainer.last_credit.metrics["credit/handover_weight"] == 0.0
     assert trainer.last_credit.metrics["credit/agreeing_groups"] == 1.0
     expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
-    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rec["ours"], expected)  # TRL's GRPO bit for bit
     assert float(rec["trl"].abs().max()) > 0.5  # GRPO's scale: rewards varied in the groups
 
 
@@ -604,7 +612,7 @@ def test_scale_rewards_batch_is_trls_for_small_spread_rewards(
     rec = trainer.records[0]
     assert float(trainer.last_batch.rewards.std()) < 0.1
     expected = rec["trl"].unsqueeze(1) * rec["mask"].to(torch.float32)
-    torch.testing.assert_close(rec["ours"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rec["ours"], expected)  # TRL's advantages bit for bit
     assert float(rec["trl"].abs().max()) > 0.5
 
 
@@ -666,55 +674,6 @@ def test_scale_rewards_maps_and_conflicts_warn(tmp_path):
             credit={"normalization": "batch_std"},
         )
     assert cfg.credit_config.normalization == "batch_std"  # the explicit choice wins
-
-
-def test_loss_forward_credit_equals_a_fresh_forward(tiny_model_dir, arithmetic_dataset, tmp_path):
-    """TRL's defaults: no old-log-prob pass. With two shuffled micro-batches per generation the
-    value-head credit comes from each micro-batch's loss forward, and equals the credit from a
-    separate no-grad forward at generation time."""
-
-    class Reference(SpyTrainer):
-        def _apply_credit(self, inputs, output):
-            output = super()._apply_credit(inputs, output)
-            pending = self._pending
-            assert pending is not None  # deferred to the loss forwards
-            hidden, logps = self._extra_forward(output, "train")
-            batch = pending.batch.replace(hidden_states=hidden, old_logprobs=logps)
-            every = pending.rows.gather(self._local_rows(batch), self.collective)
-            _, _, ref = self._credit(batch, pending.rows, every)
-            self.records[-1]["reference"] = ref * pending.loss_mask
-            return output
-
-    trainer = make_trainer(
-        tiny_model_dir,
-        arithmetic_dataset,
-        tmp_path,
-        cls=Reference,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-    )
-    assert trainer.args.steps_per_generation == 2 and not trainer._trl_runs_old_logprob_pass()
-    trainer.train()
-    assert len(trainer.records) == 2
-    for rec in trainer.records:
-        assert rec["deferred"]
-        torch.testing.assert_close(rec["ours"], rec["reference"], rtol=1e-4, atol=1e-5)
-        assert float(rec["ours"].abs().max()) > 0
-    history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
-    assert history and all(h["rredcot/extra_forward"] == 0.0 for h in history)
-    assert trainer.credit_method.guard.num_updates == 2
-
-
-def test_whiten_across_micro_batches_is_refused(tiny_model_dir, arithmetic_dataset, tmp_path):
-    with pytest.raises(ValueError, match="whiten"):
-        make_trainer(
-            tiny_model_dir,
-            arithmetic_dataset,
-            tmp_path,
-            gradient_accumulation_steps=2,
-            credit={"normalization": "whiten"},
-        )
 
 
 @pytest.mark.parametrize("sharding", ["zero3", "flat_shard"])
@@ -803,3 +762,220 @@ def test_shipped_model_by_alias_or_gguf_path_on_gsm8k_rows(tmp_path):
     batch = trainer.last_batch
     assert [p.answer for p in batch.problems] == ["5", "5"]  # parsed from the native column
     assert trainer.last_credit.metrics["credit/probe_packed"] == 1.0  # packed under bf16 autocast
+
+
+# ---------------------------------------------------------------------------------------------
+# the adapter runs the trainer's stages, once per generation batch
+
+
+def step_scores_spread(prompt, completion, ends):
+    return [0.1 + 0.8 * ((k * 7 + len(completion)) % 5) / 4 for k in range(len(ends))]
+
+
+TRL_CREDIT = {  # what each method needs beyond make_trainer's settings
+    "process_reward": {"process_reward": {"function": f"{__name__}:step_scores_spread"}},
+}
+
+
+@pytest.mark.parametrize("method", credit_names())
+def test_trl_credit_equals_the_trainers(tiny_model_dir, arithmetic_dataset, tmp_path, method):
+    """Every registered method: the advantages TRL's loss receives equal what rredcot train's
+    step gives the same batch (its scoring pass ``fill_forward``, then rows -> estimate ->
+    credit_output, from the method's state before the batch); a method TRL cannot run is refused
+    by the config, naming the ones it can."""
+    from rredcot.integrations.trl import TRL_METHODS
+
+    if method not in TRL_METHODS:
+        with pytest.raises(ValueError, match="not supported in TRL.*use one of: auto, value_head"):
+            RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True, credit_method=method)
+        return
+
+    class TrainerSide(SpyTrainer):
+        def _credit(self, batch, rows, loss_mask, mode):
+            method = self.credit_method
+            twin = copy.deepcopy(method, memo={id(method.context): method.context})
+            plain = batch.replace(hidden_states=None, old_logprobs=None)
+            with torch.random.fork_rng():  # a head built lazily is built alike on both sides
+                if twin.needs_hidden_states:
+                    plain = fill_forward(
+                        self.model, plain, twin.hidden_layers, temperature=self.temperature
+                    )
+                credit_rows = twin.rows(plain)
+                estimate = twin.estimate(credit_rows)
+                out = twin.credit_output(
+                    credit_rows, estimate, plain.segment_ids, plain.response_mask
+                )
+            ours = super()._credit(batch, rows, loss_mask, mode)
+            self.trainer_side = [*getattr(self, "trainer_side", []), out.advantages * loss_mask]
+            return ours
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method=method,
+        cls=TrainerSide,
+        credit=TRL_CREDIT.get(method, {}),
+    )
+    trainer.train()
+    assert len(trainer.records) == len(trainer.trainer_side) == 2
+    for rec, expected in zip(trainer.records, trainer.trainer_side):
+        torch.testing.assert_close(rec["ours"], expected.float(), rtol=1e-4, atol=1e-5)
+        assert float(rec["ours"].abs().max()) > 0.1  # rewards varied: not a vacuous comparison
+    if method != "uniform":  # segment credit, not GRPO's one advantage per completion
+        grpo = rec["trl"].unsqueeze(1) * rec["mask"].float()
+        assert float((rec["ours"] - grpo).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "source, settings",
+    [
+        ("loss_forward", {}),  # TRL's defaults: one micro-batch per generation batch
+        ("own_forward", {"gradient_accumulation_steps": 2}),  # two micro-batches, no TRL pass
+        ("trl_pass", {"steps_per_generation": 2}),  # TRL runs its old-log-prob pass
+    ],
+)
+def test_credit_is_computed_once_per_generation_batch(
+    tiny_model_dir, arithmetic_dataset, tmp_path, source, settings
+):
+    """However TRL splits a generation batch into micro-batches, the method's estimate, its
+    credit and its update run once per generation batch, and every micro-batch's loss gets the
+    rows of that one credit."""
+    trainer = make_trainer(tiny_model_dir, arithmetic_dataset, tmp_path, max_steps=2, **settings)
+    assert trainer._hidden_source("train") == source
+    method = trainer.credit_method
+    calls = {"estimate": 0, "credit_output": 0, "update": 0}
+
+    def counted(name):
+        original = getattr(method, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        setattr(method, name, counted(name))
+    losses = []
+    original_loss = trainer._compute_loss
+
+    def loss(model, inputs):
+        out = original_loss(model, inputs)
+        losses.append(inputs["advantages"].detach().clone())
+        return out
+
+    trainer._compute_loss = loss
+    trainer.train()
+    batches = len(trainer.records)
+    micro = trainer.args.steps_per_generation
+    assert batches == 2 * trainer.args.gradient_accumulation_steps // micro
+    assert calls == {"estimate": batches, "credit_output": batches, "update": batches}
+    assert method.guard.num_updates == batches
+    assert len(losses) == batches * micro
+    for rec, parts in zip(trainer.records, zip(*[iter(losses)] * micro)):
+        seen = torch.cat(parts)  # TRL's shuffled rows: the same rows, in its order
+        assert seen.shape == rec["ours"].shape
+        ours = sorted(map(tuple, rec["ours"].tolist()))
+        assert sorted(map(tuple, seen.tolist())) == ours
+    extra = [
+        h["rredcot/extra_forward"]
+        for h in trainer.state.log_history
+        if "rredcot/extra_forward" in h
+    ]
+    assert extra and set(extra) == {1.0 if source == "own_forward" else 0.0}
+
+
+def test_auto_chooses_on_the_first_batch_and_resume_keeps_it(
+    tiny_model_dir, arithmetic_dataset, tmp_path
+):
+    """credit_method="auto" (the default): the first generation batch's own rewards choose the
+    method by rredcot train's rule, once; the choice and the chosen method's config are written
+    beside each checkpoint, and a resumed run uses them without choosing again."""
+    from rredcot.credit_choice import choose_credit, group_outcomes
+    from rredcot.integrations.saved import read_settings
+
+    class Counting(SpyTrainer):
+        def _choose_credit(self, rows, batch):
+            self.chosen_from = (rows.rewards.clone(), rows.group_ids.clone())
+            self.choices = getattr(self, "choices", 0) + 1
+            return super()._choose_credit(rows, batch)
+
+    right = set(arithmetic_dataset["prompt"][::2])
+
+    def half_right(prompts, completions, **kwargs) -> list[float]:
+        """1 for every completion of half the prompts, 0 for the others' (a group all right or
+        all wrong): a batch of all four prompts has half its groups all wrong."""
+        return [float(p in right) for p in prompts]
+
+    def auto_trainer(out, **kw):
+        return make_trainer(
+            tiny_model_dir,
+            arithmetic_dataset,
+            out,
+            method="auto",
+            cls=Counting,
+            credit={},
+            reward_funcs=[half_right, digit_share],
+            reward_weights=[1.0, 0.0],
+            per_device_train_batch_size=16,  # the four prompts, four completions each
+            **kw,
+        )
+
+    assert RREDCoTGRPOConfig(output_dir=str(tmp_path), use_cpu=True).credit_method == "auto"
+    trainer = auto_trainer(tmp_path, save_strategy="steps", save_steps=1, max_steps=2)
+    assert trainer.credit_method is None and trainer.credit_choice is None
+    trainer.train()
+    assert trainer.choices == 1
+    rewards, group_ids = trainer.chosen_from
+    figures = group_outcomes(rewards.cpu(), group_ids.cpu())
+    assert 0 < figures["all_wrong"] < 1  # the rule had something to weigh
+    expected = choose_credit(figures, has_references=True)  # arithmetic: gold chains
+    choice = trainer.credit_choice
+    assert (choice.method, choice.settings) == (expected.method, expected.settings)
+    assert trainer.credit_method.name == choice.method
+    for dotted, value in choice.settings.items():  # its settings over the run's credit config
+        target = trainer.credit_method.config
+        for part in dotted.split("."):
+            target = getattr(target, part)
+        assert target == value
+
+    saved = read_settings(tmp_path / "checkpoint-1")
+    assert saved.credit_method == choice.method and saved.credit_choice == choice.to_json()
+    assert saved.credit == trainer.credit_method.config
+    raw = json.loads((tmp_path / "checkpoint-1" / "rredcot_credit.json").read_text())
+    assert raw["credit_choice"]["reason"] == choice.reason
+
+    resumed = auto_trainer(tmp_path, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert not hasattr(resumed, "choices")  # the checkpoint's choice, not a new one
+    assert resumed.credit_choice == choice
+    assert resumed.credit_method.name == choice.method
+    assert resumed.credit_method.config == trainer.credit_method.config
+    assert resumed.state.global_step == 3 and len(resumed.records) == 1
+
+
+def test_credit_output_on_a_process_rows(tiny_policy, char_tokenizer, arithmetic_task):
+    """credit_output over every row with ``local``: the segment stage and the scale see every
+    row, the token stage one process's rows; equal to those rows of the whole batch's credit.
+    Whitening needs every token and refuses a part."""
+    batch = make_rollout_batch(tiny_policy, char_tokenizer, arithmetic_task, segmenter="tokens:5")
+    batch = batch.replace(rewards=(torch.arange(batch.size) % 3 / 2).float())  # groups vary
+    ctx = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer)
+    method = build_credit("uniform", CreditConfig(), ctx)
+    rows = method.rows(batch)
+    estimate = method.estimate(rows)
+    whole = method.credit_output(rows, estimate, batch.segment_ids, batch.response_mask)
+    half = slice(batch.size // 2 - 1, batch.size)  # groups cut across the "processes"
+    part = method.credit_output(
+        rows, estimate, batch.segment_ids[half], batch.response_mask[half], local=half
+    )
+    assert float(whole.advantages.abs().max()) > 0
+    torch.testing.assert_close(part.advantages, whole.advantages[half])
+    torch.testing.assert_close(part.segment_advantages, whole.segment_advantages[half])
+    assert torch.equal(part.value_mask, whole.value_mask[half])
+    whiten = build_credit("uniform", CreditConfig(normalization="whiten"), ctx)
+    with pytest.raises(ValueError, match="whiten"):
+        whiten.credit_output(
+            rows, estimate, batch.segment_ids[half], batch.response_mask[half], local=half
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 
@@ -506,7 +507,9 @@ def test_reliability_is_measured_on_the_fresh_batch(tiny_policy, char_tokenizer,
     vs_group = brier_skill(values[live], baseline[live], target_mask[live], batch.rewards[live])
     assert expected > 0.1
 
-    stats = credit_reference.learn(method, batch)
+    rows = method.rows(batch)
+    est = method.estimate(rows)  # the head's own skill is logged with the values it predicts
+    stats = {**est.metrics, **method.update(rows, est)}
     assert stats["credit/handover_skill"] == pytest.approx(expected, abs=1e-6)
     assert stats["value/skill_vs_group_mean"] == pytest.approx(vs_group, abs=1e-6)
     assert method.guard.reliability == pytest.approx(0.5 * min(expected, 1.0))
@@ -689,7 +692,7 @@ def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_bat
 
 def _localise(method, batch) -> tuple[float, int, float]:
     """(error_acc, number of wrong traces scored, chance) of the method's credit on a batch."""
-    from rredcot.bench.localisation import chance_error_acc, localisation_scores
+    from rredcot.localisation import chance_error_acc, localisation_scores
 
     out = method.compute(batch)
     scores = localisation_scores(
@@ -851,7 +854,50 @@ def test_shared_prefixes_set_the_values_where_samples_agree(
     seg_adv, _, _ = credit.segment_advantages_from_values(values, mask, mixed_batch.rewards, lam)
     assert torch.equal(out.segment_advantages, seg_adv)
     assert torch.equal(out.values, values)
-    assert 0.0 <= out.metrics["credit/shared_boundary_fraction"] <= 1.0
+    assert 0.0 <= out.metrics["credit/node_boundary_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5])
+def test_shared_prefixes_keep_the_methods_lambda_between_nodes(
+    tiny_policy, char_tokenizer, mixed_batch, lam
+):
+    """One shared-prefix rule for every method (``CreditMethod.with_node_values``): lambda 0 at
+    the nodes, the method's own ``credit.lam`` between them (the value head too, which used to
+    force 1 there), and its ``shared_min_count`` for what makes a node."""
+    method = make_method(
+        tiny_policy, char_tokenizer, lam=lam, value_head=dict(shared_prefixes=True)
+    )
+    torch.nn.init.normal_(method.head.fc2.weight)
+    method.guard.reliability = 0.4
+    out = method.compute(mixed_batch)
+    anchored, mask = credit_reference.anchored_values(method, mixed_batch)
+    values, lam_k = shared_prefixes.node_values(
+        anchored, mask, lam, mixed_batch.prefix_ids, mixed_batch.rewards, fallback_weight=0.4
+    )
+    assert bool(((lam_k == 0) | (lam_k == lam)).all()) and bool((lam_k == lam).any())
+    seg_adv, _, _ = credit.segment_advantages_from_values(values, mask, mixed_batch.rewards, lam_k)
+    assert torch.equal(out.segment_advantages, seg_adv)
+    assert torch.equal(out.values, values)
+
+
+def test_update_scores_the_values_the_estimate_gave_credit(
+    tiny_policy, char_tokenizer, mixed_batch
+):
+    """The value head's guard scores ``est.credit.values`` (``Guard.fold_estimate``, as every
+    value source), not a second prediction: other values in the estimate, another reliability."""
+    method = make_method(tiny_policy, char_tokenizer, value_head=dict(shared_prefixes=True))
+    torch.nn.init.normal_(method.head.fc2.weight)
+    rows = method.rows(mixed_batch)
+    est = method.estimate(rows)
+    reference = copy.deepcopy(method.guard)
+    reference.fold_estimate(rows, est)
+    twin = copy.deepcopy(method)
+    method.update(rows, est)
+    assert method.guard.reliability == reference.reliability
+    flat = est.credit.values.clone()
+    flat[:, 1:] = flat[:, :1]  # no departure from s_0: a source that says nothing
+    twin.update(rows, dataclasses.replace(est, credit=dataclasses.replace(est.credit, values=flat)))
+    assert twin.guard.reliability != method.guard.reliability
 
 
 def test_nothing_shared_and_no_trust_is_grpo(tiny_policy, char_tokenizer, mixed_batch):

@@ -249,6 +249,26 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     assert not torch.allclose(data.batch["advantages"], grpo, atol=1e-3)
 
 
+def test_what_the_estimator_keeps_between_calls(char_tokenizer, monkeypatch):
+    """What the module doc says it keeps: one method per settings across calls (its guard's
+    updates accumulate), nothing after reset_methods(), and the segments only inside
+    rredcot_segments."""
+    monkeypatch.setattr(rv, "_METHODS", {})
+    on = {"rredcot": {"lam": 0.5}}
+    for _ in range(2):
+        rv.compute_advantage_for_data(make_data(char_tokenizer), char_tokenizer, on)
+    (method,) = rv._METHODS.values()
+    assert method.guard.num_updates == 2
+    rv.reset_methods()
+    assert rv._METHODS == {}
+    rv.compute_advantage_for_data(make_data(char_tokenizer), char_tokenizer, on)
+    (fresh,) = rv._METHODS.values()
+    assert fresh is not method and fresh.guard.num_updates == 1
+    with rv.rredcot_segments(torch.zeros(2, 3, dtype=torch.long)):
+        assert rv._ACTIVE.get() is not None
+    assert rv._ACTIVE.get() is None
+
+
 def test_segments_survive_verls_batch_ops(char_tokenizer):
     """Segment ids computed on a DataProto stay aligned through verl's select/concat."""
     data = make_data(char_tokenizer)

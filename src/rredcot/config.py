@@ -249,8 +249,9 @@ class ValueHeadConfig:
         "Where at least shared_min_count samples of a group pass through the same prefix (the "
         "same tokens so far), take its value from their mean outcome (free Monte Carlo: the "
         "samples exist already) and let the credit stop there (lambda 0 at that boundary); "
-        "between such boundaries credit passes through (lambda 1) with the head's values, "
-        "scaled by its hand-over weight, as baselines. Off: the head alone, with credit.lam.",
+        "between such boundaries the head's values, scaled by its hand-over weight, with "
+        "credit.lam (1: credit passes through, the values as baselines), as every method's "
+        "tree nodes. Off: the head alone.",
         default=True,
     )
     shared_min_count: int = help_field(

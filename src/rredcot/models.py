@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from rredcot.config import cache_root
+from rredcot.errors import missing_extra_message
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Ids 0..3 of the character tokenizer, in this order."""
@@ -220,7 +221,7 @@ def shipped_model_path(alias: str) -> Path:
         )
     if importlib.util.find_spec("gguf") is None:
         raise ShippedModelMissing(
-            f"model {info.alias!r} needs the `gguf` package to read {path.name}: `pip install gguf`"
+            missing_extra_message("gguf", "gguf", f"model {info.alias!r} (reading {path.name})")
         )
     return path
 

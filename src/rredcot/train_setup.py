@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 
 from rredcot.config import TrainConfig
 from rredcot.credit_choice import AUTO, check_method_name
-from rredcot.errors import UserError
+from rredcot.errors import UserError, require_extra
 from rredcot.loss import lr_lambda
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_policy, set_activation_checkpointing
@@ -173,13 +173,10 @@ def load_train_policy(cfg: TrainConfig, task: Task, log=print) -> tuple[Any, Any
     if cfg.model.gradient_checkpointing:
         set_activation_checkpointing(policy, True)
     if cfg.model.lora_r > 0:
-        try:  # optional: the `lora` extra
-            from peft import LoraConfig, get_peft_model
-        except ImportError as err:
-            raise ImportError("model.lora_r > 0 needs peft: pip install 'rredcot[lora]'") from err
-        policy = get_peft_model(
+        peft = require_extra("peft", "lora", "model.lora_r > 0")
+        policy = peft.get_peft_model(
             policy,
-            LoraConfig(
+            peft.LoraConfig(
                 r=cfg.model.lora_r,
                 lora_alpha=cfg.model.lora_alpha,
                 target_modules=cfg.model.lora_target_modules.split(","),

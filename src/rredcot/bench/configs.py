@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rredcot.config import help_field
+from rredcot.errors import require_extra
 
 METHODS_HELP = (
     "Comma-separated credit methods or named variants name=method:key=value:..., e.g. "
@@ -246,11 +247,8 @@ def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = value
     if out:
-        try:
-            from trl import GRPOConfig  # the optional extra `trl`
-        except ImportError as err:
-            raise ImportError("bench peer needs TRL: pip install 'rredcot[trl]'") from err
-        known = {f.name for f in dataclasses.fields(GRPOConfig)}
+        grpo_config = require_extra("trl", "trl", "bench peer's --trl-set").GRPOConfig
+        known = {f.name for f in dataclasses.fields(grpo_config)}
         bad = sorted(set(out) - known)
         if bad:
             raise ValueError(f"--trl-set: {', '.join(bad)} are not GRPOConfig fields")

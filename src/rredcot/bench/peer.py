@@ -51,6 +51,7 @@ from rredcot.bench.configs import PeerBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.config import TrainConfig
 from rredcot.config_io import resolve_config
+from rredcot.errors import require_extra
 from rredcot.tasks import get_task
 
 TRAINERS = ("rredcot", "trl")
@@ -177,14 +178,8 @@ def _threads() -> int:
 
 def _require_trl() -> None:
     """The peer bench runs TRL's trainer: say which extra brings it."""
-    for module in ("trl", "datasets"):
-        try:
-            __import__(module)
-        except ImportError as err:
-            raise ImportError(
-                f"rredcot bench peer runs TRL's GRPOTrainer and needs {module}: "
-                "pip install 'rredcot[trl]'"
-            ) from err
+    require_extra("trl", "trl", "rredcot bench peer (TRL's GRPOTrainer)")
+    require_extra("datasets", "trl", "rredcot bench peer (TRL's GRPOTrainer)")
 
 
 def _trl_dataset(task, tokenizer, n: int, seed: int):

@@ -11,11 +11,12 @@ prompt stream and held-out set) use ``scipy.stats`` on the per-seed differences.
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
 import numpy as np
+
+from rredcot.errors import require_extra
 
 BOOTSTRAP_REPS = 2000
 CONFIDENCE = 0.95
@@ -23,12 +24,7 @@ CONFIDENCE = 0.95
 
 def require(module: str) -> Any:
     """Import ``module`` or say which extra brings it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ImportError(
-            f"the benchmark statistics need {module.split('.')[0]}: pip install 'rredcot[bench]'"
-        ) from err
+    return require_extra(module, "bench", "the benchmark statistics")
 
 
 def interval_estimate(scores: list[float], seed: int = 0) -> dict[str, float]:

@@ -3,8 +3,8 @@
 A TRL ``output_dir`` (after ``save_model``) and each of its ``checkpoint-N`` directories hold the
 policy (``config.json`` and weights, TRL's own), the credit method's state (``value_head.pt``:
 ``{"credit_method": name, "state": state_dict}``) and the run's rredcot settings
-(``rredcot_credit.json``: the method, the resolved ``CreditConfig``, the task and how completions
-were sampled). No TRL import here: ``rredcot explain`` reads TRL runs without TRL installed.
+(``rredcot_credit.json``: the method, the resolved ``CreditConfig``, the task, how completions
+were sampled and, for ``credit_method="auto"``, what it chose and why). No TRL import here: ``rredcot explain`` reads TRL runs without TRL installed.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class RunSettings:
     """The rredcot settings of a TRL run: ``credit_method``, ``credit`` (a
     :class:`CreditConfig`), ``task`` (name or None), ``task_args``, ``answer_column`` and
     ``sampling`` (a :class:`SamplingConfig` with TRL's temperature, top_p and
-    max_completion_length)."""
+    max_completion_length) and ``credit_choice`` (what ``auto`` chose, as
+    ``CreditChoice.to_json``; None for a named method)."""
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class RunSettings:
         task_args: dict,
         answer_column: str,
         sampling: SamplingConfig,
+        credit_choice: dict | None = None,
     ) -> None:
         self.credit_method = credit_method
         self.credit = credit
@@ -54,6 +56,7 @@ class RunSettings:
         self.task_args = task_args
         self.answer_column = answer_column
         self.sampling = sampling
+        self.credit_choice = credit_choice
 
 
 def write_settings(directory: str | Path, settings: dict[str, Any]) -> Path:
@@ -76,6 +79,7 @@ def settings_dict(
     temperature: float,
     top_p: float,
     max_new_tokens: int,
+    credit_choice: dict | None = None,
 ) -> dict[str, Any]:
     """The JSON object :func:`write_settings` stores."""
     return {
@@ -89,6 +93,7 @@ def settings_dict(
             "top_p": float(top_p),
             "max_new_tokens": int(max_new_tokens),
         },
+        "credit_choice": credit_choice,
     }
 
 
@@ -111,6 +116,7 @@ def read_settings(directory: str | Path) -> RunSettings | None:
             top_p=float(sampling.get("top_p", 1.0)),
             max_new_tokens=int(sampling.get("max_new_tokens", 0)),
         ),
+        credit_choice=data.get("credit_choice"),
     )
 
 

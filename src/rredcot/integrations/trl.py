@@ -4,34 +4,42 @@ TRL keeps everything it does well: sampling (transformers or vLLM), reward funct
 the clipped loss, ``accelerate launch`` / DeepSpeed / FSDP, logging and checkpoints. This adapter
 changes one thing: the advantages. TRL 1.16 computes one advantage per completion at the end of
 ``GRPOTrainer._generate_and_score_completions``; :class:`RREDCoTGRPOTrainer` lets that method run
-unchanged, then replaces ``output["advantages"]`` with rredcot's ``(B, T)`` token advantages. TRL's
-``_compute_loss`` takes ``(B, T)`` advantages as they are (it unsqueezes only 1-D ones), so the loss
-is not overridden.
+unchanged, then replaces ``output["advantages"]`` with rredcot's ``(B, T)`` token advantages, which
+TRL's ``_compute_loss`` takes as they are (it unsqueezes only 1-D ones).
 
-Per generation batch:
+Once per generation batch the credit runs the stages of ``rredcot train``'s step
+(:mod:`rredcot.methods.base`), with the batch split across processes as TRL splits it:
 
-1. the outcome reward ``R`` of every process's completions is the weighted sum of TRL's reward
-   functions (TRL gathers them; ``multi_objective_aggregation="sum_then_normalize"``, before
-   normalisation);
-2. each process decodes its completions with token offsets and segments them
-   (``rredcot.integrations._batch``);
-3. the credit runs the contract of :mod:`rredcot.methods.base` with the batch split across
-   processes: each process measures its own rows (``method.rows``: the value head's boundary
-   features, read at the real prompt and token positions exactly as in rredcot's own trainer;
-   the answer likelihood's probes; a process reward's step scores, each process running its own
-   copy of a frozen PRM), the rows are gathered, the estimate and the segment stage run over
-   every process's rows (groups may span processes, as in TRL), and each process runs the token
-   stage on its own rows and tokens. ``scale_rewards`` maps onto the normalisation
-   (:func:`normalization_for_scale_rewards`);
-4. the value head's hidden states and log-probs come from TRL's no-grad old-log-prob pass when
-   TRL runs one, else from the training (loss) forward of each micro-batch: detached, read by a
-   hook, and the advantages written into the micro-batch before the loss is formed. No extra
-   forward either way (``rredcot/extra_forward`` = 0; 1 only with the Liger loss);
-5. in training only, the method learns (``update`` over the gathered rows, after the credit of
-   the step, so every process holds the same head and guard).
+1. rows: each process decodes and segments its completions (:mod:`rredcot.integrations._batch`),
+   their outcome ``R`` being the weighted sum of TRL's reward functions (gathered by TRL, before
+   its scaling; ``multi_objective_aggregation="sum_then_normalize"``), and the method measures its
+   own rows (``method.rows``); the rows of every process are gathered (groups may span them);
+2. ``method.estimate`` over every row;
+3-4. ``method.credit_output``: the segment stage and the scale over every row, the token stage on
+   this process's rows (``scale_rewards`` maps onto the normalisation:
+   :func:`normalization_for_scale_rewards`);
+5. in training, ``method.update`` over the gathered rows, after the credit.
 
-The credit method's state (the value head) is written as ``value_head.pt`` next to every
-checkpoint and the final model, and read back on ``train(resume_from_checkpoint=...)``.
+The defaults are ``rredcot train``'s: ``credit_method="auto"`` chooses on the first generation
+batch's own rollouts, by the same rule (:mod:`rredcot.credit_choice`), and every unset ``credit``
+field keeps :class:`rredcot.config.CreditConfig`'s default. The choice is written beside every
+checkpoint (``rredcot_credit.json``) and read back on resume, and the method's state (the value
+head) as ``value_head.pt``.
+
+The value head's hidden states and log-probs come from a forward that runs anyway where one does,
+as in ``rredcot train``: TRL's no-grad old-log-prob pass when it runs one; else, where a
+generation batch is one micro-batch (``steps_per_generation=1``; evaluation), its loss forward
+(the trainer's single pass: the credit is formed between that forward and the loss); else (several
+micro-batches, or the Liger loss) one no-grad forward of the adapter's own, as the trainer's
+scoring pass under gradient accumulation (``rredcot/extra_forward`` = 1).
+
+TRL internals overridden, each for one reason: ``_generate_and_score_completions`` (its advantages
+replaced), ``_calculate_rewards`` (every process's rewards per function before TRL scales them),
+``_get_per_token_logps_and_entropies`` (the hidden states of TRL's pass or of the single loss
+forward, read by a hook on the decoder, with the log-probs of the same forward) and
+``_compute_loss`` (which micro-batch the single loss forward's credit goes to); ``save_model``
+and ``_load_optimizer_and_scheduler`` keep the credit's state beside TRL's checkpoints. All the
+adapter holds between those calls is one :class:`_CreditState`.
 """
 
 from __future__ import annotations
@@ -42,34 +50,46 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rredcot import credit
 from rredcot.config import CreditConfig
 from rredcot.config_io import from_dict
+from rredcot.credit_choice import (
+    AUTO,
+    CreditChoice,
+    apply_choice,
+    check_method_name,
+    choose_credit,
+    group_outcomes,
+)
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
-from rredcot.integrations.saved import CREDIT_STATE_FILE, settings_dict, write_settings
+from rredcot.integrations.saved import (
+    CREDIT_STATE_FILE,
+    read_settings,
+    settings_dict,
+    write_settings,
+)
 from rredcot.methods.base import (
     CreditContext,
+    CreditMethod,
     CreditOutput,
     CreditRows,
     RolloutBatch,
     build_credit,
-    get_credit,
 )
 from rredcot.models import (
     is_activation_checkpointing,
     resolve_model_dir,
     set_activation_checkpointing,
 )
-from rredcot.normalization import Scale, apply_scale, masked_mean
+from rredcot.normalization import masked_mean
 from rredcot.rollout import eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -134,19 +154,21 @@ class RREDCoTGRPOConfig(GRPOConfig):
     """
 
     credit_method: str = field(
-        default="value_head",
+        default=AUTO,
         metadata={
-            "help": "rredcot credit method: value_head, answer_likelihood, "
-            "continuation_likelihood (the group's correct completions on this process, and the "
-            "task's reference), process_reward (your step scores or a frozen PRM, "
-            "credit.process_reward) or uniform (GRPO)."
+            "help": "rredcot credit method: auto (as rredcot train: chosen on the first "
+            "generation batch from its own rollouts, rredcot.credit_choice), value_head, "
+            "answer_likelihood, continuation_likelihood (the group's correct completions on this "
+            "process, and the task's reference), process_reward (your step scores or a frozen "
+            "PRM, credit.process_reward) or uniform (GRPO)."
         },
     )
     credit: dict | str | None = field(
         default=None,
         metadata={
             "help": "Fields of rredcot.config.CreditConfig (segmenter, lam, normalization, "
-            "value_head: {lr: ...}, ...) as a dict or a JSON object string."
+            "value_head: {lr: ...}, ...) as a dict or a JSON object string; unset fields keep "
+            "rredcot train's defaults."
         },
     )
     task: str | None = field(
@@ -172,16 +194,17 @@ class RREDCoTGRPOConfig(GRPOConfig):
         super().__post_init__()
         self.credit = _as_dict(self.credit, "credit")
         self.task_args = _as_dict(self.task_args, "task_args")
-        get_credit(self.credit_method)  # unknown names list the valid ones
-        if self.credit_method not in TRL_METHODS:
+        check_method_name(self.credit_method)  # unknown names list the valid ones
+        if self.credit_method not in (AUTO, *TRL_METHODS):
             raise ValueError(
                 f"credit_method={self.credit_method!r} is not supported in TRL (it needs rredcot's "
-                f"own sampling loop); use one of: {', '.join(TRL_METHODS)}"
+                "own sampling loop, or passes the adapter does not run); use one of: "
+                f"{', '.join((AUTO, *TRL_METHODS))}"
             )
         if self.credit_config.value_head.alik_feature:
             raise ValueError(
-                "credit.value_head.alik_feature is not supported in TRL (its probe forwards would run "
-                "per micro-batch and unevenly across processes); leave it unset"
+                "credit.value_head.alik_feature is not supported in TRL (the adapter does not run "
+                "its probe forwards); leave it unset"
             )
         if self.credit_config.value_head.pretrain_steps:
             raise ValueError(
@@ -206,19 +229,20 @@ class RREDCoTGRPOConfig(GRPOConfig):
 
     @property
     def credit_config(self) -> CreditConfig:
-        """The :class:`CreditConfig` built from ``credit`` (unknown keys list the valid ones).
-        ``value_head.logprob_features`` is off unless ``credit`` turns it on (the head then also reads
-        the log-probs of TRL's pass, as in rredcot's trainer). ``normalization="auto"`` (the
-        default) follows TRL's ``scale_rewards`` (:func:`normalization_for_scale_rewards`)."""
+        """The :class:`CreditConfig` of ``credit_method`` (:meth:`credit_config_for`)."""
+        return self.credit_config_for(self.credit_method)
+
+    def credit_config_for(self, method: str) -> CreditConfig:
+        """The :class:`CreditConfig` built from ``credit`` for ``method`` (unknown keys list the
+        valid ones): every unset field is rredcot train's default, except that
+        ``normalization="auto"`` follows TRL's ``scale_rewards``
+        (:func:`normalization_for_scale_rewards`)."""
         fields = _as_dict(self.credit, "credit")
-        head = fields.get("value_head")
-        if head is None or isinstance(head, Mapping):  # else from_dict names the bad section
-            fields["value_head"] = {"logprob_features": False, **(head or {})}
         if fields.get("normalization", "auto") == "auto":
             # credit.form=reweight is GRPO's advantage reweighted: scaled as uniform's
             reweight = fields.get("form") == "reweight"
             fields["normalization"] = normalization_for_scale_rewards(
-                self.scale_rewards, "uniform" if reweight else self.credit_method
+                self.scale_rewards, "uniform" if reweight else method
             )
         return from_dict(CreditConfig, fields, where="credit.")
 
@@ -446,17 +470,13 @@ class _GlobalRows:
         """``S + 1``: the most boundaries of any row."""
         return (int(self.counts.max()) if self.counts.numel() else 0) + 1
 
-    def live(self, device) -> Tensor:
-        """``(N,)`` bool: rows with a response (unscorable and empty rows have no segment)."""
-        return (self.counts > 0).to(device)
-
-    def gather(self, local: CreditRows, collective: _Collective, features: Tensor | None = None):
+    def gather(self, local: CreditRows, collective: _Collective) -> CreditRows:
         """The credit rows of every process (:class:`~rredcot.methods.base.CreditRows`): this
         process's ``local`` rows' measurements gathered (padded to the widest row), the rewards
-        and groups of every row; ``features`` (already gathered) stand in for the local ones.
-        The group's shared prefixes are not gathered (their ids are local)."""
+        and groups of every row. The group's shared prefixes are not gathered (their ids are
+        local)."""
         width = self.width
-        device = self.rewards.device if features is None else features.device
+        device = self.rewards.device
 
         def every(t: Tensor | None, columns: int) -> Tensor | None:
             if t is None:
@@ -475,7 +495,7 @@ class _GlobalRows:
             live=(self.counts > 0).to(device),
             value_mask=mask,
             segment_lengths=every(local.segment_lengths, width - 1),
-            features=features if features is not None else every(local.features, width),
+            features=every(local.features, width),
             values=values,
             weights=every(local.weights, width - 1),
             cost=local.cost,
@@ -484,16 +504,25 @@ class _GlobalRows:
 
 
 @dataclass
-class _Pending:
-    """A generation batch whose value-head credit waits for the loss forwards (no TRL pass)."""
+class _Waiting:
+    """A generation batch whose credit waits for its one loss forward (the hidden states)."""
 
-    batch: RolloutBatch  # local rows, no hidden states
+    batch: RolloutBatch  # this process's rows, no hidden states yet
     rows: _GlobalRows
     loss_mask: Tensor  # (B, T)
     mode: str
-    features: Tensor | None = None  # (N, S+1, D) boundary hidden states, filled as seen
-    seen: Tensor | None = None  # (N,) bool
-    advantages: Tensor | None = None  # (B, T) local token advantages, filled as computed
+    inputs: dict | None = None  # the micro-batch TRL is forming the loss of (set in _compute_loss)
+
+
+@dataclass
+class _CreditState:
+    """What the adapter holds between TRL's calls: the generation batch in hand (a new one each
+    batch)."""
+
+    rewards_per_func: Tensor | None = None  # (N all processes, funcs), before TRL scales them
+    read_pass: bool = False  # read the hidden states of TRL's coming old-log-prob pass
+    hidden: Tensor | None = None  # (B, P+T, D) what that pass gave
+    waiting: _Waiting | None = None  # the credit waiting for the batch's loss forward
 
 
 def _outcome_rewards(
@@ -539,7 +568,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     Same constructor as ``GRPOTrainer``; ``args`` must be a :class:`RREDCoTGRPOConfig`. The
     credit method is ``trainer.credit_method`` (its value head, if any, at
-    ``trainer.credit_method.head``).
+    ``trainer.credit_method.head``); with ``credit_method="auto"`` it is None until the first
+    generation batch chose it (``trainer.credit_choice`` says what and why).
     """
 
     def __init__(self, model, reward_funcs=None, args: RREDCoTGRPOConfig | None = None, **kwargs):
@@ -555,12 +585,27 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if isinstance(model, (str, os.PathLike)):
             model = resolve_model(model)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        c = args.credit_config
         self.task: Task | None = get_task(args.task, **args.task_args) if args.task else None
-        self.segmenter = segmenter_from_config(c, getattr(self.task, "answer_line_pattern", None))
-        self.credit_method = build_credit(
-            args.credit_method,
-            c,
+        self.segmenter = segmenter_from_config(
+            args.credit_config, getattr(self.task, "answer_line_pattern", None)
+        )
+        self.collective = _Collective(self.accelerator)
+        self.credit_method: CreditMethod | None = None
+        self.credit_choice: CreditChoice | None = None  # what auto chose, and why
+        self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
+        self.last_credit: CreditOutput | None = None  # its credit (this process's rows)
+        self._state = _CreditState()
+        if args.credit_method == AUTO:
+            self._announce(self.describe_credit())
+        else:
+            self._use_method(args.credit_method, args.credit_config)
+
+    # -- the credit method --------------------------------------------------------------------
+    def _use_method(self, name: str, config: CreditConfig) -> None:
+        """Build the credit method ``name`` (at start, or once ``auto`` chose it)."""
+        method = build_credit(
+            name,
+            config,
             CreditContext(
                 policy=self.model,
                 tokenizer=self._tokenizer,
@@ -569,47 +614,67 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 device=self.accelerator.device,
             ),
         )
-        self._hidden_layers = (
-            tuple(self.credit_method.hidden_layers)
-            if self.credit_method.needs_hidden_states
-            else None
-        )
-        if (
-            self._hidden_layers is not None
-            and self._defers_to_loss_forward()
-            and self.credit_method.normalization == "whiten"
-            and args.steps_per_generation > 1
-        ):
+        if method.normalization == "whiten" and self.collective.world > 1:
             raise ValueError(
-                "credit.normalization='whiten' needs every completion's values before the first "
-                "loss of a generation batch, but here they come from the loss forwards of "
-                f"{args.steps_per_generation} micro-batches (steps_per_generation). Use "
-                "normalization 'batch_std' or 'group_or_batch_std', or steps_per_generation=1"
+                "credit.normalization='whiten' whitens over every token of a generation batch, "
+                f"which TRL splits across {self.collective.world} processes; use "
+                "group_or_batch_std or batch_std"
             )
-        self.collective = _Collective(self.accelerator)
+        self.credit_method = method
+        self._announce(self.describe_credit())
+
+    def _choose_credit(self, rows: _GlobalRows, batch: RolloutBatch) -> CreditChoice:
+        """``auto``'s choice from the first generation batch's own rollouts, by rredcot train's
+        rule (:mod:`rredcot.credit_choice`): every process's rewards by group, and whether the
+        task has a reference solution for every prompt of every process."""
+        task = self.task
+        mine = task is not None and all(task.gold_completion(p) is not None for p in batch.problems)
+        has_references = self.collective.max_int(int(not mine)) == 0
+        figures = group_outcomes(rows.rewards.cpu(), rows.group_ids.cpu())
+        return choose_credit(figures, has_references)
+
+    def _use_choice(self, choice: CreditChoice, config: CreditConfig | None = None) -> None:
+        """Use what ``auto`` chose: its method, with its settings over the run's credit config
+        (``config``: a resumed run's saved one, the settings in it already)."""
+        if choice.method not in TRL_METHODS:
+            raise ValueError(
+                f"credit_method='auto' chose {choice.method!r}, which TRL does not support; name "
+                f"one of {', '.join(TRL_METHODS)}"
+            )
+        if config is None:
+            chosen = SimpleNamespace(
+                credit_method=AUTO, credit=self.args.credit_config_for(choice.method)
+            )
+            apply_choice(chosen, choice)
+            config = chosen.credit
+        self.credit_choice = choice
+        self._announce(f"credit auto: {choice.method}, because {choice.reason}")
+        self._use_method(choice.method, config)
+
+    def _announce(self, line: str) -> None:
         if self.accelerator.is_main_process:
-            print(f"rredcot: {self.describe_credit()}", flush=True)
-        self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
-        self.last_credit = None  # its CreditOutput (over the segments of every process's rows)
-        self._rewards_per_func: Tensor | None = None
-        self._capture_armed = False
-        self._captured: list[Tensor] = []
-        self._pending: _Pending | None = None
-        self._loss_inputs: dict | None = None
+            print(f"rredcot: {line}", flush=True)
 
     def describe_credit(self) -> str:
         """One line saying what was resolved: the method, the segmenter, the normalisation, the
-        hand-over and where the values' inputs come from (printed once at start)."""
-        method, c, args = self.credit_method, self.credit_method.config, self.args
+        hand-over and where the values' inputs come from (printed when the method is built)."""
+        method, args = self.credit_method, self.args
+        c = args.credit_config if method is None else method.config
         cuts = c.segmenter + ("" if c.separate_answer else " (answer line merged)")
         if c.min_chars or c.max_segments:
             cuts += f", min_chars {c.min_chars}, max_segments {c.max_segments or 'none'}"
+        if method is None:
+            return (
+                f"credit_method=auto (chosen on the first generation batch from its own "
+                f"rollouts, rredcot.credit_choice), segmenter={cuts}; metrics under "
+                f"{METRICS_PREFIX} (docs/metrics.md)"
+            )
         norm = method.normalization
         if norm == "group_or_batch_std":
             norm += f" (agreeing_std {c.agreeing_std})"
         if _as_dict(args.credit, "credit").get("normalization", "auto") == "auto":
             norm += f", from scale_rewards={args.scale_rewards!r}"
-        if args.credit_method == "uniform":
+        if method.name == "uniform":
             source, handover = "none (GRPO: the group's mean reward)", "none"
         else:
             handover = c.handover.mode + (
@@ -617,35 +682,28 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 if c.handover.mode == "reliability"
                 else " (full weight from step 1)"
             )
-            if self._hidden_layers is not None:
+            if method.needs_hidden_states:
                 extra = " + log-prob features" if c.value_head.logprob_features else ""
-                where = (
-                    "TRL's old-log-prob pass"
-                    if self._trl_runs_old_logprob_pass()
-                    else "each micro-batch's loss forward"
-                    if self._defers_to_loss_forward()
-                    else "one extra no-grad forward per generation batch (the Liger loss)"
-                )
-                source = f"hidden states of layers {list(self._hidden_layers)}{extra} from {where}"
-            elif args.credit_method == "answer_likelihood":
+                where = {
+                    "trl_pass": "TRL's old-log-prob pass",
+                    "loss_forward": "the loss forward (one micro-batch per generation batch)",
+                    "own_forward": "one extra no-grad forward per generation batch",
+                }[self._hidden_source("train")]
+                source = f"hidden states of layers {list(method.hidden_layers)}{extra} from {where}"
+            elif method.name == "answer_likelihood":
                 source = "the policy's probability of the reference answer after each prefix"
+            elif method.name == "continuation_likelihood":
+                source = "the policy's likelihood of the group's correct continuations"
             else:
                 prm = c.process_reward
                 source = f"step scores of {prm.function or prm.model}"
         return (
-            f"credit_method={args.credit_method}, segmenter={cuts}, normalization={norm}, "
+            f"credit_method={method.name}, segmenter={cuts}, normalization={norm}, "
             f"lam={method.lam}, hand-over={handover}, features={source}; metrics under "
             f"{METRICS_PREFIX} (docs/metrics.md)"
         )
 
-    # -- what TRL computes, kept for the credit -----------------------------------------------
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(
-            inputs, prompts, completions, completion_ids_list
-        )
-        self._rewards_per_func = rewards_per_func  # (N_all_processes, num_funcs), before scaling
-        return rewards_per_func
-
+    # -- where the hidden states come from -----------------------------------------------------
     def _trl_runs_old_logprob_pass(self) -> bool:
         """Whether TRL 1.16's ``_generate_and_score_completions`` runs its no-grad old-log-prob
         forward on ``self.model`` (the same condition it uses)."""
@@ -654,58 +712,222 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction
         )
 
-    def _defers_to_loss_forward(self) -> bool:
-        """Whether hidden states come from the loss forward itself (TRL runs no old-log-prob
-        pass, and the loss goes through ``_get_per_token_logps_and_entropies``)."""
-        return not self._trl_runs_old_logprob_pass() and not self.args.use_liger_kernel
+    def _hidden_source(self, mode: str) -> str:
+        """Where the hidden states come from, as rredcot train's step reads them: ``trl_pass``
+        (TRL's own scoring pass), ``loss_forward`` (a generation batch that is one micro-batch:
+        its loss forward, the trainer's single pass) or ``own_forward`` (a no-grad forward of
+        the adapter's own: the trainer's scoring pass under gradient accumulation)."""
+        if self._trl_runs_old_logprob_pass():
+            return "trl_pass"
+        one_micro_batch = mode == "eval" or self.args.steps_per_generation == 1
+        return (
+            "loss_forward" if one_micro_batch and not self.args.use_liger_kernel else "own_forward"
+        )
+
+    # -- TRL's internals, overridden ------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
+        self._state.rewards_per_func = rewards_per_func  # (N all processes, funcs), unscaled
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        if self._state.waiting is not None:
+            raise RuntimeError(
+                "rredcot: a new generation batch started before the last one went through its "
+                "loss forward (TRL internals changed?)"
+            )
+        mode = "train" if self.model.training else "eval"
+        method = self.credit_method
+        reads = method is not None and method.needs_hidden_states
+        self._state = _CreditState(read_pass=reads and self._hidden_source(mode) == "trl_pass")
+        output = super()._generate_and_score_completions(inputs)
+        return self._apply_credit(inputs, output)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        # 1. TRL's old-log-prob pass: its first call on self.model in a generation step (a PEFT
-        #    reference pass, also on self.model, comes after it).
-        if self._capture_armed and model is self.model:
-            self._capture_armed = False
-            with _capture_hidden_states(model, self._hidden_layers, self._captured):
-                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        # 2. the loss forward of a micro-batch whose credit waits for it.
-        if self._loss_inputs is not None:
-            inputs, self._loss_inputs = self._loss_inputs, None
-            store: list[Tensor] = []
-            with _capture_hidden_states(model, self._hidden_layers, store):
-                result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-            self._deferred_credit(inputs, torch.cat(store, dim=0), result[0].detach())
-            return result
-        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        state = self._state
+        trl_pass = state.read_pass and model is self.model  # its first pass; a PEFT ref's follows
+        loss_forward = state.waiting is not None and state.waiting.inputs is not None
+        if not (trl_pass or loss_forward):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        state.read_pass = False
+        store: list[Tensor] = []
+        with _capture_hidden_states(model, self.credit_method.hidden_layers, store):
+            result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if trl_pass:
+            state.hidden = torch.cat(store, dim=0)
+        else:
+            self._credit_in_loss_forward(torch.cat(store, dim=0), result[0].detach())
+        return result
 
     def _compute_loss(self, model, inputs):
-        pending = self._pending
-        if pending is not None and "rredcot_row" in inputs:
-            global_rows = inputs["rredcot_row"].to("cpu") + pending.rows.start
-            if not bool(pending.seen[global_rows].all()):
-                self._loss_inputs = inputs  # the next forward's hidden states give the credit
-        try:
-            return super()._compute_loss(model, inputs)
-        finally:
-            self._loss_inputs = None
+        waiting = self._state.waiting
+        if waiting is not None and "rredcot_row" in inputs:
+            waiting.inputs = inputs  # its forward gives the credit (_credit_in_loss_forward)
+        return super()._compute_loss(model, inputs)
 
-    # -- the override -------------------------------------------------------------------------
-    def _generate_and_score_completions(self, inputs):
-        if self._pending is not None:
+    # -- the credit of a generation batch -------------------------------------------------------
+    def _apply_credit(self, inputs: list[dict], output: dict) -> dict:
+        """TRL's per-completion advantages replaced by rredcot's ``(B, T)`` token advantages:
+        now, or in the batch's loss forward where the hidden states come from it."""
+        mode = "train" if self.model.training else "eval"
+        batch, rows, loss_mask = self._rollout_batch(inputs, output, mode)
+        if self.credit_method is None:
+            self._use_choice(self._choose_credit(rows, batch))
+        self.last_batch = batch
+        if self.credit_method.needs_hidden_states:
+            hidden, logps = self._state.hidden, output.get("old_per_token_logps")
+            own = hidden is None or logps is None or hidden.shape[:2] != batch.input_ids.shape
+            if own and self._hidden_source(mode) == "loss_forward":
+                return self._wait_for_loss_forward(output, batch, rows, loss_mask, mode)
+            if own:
+                hidden, logps = self._extra_forward(output, mode)
+            self._metrics[mode]["rredcot/extra_forward"].append(float(own))
+            batch = batch.replace(hidden_states=hidden, old_logprobs=logps.detach())
+        output["advantages"] = self._credit(batch, rows, loss_mask, mode)
+        return output
+
+    def _credit(self, batch: RolloutBatch, rows: _GlobalRows, loss_mask: Tensor, mode: str):
+        """``(B, T)`` advantages of this process's rows, once per generation batch, by the stages
+        of rredcot train's step: the method's rows (gathered from every process, so group
+        statistics see whole groups), the estimate over them, the segment and token stages
+        (:meth:`~rredcot.methods.base.CreditMethod.credit_output` on this process's rows), then,
+        in training, the method's update (after the credit: it never sees the step's outcomes;
+        every process holds the same head and guard)."""
+        method = self.credit_method
+        method.context.policy = self.model  # the prepared (possibly wrapped) model
+        every = rows.gather(self._local_rows(batch), self.collective)
+        estimate = method.estimate(every)
+        out = method.credit_output(
+            every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
+        )
+        advantages = out.advantages.to(torch.float32) * loss_mask.to(torch.float32)
+        self.last_batch, self.last_credit = batch, out
+        self._log_credit(self.collective.mean_metrics(out.metrics), mode)
+        self._log_row_advantages(advantages, loss_mask)
+        if mode == "train":
+            self._log_credit(method.update(every, estimate), mode)
+        return advantages
+
+    def _wait_for_loss_forward(self, output: dict, batch, rows, loss_mask: Tensor, mode: str):
+        """Leave zero advantages and number the rows (TRL shuffles them); the batch's one loss
+        forward gives the credit (:meth:`_credit_in_loss_forward`)."""
+        B, T = output["completion_ids"].shape
+        device = output["completion_ids"].device
+        output["advantages"] = torch.zeros(B, T, device=device)
+        output["rredcot_row"] = torch.arange(B, device=device)
+        self._state.waiting = _Waiting(batch, rows, loss_mask, mode)
+        self._metrics[mode]["rredcot/extra_forward"].append(0.0)
+        return output
+
+    def _credit_in_loss_forward(self, hidden: Tensor, logps: Tensor) -> None:
+        """The waiting batch's credit from the detached hidden states and log-probs of its loss
+        forward (TRL's shuffled row order), written into the micro-batch before the loss."""
+        waiting, self._state.waiting = self._state.waiting, None
+        inputs, batch = waiting.inputs, waiting.batch
+        order = inputs["rredcot_row"]
+        if hidden.shape[:2] != batch.input_ids.shape or len(order) != batch.size:
             raise RuntimeError(
-                "rredcot: a new generation batch started before every micro-batch of the last "
-                "one went through the loss (TRL internals changed?)"
+                f"rredcot: the loss forward's hidden states are {tuple(hidden.shape[:2])}, the "
+                f"generation batch is {tuple(batch.input_ids.shape)} (TRL internals changed?)"
             )
-        self._captured = []
-        self._capture_armed = self._hidden_layers is not None and self._trl_runs_old_logprob_pass()
+        in_order = torch.empty_like(hidden), torch.empty_like(logps)
+        in_order[0][order], in_order[1][order] = hidden, logps
+        batch = batch.replace(hidden_states=in_order[0], old_logprobs=in_order[1])
+        advantages = self._credit(batch, waiting.rows, waiting.loss_mask, waiting.mode)
+        inputs["advantages"] = advantages[order.to(advantages.device)]
+
+    def _rollout_batch(self, inputs: list[dict], output: dict, mode: str):
+        """``(batch, rows, loss_mask)``: this process's completions as a segmented
+        :class:`RolloutBatch`, the rows of every process (:class:`_GlobalRows`) and the
+        ``(B, T)`` mask of TRL's loss."""
+        G = self.num_generations if mode == "train" else self.num_generations_eval
+        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
+        B = completion_ids.shape[0]
+        start = self.collective.rank * B
+        if self._state.rewards_per_func is None:
+            raise RuntimeError(
+                "rewards were not computed before the credit (TRL internals changed?)"
+            )
+        all_rewards, all_unscorable = _outcome_rewards(
+            self._state.rewards_per_func, self.reward_weights, G
+        )
+        rewards = all_rewards[start : start + B].to(completion_ids.device)
+        unscorable = all_unscorable[start : start + B].to(completion_ids.device)
+        # Segments cover every completion token (a prefix mask); unscorable rows get none. The
+        # advantages are then masked like TRL's loss (tool-output tokens excluded).
+        live_mask = completion_mask * (~unscorable).to(completion_mask.dtype).unsqueeze(1)
+        loss_mask = live_mask * output["tool_mask"] if "tool_mask" in output else live_mask
+        batch = rollout_batch_from_tensors(
+            prompt_ids=output["prompt_ids"],
+            prompt_mask=output["prompt_mask"],
+            completion_ids=completion_ids,
+            completion_mask=live_mask,
+            rewards=rewards,
+            group_ids=torch.arange(start, start + B, device=completion_ids.device) // G,
+            tokenizer=self._tokenizer,
+            segmenter=self.segmenter if not self.segmenter.uses_entropy else self._line_segmenter,
+            eos_token_ids=self.eos_token_ids,
+            problems=[self._problem(x) for x in inputs],
+        )
+        batch.attention_mask[:, batch.prompt_len :] = completion_mask.long()  # what the model saw
+        if self.segmenter.uses_entropy:
+            batch = self._entropy_segmented(batch)
+        batch = batch.replace(verdicts=self._verdicts(batch))
+        return batch, self._global_rows(batch, all_rewards, G), loss_mask
+
+    def _problem(self, row: dict) -> Problem:
+        """A dataset row as the task's :class:`Problem`: the prompt's text, the reference answer,
+        and the answer cell as the reference solution where it holds more than the answer
+        (GSM8K's worked solution: continuation likelihood's reference)."""
+        cell = str(row.get(self.args.answer_column, ""))
+        answer = reference_answer(self.task, cell)
+        meta = {"solution": cell} if cell != answer else {}
+        return Problem(_prompt_text(row.get("prompt", "")), answer, meta)
+
+    def _global_rows(self, batch: RolloutBatch, rewards: Tensor, num_generations: int):
+        """Rewards and groups of every process's rows (TRL already gathered the rewards) and the
+        segment counts (gathered here)."""
+        N = rewards.shape[0]
+        start = self.collective.rank * batch.size
+        counts = self.collective.gather(batch.num_segments.to(self.accelerator.device))
+        if counts.shape[0] != N:
+            raise RuntimeError(
+                f"rredcot: {counts.shape[0]} completions across processes but {N} rewards "
+                "(TRL internals changed?)"
+            )
+        group_ids = torch.arange(N, device=rewards.device) // num_generations
+        return _GlobalRows(rewards, group_ids, counts.cpu(), start, batch.size)
+
+    def _local_rows(self, batch: RolloutBatch) -> CreditRows:
+        """The method's rows of this process's batch (:meth:`CreditMethod.rows`: boundary
+        features, or values such as answer-likelihood probes). The forwards it runs are evened
+        out across processes with dummy forwards, so sharded models (ZeRO-3, FSDP) see the same
+        number of forwards on every rank."""
+        counter, handle = _counting_forwards(self.model)
         try:
-            output = super()._generate_and_score_completions(inputs)
+            local = self.credit_method.rows(batch)
         finally:
-            self._capture_armed = False
-        return self._apply_credit(inputs, output)
+            handle.remove()
+        self._even_out_forwards(counter[0])
+        return local
+
+    @torch.no_grad()
+    def _even_out_forwards(self, done: int) -> int:
+        """Run one-token no-grad forwards until this process has run as many as the busiest
+        one; returns how many it ran."""
+        most = self.collective.max_int(done)
+        model = self.model
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device)
+        for _ in range(most - done):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        return most - done
 
     def _extra_forward(self, output: dict, mode: str) -> tuple[Tensor, Tensor]:
         """``(hidden states (B, P+T, D), log-probs (B, T))`` of the local rows by one no-grad
-        forward of our own (only where neither TRL's pass nor the loss forward can give them:
-        the Liger loss)."""
+        forward of the adapter's own (where neither TRL's pass nor a single loss forward gives
+        them)."""
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         store: list[Tensor] = []
@@ -717,7 +939,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         with (
             torch.no_grad(),
             _no_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            _capture_hidden_states(self.model, self._hidden_layers, store),
+            _capture_hidden_states(self.model, self.credit_method.hidden_layers, store),
         ):
             logps, _, _ = super()._get_per_token_logps_and_entropies(
                 self.model, ids, mask, output["completion_ids"].size(1), batch_size=batch_size
@@ -747,226 +969,6 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         return segment_batch(batch, self._tokenizer, self.segmenter, fwd.entropy)
 
-    def _global_rows(self, batch: RolloutBatch, num_generations: int) -> _GlobalRows:
-        """Rewards and groups of every process's rows (TRL already gathered the rewards) and the
-        segment counts (gathered here)."""
-        if self._rewards_per_func is None:
-            raise RuntimeError(
-                "rewards were not computed before the credit (TRL internals changed?)"
-            )
-        rewards, _ = _outcome_rewards(self._rewards_per_func, self.reward_weights, num_generations)
-        N = rewards.shape[0]
-        start = self.collective.rank * batch.size
-        counts = self.collective.gather(batch.num_segments.to(self.accelerator.device))
-        if counts.shape[0] != N:
-            raise RuntimeError(
-                f"rredcot: {counts.shape[0]} completions across processes but {N} rewards "
-                "(TRL internals changed?)"
-            )
-        group_ids = torch.arange(N, device=rewards.device) // num_generations
-        return _GlobalRows(rewards, group_ids, counts.cpu(), start, batch.size)
-
-    def _apply_credit(self, inputs: list[dict], output: dict) -> dict:
-        """Replace TRL's per-completion advantages with rredcot's ``(B, T)`` token advantages
-        (now, or in the loss forward of each micro-batch when the hidden states come from it)."""
-        mode = "train" if self.model.training else "eval"
-        G = self.num_generations if mode == "train" else self.num_generations_eval
-        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        B = completion_ids.shape[0]
-        start = self.collective.rank * B
-        all_rewards, all_unscorable = _outcome_rewards(
-            self._rewards_per_func, self.reward_weights, G
-        )
-        rewards = all_rewards[start : start + B].to(completion_ids.device)
-        unscorable = all_unscorable[start : start + B].to(completion_ids.device)
-        # Segments cover every completion token (a prefix mask); unscorable rows get none. The
-        # advantages are then masked like TRL's loss (tool-output tokens excluded).
-        live_mask = completion_mask * (~unscorable).to(completion_mask.dtype).unsqueeze(1)
-        loss_mask = live_mask * output["tool_mask"] if "tool_mask" in output else live_mask
-        group_ids = torch.arange(start, start + B, device=completion_ids.device) // G
-
-        problems = [
-            Problem(
-                _prompt_text(x.get("prompt", "")),
-                reference_answer(self.task, x.get(self.args.answer_column, "")),
-            )
-            for x in inputs
-        ]
-        batch = rollout_batch_from_tensors(
-            prompt_ids=output["prompt_ids"],
-            prompt_mask=output["prompt_mask"],
-            completion_ids=completion_ids,
-            completion_mask=live_mask,
-            rewards=rewards,
-            group_ids=group_ids,
-            tokenizer=self._tokenizer,
-            segmenter=self.segmenter if not self.segmenter.uses_entropy else self._line_segmenter,
-            eos_token_ids=self.eos_token_ids,
-            problems=problems,
-        )
-        batch.attention_mask[:, batch.prompt_len :] = completion_mask.long()  # what the model saw
-        if self.segmenter.uses_entropy:
-            batch = self._entropy_segmented(batch)
-        batch = batch.replace(verdicts=self._verdicts(batch))
-        rows = self._global_rows(batch, G)
-        self.credit_method.context.policy = self.model  # the prepared (possibly wrapped) model
-        self.last_batch = batch
-
-        if self._hidden_layers is not None:
-            captured = torch.cat(self._captured, dim=0) if self._captured else None
-            logps = output.get("old_per_token_logps")  # from the same pass of TRL's
-            self._captured = []
-            full = tuple(batch.input_ids.shape)
-            if captured is None or tuple(captured.shape[:2]) != full or logps is None:
-                if self._defers_to_loss_forward():
-                    return self._defer(output, batch, rows, loss_mask, mode)
-                captured, logps = self._extra_forward(output, mode)
-                extra = 1.0
-            else:
-                extra = 0.0
-            self._metrics[mode]["rredcot/extra_forward"].append(extra)
-            batch = batch.replace(hidden_states=captured, old_logprobs=logps.detach())
-            self.last_batch = batch
-        every = rows.gather(self._local_rows(batch), self.collective)
-        estimate, out, advantages = self._credit(batch, rows, every)
-        output["advantages"] = advantages * loss_mask.to(advantages.dtype)
-        self._finish(out, output["advantages"], loss_mask, every, estimate, mode)
-        return output
-
-    # -- credit over the global rows ----------------------------------------------------------
-    def _local_rows(self, batch: RolloutBatch) -> CreditRows:
-        """The method's rows of this process's batch (:meth:`CreditMethod.rows`: boundary
-        features, or values such as answer-likelihood probes). The forwards it runs are evened
-        out across processes with dummy forwards, so sharded models (ZeRO-3, FSDP) see the same
-        number of forwards on every rank."""
-        counter, handle = _counting_forwards(self.model)
-        try:
-            local = self.credit_method.rows(batch)
-        finally:
-            handle.remove()
-        self._even_out_forwards(counter[0])
-        return local
-
-    @torch.no_grad()
-    def _even_out_forwards(self, done: int) -> int:
-        """Run one-token no-grad forwards until this process has run as many as the busiest
-        one; returns how many it ran."""
-        most = self.collective.max_int(done)
-        model = self.model
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device)
-        for _ in range(most - done):
-            model(input_ids=ids, attention_mask=torch.ones_like(ids))
-        return most - done
-
-    def _credit(self, batch: RolloutBatch, rows: _GlobalRows, every: CreditRows):
-        """``(estimate, CreditOutput, (B, T) local token advantages)``.
-
-        The method's estimate and the segment stage run on every process's rows, so group
-        statistics, the anchor, the hand-over and the normalisation's scale see whole groups
-        even where they span processes; the token stage then runs on the local rows and tokens
-        (``whiten`` over every process's tokens)."""
-        method = self.credit_method
-        estimate = method.estimate(every)
-        seg, metrics = method.segment_stage(every, estimate)
-        scale = method.scale(every, estimate, like=seg.advantages)
-        local = seg.rows(rows.local)
-        local = dataclasses.replace(local, advantages=local.advantages.to(batch.segment_ids.device))
-        if scale.whiten:
-            tokens = credit.token_advantages(local, batch.segment_ids, batch.response_mask, Scale())
-            tokens = self._whiten_everywhere(tokens, batch, scale)
-        else:
-            tokens = credit.token_advantages(
-                local, batch.segment_ids, batch.response_mask, scale.rows(rows.local)
-            )
-        value_mask = estimate.credit.mask if isinstance(estimate.credit, credit.Values) else None
-        out = CreditOutput(
-            tokens, seg.advantages, seg.mask, seg.values, value_mask, metrics, estimate.cost
-        )
-        return estimate, out, tokens.to(torch.float32)
-
-    def _whiten_everywhere(self, tokens: Tensor, batch: RolloutBatch, scale: Scale) -> Tensor:
-        """The local rows of ``tokens`` whitened over every process's tokens."""
-        every = self.collective.gather_padded(tokens, dim=1)
-        mask = self.collective.gather_padded(batch.response_mask.contiguous(), dim=1)
-        start = self.collective.rank * batch.size
-        whitened = apply_scale(every, mask, scale)
-        return whitened[start : start + batch.size, : tokens.shape[1]]
-
-    def _finish(
-        self,
-        out: CreditOutput,
-        advantages: Tensor,
-        loss_mask: Tensor,
-        every: CreditRows,
-        estimate,
-        mode: str,
-    ) -> None:
-        """Log the credit (averaged over processes), then, in training, let the method learn
-        from every process's rows (after its credit: the credit never sees the step's
-        outcomes; every process holds the same head and guard)."""
-        self.last_credit = out
-        self._log_credit(self.collective.mean_metrics(out.metrics), mode)
-        self._log_row_advantages(advantages, loss_mask)
-        if mode == "train":
-            self._log_credit(self.credit_method.update(every, estimate), mode)
-
-    # -- the credit from the loss forward (no pass of TRL to read hidden states from) ---------
-    def _defer(self, output: dict, batch, rows: _GlobalRows, loss_mask: Tensor, mode: str):
-        """Leave a placeholder; each micro-batch's loss forward fills its rows' advantages
-        (:meth:`_deferred_credit`) before the loss is formed."""
-        B, T = output["completion_ids"].shape
-        device = output["completion_ids"].device
-        output["advantages"] = torch.zeros(B, T, device=device)
-        output["rredcot_row"] = torch.arange(B, device=device)
-        self._pending = _Pending(
-            batch=batch,
-            rows=rows,
-            loss_mask=loss_mask,
-            mode=mode,
-            seen=torch.zeros(rows.rewards.shape[0], dtype=torch.bool),
-            advantages=torch.zeros(B, T, device=device),
-        )
-        self._metrics[mode]["rredcot/extra_forward"].append(0.0)
-        return output
-
-    def _deferred_credit(self, inputs: dict, hidden: Tensor, logps: Tensor) -> None:
-        """Credit of one micro-batch from the detached hidden states and log-probs of its loss
-        forward, written into ``inputs["advantages"]`` before TRL forms the loss.
-
-        A row's value-head credit depends only on its own boundary features and on the rewards
-        (group mean, normalisation), all known, so rows not yet forwarded (other micro-batches)
-        do not change it. After the last micro-batch the credit is logged and the head learns."""
-        pending = self._pending
-        local_rows = inputs["rredcot_row"].to("cpu")
-        sub = pending.batch.select(local_rows)
-        if hidden.shape[:2] != sub.input_ids.shape:
-            raise RuntimeError(
-                f"rredcot: the loss forward's hidden states are {tuple(hidden.shape[:2])}, the "
-                f"micro-batch is {tuple(sub.input_ids.shape)} (TRL internals changed?)"
-            )
-        sub = sub.replace(hidden_states=hidden.detach(), old_logprobs=logps)
-        local_feats = _fit_columns(self.credit_method.rows(sub).features, pending.rows.width)
-        device = self.accelerator.device
-        every_rows = self.collective.gather((local_rows + pending.rows.start).to(device)).cpu()
-        every_feats = self.collective.gather(local_feats.contiguous())
-        if pending.features is None:
-            N, S1 = pending.rows.rewards.shape[0], pending.rows.width
-            pending.features = every_feats.new_zeros(N, S1, every_feats.shape[-1])
-        pending.features[every_rows.to(pending.features.device)] = every_feats
-        pending.seen[every_rows] = True
-        every = pending.rows.gather(
-            CreditRows.of(pending.batch), self.collective, features=pending.features
-        )
-        estimate, out, tokens = self._credit(pending.batch, pending.rows, every)
-        picked = local_rows.to(tokens.device)
-        mask = pending.loss_mask[picked].to(tokens.dtype)
-        inputs["advantages"] = tokens[picked] * mask
-        pending.advantages[picked] = inputs["advantages"].to(pending.advantages.device)
-        if bool(pending.seen.all()):
-            self._pending = None
-            self.last_batch = pending.batch
-            self._finish(out, pending.advantages, pending.loss_mask, every, estimate, pending.mode)
-
     def _verdicts(self, batch: RolloutBatch) -> list[Verdict]:
         if self.task is None:
             return [
@@ -995,43 +997,53 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     # -- saving and resuming the credit method's state ---------------------------------------
     def save_credit_state(self, output_dir: str | Path) -> Path | None:
         """Write the credit method's state (the value head) to ``output_dir/value_head.pt`` and
-        the run's rredcot settings (method, credit config, task, sampling) to
-        ``output_dir/rredcot_credit.json``, which ``rredcot explain --run output_dir`` reads."""
-        if not self.args.should_save:
+        the run's rredcot settings (method, credit config, task, sampling, and what ``auto``
+        chose) to ``output_dir/rredcot_credit.json``, which ``rredcot explain --run output_dir``
+        reads. Nothing before ``auto`` chose."""
+        method = self.credit_method
+        if not self.args.should_save or method is None:
             return None
         args = self.args
         write_settings(
             output_dir,
             settings_dict(
-                args.credit_method,
-                self.credit_method.config,
+                method.name,
+                method.config,
                 args.task,
                 args.task_args,
                 args.answer_column,
                 self.temperature,
                 args.top_p,
                 args.max_completion_length,
+                credit_choice=None if self.credit_choice is None else self.credit_choice.to_json(),
             ),
         )
-        state = self.credit_method.state_dict()
+        state = method.state_dict()
         if not state:
             return None
         path = Path(output_dir) / CREDIT_STATE_FILE
         tmp = path.with_name(f"{path.name}.tmp")
-        torch.save({"credit_method": self.args.credit_method, "state": state}, tmp)
+        torch.save({"credit_method": method.name, "state": state}, tmp)
         tmp.replace(path)
         return path
 
     def load_credit_state(self, checkpoint_dir: str | Path) -> bool:
-        """Read ``value_head.pt`` from a checkpoint or model directory; False if it has none."""
+        """Read ``value_head.pt`` from a checkpoint or model directory; False if it has none.
+        With ``auto`` not yet chosen, the checkpoint's choice (``rredcot_credit.json``) is used,
+        with the credit config it saved, so a resumed run keeps its method."""
+        if self.credit_method is None:
+            saved = read_settings(checkpoint_dir)
+            if saved is None or not saved.credit_choice:
+                return False  # nothing chosen there: the first generation batch chooses
+            self._use_choice(CreditChoice(**saved.credit_choice), saved.credit)
         path = Path(checkpoint_dir) / CREDIT_STATE_FILE
         if not path.exists():
             return False
         saved = torch.load(path, map_location=self.accelerator.device, weights_only=True)
-        if saved.get("credit_method") != self.args.credit_method:
+        if saved.get("credit_method") != self.credit_method.name:
             raise ValueError(
                 f"{path} holds the state of credit method {saved.get('credit_method')!r}, but "
-                f"this trainer uses {self.args.credit_method!r}"
+                f"this trainer uses {self.credit_method.name!r}"
             )
         self.credit_method.load_state_dict(saved["state"])
         return True

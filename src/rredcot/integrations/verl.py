@@ -5,8 +5,9 @@ Ray. This module adds two things, both loaded in every verl process through
 ``VERL_USE_EXTERNAL_MODULES=rredcot.integrations.verl``:
 
 1. an advantage estimator registered as ``rredcot`` in verl's registry
-   (``verl.trainer.ppo.core_algos.register_adv_est``): :func:`compute_rredcot_advantage`, a pure
-   function over verl's token tensors that runs rredcot's credit algebra;
+   (``verl.trainer.ppo.core_algos.register_adv_est``): :func:`compute_rredcot_advantage`, a
+   function over verl's token tensors that runs rredcot's credit algebra (what it keeps between
+   calls: see "State" below);
 2. the trainer-side hook it needs. verl's ``compute_advantage`` hands a custom estimator only
    ``token_level_rewards``, ``response_mask``, ``index`` (the prompt ``uid``) and the algorithm
    ``config``: no response ids (so no segments) and no critic values. The hook segments the
@@ -40,6 +41,15 @@ estimator returns TD(``value_head.td_lambda``) targets at segment starts as the 
 
 Settings live under ``algorithm.rredcot`` (fields of :class:`rredcot.config.CreditConfig` plus
 ``credit_method``), e.g. ``+algorithm.rredcot.segmenter=sentence +algorithm.rredcot.lam=0.5``.
+
+State. The estimator is not a pure function. In the process that calls it (verl's driver) it
+keeps, across calls, one credit method per ``(credit_method, settings)`` in the module's
+``_METHODS``, built from the registry on first use: the guard of a value source (``critic``,
+``answer_likelihood``, ``process_reward``) carries its reliability, the next step's hand-over
+weight, from one step to the next (``uniform`` learns nothing; its instance is kept too).
+:func:`reset_methods` forgets them (a second training run in the same process). The context
+variable behind :func:`rredcot_segments` holds one batch's segment ids and values only inside
+that ``with`` block, and is reset when it ends.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig
 from rredcot.config_io import from_dict
+from rredcot.errors import require_extra
 from rredcot.integrations._batch import (
     group_ids_from_keys,
     prompt_text,
@@ -81,13 +92,12 @@ from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem
 
-try:
-    from verl.trainer.ppo import core_algos
-except ImportError as err:  # pragma: no cover - the extra is not installed
-    raise ImportError(
-        "rredcot.integrations.verl needs verl's core: pip install 'rredcot[verl]' and then "
-        "pip install --no-deps 'verl>=0.9,<0.10' (or install verl by its own instructions)"
-    ) from err
+core_algos = require_extra(
+    "verl.trainer.ppo.core_algos",
+    "verl",
+    "rredcot.integrations.verl",
+    then="and then pip install --no-deps 'verl>=0.9,<0.10' (or install verl by its own instructions)",
+)
 
 __all__ = [
     "CriticCredit",
@@ -103,6 +113,7 @@ __all__ = [
     "num_segments_of",
     "probe_values",
     "process_reward_values",
+    "reset_methods",
     "segment_responses",
     "task_settings",
 ]
@@ -346,6 +357,12 @@ class CriticCredit(ValueSourceCredit):
 _METHODS: dict[tuple, CreditMethod] = {}
 
 
+def reset_methods() -> None:
+    """Forget the credit methods kept between estimator calls (their earned hand-over weights):
+    the next call starts from GRPO's credit, as a new training run does."""
+    _METHODS.clear()
+
+
 def _method_for(name: str, cfg: CreditConfig, config: Any) -> CreditMethod:
     """The credit method of these settings, from the registry, kept across steps on the driver:
     verl calls the estimator as a function once per step, and the method's state (a hand-over's
@@ -397,6 +414,9 @@ def compute_rredcot_advantage(
     Returns:
         advantages ``(B, T)`` (0 on padding and holes) and returns ``(B, T)``: the critic's TD
         targets for ``critic``, the advantages otherwise (as verl's GRPO).
+
+    Not pure: the credit method of these settings is kept between calls (module doc, "State"),
+    and a value source's guard is updated on this batch's outcomes after its credit.
     """
     active = _ACTIVE.get()
     if segment_ids is None and active is not None:

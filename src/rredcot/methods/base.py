@@ -15,8 +15,8 @@ benchmarks and ``explain`` (docs/architecture.md, the credit seam):
    stage, on a process's own rows and tokens.
 5. ``method.update(rows, est)``: learn from the outcomes, after the credit was formed.
 
-:meth:`CreditMethod.credit_output` runs stages 3-4 for one process; :meth:`CreditMethod.compute`
-runs 1-4 on a batch.
+:meth:`CreditMethod.credit_output` runs stages 3-4 (for one process's rows of a gathered batch:
+``local``); :meth:`CreditMethod.compute` runs 1-4 on a batch.
 """
 
 from __future__ import annotations
@@ -189,8 +189,10 @@ class CreditMethod:
     default_normalization: ClassVar[str] = "group_or_batch_std"
     # where the nodes of the group's prefix tree (prefixes several samples share) override the
     # method's values (shared_prefixes.node_values): "tree" in tree groups (sampling.tree), "always",
-    # or "never" (uniform credit; the value head, which does it itself by its own option)
+    # or "never" (uniform credit); the value head sets it by its own option, shared_prefixes
     node_values: ClassVar[str] = "tree"
+    # the samples of a group that must pass through a prefix to make it a node
+    node_min_count: ClassVar[int] = 2
     # credit.form=reweight applies to this method's Values (uniform's are GRPO by definition)
     reweights: ClassVar[bool] = True
     # whether update() learns anything (pretraining before RL needs it)
@@ -249,11 +251,19 @@ class CreditMethod:
         """``est`` with the values of the group's tree nodes put in
         (:func:`rredcot.shared_prefixes.node_values`): in tree groups, or always for
         ``node_values = "always"``. The method's values fill the boundaries between nodes,
-        trusted by its hand-over weight; weights are returned as they are."""
+        trusted by its hand-over weight, with the method's own lambda; weights are returned as
+        they are. The one shared-prefix rule of every method (the value head's
+        ``shared_prefixes`` included)."""
         wanted = self.node_values == "always" or (self.node_values == "tree" and rows.tree)
         if not wanted or rows.prefix_ids is None or not isinstance(est.credit, Values):
             return est
         mask = est.credit.mask
+        if tuple(rows.prefix_ids.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"batch.prefix_ids {tuple(rows.prefix_ids.shape)} do not match its "
+                f"{tuple(mask.shape)} boundaries: segment the batch with "
+                "rollout.segment_batch, which fills both"
+            )
         combined, lam = node_values(
             est.credit.values,
             mask,
@@ -261,10 +271,13 @@ class CreditMethod:
             rows.prefix_ids,
             rows.rewards,
             fallback_weight=min(max(float(est.credit.handover_weight), 0.0), 1.0),
+            min_count=self.node_min_count,
         )
         metrics = {
             **est.metrics,
-            "credit/node_boundary_fraction": node_fraction(rows.prefix_ids, mask),
+            "credit/node_boundary_fraction": node_fraction(
+                rows.prefix_ids, mask, self.node_min_count
+            ),
         }
         return Estimate(Values(combined, mask, lam=lam), est.cost, metrics)
 
@@ -299,17 +312,35 @@ class CreditMethod:
         return advantage_scale(rows.rewards, rows.group_ids, mode, min_std=floor, like=like)
 
     def credit_output(
-        self, rows: CreditRows, est: Estimate, segment_ids: Tensor, response_mask: Tensor
+        self,
+        rows: CreditRows,
+        est: Estimate,
+        segment_ids: Tensor,
+        response_mask: Tensor,
+        local: slice | None = None,
     ) -> CreditOutput:
-        """Stages 3 and 4 for rows held by one process.
+        """Stages 3 and 4: the segment stage and the scale over every row of ``rows``, the token
+        stage on the rows one process holds.
 
         Args:
-            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
+            rows, est: every row (an adapter gathers them across processes).
+            segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``: the
+                tokens of the rows ``local``.
+            local: the rows of ``rows`` this process holds (None: all of them); the output is
+                theirs. ``whiten`` needs every token, so it refuses a part of the rows.
         """
         seg, metrics = self.segment_stage(rows, est)
         scale = self.scale(rows, est, like=seg.advantages)
-        advantages = credit.token_advantages(seg, segment_ids, response_mask, scale)
         value_mask = est.credit.mask if isinstance(est.credit, Values) else None
+        if local is not None:
+            if scale.whiten and len(range(len(rows.rewards))[local]) != len(rows.rewards):
+                raise ValueError(
+                    "credit.normalization='whiten' whitens over every token of the batch, but "
+                    "this process holds part of it; use group_or_batch_std or batch_std"
+                )
+            seg, scale = seg.rows(local), scale.rows(local)
+            value_mask = None if value_mask is None else value_mask[local]
+        advantages = credit.token_advantages(seg, segment_ids, response_mask, scale)
         return CreditOutput(
             advantages,
             seg.advantages,

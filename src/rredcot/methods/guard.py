@@ -23,6 +23,7 @@ from torch import Tensor
 
 from rredcot.config import CreditConfig
 from rredcot.credit import anchor_values
+from rredcot.normalization import group_mean_std
 
 __all__ = [
     "Guard",
@@ -189,6 +190,26 @@ class Guard:
             "credit/handover_reliability": float(self.reliability),
             "credit/handover_weight": min(max(self.weight, 0.0), 1.0),
         }
+
+    def fold_estimate(self, rows, est) -> dict[str, float]:
+        """:meth:`fold` of the values an estimate gave credit (``est.credit.values``, anchored and
+        before any node values) on the live rows' fresh outcomes: the one scoring of every
+        guarded value (the value head and every ValueSourceCredit).
+
+        Args:
+            rows: the :class:`~rredcot.methods.base.CreditRows` the estimate was formed on;
+            est: its :class:`~rredcot.methods.base.Estimate`, whose credit is ``Values``.
+        """
+        scored = est.credit.values.detach()
+        device = scored.device
+        live = rows.live.to(device)
+        mean = group_mean_std(rows.rewards, rows.group_ids)[0].to(device)
+        return self.fold(
+            scored[live],
+            est.credit.mask.to(device)[live],
+            rows.rewards.to(device)[live],
+            mean[live],
+        )
 
     def fold(
         self, scored: Tensor, value_mask: Tensor, rewards: Tensor, group_mean: Tensor

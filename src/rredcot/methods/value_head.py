@@ -19,12 +19,14 @@ Per RL step (the contract of :mod:`rredcot.methods.base`):
    head as it stands
    (trained only on earlier batches, so the credit never sees this batch's outcomes), anchored on
    the group's mean reward, with the hand-over weight ``w`` the head has earned. By default
-   (``credit.value_head.shared_prefixes``) the group's shared prefixes set the values wherever
-   several samples pass through the same prefix, and the head's (``w``-scaled) values are baselines
-   in between (:func:`rredcot.shared_prefixes.combine_shared_prefix`).
-2. ``update(rows, estimate)``: first measure how well the head, not yet trained on this batch,
-   predicts its outcomes (the slope or explained variance of :mod:`rredcot.methods.guard`), fold
-   that into the guard's reliability (the EMA the hand-over weight follows), then train the head by
+   (``credit.value_head.shared_prefixes``) the segment stage lets the group's shared prefixes set
+   the values wherever several samples pass through the same prefix, the head's (``w``-scaled)
+   values in between with ``credit.lam``: the shared-prefix rule of every method
+   (:meth:`~rredcot.methods.base.CreditMethod.with_node_values`).
+2. ``update(rows, estimate)``: first score the values the estimate gave credit (the head, not yet
+   trained on this batch) on its outcomes (the slope or explained variance of
+   :mod:`rredcot.methods.guard`, ``Guard.fold_estimate``, as every value source), fold that into
+   the guard's reliability (the EMA the hand-over weight follows), then train the head by
    TD(lambda_v) over segment boundaries, with replay of recent batches.
 
 Anchoring (``credit.anchor="group"``): ``V'(s_k) = V(s_k) - V(s_0) + mean(R_group)``, so
@@ -61,7 +63,6 @@ from rredcot.methods.base import (
 from rredcot.methods.guard import Guard, bounded_skill, explained_variance, prediction_slope
 from rredcot.methods.value_fit import ValueFit, ValueMLP, td_lambda_targets
 from rredcot.normalization import group_mean_std, masked_mean
-from rredcot.shared_prefixes import combine_shared_prefix, shared_prefix_values
 
 __all__ = [
     "ValueHeadCredit",
@@ -270,8 +271,16 @@ class ValueHeadCredit(CreditMethod):
 
     needs_hidden_states = True
     learns = True
-    # tree nodes come in through its own credit.value_head.shared_prefixes (on by default)
-    node_values = "never"
+
+    @property
+    def node_values(self) -> str:
+        """Its own option, ``credit.value_head.shared_prefixes`` (on by default, with independent
+        samples too): the shared-prefix rule of every method (:meth:`with_node_values`)."""
+        return "always" if self.options.shared_prefixes else "never"
+
+    @property
+    def node_min_count(self) -> int:
+        return self.options.shared_min_count
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
@@ -421,60 +430,42 @@ class ValueHeadCredit(CreditMethod):
 
     def estimate(self, rows: CreditRows) -> Estimate:
         """The head's values anchored by the guard and handed over from uniform credit by the
-        weight it has earned; with ``credit.value_head.shared_prefixes`` and the rows' prefix
-        ids, the group's shared prefixes set the values where several samples pass through them
-        (:func:`rredcot.shared_prefixes.combine_shared_prefix`)."""
+        weight it has earned, with the method's lambda; the group's shared prefixes come in at
+        the segment stage (:meth:`node_values`, ``credit.value_head.shared_prefixes``)."""
         mask = rows.value_mask
         raw = self.head_values(rows.features, mask)
         group_mean, _ = group_mean_std(rows.rewards, rows.group_ids)
         values = self.guard.anchor(raw, mask, group_mean)
-        rewards = rows.rewards.to(raw.device)
-        metrics = {**self._fresh_diagnostics(raw, mask, rewards, rows.live), **self.guard.metrics()}
+        metrics = {
+            **self._fresh_diagnostics(raw, mask, rows.rewards, rows.group_ids, rows.live),
+            **self.guard.metrics(),
+        }
         w = metrics["credit/handover_weight"]
-        if self.options.shared_prefixes and rows.prefix_ids is not None:
-            estimate, fraction = self._with_shared_prefixes(
-                values, mask, rows.prefix_ids, rewards, w
-            )
-            metrics["credit/shared_boundary_fraction"] = fraction
-        else:
-            estimate = Values(values, mask, lam=self.lam, handover_weight=w)
-        return Estimate(estimate, rows.cost, metrics)
-
-    def _with_shared_prefixes(
-        self, values: Tensor, mask: Tensor, prefix_ids: Tensor, rewards: Tensor, w: float
-    ) -> tuple[Values, float]:
-        """The values with the group's shared prefixes put in, and the share of interior
-        boundaries they set."""
-        min_count = self.options.shared_min_count
-        if tuple(prefix_ids.shape) != tuple(mask.shape):
-            raise ValueError(
-                f"batch.prefix_ids {tuple(prefix_ids.shape)} do not match its "
-                f"{tuple(mask.shape)} boundaries: segment the batch with "
-                "rollout.segment_batch, which fills both"
-            )
-        shared, counts = shared_prefix_values(prefix_ids.to(values.device), rewards)
-        combined, lam = combine_shared_prefix(shared, counts, values, mask, w, min_count)
-        interior = mask.clone()
-        interior[:, 0] = False
-        interior.scatter_(1, (mask.sum(1, keepdim=True) - 1).clamp_min(0), False)
-        known = (counts >= min_count) & interior
-        return Values(combined, mask, lam=lam), float(known.sum()) / max(int(interior.sum()), 1)
+        return Estimate(Values(values, mask, lam=self.lam, handover_weight=w), rows.cost, metrics)
 
     def _fresh_diagnostics(
-        self, values: Tensor, mask: Tensor, rewards: Tensor, live: Tensor
+        self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
     ) -> dict[str, float]:
-        """Calibration and shape of the head's own pre-update values on the batch's outcomes."""
+        """Calibration, shape and skill against the group mean of the head's own values before
+        this batch's update (not anchored), on the live rows' outcomes."""
         live = live.to(values.device)
+        rewards = rewards.to(values.device)
         _, target_mask = td_lambda_targets(values, mask, rewards, 1.0)
         target_mask = target_mask & live.unsqueeze(1)
         r = rewards.unsqueeze(1).expand_as(values)
         keep = live.unsqueeze(1) & mask
+        group_mean = group_mean_std(rewards, group_ids.to(values.device))[0]
+        baseline = group_mean.to(values.dtype)[live].unsqueeze(1).expand_as(values[live])
+        skill = brier_skill(
+            values[live], baseline, target_mask[live], rewards[live].to(values.dtype)
+        )
         return {
             "value/calibration_error": expected_calibration_error(values, r, target_mask),
             "value/monotone_fraction": monotone_fraction(values, keep, rewards),
             "value/mean": float(masked_mean(values, target_mask))
             if target_mask.any()
             else float("nan"),
+            "value/skill_vs_group_mean": bounded_skill(skill),
         }
 
     # -- training -----------------------------------------------------------------------------
@@ -492,30 +483,16 @@ class ValueHeadCredit(CreditMethod):
             )
         return {"features": feats[live], "mask": mask[live], "rewards": rewards[live]}
 
-    def _measure_reliability(
-        self, entry: dict[str, Tensor], rewards: Tensor, group_ids: Tensor, live: Tensor
-    ) -> dict:
-        """Score the head on the fresh batch (before it trains on it) against uniform credit's
-        baseline and fold the score into the guard's reliability."""
-        group_mean, _ = group_mean_std(rewards, group_ids)
-        group_mean = group_mean[live].to(self.device, torch.float32)
-        with torch.no_grad():
-            values = self._predict(self.head, entry["features"])
-        scored = self.guard.anchor(values, entry["mask"], group_mean)
-        metrics = self.guard.fold(scored, entry["mask"], entry["rewards"], group_mean)
-        _, target_mask = td_lambda_targets(values, entry["mask"], entry["rewards"], 1.0)
-        baseline = group_mean.unsqueeze(1).expand_as(values)
-        vs_group = bounded_skill(brier_skill(values, baseline, target_mask, entry["rewards"]))
-        return {**metrics, "value/skill_vs_group_mean": vs_group}
-
     def update(self, rows: CreditRows, est: Estimate) -> dict[str, float]:
-        """Measure the head on the fresh rows, then train it on them (TD(lambda_v), replay)."""
+        """Score the values the estimate gave credit on the fresh rows (the guard's one scoring,
+        :meth:`Guard.fold_estimate`, as every value source), then train the head on them
+        (TD(lambda_v), replay)."""
         entry = self._entry(rows.features, rows.value_mask, rows.rewards, rows.live)
         metrics: dict[str, float] = {}
         if self.fit.has_targets(entry):
             with torch.no_grad():
                 metrics["value/loss_fresh"] = float(self.fit.loss(entry))
-        metrics.update(self._measure_reliability(entry, rows.rewards, rows.group_ids, rows.live))
+        metrics.update(self.guard.fold_estimate(rows, est))
         metrics.update(self.fit.fit(entry))
         metrics["credit/handover_reliability_after"] = float(self.guard.reliability)
         return metrics

@@ -78,17 +78,9 @@ class ValueSourceCredit(CreditMethod):
 
     def update(self, rows: CreditRows, est: Estimate) -> dict[str, float]:
         """Score the values the estimate used on the rows' outcomes and fold the score into the
-        reliability, the next batches' hand-over weight. The source itself learns nothing."""
-        scored = est.credit.values.detach()
-        device = scored.device
-        live = rows.live.to(device)
-        mean = group_mean_std(rows.rewards, rows.group_ids)[0].to(device)
-        metrics = self.guard.fold(
-            scored[live],
-            est.credit.mask.to(device)[live],
-            rows.rewards.to(device)[live],
-            mean[live],
-        )
+        reliability, the next batches' hand-over weight (:meth:`Guard.fold_estimate`). The source
+        itself learns nothing."""
+        metrics = self.guard.fold_estimate(rows, est)
         return {**metrics, "credit/handover_reliability_after": float(self.guard.reliability)}
 
     def pretrain_summary(self, history: list[dict[str, float]]) -> dict[str, float]:

@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from rredcot.errors import require_extra
+
 
 def match(mv: Any, predicted: str, reference: str, timeout: int | None) -> bool:
     """Whether math-verify (module ``mv``) finds ``predicted`` equal to ``reference``; any
@@ -37,8 +39,7 @@ def match(mv: Any, predicted: str, reference: str, timeout: int | None) -> bool:
 
 def main() -> None:
     """Serve requests on stdin until it closes."""
-    import math_verify
-
+    math_verify = require_extra("math_verify", "data", "the math-verify answer check")
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rredcot.errors import missing_extra_message, require_extra
 from rredcot.tasks.answers import (
     ANSWER_FORMATS,
     DEFAULT_VERIFY_TIMEOUT,
@@ -158,8 +159,8 @@ class DatasetParams:
             raise ValueError(f"verifier={self.verifier!r}; valid: {', '.join(VERIFIERS)}")
         if self.verifier == "math_verify" and not math_verify_available():
             raise ValueError(
-                "verifier='math_verify' needs the math-verify package: pip install rredcot[data] "
-                "(or use verifier=exact)"
+                missing_extra_message("math-verify", "data", "verifier='math_verify'")
+                + " (or use verifier=exact)"
             )
         if not self.verify_timeout > 0:
             raise ValueError(f"verify_timeout={self.verify_timeout} must be > 0 (seconds)")
@@ -248,10 +249,7 @@ def _read_json(path: Path, limit: int | None) -> list[Row]:
 
 
 def _read_parquet(path: Path, limit: int | None) -> list[Row]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(f"reading {path} needs pyarrow: pip install rredcot[data]") from e
+    pq = require_extra("pyarrow.parquet", "data", f"reading {path}")
     try:
         table = pq.read_table(path)
     except Exception as e:
@@ -340,14 +338,8 @@ def load_rows(
 
 
 def _import_datasets(purpose: str) -> Any:
-    """The ``datasets`` package, or an ImportError that names the extra to install."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError(
-            f"{purpose} needs the datasets package: pip install 'rredcot[data]'"
-        ) from e
-    return datasets
+    """The ``datasets`` package, or a one-line ImportError that names the extra to install."""
+    return require_extra("datasets", "data", purpose)
 
 
 def _load_hub(name: str, split: str, subset: str | None, limit: int | None) -> list[Row]:

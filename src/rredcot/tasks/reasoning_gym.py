@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rredcot.errors import require_extra
 from rredcot.tasks.base import Problem, Task, Verdict, register_task
 
 __all__ = ["ReasoningGymParams", "ReasoningGymTask", "extract_tagged_answer"]
@@ -28,13 +29,7 @@ _LINE_RE = re.compile(r"^[ \t]*(?:A|Answer|Final answer)[ \t]*:[ \t]*(.*\S)", re
 
 
 def _import_reasoning_gym() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        raise ImportError(
-            "the reasoning_gym task needs the reasoning-gym package: pip install rredcot[gym]"
-        ) from e
-    return reasoning_gym
+    return require_extra("reasoning_gym", "gym", "the reasoning_gym task")
 
 
 def _help(text: str, **kw: Any) -> Any:

@@ -1,11 +1,15 @@
 """Per-variant learning rate: the lr with the highest mean held-out accuracy over training,
-averaged over tuning seeds 0 and 1 (each run's learn.json summary)."""
+averaged over tuning seeds 0 and 1 (each run's learn.json summary).
+
+    python benchmarks/headroom_choose_lr.py ROOT     # ROOT holds one <name>lr<LR>/learn.json per rate
+"""
 
 import collections
 import json
 import pathlib
+import sys
 
-root = pathlib.Path(".")
+root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 table = collections.defaultdict(dict)
 for learn in sorted(root.glob("*lr*/learn.json")):
     lr = learn.parent.name.split("lr")[-1]

@@ -1,6 +1,9 @@
 """The Monte Carlo oracle (K = 16) against GRPO and the pooled oracle on the reporting seeds:
 per-seed mean held-out accuracy after step 0 (bench learn's `mean acc in training`), paired
-differences with scipy's t-test."""
+differences with scipy's t-test.
+
+    python benchmarks/headroom_mc_ceiling_compare.py MC_RUNS REF_RUNS   # <runs>/<variant>/seed<k>
+"""
 
 import json
 import sys

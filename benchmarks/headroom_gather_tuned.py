@@ -1,6 +1,9 @@
 """Aggregate runs trained at per-variant learning rates (each in its own --out) into one report:
 the run directories are copied under one folder and summarised by rredcot's own bench-learn
-aggregation (paired differences, rliable intervals), exactly as `rredcot bench learn` would."""
+aggregation (paired differences, rliable intervals), exactly as `rredcot bench learn` would.
+
+    python benchmarks/headroom_gather_tuned.py OUT METHODS FIRST_SEED SEEDS '{"VARIANT": LR, ...}'
+"""
 
 import dataclasses
 import json
@@ -37,7 +40,7 @@ seeds = list(range(first, first + n))
 agg = aggregate(cfg, variants, seeds)
 report = {
     "config": dataclasses.asdict(cfg),
-    "init": "/root/.cache/rredcot/warmstart-arithmetic-e0d40e0e7c1c (model.tiny_warmstart=low)",
+    "init": "warmstart-arithmetic-e0d40e0e7c1c (model.tiny_warmstart=low)",
     "learning_rates": json.loads(lrs),
     "seeds": seeds,
     **agg,

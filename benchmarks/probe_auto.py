@@ -2,7 +2,7 @@
 of the starting policy, without training (``--credit auto`` itself reads step 1's batch; this is
 the probe it ran before, which measured the testbeds' figures of ``auto_probe.txt``).
 
-    python probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
+    python benchmarks/probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
 
 Prints ``prompts seed method mean_reward all_wrong probe_tokens`` per seed (``--low``: the
 shipped low warm-start, ``model.tiny_warmstart=low``).
@@ -10,6 +10,8 @@ shipped low warm-start, ``model.tiny_warmstart=low``).
 
 import random
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -27,7 +29,12 @@ def main() -> None:
     task_args = dict(a.split("=", 1) for a in rest if a != "--low")
     torch.set_num_threads(1)
     for seed in range(int(first), int(end)):
-        fields = {"seed": seed, "out": "/tmp/probe-auto", "threads": 1, "credit_method": "uniform"}
+        fields = {
+            "seed": seed,
+            "out": str(Path(tempfile.gettempdir()) / "probe-auto"),
+            "threads": 1,
+            "credit_method": "uniform",
+        }
         if low:
             fields["model.tiny_warmstart"] = "low"
         cfg = resolve_config(TrainConfig, None, fields, task_args)

@@ -1,0 +1,185 @@
+"""The verdict of ``rredcot diagnose``: the headline figures in, a sentence and its reasons out
+(docs/diagnose.md, "the verdict"). The thresholds it shares with ``--credit auto`` are
+:mod:`rredcot.credit_choice`'s, so the two read a policy by one rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, choose_credit, flow_flags
+from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P
+
+# the verdict's thresholds (docs/diagnose.md, "the verdict"); REWARD_LOW and ALL_WRONG_HIGH are
+# --credit auto's too (rredcot.credit_choice)
+ALL_RIGHT_HIGH = 0.5  # share of all-right groups at G above which the prompts are too easy
+PREFIX_LOW, PREFIX_HIGH = 0.15, 0.30  # GRPO's gradient share on still-right prefixes
+UNCERTAIN_LOW, UNCERTAIN_HIGH = 1.0, 4.0  # uncertain decisions per trace
+VARIANCE_LOW, VARIANCE_HIGH = 0.2, 0.5  # share of the advantage's mean square step credit removes
+
+
+def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
+    """A plain-words verdict and its reasons from the headline figures (``None`` = not measured):
+
+    ``mean_reward``, ``all_wrong``, ``all_right`` (shares of groups at G), ``prefix_share`` and ``prefix_tokens``
+    (GRPO's gradient share and token share of the still-right prefix of wrong traces),
+    ``error_share`` (the first wrong step's gradient share), ``uncertain_per_trace``,
+    ``uncertain_p``, ``variance_removed`` (Monte Carlo: the share of the logit gradient's mean
+    square that step-level values remove, ``gradient_variance_removed`` of the report).
+
+    Each figure past a threshold (module constants, docs/diagnose.md) is a reason for or against;
+    the verdict: at least two reasons for and more for than against: "finer credit is likely to
+    help"; no reason for and at least one against: "little to win"; otherwise "may help a little".
+    """
+    found = [
+        *_outcome_reasons(figures),
+        *_prefix_reasons(figures),
+        *_uncertainty_reasons(figures),
+        *_variance_reasons(figures),
+    ]
+    pros = [text for sign, text in found if sign == "+"]
+    cons = [text for sign, text in found if sign == "-"]
+    notes = [text for sign, text in found if sign == " "]
+    if len(pros) >= 2 and len(pros) > len(cons):
+        head = "finer credit is likely to help this run"
+    elif not pros and cons:
+        head = "credit assignment has little to win here"
+    else:
+        head = "finer credit may help a little; measure a ceiling before paying for it"
+    reasons = [f"+ {p}" for p in pros] + [f"- {c}" for c in cons] + [f"  {n}" for n in notes]
+    return head, reasons
+
+
+# A reason of the verdict: ("+", text) for finer credit, ("-", text) against, (" ", text) a note.
+_Reason = tuple[str, str]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the mean reward and the shares of all-wrong and all-right groups."""
+    reasons: list[_Reason] = []
+    wrong, right = figures.get("all_wrong"), figures.get("all_right")
+    mean_reward = figures.get("mean_reward")
+    if mean_reward is not None and mean_reward < REWARD_LOW:
+        reasons.append(
+            (
+                "-",
+                f"the policy solves only {_pct(mean_reward)} of its samples: an outcome reward "
+                "gives almost no signal to any credit method; warm-start it or use easier "
+                "prompts first",
+            )
+        )
+    elif wrong is not None and wrong >= ALL_WRONG_HIGH:
+        reasons.append(
+            (
+                "+",
+                f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
+                "credit that blames the line where a trace broke can, without generating: "
+                f"where the task has reference solutions, {flow_flags()} is ahead of GRPO per "
+                "sampled token (docs/diagnose.md)",
+            )
+        )
+        if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
+            choice = choose_credit(
+                {"mean_reward": mean_reward, "all_wrong": wrong},
+                has_references=figures.get("has_references", True),
+                seen_in="the policy",
+            )
+            reasons.append((" ", f"--credit auto would run {choice.method}: {choice.reason}"))
+    if right is not None and right >= ALL_RIGHT_HIGH:
+        reasons.append(
+            (
+                " ",
+                f"{_pct(right)} of groups are all right: those prompts are too easy for this "
+                "policy and give no update whatever the credit; harder prompts help more than "
+                "finer credit",
+            )
+        )
+    return reasons
+
+
+def _prefix_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from GRPO's gradient share on the still-right prefix of wrong traces."""
+    prefix, tokens = figures.get("prefix_share"), figures.get("prefix_tokens")
+    error = figures.get("error_share")
+    if prefix is None:
+        return []
+    where = (
+        f"only {_pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right "
+        f"prefix ({_pct(tokens)} of their tokens)"
+        if tokens is not None
+        else f"{_pct(prefix)} of GRPO's gradient on wrong traces lands on their still-right prefix"
+    )
+    if prefix <= PREFIX_LOW:
+        return [
+            (
+                "-",
+                where
+                + (f", and {_pct(error)} on the step that failed" if error is not None else "")
+                + ": the softmax already points uniform credit at the uncertain tokens",
+            )
+        ]
+    if prefix >= PREFIX_HIGH:
+        return [
+            (
+                "+",
+                f"{_pct(prefix)} of GRPO's gradient on wrong traces blames their still-right "
+                f"prefix ({_pct(tokens or float('nan'))} of their tokens): uniform credit spends "
+                "much of its update on steps that were right",
+            )
+        ]
+    return []
+
+
+def _uncertainty_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the uncertain decisions per trace."""
+    uncertain = figures.get("uncertain_per_trace")
+    thr = figures.get("uncertain_p", DEFAULT_UNCERTAIN_P)
+    if uncertain is None:
+        return []
+    if uncertain < UNCERTAIN_LOW:
+        return [
+            (
+                "-",
+                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
+                "there are few choices for credit to sort out",
+            )
+        ]
+    if uncertain >= UNCERTAIN_HIGH:
+        return [
+            (
+                "+",
+                f"a trace holds {uncertain:.1f} uncertain decisions (p < {thr:g}) on average: "
+                "many choices share one outcome, which is where segment credit pays",
+            )
+        ]
+    return []
+
+
+def _variance_reasons(figures: dict[str, Any]) -> list[_Reason]:
+    """Reasons from the share of the logit gradient's mean square that step values remove."""
+    removed = figures.get("variance_removed")
+    if removed is None or not math.isfinite(removed):
+        return []
+    if removed >= VARIANCE_HIGH:
+        return [
+            (
+                "+",
+                f"step-level values would remove {_pct(removed)} of the logit gradient's mean "
+                "square (Monte Carlo)",
+            )
+        ]
+    if removed <= VARIANCE_LOW:
+        return [
+            (
+                "-",
+                f"step-level values would remove only {_pct(removed)} of the logit gradient's "
+                "mean square (Monte Carlo): the noise they cut sits on tokens the policy is sure "
+                "of",
+            )
+        ]
+    return []
