@@ -560,6 +560,22 @@ def test_bench_learn_budget_seconds_stops_on_training_time_and_resumes(
         LearnBenchConfig(budget_tokens=0)
 
 
+def test_a_compute_budget_stops_the_run_at_the_step_that_reaches_it(init_dir, tmp_path):
+    from conftest import micro_config
+    from rredcot.trainer import Trainer, step_compute
+
+    # the weights: a sampled token 1 forward, a scoring pass 1 more, training 3 per epoch
+    assert step_compute(10, 4, 1, 2, 5, 1, 3) == 10 * (1 + 1 + 6) + 5 + 2 + 3
+    free = micro_config(init_dir, tmp_path / "free", steps=4)
+    Trainer(free, **QUIET).train()
+    steps = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
+    used = [r["compute/used"] for r in steps[1:]]
+    budget = (used[1] + used[2]) / 2  # reached during step 3
+    capped = micro_config(init_dir, tmp_path / "capped", steps=4, max_compute=budget)
+    result = Trainer(capped, **QUIET).train()
+    assert result["steps"] == 3 and result["stopped_by_budget"]
+
+
 def test_per_second_scores_of_hand_made_curves():
     # the reference ends at 10 s; the method is evaluated at 0, 4, 12 s
     ref = {"seconds": [0.0, 5.0, 10.0], "accuracy": [0.5, 0.6, 0.7]}

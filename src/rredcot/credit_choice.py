@@ -5,7 +5,7 @@ is chosen only where it was measured ahead of GRPO **per second** (equal trainin
 testbed like the run's, else ``uniform`` (GRPO). What was measured is :data:`MEASUREMENTS`, one
 row per (testbed, method); a testbed is like the run when the run's first batch has a share of
 all-wrong groups within ``ALL_WRONG_BAND`` and a mean reward within ``REWARD_BAND`` of the
-testbed's, and the task writes reference solutions where the method reads them. A row decides
+testbed's (each widened by two standard errors of the batch's own share), and the task writes reference solutions where the method reads them. A row decides
 for its method when both of its per-second figures (accuracy at GRPO's last training second and
 time-averaged accuracy over GRPO's run, paired per seed) are more than two standard errors above
 GRPO. A new measured row (a cheaper estimator) changes the choice by being added here.
@@ -59,7 +59,7 @@ class Measurement:
     at_grpo_last_second: tuple[float, float]  # accuracy at GRPO's last training second − GRPO's
     time_averaged: tuple[float, float]  # accuracy averaged over GRPO's training seconds − GRPO's
     seeds: int
-    source: str  # the learn.json under benchmarks/results/ the figures are read from
+    source: str  # the learn.json the figures are read from, under benchmarks/results/
 
     def ahead_per_second(self) -> bool:
         """Both per-second figures more than two standard errors above GRPO."""
