@@ -1,4 +1,6 @@
-"""What ``--credit auto`` chooses, seed by seed: its probe of the starting policy, without training.
+"""What ``--credit auto``'s rule chooses, seed by seed, from PROMPTS training prompts x G samples
+of the starting policy, without training (``--credit auto`` itself reads step 1's batch; this is
+the probe it ran before, which measured the testbeds' figures of ``auto_probe.txt``).
 
     python benchmarks/probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
 
@@ -6,6 +8,7 @@ Prints ``prompts seed method mean_reward all_wrong probe_tokens`` per seed (``--
 shipped low warm-start, ``model.tiny_warmstart=low``).
 """
 
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -14,7 +17,10 @@ import torch
 
 from rredcot.config import TrainConfig
 from rredcot.config_io import resolve_config
-from rredcot.train_setup import build_train_parts, probe_credit_choice
+from rredcot.credit_choice import choose_from_rollouts
+from rredcot.rollout import sample_groups
+from rredcot.seeding import seed_everything, step_seed
+from rredcot.train_setup import build_train_parts
 
 
 def main() -> None:
@@ -33,17 +39,18 @@ def main() -> None:
             fields["model.tiny_warmstart"] = "low"
         cfg = resolve_config(TrainConfig, None, fields, task_args)
         parts = build_train_parts(cfg, log=lambda *a: None)
-        cfg.credit.auto_prompts = int(prompts)
-        choice = probe_credit_choice(
-            cfg,
-            parts.task,
-            parts.policy,
-            parts.tokenizer,
-            parts.segmenter,
-            parts.decoder,
-            parts.train_pool,
-        )
-        f = choice.figures
+        rng = random.Random(step_seed(seed, 0, salt=23))
+        pool = parts.train_pool
+        problems = [pool[rng.randrange(len(pool))] for _ in range(int(prompts))]
+        seed_everything(step_seed(seed, 0, salt=29))
+        parts.policy.eval()
+        batch, stats = sample_groups(
+            parts.policy, parts.tokenizer, parts.task, problems, parts.segmenter,
+            cfg.sampling, parts.decoder, tree=False,
+        )  # fmt: skip
+        refs = all(parts.task.gold_completion(p) is not None for p in problems)
+        choice = choose_from_rollouts(batch.rewards.cpu(), batch.group_ids.cpu(), refs)
+        f = {**choice.figures, "tokens": int(stats["rollout/tokens"])}
         print(
             prompts,
             seed,

@@ -12,9 +12,17 @@ import pytest
 import torch
 import yaml
 
+import rredcot.trainer as trainer_module
 from rredcot.bench.configs import LEARN_LR
 from rredcot.bench.credit import credit_markdown, fit_method, merge_credit_reports, resegment
-from rredcot.bench.learn import LearnBenchConfig, bootstrap_trace_cov, run_learn_bench, train_config
+from rredcot.bench.learn import (
+    LearnBenchConfig,
+    accuracy_at_second,
+    bootstrap_trace_cov,
+    run_learn_bench,
+    time_averaged_accuracy,
+    train_config,
+)
 from rredcot.bench.overhead import PHASES, OverheadBenchConfig, run_overhead_bench
 from rredcot.bench.report import fmt, interpolate_runs, markdown_table
 from rredcot.bench.variants import parse_set, parse_variants
@@ -488,6 +496,101 @@ def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
         run_learn_bench(dataclasses.replace(cfg, budget_tokens=80), **QUIET)
 
 
+class _FakeClock:
+    """``time`` for the trainer: every ``perf_counter`` call is 0.25 s after the last."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.25
+        return self.now
+
+
+def test_bench_learn_budget_seconds_stops_on_training_time_and_resumes(
+    init_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(trainer_module, "time", _FakeClock())
+    cfg = LearnBenchConfig(
+        methods="uniform,vh=value_head",
+        seeds=1,
+        budget_tokens=0,  # time is the only budget
+        budget_seconds=5.0,
+        init=str(init_dir),
+        out=str(tmp_path / "learn"),
+        steps_max=50,
+        eval_every=2,
+        task="bench_first_char",
+        overrides=_tiny_train_overrides(),
+    )
+    report = run_learn_bench(cfg, **QUIET)
+    for name in ("uniform", "vh"):
+        run_dir = tmp_path / "learn" / "runs" / name / "seed0"
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = records[1:]
+        # the run's clock is the sum of its steps' seconds (evaluation is outside the step)
+        assert [r["time/train_seconds"] for r in steps] == pytest.approx(
+            [sum(r["step_seconds"] for r in steps[: i + 1]) for i in range(len(steps))]
+        )
+        # it stops after the first step that reaches the budget, well before steps_max
+        seconds = [r["time/train_seconds"] for r in steps]
+        assert seconds[-1] >= 5.0 and all(t < 5.0 for t in seconds[:-1])
+        assert 1 < len(steps) < 50 and steps[-1]["eval_accuracy"] is not None
+        # compute counts every step (forward-token equivalents), summed
+        assert steps[-1]["compute/used"] == pytest.approx(sum(r["compute/step"] for r in steps))
+        assert all(r["compute/step"] > r["rollout/tokens"] for r in steps)
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert runs["uniform"]["stopped_by_budget"] and runs["vh"]["stopped_by_budget"]
+    summary = {
+        s["variant"]: s
+        for s in json.loads((tmp_path / "learn" / "learn.json").read_text())["summary"]
+    }
+    assert summary["vh"]["accuracy_at_reference_seconds_vs_reference"]["per_seed"].keys() == {"0"}
+    assert "time-avg acc over uniform's s" in (tmp_path / "learn" / "learn.md").read_text()
+    # a resumed run respects the budget it already spent: no step more
+    run_dir = tmp_path / "learn" / "runs" / "uniform" / "seed0"
+    (run_dir / "result.json").unlink()
+    again = {r["variant"]: r for r in run_learn_bench(cfg, **QUIET)["runs"]}
+    assert again["uniform"]["steps"] == runs["uniform"]["steps"]
+    # the bench's budgets reach the trainer as its config
+    more = dataclasses.replace(cfg, budget_seconds=8.0)
+    tcfg = train_config(more, parse_variants("uniform")[0], 0, str(init_dir), run_dir)
+    assert tcfg.max_train_seconds == 8.0 and tcfg.max_tokens_generated == 0
+    with pytest.raises(ValueError, match="no budget"):
+        LearnBenchConfig(budget_tokens=0)
+
+
+def test_a_compute_budget_stops_the_run_at_the_step_that_reaches_it(init_dir, tmp_path):
+    from conftest import micro_config
+    from rredcot.trainer import Trainer, step_compute
+
+    # the weights: a sampled token 1 forward, a scoring pass 1 more, training 3 per epoch
+    assert step_compute(10, 4, 1, 2, 5, 1, 3) == 10 * (1 + 1 + 6) + 5 + 2 + 3
+    free = micro_config(init_dir, tmp_path / "free", steps=4)
+    Trainer(free, **QUIET).train()
+    steps = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
+    used = [r["compute/used"] for r in steps[1:]]
+    budget = (used[1] + used[2]) / 2  # reached during step 3
+    capped = micro_config(init_dir, tmp_path / "capped", steps=4, max_compute=budget)
+    result = Trainer(capped, **QUIET).train()
+    assert result["steps"] == 3 and result["stopped_by_budget"]
+
+
+def test_per_second_scores_of_hand_made_curves():
+    # the reference ends at 10 s; the method is evaluated at 0, 4, 12 s
+    ref = {"seconds": [0.0, 5.0, 10.0], "accuracy": [0.5, 0.6, 0.7]}
+    method = {"seconds": [0.0, 4.0, 12.0], "accuracy": [0.5, 0.8, 0.9]}
+    assert accuracy_at_second(method, 10.0) == 0.8  # its last evaluation at or before 10 s
+    assert accuracy_at_second(method, 3.9) == 0.5 and accuracy_at_second(method, 12.0) == 0.9
+    # area: 0.5 over [0, 4] and 0.8 over [4, 10], divided by 10
+    assert time_averaged_accuracy(method, 10.0) == pytest.approx((0.5 * 4 + 0.8 * 6) / 10)
+    assert time_averaged_accuracy(ref, 10.0) == pytest.approx((0.5 * 5 + 0.6 * 5) / 10)
+    # a run that ended sooner holds its last evaluation
+    short = {"seconds": [0.0, 2.0], "accuracy": [0.5, 0.4]}
+    assert time_averaged_accuracy(short, 10.0) == pytest.approx((0.5 * 2 + 0.4 * 8) / 10)
+    assert accuracy_at_second(short, 10.0) == 0.4
+
+
 def test_bench_learn_runs_auto_and_skips_it_when_complete(init_dir, tmp_path):
     cfg = LearnBenchConfig(
         methods="uniform,auto",
@@ -498,7 +601,7 @@ def test_bench_learn_runs_auto_and_skips_it_when_complete(init_dir, tmp_path):
         steps_max=3,
         eval_every=1,
         task="bench_first_char",
-        overrides={**_tiny_train_overrides(), "credit.auto_prompts": "4"},
+        overrides=_tiny_train_overrides(),
         variance_probes=0,
     )
     run_learn_bench(cfg, **QUIET)

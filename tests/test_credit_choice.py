@@ -1,23 +1,30 @@
-"""``--credit auto``: the rule (pure), and the probe inside ``rredcot train``: what it chooses, what
-it writes, what it charges, and that the run after it is the run of the method it chose."""
+"""``--credit auto``: the rule (pure: the table of what was measured per second), and the
+choice inside ``rredcot train`` from step 1's own batch: what it chooses, what it writes, that it
+samples nothing extra, and that the run after it is the run of the method it chose."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+import rredcot.credit_choice as credit_choice
+import rredcot.train_setup as train_setup
+import rredcot.trainer as trainer_module
 from conftest import micro_config
 from rredcot.config import CreditConfig, TrainConfig
 from rredcot.credit_choice import (
-    ALL_WRONG_HIGH,
     FLOW_METHOD,
     FLOW_SETTINGS,
-    REWARD_LOW,
+    MEASUREMENTS,
+    Measurement,
     apply_choice,
     choose_credit,
+    choose_from_rollouts,
     flow_flags,
     group_outcomes,
 )
@@ -25,6 +32,8 @@ from rredcot.diagnose import verdict
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
 from rredcot.trainer import Trainer, train
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 # ---------------------------------------------------------------------------------------------
 # the rule
@@ -34,34 +43,115 @@ def test_group_outcomes_counts_all_wrong_and_all_right_groups():
     rewards = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     figures = group_outcomes(rewards, groups)
-    assert figures == {"mean_reward": 0.375, "all_wrong": 0.5, "all_right": 0.25, "groups": 4.0}
+    assert figures == {
+        "mean_reward": 0.375,
+        "all_wrong": 0.5,
+        "all_right": 0.25,
+        "groups": 4.0,
+        "samples": 8.0,
+    }
     with pytest.raises(ValueError, match="rejected every one"):
         group_outcomes(torch.zeros(0), torch.zeros(0, dtype=torch.long))
 
 
+def _row(**changes) -> Measurement:
+    """A measured row ahead of GRPO per second on a testbed at 40% all wrong, mean reward 0.3."""
+    row = Measurement(
+        testbed="a test bed",
+        all_wrong=0.4,
+        mean_reward=0.3,
+        method=FLOW_METHOD,
+        settings=FLOW_SETTINGS,
+        variant="cl_cheap",
+        needs_references=True,
+        per_token=(0.03, 0.01),
+        at_grpo_last_second=(0.03, 0.01),
+        time_averaged=(0.025, 0.01),
+        seeds=10,
+        source="headroom/somewhere/learn.json",
+    )
+    return dataclasses.replace(row, **changes)
+
+
 @pytest.mark.parametrize(
-    ("mean", "wrong", "refs", "method"),
+    ("mean", "wrong", "refs", "row", "method"),
     [
-        (0.30, ALL_WRONG_HIGH, True, FLOW_METHOD),  # at the threshold: flow
-        (0.30, 0.6, True, FLOW_METHOD),
-        (0.30, ALL_WRONG_HIGH - 0.01, True, "value_head"),  # GRPO has a signal in most groups
-        (0.30, 0.6, False, "value_head"),  # nothing for continuation likelihood to score
-        (REWARD_LOW - 0.01, 0.9, True, "value_head"),  # no outcome signal at all
+        (0.30, 0.40, True, _row(), FLOW_METHOD),  # like the testbed, ahead per second
+        (0.30, 0.40 + 0.16, True, _row(), "uniform"),  # all-wrong share too far
+        (0.30 + 0.16, 0.40, True, _row(), "uniform"),  # mean reward too far
+        (0.30, 0.40, False, _row(), "uniform"),  # nothing for it to score
+        (0.30, 0.40, True, _row(time_averaged=(0.025, 0.013)), "uniform"),  # within 2 s.e.
+        (0.30, 0.40, True, _row(at_grpo_last_second=(-0.01, 0.001)), "uniform"),  # behind
+        (0.30, 0.40, False, _row(needs_references=False, method="value_head"), "value_head"),
     ],
 )
-def test_the_rule_chooses_flow_only_where_groups_are_all_wrong_and_references_exist(
-    mean, wrong, refs, method
+def test_the_rule_chooses_a_method_only_where_it_was_measured_ahead_per_second(
+    mean, wrong, refs, row, method
 ):
-    choice = choose_credit({"mean_reward": mean, "all_wrong": wrong}, has_references=refs)
+    choice = choose_credit({"mean_reward": mean, "all_wrong": wrong}, refs, (row,))
     assert choice.method == method
-    assert choice.settings == (FLOW_SETTINGS if method == FLOW_METHOD else {})
-    assert f"{wrong:.0%}" in choice.reason and choice.figures["all_wrong"] == wrong
+    assert choice.settings == (dict(row.settings) if method == row.method else {})
+    assert f"{wrong:.0%} of its groups are all wrong" in choice.reason
+    assert choice.figures["all_wrong"] == wrong and choice.figures["has_references"] == refs
+
+
+def test_todays_table_runs_uniform_on_both_arithmetic_testbeds_and_says_which_row_decided():
+    # the testbeds' own first-batch figures (auto_probe.txt): cl_flow is behind GRPO per second
+    default = choose_credit({"mean_reward": 0.40, "all_wrong": 0.28}, has_references=True)
+    low = choose_credit({"mean_reward": 0.11, "all_wrong": 0.58}, has_references=True)
+    assert default.method == low.method == "uniform" and default.settings == {}
+    assert default.decided_by == "headroom/arith4_default_report/learn.json"
+    assert low.decided_by == "headroom/arith12_low450_report/learn.json"
+    assert "-5.2 ± 1.0 at GRPO's last second" in default.reason
+    assert "-12.2 ± 2.2 at GRPO's last second" in low.reason
+    # adding a row measured ahead per second there (the cheap estimator, once measured)
+    # changes the choice
+    cheap = _row(all_wrong=0.28, mean_reward=0.40, settings={"lam": 0.0})
+    chosen = choose_credit({"mean_reward": 0.40, "all_wrong": 0.28}, True, (*MEASUREMENTS, cheap))
+    assert (chosen.method, chosen.settings, chosen.decided_by) == (
+        FLOW_METHOD,
+        {"lam": 0.0},
+        cheap.source,
+    )
+    # a first batch of 16 groups measures its shares to about +-0.1: the bands widen by two
+    # standard errors (the README's first command's step 1: 55% solved, 12% all wrong)
+    first = {"mean_reward": 0.55, "all_wrong": 0.12}
+    assert choose_credit(first, True).decided_by is None  # no batch size: the bare bands
+    sized = choose_credit({**first, "groups": 16.0}, True)
+    assert sized.decided_by == "headroom/arith4_default_report/learn.json"
+    # where nothing was measured: uniform, and it says so
+    easy = choose_credit({"mean_reward": 0.9, "all_wrong": 0.0}, True)
+    assert easy.method == "uniform" and easy.decided_by is None
+    assert "no credit method was measured on a testbed like it" in easy.reason
+
+
+@pytest.mark.parametrize("row", MEASUREMENTS, ids=lambda m: m.source)
+def test_the_tables_figures_are_its_sources(row):
+    report = json.loads((RESULTS / row.source).read_text())
+    summary = {s["variant"]: s for s in report["summary"]}[row.variant]
+    assert summary["method"] == row.method and summary["reference"] == "uniform"
+    for figure, key in (
+        (row.per_token, "mean_accuracy_vs_reference"),
+        (row.at_grpo_last_second, "accuracy_at_reference_seconds_vs_reference"),
+        (row.time_averaged, "time_averaged_accuracy_vs_reference"),
+    ):
+        paired = summary[key]
+        assert figure == pytest.approx((paired["mean"], paired["sem"]), abs=1e-4), key
+    assert len(summary["seeds"]) == row.seeds
+
+
+def test_choose_from_rollouts_is_the_rule_on_a_batch():
+    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    choice = choose_from_rollouts(rewards, groups, True, (_row(all_wrong=0.5, mean_reward=0.4),))
+    assert choice.method == FLOW_METHOD
+    assert choice.figures["all_wrong"] == 0.5 and choice.figures["mean_reward"] == 0.375
 
 
 def test_apply_choice_sets_the_nested_settings_and_the_result_is_the_bench_variant():
     cfg = TrainConfig()
     assert cfg.credit_method == "auto"  # the default
-    apply_choice(cfg, choose_credit({"mean_reward": 0.2, "all_wrong": 0.4}, True))
+    apply_choice(cfg, choose_credit({"mean_reward": 0.3, "all_wrong": 0.4}, True, (_row(),)))
     assert cfg.credit_method == "continuation_likelihood"
     assert (cfg.credit.lam, cfg.credit.anchor, cfg.credit.handover.smoothing) == (0.0, "none", 0.5)
     # the flags the verdict prints are the same settings (the learn bench's cl_flow variant)
@@ -71,13 +161,16 @@ def test_apply_choice_sets_the_nested_settings_and_the_result_is_the_bench_varia
     )
 
 
-def test_diagnose_verdict_recommends_what_auto_chooses():
-    _, reasons = verdict({"mean_reward": 0.2, "all_wrong": 0.4})
-    assert any(flow_flags() in r and r.startswith("+") for r in reasons)
+def test_diagnose_verdict_says_what_auto_runs_by_the_same_rule():
+    _, reasons = verdict({"mean_reward": 0.11, "all_wrong": 0.58})
+    assert any(flow_flags() in r and r.startswith("+") for r in reasons)  # per token
+    said = [r for r in reasons if "--credit auto would run" in r]
+    assert len(said) == 1 and "would run uniform" in said[0]
+    assert "arith12_low450_report" in said[0]
 
 
 # ---------------------------------------------------------------------------------------------
-# the probe in `rredcot train`
+# the choice in `rredcot train`, from step 1's batch
 
 
 class _HalfHopelessTask(ArithmeticTask):
@@ -108,41 +201,73 @@ def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_auto_chooses_flow_where_groups_are_all_wrong_and_records_why(init_dir, tmp_path):
+def _count_sampling(monkeypatch) -> list[int]:
+    """Count the trainer's calls of the sampler (every rollout: steps, pretraining, probes)."""
+    calls: list[int] = []
+    real = trainer_module.sample_groups
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "sample_groups", counted)
+    return calls
+
+
+def test_auto_decides_from_step_ones_batch_and_with_todays_table_runs_uniform(
+    init_dir, tmp_path, monkeypatch
+):
+    calls = _count_sampling(monkeypatch)
     run = tmp_path / "run"
-    cfg = micro_config(init_dir, run, task="test_half_hopeless", credit_method="auto", steps=1)
-    cfg.credit.auto_prompts = 16
+    cfg = micro_config(init_dir, run, task="test_half_hopeless", credit_method="auto", steps=2)
     lines = []
     Trainer(cfg, log=lines.append).train()
+    assert len(calls) == 2  # one batch per step: nothing sampled for the choice
     choice = json.loads((run / "credit_choice.json").read_text())
-    assert choice["method"] == "continuation_likelihood"
-    assert choice["figures"]["all_wrong"] >= ALL_WRONG_HIGH
-    assert choice["figures"]["prompts"] == 16 and choice["figures"]["group_size"] == 4
-    saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["credit_method"] == "continuation_likelihood"
-    assert saved["credit"]["lam"] == 0.0 and saved["credit"]["anchor"] == "none"
-    assert saved["credit"]["handover"]["smoothing"] == 0.5
-    assert any(line.startswith("credit auto: continuation_likelihood") for line in lines)
-    # the probe's tokens are charged to the credit method, from step 0 on
+    assert choice["method"] == "uniform"  # nothing was measured ahead of GRPO per second
+    figures = choice["figures"]
+    assert figures["samples"] == 2 * 4 and figures["groups"] == 2  # step 1's own batch
     records = _records(run)
-    assert records[0]["extra_tokens_generated"] == choice["figures"]["tokens"] > 0
-    assert records[-1]["extra_tokens_generated"] >= choice["figures"]["tokens"]
+    assert figures["mean_reward"] == pytest.approx(records[1]["reward_mean"])
+    assert records[-1]["extra_tokens_generated"] == 0  # and nothing charged for it
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["credit_method"] == "uniform"
+    said = [line for line in lines if line.startswith("credit auto: uniform, because")]
+    assert len(said) == 1 and f"{figures['all_wrong']:.0%} of its groups are all wrong" in said[0]
 
 
-def test_after_the_probe_the_run_is_the_chosen_methods_run(init_dir, tmp_path):
+def test_after_the_choice_the_run_is_the_chosen_methods_run(init_dir, tmp_path, monkeypatch):
+    # a table in which value_head (a method with parameters, built after step 1's rollout)
+    # was measured ahead everywhere: auto chooses it, and its run is the named run
+    row = _row(method="value_head", settings={}, needs_references=False)
+    monkeypatch.setattr(credit_choice, "MEASUREMENTS", (row,))
+    monkeypatch.setattr(credit_choice, "ALL_WRONG_BAND", 1.0)
+    monkeypatch.setattr(credit_choice, "REWARD_BAND", 1.0)
+    # a method that draws random numbers when it is built draws the same ones as a named run's
+    draws: list[float] = []
+    real_build = train_setup.build_method
+
+    def drawing_build(*args, **kwargs):
+        draws.append(float(torch.rand(1)))
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(train_setup, "build_method", drawing_build)
+    monkeypatch.setattr(trainer_module, "build_method", drawing_build)
     auto_run, named_run = tmp_path / "auto", tmp_path / "named"
     cfg = micro_config(init_dir, auto_run, task="test_auto_parity", credit_method="auto")
-    cfg.credit.auto_prompts = 8
     Trainer(cfg, log=lambda *_: None).train()
-    chosen = json.loads((auto_run / "credit_choice.json").read_text())["method"]
-    assert chosen == "value_head"
-    named = micro_config(init_dir, named_run, task="test_auto_parity", credit_method=chosen)
+    choice = json.loads((auto_run / "credit_choice.json").read_text())
+    assert choice["method"] == "value_head" and choice["decided_by"] == row.source
+    named = micro_config(init_dir, named_run, task="test_auto_parity", credit_method="value_head")
     Trainer(named, log=lambda *_: None).train()
     auto, plain = _records(auto_run), _records(named_run)
+    assert len(draws) == 2 and draws[0] == draws[1]
     assert len(auto) == len(plain) == 4
     for a, p in zip(auto, plain):
         assert {k: a.get(k) for k in STABLE} == {k: p.get(k) for k in STABLE}
-    # resuming does not probe again: the run's config holds the chosen method
+        assert a.get("value/mean") == p.get("value/mean")  # the head itself is the same
+    # resuming does not decide again: the run's config holds the chosen method
+    monkeypatch.setattr(credit_choice, "MEASUREMENTS", ())
     before = (auto_run / "credit_choice.json").read_text()
     more = TrainConfig(resume=str(auto_run), steps=4, progress=False)
     lines = []
@@ -152,8 +277,9 @@ def test_after_the_probe_the_run_is_the_chosen_methods_run(init_dir, tmp_path):
     assert [r["step"] for r in _records(auto_run)] == [0, 1, 2, 3, 4]
 
 
-def test_a_misspelt_credit_method_lists_auto(init_dir, tmp_path):
+def test_a_misspelt_credit_method_lists_auto_and_auto_prompts_is_retired(init_dir, tmp_path):
     with pytest.raises(ValueError, match="or auto"):
         Trainer(micro_config(init_dir, tmp_path / "run", credit_method="unifrom"))
-    with pytest.raises(ValueError, match="auto_prompts=0 must be >= 1"):
-        CreditConfig(auto_prompts=0)
+    with pytest.warns(UserWarning, match="auto_prompts=64 is ignored"):
+        cfg = CreditConfig(auto_prompts=64)
+    assert cfg.auto_prompts is None

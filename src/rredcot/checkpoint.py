@@ -19,15 +19,24 @@ import torch
 from rredcot import runio
 from rredcot.models import load_policy
 
-COUNTERS = ("step", "samples_seen", "tokens_generated", "extra_tokens_generated", "skipped_total")
+COUNTERS = (
+    "step",
+    "samples_seen",
+    "tokens_generated",
+    "extra_tokens_generated",
+    "skipped_total",
+    "train_seconds",
+    "compute_used",
+)
 """The run's totals after the checkpoint's step, as ``trainer_state.pt`` keys."""
 
-_ADDED_LATER = {"extra_tokens_generated": 0}  # absent from older checkpoints: their default
+# absent from older checkpoints: their default (a resumed old run counts from there)
+_ADDED_LATER = {"extra_tokens_generated": 0, "train_seconds": 0.0, "compute_used": 0.0}
 
 
 def save_training_checkpoint(
     run_dir: str | Path,
-    counters: dict[str, int],
+    counters: dict[str, float],
     policy: Any,
     tokenizer: Any,
     optimizer: torch.optim.Optimizer,

@@ -1,26 +1,25 @@
-"""``--credit auto``: the credit method for a run, chosen from how its starting policy does on
-its own training prompts.
+"""``--credit auto``: the credit method for a run, chosen from its first training batch.
 
-The rule is the one ``rredcot diagnose`` states in its verdict (docs/diagnose.md), and the only
-one measured so far (README, "where credit can pay"):
+The rule (the one ``rredcot diagnose``'s verdict states too, docs/diagnose.md): a credit method
+is chosen only where it was measured ahead of GRPO **per second** (equal training time) on a
+testbed like the run's, else ``uniform`` (GRPO). What was measured is :data:`MEASUREMENTS`, one
+row per (testbed, method); a testbed is like the run when the run's first batch has a share of
+all-wrong groups within ``ALL_WRONG_BAND`` and a mean reward within ``REWARD_BAND`` of the
+testbed's (each widened by two standard errors of the batch's own share), and the task writes reference solutions where the method reads them. A row decides
+for its method when both of its per-second figures (accuracy at GRPO's last training second and
+time-averaged accuracy over GRPO's run, paired per seed) are more than two standard errors above
+GRPO. A new measured row (a cheaper estimator) changes the choice by being added here.
 
-- where at least ``ALL_WRONG_HIGH`` of the groups are all wrong, GRPO learns nothing from them;
-  where the task also has reference solutions, continuation likelihood with credit flowing in
-  those groups (``FLOW_SETTINGS``: lambda 0, the estimator's own ``V(s_0)``, a smoothed
-  hand-over) blames the line where a trace left the reference, without generating, and was
-  measured ahead of GRPO there;
-- everywhere else (and where the policy solves almost nothing, ``REWARD_LOW``, so that no
-  outcome-based credit has a signal) the value head stays: level with GRPO on the measured
-  testbeds, never the cause of a collapse.
-
-This module is the rule only (pure functions over the probe's rewards); the probe, which samples
-the starting policy, is ``train_setup.probe_credit_choice``.
+This module is the rule only (pure functions over a batch's rewards; torch-free at import). The
+entry point is :func:`choose_from_rollouts`: the trainer calls it on step 1's own rollouts (no
+extra sampling), the TRL integration on its first generation batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,14 +29,106 @@ if TYPE_CHECKING:  # torch-free at import: the CLI's flags and the bench's specs
 
 AUTO = "auto"  # the value of ``credit_method`` that asks for this choice
 SUCCESS = 1.0  # a reward at or above this is a right trace (the project's 0/1 convention)
-REWARD_LOW = 0.05  # mean reward below which no outcome-based credit has a signal
+REWARD_LOW = 0.05  # mean reward below which no outcome-based credit has a signal (diagnose)
 ALL_WRONG_HIGH = 0.25  # share of all-wrong groups at which GRPO is blind to much of the batch
+ALL_WRONG_BAND = 0.15  # a testbed is like the run within this of its share of all-wrong groups
+REWARD_BAND = 0.15  # ... and within this of its mean reward
+FALLBACK_METHOD = "uniform"  # GRPO: what auto runs where nothing was measured ahead of it
 
-FALLBACK_METHOD = "value_head"
 FLOW_METHOD = "continuation_likelihood"
 FLOW_SETTINGS: dict[str, Any] = {"lam": 0.0, "anchor": "none", "handover.smoothing": 0.5}
 """``credit.<field>`` values of the flowing continuation likelihood (the learn bench's
 ``cl_flow`` variant), dotted below the credit config."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured (testbed, method) against GRPO, paired per seed, in accuracy points / 100.
+
+    The settings must not change sampling or segmentation (the choice is made after step 1's
+    batch was sampled and segmented)."""
+
+    testbed: str  # in words
+    all_wrong: float  # the testbed's share of all-wrong groups at the run's G (its probes' mean)
+    mean_reward: float  # the testbed's mean reward of the starting policy
+    method: str
+    settings: dict[str, Any]  # credit.<dotted field> -> value
+    variant: str  # the method's row (``variant``) in ``source``'s summary
+    needs_references: bool  # the method scores reference solutions
+    per_token: tuple[float, float]  # mean accuracy in training − GRPO's: (mean, s.e.)
+    at_grpo_last_second: tuple[float, float]  # accuracy at GRPO's last training second − GRPO's
+    time_averaged: tuple[float, float]  # accuracy averaged over GRPO's training seconds − GRPO's
+    seeds: int
+    source: str  # the learn.json the figures are read from, under benchmarks/results/
+
+    def ahead_per_second(self) -> bool:
+        """Both per-second figures more than two standard errors above GRPO."""
+        return all(m - 2 * se > 0 for m, se in (self.at_grpo_last_second, self.time_averaged))
+
+    def like(self, figures: dict[str, Any], has_references: bool) -> bool:
+        """Whether a run whose first batch scored ``figures`` is on a testbed like this one:
+        within the bands, widened by two standard errors of the batch's own shares (a batch of
+        16 groups measures a share to about ±0.1; ``figures["groups"]``, when given)."""
+        if self.needs_references and not has_references:
+            return False
+        groups = figures.get("groups") or 0
+
+        def slack(share: float) -> float:
+            share = min(max(share, 0.0), 1.0)
+            return 2 * math.sqrt(share * (1 - share) / groups) if groups else 0.0
+
+        wrong, mean = figures["all_wrong"], figures["mean_reward"]
+        return abs(wrong - self.all_wrong) <= ALL_WRONG_BAND + slack(wrong) and abs(
+            mean - self.mean_reward
+        ) <= REWARD_BAND + slack(mean)
+
+    def words(self) -> str:
+        """The measurement in one phrase (the start-up line's)."""
+
+        def pts(x: tuple[float, float]) -> str:
+            return f"{100 * x[0]:+.1f} ± {100 * x[1]:.1f}"
+
+        return (
+            f"{self.method} on {self.testbed}, {self.all_wrong:.0%} all wrong, mean reward "
+            f"{self.mean_reward:.2f}: {pts(self.per_token)} points per token, "
+            f"{pts(self.at_grpo_last_second)} at GRPO's last second, "
+            f"{pts(self.time_averaged)} time-averaged, {self.seeds} seeds [{self.source}]"
+        )
+
+
+MEASUREMENTS: tuple[Measurement, ...] = (
+    Measurement(
+        testbed="the default task (4-step arithmetic chains, shipped 53.1% warm-start)",
+        all_wrong=0.28,  # auto_probe.txt: 256 prompts, seeds 0-4, 0.27-0.31
+        mean_reward=0.40,
+        method=FLOW_METHOD,
+        settings=FLOW_SETTINGS,
+        variant="cl_flow",
+        needs_references=True,
+        per_token=(0.0165, 0.0035),
+        at_grpo_last_second=(-0.0520, 0.0097),
+        time_averaged=(-0.0501, 0.0062),
+        seeds=10,
+        source="headroom/arith4_default_report/learn.json",
+    ),
+    Measurement(
+        testbed="12-step arithmetic chains, shipped low warm-start",
+        all_wrong=0.58,  # auto_probe.txt: 64 prompts, seeds 100-109, 0.52-0.67
+        mean_reward=0.11,
+        method=FLOW_METHOD,
+        settings=FLOW_SETTINGS,
+        variant="cl_flow",
+        needs_references=True,
+        per_token=(0.0320, 0.0124),
+        at_grpo_last_second=(-0.1219, 0.0220),
+        time_averaged=(-0.0628, 0.0067),
+        seeds=10,
+        source="headroom/arith12_low450_report/learn.json",
+    ),
+)
+"""What was measured against GRPO at equal training time (``bench learn``'s per-second columns,
+the method's cl_flow variant at its tuned rate). A row's figures are its source's
+``*_vs_reference`` means and standard errors (tests check them)."""
 
 
 def check_method_name(name: str, allow_auto: bool = True) -> None:
@@ -80,7 +171,13 @@ class CreditChoice:
     method: str
     settings: dict[str, Any]  # credit.<dotted field> -> value, applied over the run's config
     reason: str
-    figures: dict[str, Any] = field(default_factory=dict)  # the probe's measurements
+    figures: dict[str, Any] = field(default_factory=dict)  # the first batch's figures
+    decided_by: str | None = None  # the measurement's source (MEASUREMENTS) that decided
+
+    @classmethod
+    def read_dict(cls, data: dict[str, Any]) -> CreditChoice:
+        """A choice from its JSON (one written before ``decided_by`` existed too)."""
+        return cls(**{k: v for k, v in data.items() if k in _CHOICE_FIELDS})
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,56 +185,92 @@ class CreditChoice:
     @classmethod
     def read(cls, path: str | Path) -> CreditChoice:
         """The choice a run wrote (``credit_choice.json``)."""
-        return cls(**json.loads(Path(path).read_text()))
+        return cls.read_dict(json.loads(Path(path).read_text()))
+
+
+_CHOICE_FIELDS = ("method", "settings", "reason", "figures", "decided_by")
 
 
 def group_outcomes(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
-    """The probe's figures from its rewards (B,) and group ids (B,): ``mean_reward``, the shares
+    """A batch's figures from its rewards (B,) and group ids (B,): ``mean_reward``, the shares
     of groups whose samples are all wrong (every reward ``<= 0``) and all right (every reward
-    ``>= SUCCESS``), and the number of ``groups``."""
+    ``>= SUCCESS``), and the number of ``groups`` and ``samples``."""
+    return outcome_figures(outcome_counts(rewards, group_ids))
+
+
+def outcome_counts(rewards: torch.Tensor, group_ids: torch.Tensor) -> list[float]:
+    """``[reward sum, samples, all-wrong groups, all-right groups, groups]`` of a batch: sums,
+    so that processes of a distributed run add theirs up before :func:`outcome_figures`."""
     if rewards.numel() == 0:
-        raise ValueError("the probe has no samples: the verifier rejected every one")
+        raise ValueError("the batch has no samples: the verifier rejected every one")
     ids = group_ids.unique()
     wrong = sum(bool((rewards[group_ids == g] <= 0).all()) for g in ids)
     right = sum(bool((rewards[group_ids == g] >= SUCCESS).all()) for g in ids)
+    return [float(rewards.float().sum()), float(rewards.numel()), wrong, right, float(len(ids))]
+
+
+def outcome_figures(counts: list[float]) -> dict[str, float]:
+    """:func:`group_outcomes`' figures from (summed) :func:`outcome_counts`."""
+    reward_sum, samples, wrong, right, groups = (float(c) for c in counts)
     return {
-        "mean_reward": float(rewards.float().mean()),
-        "all_wrong": wrong / len(ids),
-        "all_right": right / len(ids),
-        "groups": float(len(ids)),
+        "mean_reward": reward_sum / samples,
+        "all_wrong": wrong / groups,
+        "all_right": right / groups,
+        "groups": groups,
+        "samples": samples,
     }
 
 
-def choose_credit(figures: dict[str, Any], has_references: bool) -> CreditChoice:
+def choose_from_rollouts(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    has_references: bool,
+    measurements: tuple[Measurement, ...] | None = None,
+) -> CreditChoice:
+    """``--credit auto``'s choice from one batch of the starting policy's own rollouts:
+    rewards (B,) and group ids (B,) of G samples per prompt; ``has_references``: the task
+    writes a reference solution for every prompt of the batch (``Task.gold_completion``)."""
+    return choose_credit(group_outcomes(rewards, group_ids), has_references, measurements)
+
+
+def choose_credit(
+    figures: dict[str, Any],
+    has_references: bool,
+    measurements: tuple[Measurement, ...] | None = None,
+    seen_in: str = "the first batch",
+) -> CreditChoice:
     """The credit method for a run whose starting policy scored ``figures``
-    (:func:`group_outcomes`) on its training prompts; ``has_references``: the task writes a
-    reference solution for those prompts (``Task.gold_completion``)."""
+    (:func:`outcome_figures`) on its first batch: the best method measured ahead of GRPO per
+    second on a testbed like it (:class:`Measurement`; ``measurements`` default to
+    :data:`MEASUREMENTS`), else ``uniform``."""
+    if measurements is None:
+        measurements = MEASUREMENTS
     mean, wrong = figures["mean_reward"], figures["all_wrong"]
-    seen = f"the starting policy solves {mean:.0%} of its samples and {wrong:.0%} of its groups are all wrong"
-    if mean < REWARD_LOW:
-        reason = (
-            f"{seen}: no outcome-based credit has a signal yet (warm-start it or use easier "
-            f"prompts); {FALLBACK_METHOD} kept"
-        )
-        return CreditChoice(FALLBACK_METHOD, {}, reason, dict(figures))
-    if wrong >= ALL_WRONG_HIGH and has_references:
-        reason = (
-            f"{seen} (at least {ALL_WRONG_HIGH:.0%}): GRPO learns nothing from those; continuation "
-            "likelihood of the reference solutions, with credit flowing in them, was measured "
-            f"ahead of GRPO there: {flow_flags()}"
-        )
-        return CreditChoice(FLOW_METHOD, dict(FLOW_SETTINGS), reason, dict(figures))
-    if wrong >= ALL_WRONG_HIGH:
-        reason = (
-            f"{seen}, but the task has no reference solutions for continuation likelihood to "
-            f"score; {FALLBACK_METHOD} kept"
-        )
-        return CreditChoice(FALLBACK_METHOD, {}, reason, dict(figures))
-    reason = (
-        f"{seen} (under {ALL_WRONG_HIGH:.0%}): GRPO has a signal in most groups and no finer "
-        f"credit was measured ahead of it here; {FALLBACK_METHOD} (level with GRPO)"
+    seen = f"{seen_in} solves {mean:.0%} of its samples and {wrong:.0%} of its groups are all wrong"
+    figures = {**figures, "has_references": has_references}
+    like = [m for m in measurements if m.like(figures, has_references)]
+    ahead = sorted(
+        (m for m in like if m.ahead_per_second()), key=lambda m: -m.at_grpo_last_second[0]
     )
-    return CreditChoice(FALLBACK_METHOD, {}, reason, dict(figures))
+    if ahead:
+        best = ahead[0]
+        reason = f"{seen}; measured ahead of GRPO per second on a testbed like it: {best.words()}"
+        return CreditChoice(best.method, dict(best.settings), reason, figures, best.source)
+    if like:
+        nearest = min(like, key=lambda m: abs(m.all_wrong - wrong) + abs(m.mean_reward - mean))
+        reason = (
+            f"{seen}; on the testbed most like it no credit method was measured ahead of GRPO "
+            f"per second: {nearest.words()}; so {FALLBACK_METHOD} (GRPO)"
+        )
+        return CreditChoice(FALLBACK_METHOD, {}, reason, figures, nearest.source)
+    reason = (
+        f"{seen}; no credit method was measured on a testbed like it (all-wrong share within "
+        f"{ALL_WRONG_BAND:.0%} and mean reward within {REWARD_BAND:.2f} of a measured one, "
+        "each widened by two standard errors of the batch's"
+        f"{'' if has_references else ', with no reference solutions'}); "
+        f"{FALLBACK_METHOD} (GRPO)"
+    )
+    return CreditChoice(FALLBACK_METHOD, {}, reason, figures, None)
 
 
 def apply_choice(cfg: Any, choice: CreditChoice) -> None:

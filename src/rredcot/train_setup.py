@@ -1,7 +1,7 @@
 """Everything ``rredcot train`` is built from, before its first step: the device and threads, the
 policy (and its LoRA adapter), the frozen KL reference, the segmenter, the training and
-evaluation prompts that fit the context, the credit method (with ``--credit auto``, chosen by a
-probe of the starting policy), the optimiser and learning-rate schedule.
+evaluation prompts that fit the context, the credit method (with ``--credit auto``, built by the
+trainer once step 1's batch has chosen it), the optimiser and learning-rate schedule.
 :func:`build_train_parts` returns them as one :class:`TrainParts`; the RL loop (``rredcot.trainer``)
 only reads them.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +20,7 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from rredcot.config import TrainConfig
-from rredcot.credit_choice import (
-    AUTO,
-    CreditChoice,
-    apply_choice,
-    check_method_name,
-    choose_credit,
-    group_outcomes,
-)
+from rredcot.credit_choice import AUTO, check_method_name
 from rredcot.errors import UserError, require_extra
 from rredcot.loss import lr_lambda
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
@@ -39,10 +31,9 @@ from rredcot.rollout import (
     prompt_special_tokens,
     render_prompt,
     resolve_decoder,
-    sample_groups,
 )
-from rredcot.runio import capture_rng_state, restore_rng_state
-from rredcot.seeding import seed_everything, step_seed
+from rredcot.runio import capture_rng_state
+from rredcot.seeding import seed_everything
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
@@ -243,12 +234,14 @@ class TrainParts:
     decoder: str  # the sampling loop that runs: "fast" or "hf" (rollout.resolve_decoder)
     reference: Any | None  # a frozen copy of the initial policy (None when kl_coef == 0)
     segmenter: Segmenter
-    method: CreditMethod
-    credit_choice: CreditChoice | None  # what --credit auto chose, and why (None: named)
+    method: CreditMethod | None  # None with --credit auto: step 1's batch chooses it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_pool: list[Problem]  # the prompts the steps draw from (prompts that fit)
     eval_set: list[Problem]  # the greedy-accuracy prompts (prompts that fit)
+    # --credit auto: the generators' states where a named method is built, so that the method
+    # built after the choice is the one a named run builds (runio.capture_rng_state)
+    method_rng: dict[str, Any] | None = None
 
 
 def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
@@ -274,23 +267,11 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     c = cfg.credit
     segmenter = segmenter_from_config(c, task.answer_line_pattern)
     train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
-    choice = None
-    if cfg.credit_method == AUTO:
-        choice = probe_credit_choice(cfg, task, policy, tokenizer, segmenter, decoder, train_pool)
-        apply_choice(cfg, choice)
-        log(f"credit auto: {choice.method}, because {choice.reason}")
-    method = build_credit(
-        cfg.credit_method,
-        c,
-        CreditContext(
-            policy=policy,
-            tokenizer=tokenizer,
-            task=task,
-            segmenter=segmenter,
-            sampling=cfg.sampling,
-            device=device,
-        ),
-    )
+    method, method_rng = None, None
+    if cfg.credit_method == AUTO:  # chosen from step 1's own batch (Trainer.choose_credit)
+        method_rng = capture_rng_state()
+    else:
+        method = build_method(cfg, task, policy, tokenizer, segmenter, device)
     model, optimizer, scheduler = _optimiser(cfg, policy, accelerator)
     if cfg.sampling.num_generations == 1:
         log(
@@ -312,43 +293,28 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         reference=reference,
         segmenter=segmenter,
         method=method,
-        credit_choice=choice,
         optimizer=optimizer,
         scheduler=scheduler,
         train_pool=train_pool,
         eval_set=eval_set,
+        method_rng=method_rng,
     )
 
 
-def probe_credit_choice(
-    cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, decoder: str, pool: list[Problem]
-) -> CreditChoice:
-    """``--credit auto``'s choice (``rredcot.credit_choice``) from ``credit.auto_prompts``
-    prompts of the training pool, each sampled ``num_generations`` times from the starting
-    policy at the run's sampling settings (never a tree: the probe measures the policy, not the
-    sampler). Its prompts and samples are seeded from ``cfg.seed`` alone (every process of a
-    distributed run draws the same ones, so all choose alike), and the generators' states are
-    restored afterwards, so the run that follows is the one a named method would have started.
-    ``figures`` adds the probe's ``prompts``, ``group_size`` and generated ``tokens``."""
-    s = cfg.sampling
-    rng = random.Random(step_seed(cfg.seed, 0, salt=23))  # RL steps are 1.., pretraining < 0
-    problems = [pool[rng.randrange(len(pool))] for _ in range(cfg.credit.auto_prompts)]
-    has_references = all(task.gold_completion(p) is not None for p in problems)
-    rng_state, was_training = capture_rng_state(), policy.training
-    try:
-        seed_everything(step_seed(cfg.seed, 0, salt=29))
-        policy.eval()
-        batch, stats = sample_groups(
-            policy, tokenizer, task, problems, segmenter, cfg.sampling, decoder, tree=False
-        )
-    finally:
-        restore_rng_state(rng_state)
-        policy.train(was_training)
-    figures = group_outcomes(batch.rewards.cpu(), batch.group_ids.cpu())
-    figures.update(
-        prompts=len(problems), group_size=s.num_generations, tokens=int(stats["rollout/tokens"])
+def build_method(cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, device):
+    """The run's credit method (``cfg.credit_method``, never ``auto``) from its credit config."""
+    return build_credit(
+        cfg.credit_method,
+        cfg.credit,
+        CreditContext(
+            policy=policy,
+            tokenizer=tokenizer,
+            task=task,
+            segmenter=segmenter,
+            sampling=cfg.sampling,
+            device=device,
+        ),
     )
-    return choose_credit(figures, has_references)
 
 
 def _sampling_decoder(cfg: TrainConfig, policy, log) -> str:

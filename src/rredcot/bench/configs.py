@@ -96,7 +96,8 @@ class LearnBenchConfig:
         "First seed (tuning seeds are below 100; report on seeds from 100 up).", default=0
     )
     budget_tokens: int = help_field(
-        "Sampled tokens per run (policy rollouts + credit-method generations).",
+        "Sampled tokens per run (policy rollouts + credit-method generations); 0: none (with "
+        "--budget-seconds or --budget-compute).",
         default=LEARN_BUDGET_TOKENS,
     )
     init: str | None = help_field(
@@ -137,12 +138,31 @@ class LearnBenchConfig:
     variance_minibatch: int = help_field("Prompts per gradient in a variance probe.", default=2)
     variance_bootstrap: int = help_field("Bootstrap resamples of the variance.", default=200)
     progress: bool = help_field("Progress bars.", default=False)
+    budget_seconds: float = help_field(
+        "Training seconds per run (equal wall-clock): a run stops after the step at which the "
+        "sum of its step_seconds (rollout, scoring, credit, update; evaluation, checkpoints and "
+        "start-up excluded) reaches it; 0: none. Every budget given applies, the first reached "
+        "stops the run: with --budget-tokens 0 time is the only one.",
+        default=0.0,
+    )
+    budget_compute: float = help_field(
+        "Compute per run in forward-token equivalents (FLOPs / 2N, N the policy's parameters): a "
+        "token sampled or scored (the loss's no-grad pass, the KL reference, the credit method's "
+        "extra forwards and generations) counts 1 (forward 2N FLOPs), a token trained on 3 per "
+        "epoch (forward 2N + backward 4N); 0: none. With --budget-tokens 0 it is the only budget.",
+        default=0.0,
+    )
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
             raise ValueError("--seeds must be >= 1")
-        if self.budget_tokens < 1:
-            raise ValueError("--budget-tokens must be >= 1 (sampled tokens per run)")
+        for name in ("budget_tokens", "budget_seconds", "budget_compute"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: none)")
+        if not (self.budget_tokens or self.budget_seconds or self.budget_compute):
+            raise ValueError(
+                "no budget: give --budget-tokens, --budget-seconds or --budget-compute (> 0)"
+            )
         if self.steps_max < 1:
             raise ValueError("--steps-max must be >= 1")
         if self.variance_probes < 0 or self.variance_prompts < 1:

@@ -158,6 +158,8 @@ class VarianceProbe:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def maybe_measure(self, trainer: Trainer, final: bool = False) -> None:
+        if trainer.method is None:  # --credit auto chooses at step 1: measured after it
+            return
         budget = trainer.cfg.max_tokens_generated
         used = trainer.tokens_generated + trainer.extra_tokens_generated
         for f in self.fractions:
@@ -245,6 +247,8 @@ def train_config(cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, 
         "seed": seed,
         "steps": cfg.steps_max,
         "max_tokens_generated": cfg.budget_tokens,
+        "max_train_seconds": cfg.budget_seconds,
+        "max_compute": cfg.budget_compute,
         "progress": cfg.progress,
     }
     variant_overrides = variant.train_overrides(_task_override(cfg, cfg.overrides))
@@ -353,9 +357,51 @@ def _training_mean(curve: dict[str, list]) -> float:
 
 
 def _tokens_to_target(cfg: LearnBenchConfig, curve: dict[str, list]) -> float:
-    """Tokens until the run first reached its target; censored at the budget when it never did."""
+    """Tokens until the run first reached its target; censored at the budget (else at the
+    run's own last tokens) when it never did."""
     hit = first_reach(curve, _target_of(cfg, curve))
-    return float(hit["tokens"]) if hit is not None else float(cfg.budget_tokens)
+    censor = cfg.budget_tokens or curve["tokens"][-1]  # no token budget: the run's own tokens
+    return float(hit["tokens"]) if hit is not None else float(censor)
+
+
+def accuracy_at_second(curve: dict[str, list], second: float) -> float:
+    """The run's accuracy at training second ``second``: its last evaluation at or before it
+    (what a user stopping then would have; held at the last evaluation after the run ends)."""
+    acc = [a for t, a in zip(curve["seconds"], curve["accuracy"]) if t <= second]
+    return acc[-1] if acc else curve["accuracy"][0]
+
+
+def time_averaged_accuracy(curve: dict[str, list], horizon: float) -> float:
+    """Area under accuracy against training seconds over ``[0, horizon]``, divided by
+    ``horizon``, with :func:`accuracy_at_second`'s rule (each evaluation's accuracy holds until
+    the next one; the warm start from second 0; the last evaluation after the run ends)."""
+    if not horizon > 0:
+        return float("nan")
+    area, times, accs = 0.0, curve["seconds"], curve["accuracy"]
+    for i, (t, a) in enumerate(zip(times, accs)):
+        until = times[i + 1] if i + 1 < len(times) else horizon
+        area += a * max(0.0, min(until, horizon) - min(t, horizon))
+    return area / horizon
+
+
+def _seconds_to_target(cfg: LearnBenchConfig, curve: dict[str, list]) -> float:
+    """Training seconds until the run first reached its target; censored at its own last
+    training second when it never did (a lower bound)."""
+    hit = first_reach(curve, _target_of(cfg, curve))
+    return float(hit["seconds"]) if hit is not None else float(curve["seconds"][-1])
+
+
+def _per_second_scores(
+    cfg: LearnBenchConfig, per: dict[int, dict[str, list]], ref: dict[int, dict[str, list]]
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per seed evaluated in both: accuracy at the reference run's last training second,
+    time-averaged accuracy over the reference run's seconds, and seconds to target."""
+    seeds = [s for s, c in per.items() if c["accuracy"] and ref.get(s, {}).get("accuracy")]
+    horizon = {s: ref[s]["seconds"][-1] for s in seeds}
+    at_ref = {s: accuracy_at_second(per[s], horizon[s]) for s in seeds}
+    averaged = {s: time_averaged_accuracy(per[s], horizon[s]) for s in seeds}
+    seconds = {s: _seconds_to_target(cfg, per[s]) for s in seeds}
+    return at_ref, averaged, seconds
 
 
 def _per_seed_scores(
@@ -399,13 +445,21 @@ def _variant_summary(
     v: Variant,
     per: dict[int, dict[str, list]],
     reference: str,
-    ref_scores: tuple[dict[int, float], dict[int, float], dict[int, float]],
+    ref_curves: dict[int, dict[str, list]],
     var_summary: dict[str, dict[str, float]],
 ) -> dict[str, Any]:
     """One variant's row of ``learn.json``'s summary: its seeds' curves ``per`` against the
-    reference variant's per-seed scores, seed by seed."""
-    ref_finals, ref_means, ref_tokens = ref_scores
+    reference variant's curves ``ref_curves``, seed by seed."""
+    ref_finals, ref_means, ref_tokens = _per_seed_scores(cfg, ref_curves)
     finals, means, tokens = _per_seed_scores(cfg, per)
+    at_ref_s, averaged, seconds = _per_second_scores(cfg, per, ref_curves)
+    ref_at, ref_avg, ref_sec = _per_second_scores(cfg, ref_curves, ref_curves)
+    per_second = {
+        "accuracy_at_reference_seconds": at_ref_s,
+        "time_averaged_accuracy": averaged,
+        "seconds_to_target_censored": seconds,
+    }
+    ref_per_second = dict(zip(per_second, (ref_at, ref_avg, ref_sec)))
     paired = {s: finals[s] - ref_finals[s] for s in finals if s in ref_finals}
     paired_means = {s: means[s] - ref_means[s] for s in means if s in ref_means}
     paired_tokens = {s: tokens[s] - ref_tokens[s] for s in tokens if s in ref_tokens}
@@ -456,7 +510,25 @@ def _variant_summary(
         "train_seconds_mean": wall,
         "steps_mean": steps,
         "grad_variance": var_summary,
+        **_per_second_summary(per_second, ref_per_second),
     }
+
+
+def _per_second_summary(
+    scores: dict[str, dict[int, float]], ref_scores: dict[str, dict[int, float]]
+) -> dict[str, Any]:
+    """``learn.json``'s per-second fields: per score, its seeds' values, their mean and std,
+    and the paired difference to the reference (:func:`paired_summary`)."""
+    out: dict[str, Any] = {}
+    for name, by_seed in scores.items():
+        m, sd = mean_std(list(by_seed.values()))
+        ref = ref_scores[name]
+        out[name] = {str(s): v for s, v in by_seed.items()}
+        out[f"{name}_mean"], out[f"{name}_std"] = m, sd
+        out[f"{name}_vs_reference"] = paired_summary(
+            {s: v - ref[s] for s, v in by_seed.items() if s in ref}
+        )
+    return out
 
 
 def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) -> dict[str, Any]:
@@ -475,14 +547,13 @@ def aggregate(cfg: LearnBenchConfig, variants: list[Variant], seeds: list[int]) 
         else f"each seed's warm-start accuracy + {cfg.target_delta:g}"
     )
     reference = variants[0].name
-    ref_scores = _per_seed_scores(cfg, curves[reference])
     summary = [
         _variant_summary(
             cfg,
             v,
             curves[v.name],
             reference,
-            ref_scores,
+            curves[reference],
             _grad_variance_summary(run_dirs[v.name]),
         )
         for v in variants
@@ -591,8 +662,7 @@ def learn_markdown(report: dict[str, Any]) -> str:
         "# Learning under a matched token budget",
         "",
         f"Every run starts from `{agg['init']}` with the same prompt stream; budget "
-        f"{cfg['budget_tokens']} sampled tokens per run (policy rollouts + tokens generated by "
-        f"the credit method), at most {cfg['steps_max']} steps; seeds "
+        f"{_budget_words(cfg)}, at most {cfg['steps_max']} steps; seeds "
         f"{', '.join(str(s) for s in agg['seeds'])}. Warm-start greedy accuracy "
         f"{fmt(agg['warm_start_accuracy'])} (mean over seeds; each seed evaluates on its own "
         f"held-out set); target accuracy: {agg['target_rule']}.",
@@ -604,6 +674,21 @@ def learn_markdown(report: dict[str, Any]) -> str:
     ]
     lines += [f"![{f}]({f})" for f in agg.get("plots", [])]
     return "\n".join(lines) + "\n"
+
+
+def _budget_words(cfg: dict[str, Any]) -> str:
+    """The budgets of a report's config, in words (the first reached stops a run)."""
+    words = []
+    if cfg.get("budget_tokens"):
+        words.append(
+            f"{cfg['budget_tokens']} sampled tokens per run (policy rollouts + tokens generated "
+            "by the credit method)"
+        )
+    if cfg.get("budget_seconds"):
+        words.append(f"{cfg['budget_seconds']:g} training seconds per run")
+    if cfg.get("budget_compute"):
+        words.append(f"{cfg['budget_compute']:.3g} forward-token equivalents per run")
+    return ", or ".join(words) + (" (the first reached stops the run)" if len(words) > 1 else "")
 
 
 def _learn_columns(ref: str) -> list[str]:
@@ -627,6 +712,11 @@ def _learn_columns(ref: str) -> list[str]:
         "train s",
         "PG var @ start",
         "PG var @ end",
+        f"acc @ {ref}'s last s",
+        f"acc @ {ref}'s last s − {ref} (paired)",
+        f"time-avg acc over {ref}'s s",
+        f"time-avg acc − {ref} (paired)",
+        f"s to target − {ref} (paired; unreached = own last s)",
     ]
 
 
@@ -654,6 +744,22 @@ def _learn_row(s: dict[str, Any]) -> list:
         fmt(s["train_seconds_mean"], ".0f"),
         fmt(var0.get("grad_var_trace_mean"), ".3g"),
         fmt(var_last.get("grad_var_trace_mean"), ".3g"),
+        *_per_second_cells(s, is_reference),
+    ]
+
+
+def _per_second_cells(s: dict[str, Any], is_reference: bool) -> list:
+    """The per-second cells of a row (empty values in a report made before they existed)."""
+    if "accuracy_at_reference_seconds_mean" not in s:
+        return ["–"] * 5
+    return [
+        fmt_mean_std(
+            s["accuracy_at_reference_seconds_mean"], s["accuracy_at_reference_seconds_std"]
+        ),
+        _fmt_paired(s["accuracy_at_reference_seconds_vs_reference"], is_reference),
+        fmt_mean_std(s["time_averaged_accuracy_mean"], s["time_averaged_accuracy_std"]),
+        _fmt_paired(s["time_averaged_accuracy_vs_reference"], is_reference),
+        _fmt_paired(s["seconds_to_target_censored_vs_reference"], is_reference, ".0f"),
     ]
 
 
@@ -673,6 +779,15 @@ def _learn_notes(ref: str, variance_minibatch) -> list[str]:
         "- PG var: bootstrap trace of the covariance of a minibatch policy-gradient estimate "
         f"({variance_minibatch} prompt groups per minibatch) on a fixed probe batch, at "
         "the start and the end of the budget (see `bench/learn.py`).",
+        f"- per second (equal wall-clock): training seconds are the sum of the steps' "
+        "`step_seconds` (rollout, scoring, credit, update; evaluation, checkpoints and start-up "
+        f"excluded). acc @ {ref}'s last s: the run's accuracy at its last evaluation at or "
+        f"before the second at which `{ref}`'s run of the same seed ended (held at its last "
+        "evaluation if it ended sooner); time-avg acc: the area under accuracy against training "
+        f"seconds over [0, {ref}'s last second] divided by it, each evaluation's accuracy "
+        "holding until the next (the warm start from 0); s to target paired: unreached counts "
+        "the run's own last second (a lower bound). Seconds are the machine's own: a loaded "
+        "machine inflates them.",
     ]
 
 

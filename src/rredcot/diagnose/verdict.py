@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, flow_flags
+from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, choose_credit, flow_flags
 from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P
 
 # the verdict's thresholds (docs/diagnose.md, "the verdict"); REWARD_LOW and ALL_WRONG_HIGH are
@@ -79,11 +79,17 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "+",
                 f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
                 "credit that blames the line where a trace broke can, without generating: "
-                f"where the task has reference solutions, {flow_flags()} (measured ahead of "
-                "GRPO where the value head was not; --credit auto, the default, chooses it; "
-                "docs/diagnose.md)",
+                f"where the task has reference solutions, {flow_flags()} is ahead of GRPO per "
+                "sampled token (docs/diagnose.md)",
             )
         )
+        if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
+            choice = choose_credit(
+                {"mean_reward": mean_reward, "all_wrong": wrong},
+                has_references=figures.get("has_references", True),
+                seen_in="the policy",
+            )
+            reasons.append((" ", f"--credit auto would run {choice.method}: {choice.reason}"))
     if right is not None and right >= ALL_RIGHT_HIGH:
         reasons.append(
             (
