@@ -39,6 +39,16 @@ def add_explain_parser(sub) -> None:
         "a `rredcot train` run directory, or a TRL output_dir or checkpoint-N of "
         "RREDCoTGRPOTrainer (value_head.pt, rredcot_credit.json). Alone, its policy is used too.",
     )
+    p.add_argument(
+        "--credit.process_reward.function",
+        "--credit.process-reward.function",
+        dest="process_reward_function",
+        default=None,
+        metavar="SPEC",
+        help="The process-reward function (module:callable or file.py:callable) to import and "
+        "call. A function that a --run's config.yaml or rredcot_credit.json names is never "
+        "imported unless you name it here yourself (read it first).",
+    )
     p.add_argument("--html", default=None, help="Also write a self-contained HTML page here.")
     p.add_argument("--samples", type=int, default=8, help="Completions sampled (group size).")
     p.add_argument("--seed", type=int, default=0)

@@ -319,12 +319,15 @@ def given_fields(
 
 
 _INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not what it is
+_FUNCTION = "credit.process_reward.function"  # code a run names: imported only when restated
 
 
 def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
     """The config of ``--resume RUN``: the run's ``config.yaml`` with the fields named in ``given``
     taken from ``cfg`` (``None``: the fields where ``cfg`` differs from the defaults). A given
-    field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named."""
+    field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named, and so
+    is a process-reward function that the file names and ``given`` does not restate (reading a
+    run never imports code it names)."""
     run = Path(cfg.resume or "")
     saved_path = run / "config.yaml"
     if not saved_path.exists():
@@ -359,6 +362,13 @@ def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfi
             return as_text(merged[name]) == as_text(old[name])
         return merged[name] == old[name]
 
+    function = old.get(_FUNCTION)
+    if function and _FUNCTION not in given:
+        raise UserError(
+            f"--resume {run}: its config.yaml names {_FUNCTION}={function!r}, code that resuming "
+            "would import and run; read that file, then name it yourself to allow it: "
+            f"--{_FUNCTION} {function}"
+        )
     changed = sorted(n for n in merged if n not in RESUMABLE_FIELDS and not same(n))
     if changed:
         was = ", ".join(f"{n}={old[n]!r}" for n in changed)

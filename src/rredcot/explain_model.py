@@ -15,6 +15,7 @@ a batch as :class:`~rredcot.explain.SegmentCredit` entries for the terminal and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -317,6 +318,7 @@ def explain_checkpoint(
         credit_cfg, sampling = saved[1], saved[2]
     elif saved is not None:
         sampling = saved[2]
+    credit_cfg = _allowed_function(credit_cfg, args, run_dir)
     # read before the model loads: a refused trainer_state.pt stops the command at once
     method_state = read_method_state(run_dir) if own_run else None
     attn = "eager" if args.method == "attention" else None
@@ -376,6 +378,30 @@ def _explain_sources(args: argparse.Namespace, task_args: dict):
         saved_task = (trl.task, trl.task_args) if trl.task else None
     task = choose_task(resolved, getattr(args, "task_name", None), task_args, saved_task)
     return resolved, run_dir, saved, task
+
+
+def _allowed_function(credit_cfg: CreditConfig, args: argparse.Namespace, run_dir) -> CreditConfig:
+    """``credit_cfg`` with the process-reward function this command may import: the one named
+    by ``--credit.process_reward.function`` on the command line. A function that only the run's
+    saved settings name is never imported: it is refused here, naming it and that flag."""
+    given = getattr(args, "process_reward_function", None)
+    saved = credit_cfg.process_reward.function
+    if saved and not given:
+        raise UserError(
+            f"{_settings_file(run_dir)} names credit.process_reward.function={saved!r}, code "
+            "that explain would import and run; read that file, then name it yourself to allow "
+            f"it: --credit.process_reward.function {saved} (or show another --method)"
+        )
+    if not given:
+        return credit_cfg
+    options = dataclasses.replace(credit_cfg.process_reward, function=given, model=None)
+    return dataclasses.replace(credit_cfg, process_reward=options)
+
+
+def _settings_file(run_dir) -> Path:
+    """The file that holds a run's credit settings (a TRL run's, else ``config.yaml``)."""
+    trl = trl_settings_dir(run_dir)
+    return trl / SETTINGS_FILE if trl is not None else Path(run_dir) / "config.yaml"
 
 
 def _untrained_note(method_name: str, run_dir: Path | None, saved) -> str:

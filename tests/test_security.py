@@ -1,0 +1,124 @@
+"""A run directory from someone else runs no code and writes nowhere else (issue 39): a
+process-reward function that a run's ``config.yaml`` or a TRL run's ``rredcot_credit.json`` names
+is not imported by ``explain`` or ``train --resume`` unless named on the command line; every
+loader pins ``trust_remote_code=False``; files in a run directory are written without following
+links planted there; ``--overwrite`` deletes only what the run wrote."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import micro_config
+from rredcot.cli import main
+from rredcot.config import TrainConfig
+from rredcot.config_io import resume_config
+from rredcot.errors import UserError
+from rredcot.trainer import Trainer
+
+QUIET = {"log": lambda *_: None}
+
+
+@pytest.fixture(scope="module")
+def uniform_run(init_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("security") / "run"
+    Trainer(micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0), **QUIET).train()
+    return run
+
+
+@pytest.fixture
+def run_copy(uniform_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(uniform_run, copy)
+    return copy
+
+
+def _payload(tmp_path: Path) -> tuple[str, Path]:
+    """A real Python file that writes ``marker`` when imported; returns its ``file.py:score``."""
+    marker = tmp_path / "function_ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(
+        f"open({str(marker)!r}, 'w').write('pwned')\n"
+        "def score(prompt, completion, ends):\n"
+        "    return [0.5] * len(ends)\n"
+    )
+    return f"{evil}:score", marker
+
+
+def _name_function(run: Path, spec: str) -> None:
+    """Make ``run/config.yaml`` a process_reward run whose function is ``spec``."""
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    data["credit_method"] = "process_reward"
+    data["credit"]["process_reward"]["function"] = spec
+    (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _one_line_error(argv, capsys) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# a function a run names is not imported by reading or resuming it
+
+
+def test_explain_and_resume_do_not_import_a_function_the_run_names(run_copy, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    ckpt = run_copy / "checkpoints" / "step_000002"
+    commands = {
+        "explain --run": ["explain", "--run", str(run_copy), "--samples", "2", "--no-color"],
+        "explain --checkpoint": ["explain", "--checkpoint", str(ckpt), "--samples", "2"],
+        "train --resume": ["train", "--resume", str(run_copy), "--steps", "3"],
+    }
+    for name, argv in commands.items():
+        err = _one_line_error(argv, capsys)
+        assert not marker.exists(), f"{name}: the run's function was imported"
+        assert spec in err and "--credit.process_reward.function" in err, (name, err)
+
+
+def test_a_restated_function_may_be_resumed(run_copy, tmp_path):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    cfg = TrainConfig(resume=str(run_copy))
+    cfg.credit.process_reward.function = spec
+    resumed = resume_config(cfg, {"resume", "credit.process_reward.function"})
+    assert resumed.credit.process_reward.function == spec
+    with pytest.raises(UserError, match="name it yourself"):
+        resume_config(TrainConfig(resume=str(run_copy)), {"resume"})
+    assert not marker.exists()
+
+
+def test_explain_calls_a_function_named_on_its_command_line(run_copy, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    argv = ["explain", "--run", str(run_copy), "--samples", "2", "--no-color"]
+    assert main([*argv, "--credit.process_reward.function", spec]) == 0
+    assert marker.exists()
+    assert "process_reward" in capsys.readouterr().out
+
+
+def test_explain_does_not_import_a_function_a_trl_run_names(init_dir, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    out = tmp_path / "trl_out"
+    shutil.copytree(init_dir, out)
+    settings = {
+        "credit_method": "process_reward",
+        "credit": {"process_reward": {"function": spec}},
+        "task": "arithmetic",
+        "task_args": {"num_steps": 2},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16},
+    }
+    (out / "rredcot_credit.json").write_text(json.dumps(settings))
+    err = _one_line_error(["explain", "--run", str(out), "--samples", "2", "--no-color"], capsys)
+    assert not marker.exists(), "the TRL run's function was imported"
+    assert "rredcot_credit.json" in err and spec in err
