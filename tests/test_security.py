@@ -122,3 +122,56 @@ def test_explain_does_not_import_a_function_a_trl_run_names(init_dir, tmp_path, 
     err = _one_line_error(["explain", "--run", str(out), "--samples", "2", "--no-color"], capsys)
     assert not marker.exists(), "the TRL run's function was imported"
     assert "rredcot_credit.json" in err and spec in err
+
+
+# ---------------------------------------------------------------------------------------------
+# trust_remote_code is pinned: a model folder's own code never runs, even when stdin says yes
+
+
+def _remote_code_model(init_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A model folder with an unknown ``model_type`` whose ``auto_map`` points at a real Python
+    file that writes ``marker`` when imported (what ``trust_remote_code`` would run)."""
+    marker = tmp_path / "remote_code_ran"
+    folder = tmp_path / "remote_code_model"
+    shutil.copytree(init_dir, folder)
+    (folder / "evil_code.py").write_text(
+        f"open({str(marker)!r}, 'w').write('pwned')\n"
+        "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+        "class EvilConfig(PretrainedConfig):\n"
+        "    model_type = 'evilnet'\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "evilnet"
+    config["auto_map"] = {
+        "AutoConfig": "evil_code.EvilConfig",
+        "AutoModelForCausalLM": "evil_code.EvilConfig",
+        "AutoModelForSequenceClassification": "evil_code.EvilConfig",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config["auto_map"] = {"AutoTokenizer": ["evil_code.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return folder, marker
+
+
+def test_loaders_pin_trust_remote_code_false(init_dir, tmp_path, monkeypatch, capsys):
+    """As ``yes | rredcot ...``: transformers' question on stdin is never asked, nothing runs."""
+    from rredcot.config import ProcessRewardConfig
+    from rredcot.methods.process_reward import PRMScorer
+
+    folder, marker = _remote_code_model(init_dir, tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 20))
+    with pytest.raises(ValueError):
+        PRMScorer(ProcessRewardConfig(model=str(folder)))
+    assert not marker.exists(), "the PRM folder's code ran"
+
+
+def test_segment_tokenizer_pins_trust_remote_code_false(init_dir, tmp_path, monkeypatch, capsys):
+    folder, marker = _remote_code_model(init_dir, tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 20))
+    text = tmp_path / "trace.txt"
+    text.write_text("step one\nstep two\n")
+    main(["segment", str(text), "--strategy", "tokens:2", "--tokenizer", str(folder)])
+    assert not marker.exists(), "segment --tokenizer ran the folder's code"

@@ -277,9 +277,11 @@ def dequantised_dir(gguf_path: str | os.PathLike, log=None) -> Path:
         return out
     if log is not None:
         log(f"dequantising {src.name} into {out} (once; cached for later loads)")
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(src.parent), gguf_file=src.name, trust_remote_code=False
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        str(src.parent), gguf_file=src.name, dtype=torch.float32
+        str(src.parent), gguf_file=src.name, dtype=torch.float32, trust_remote_code=False
     )
     _strip_quantization(model)
     out.parent.mkdir(parents=True, exist_ok=True)
