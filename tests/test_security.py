@@ -175,3 +175,71 @@ def test_segment_tokenizer_pins_trust_remote_code_false(init_dir, tmp_path, monk
     text.write_text("step one\nstep two\n")
     main(["segment", str(text), "--strategy", "tokens:2", "--tokenizer", str(folder)])
     assert not marker.exists(), "segment --tokenizer ran the folder's code"
+
+
+# ---------------------------------------------------------------------------------------------
+# links planted in a run directory are never followed on write
+
+
+def _outside_file(outside: Path, name: str) -> Path:
+    path = outside / name
+    path.write_text(f"{name}: not rredcot's")
+    return path
+
+
+def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    ckpts = run_copy / "checkpoints"
+    (run_copy / "plots").mkdir(exist_ok=True)
+    planted = {
+        run_copy / ".metrics.jsonl.tmp": _outside_file(outside, "a"),
+        run_copy / ".config.yaml.tmp": _outside_file(outside, "b"),
+        ckpts / ".latest.tmp": _outside_file(outside, "c"),
+        run_copy / "plots" / ".reward_mean.png.tmp": _outside_file(outside, "d"),
+    }
+    for link, target in planted.items():
+        link.symlink_to(target)
+    for name in (".tmp_step_000003", "step_000003"):  # the checkpoint's temporary and final dirs
+        folder = outside / name
+        folder.mkdir()
+        planted[ckpts / name] = _outside_file(folder, "kept")
+        (ckpts / name).symlink_to(folder, target_is_directory=True)
+    assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
+    for link, target in planted.items():
+        assert target.read_text() == f"{target.name}: not rredcot's", f"{link.name} was followed"
+    assert sorted(p.name for p in outside.rglob("*")) == sorted(
+        ["a", "b", "c", "d", ".tmp_step_000003", "step_000003", "kept", "kept"]
+    )
+    for name in ("metrics.jsonl", "config.yaml", "checkpoints/latest"):
+        assert not (run_copy / name).is_symlink() and (run_copy / name).is_file(), name
+    assert not (ckpts / "step_000003").is_symlink()
+    assert (ckpts / "step_000003" / "trainer_state.pt").is_file()
+    assert (run_copy / "checkpoints" / "latest").read_text() == "step_000003"
+
+
+@pytest.mark.parametrize("name", [".lock", "metrics.unreadable.jsonl"])
+def test_a_link_a_run_would_write_through_is_refused(run_copy, tmp_path, capsys, name):
+    """``.lock`` (opened and truncated before any check on main) and the file unreadable
+    metrics lines are set aside in: a link there is refused in one line, its target untouched."""
+    target = _outside_file(tmp_path, "precious")
+    (run_copy / name).unlink(missing_ok=True)  # .lock is left by the run (empty)
+    (run_copy / name).symlink_to(target)
+    with open(run_copy / "metrics.jsonl", "a") as fh:
+        fh.write("{garbled\n")
+    err = _one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    assert "symbolic link" in err and name in err, err
+    assert target.read_text() == "precious: not rredcot's"
+
+
+def test_overwrite_keeps_sink_folders_the_run_did_not_write(run_copy):
+    """``report_to none``: ``wandb/`` and ``tensorboard/`` in the run directory are the user's."""
+    for sink in ("wandb", "tensorboard"):
+        (run_copy / sink).mkdir()
+        (run_copy / sink / "mine.txt").write_text("mine")
+    from rredcot import runio
+
+    runio.claim_run_dir(run_copy, resume=False, overwrite=True).release()
+    for sink in ("wandb", "tensorboard"):
+        assert (run_copy / sink / "mine.txt").read_text() == "mine"
+    assert not (run_copy / "config.yaml").exists() and not (run_copy / "checkpoints").exists()

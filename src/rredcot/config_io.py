@@ -11,7 +11,9 @@ errors that list the valid ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -186,11 +188,38 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # not on Windows
+
+
+def create_file(path: str | Path) -> int:
+    """A descriptor of a new, empty file at ``path``, opened for writing: whatever is there (a
+    link someone planted, a temporary file left by a kill) is removed first, never followed, and
+    the file is created exclusively, so nothing outside the directory is ever written."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
+
+
+def open_for_append(path: str | Path) -> int:
+    """A descriptor of ``path`` opened to append (created if missing); a link there is refused
+    (a ``UserError``), never followed."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise UserError(
+            f"{path} is a symbolic link; rredcot does not write through a link in a run "
+            "directory: remove it (or replace it with the file itself)"
+        ) from None
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` through a temporary file, fsync and a rename."""
+    """Write ``text`` through a temporary file (:func:`create_file`), fsync and a rename (which
+    replaces a link at ``path`` itself, never its target)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with os.fdopen(create_file(tmp), "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import hashlib
 import json
 import math
@@ -38,7 +39,7 @@ import yaml
 from safetensors import safe_open
 
 from rredcot.config import TrainConfig
-from rredcot.config_io import read_yaml_file, to_dict
+from rredcot.config_io import create_file, open_for_append, read_yaml_file, to_dict
 from rredcot.config_io import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
 
@@ -99,7 +100,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` through a temporary file, fsync and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
+    with os.fdopen(create_file(tmp), "wb") as fh:
         torch.save(obj, fh)
         fh.flush()
         os.fsync(fh.fileno())
@@ -126,7 +127,7 @@ class MetricsLog:
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False)
-        with open(self.path, "a", encoding="utf-8") as fh:
+        with os.fdopen(open_for_append(self.path), "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -169,7 +170,7 @@ class MetricsLog:
         records, unreadable = self.read_lines()
         if unreadable:
             aside = self.path.with_name(UNREADABLE_METRICS)
-            with open(aside, "a", encoding="utf-8") as fh:
+            with os.fdopen(open_for_append(aside), "a", encoding="utf-8") as fh:
                 for number, text, problem in unreadable:
                     entry = {"line": number, "problem": problem, "text": text.rstrip("\n")}
                     fh.write(json.dumps(entry) + "\n")
@@ -245,9 +246,14 @@ class RunLock:
         self.pid = os.getpid()
         if fcntl is None:
             return
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a link planted as .lock is refused, never followed (nor truncated)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UserError(
+                    f"{self.path} is a symbolic link; a run's lock is never written through a "
+                    "link: remove it"
+                ) from None
             raise UserError(
                 f"cannot write to run directory {Path(run_dir)}: {err.strerror}"
             ) from err
@@ -363,6 +369,21 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+_SINKS = ("tensorboard", "wandb")  # folders a run writes only with report_to naming them
+
+
+def _wrote(run_dir: Path, name: str) -> bool:
+    """Whether the run wrote ``name`` of ``RUN_FILES``: a ``tensorboard/`` or ``wandb/`` folder
+    only when its ``config.yaml`` reports there (otherwise the folder is the user's)."""
+    if name not in _SINKS:
+        return True
+    try:
+        data = read_yaml_file(run_dir / CONFIG) if (run_dir / CONFIG).is_file() else None
+    except UserError:
+        data = None
+    return isinstance(data, dict) and data.get("report_to") == name
+
+
 def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Make, lock and check a run directory before anything is written to it.
 
@@ -387,7 +408,7 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunL
                     "(no config.yaml of a run, no checkpoint); --overwrite deletes only a "
                     "rredcot run's files: pick another --out, or clear that folder yourself"
                 )
-            remove_run_files(run_dir, present)
+            remove_run_files(run_dir, [name for name in present if _wrote(run_dir, name)])
     except BaseException:
         lock.release()
         raise
@@ -460,8 +481,9 @@ def save_checkpoint(
     (left by a timeline that a resume from an older checkpoint abandoned)."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp_step_*"):  # a save killed half-way
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".tmp_step_*"):  # a save killed half-way (or a link: removed)
+        with contextlib.suppress(OSError):
+            _remove(stale)
     final = checkpoint_dir(run_dir, step)
     tmp = root / f".tmp_step_{step:06d}"
     tmp.mkdir()
@@ -469,14 +491,15 @@ def save_checkpoint(
     tokenizer.save_pretrained(tmp / "policy")
     atomic_torch_save(state, tmp / "trainer_state.pt")
     write_manifest(tmp, step)
-    if final.exists():
-        shutil.rmtree(final)
+    if os.path.lexists(final):
+        _remove(final)
     os.replace(tmp, final)
     atomic_write_text(root / LATEST, final.name)
     older = [p for p in _checkpoint_dirs(run_dir) if _step_of(p) < step]
     newer = [p for p in _checkpoint_dirs(run_dir) if _step_of(p) > step]
     for old in newer + (older[: max(len(older) - (keep - 1), 0)] if keep > 0 else []):
-        shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _remove(old)
     return final
 
 

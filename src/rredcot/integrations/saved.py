@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import from_dict, to_dict
+from rredcot.config_io import create_file, from_dict, to_dict
 
 __all__ = [
     "CREDIT_STATE_FILE",
@@ -62,7 +62,8 @@ def write_settings(directory: str | Path, settings: dict[str, Any]) -> Path:
     path = Path(directory) / SETTINGS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    with os.fdopen(create_file(tmp), "w", encoding="utf-8") as fh:  # a planted link: not followed
+        fh.write(json.dumps(settings, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
 
