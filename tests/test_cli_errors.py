@@ -311,3 +311,60 @@ def test_bench_flags_take_either_spelling():
         cfg = bench_config("learn", args, {"num_steps": "12"})
         assert cfg.first_seed == 100 and cfg.overrides == {"lr": "0.1"}
         assert cfg.task_args == {"num_steps": "12"} and cfg.budget_tokens == 500_000
+
+
+# ---------------------------------------------------------------------------------------------
+# values that would run wrong silently are refused before any work (issue 39)
+
+SILENT_MISTAKES = {
+    "train --lr inf": (["train", "--lr", "inf"], "lr=inf: give a finite number"),
+    "train --lr 1e400": (["train", "--lr", "1e400"], "lr=inf: give a finite number"),
+    "train --kl_coef nan": (["train", "--kl_coef", "nan"], "kl_coef=nan: give a finite number"),
+    "train --keep_checkpoints -1": (
+        ["train", "--keep_checkpoints", "-1"],
+        "keep_checkpoints=-1 must be >= 0",
+    ),
+    "train --warmup_steps -3": (["train", "--warmup_steps", "-3"], "warmup_steps=-3 must be >= 0"),
+    "train --eval_every -1": (["train", "--eval_every", "-1"], "eval_every=-1 must be >= 0"),
+    "train --lr -1": (["train", "--lr", "-1"], "lr=-1.0 must be >= 0"),
+    "diagnose --temperature nan": (
+        ["diagnose", "--temperature", "nan"],
+        "--temperature=nan: give a finite number",
+    ),
+    "diagnose --group_sizes 100 --samples 2": (
+        ["diagnose", "--group_sizes", "100", "--samples", "2"],
+        "100 > --samples 2",
+    ),
+    "bench credit --temperature 0": (
+        ["bench", "credit", "--checkpoint", "/nonexistent", "--temperature", "0"],
+        "temperature=0.0 must be > 0",
+    ),
+}
+BLANK_OUTPUTS = {
+    "train --out ' '": ["train", "--out", " "],
+    "sft --out ''": ["sft", "--out", ""],
+    "diagnose --out ''": ["diagnose", "--out", ""],
+    "diagnose --out ' '": ["diagnose", "--out", " "],
+    "bench credit --out ''": ["bench", "credit", "--checkpoint", "/nonexistent", "--out", ""],
+    "bench learn --out ' '": ["bench", "learn", "--out", " "],
+    "bench overhead --out ''": ["bench", "overhead", "--out", ""],
+    "bench peer --out '\\t'": ["bench", "peer", "--out", "\t"],
+    "explain --html ''": ["explain", "--demo", "--html", ""],
+    "explain --html ' '": ["explain", "--demo", "--html", " "],
+}
+
+
+@pytest.mark.parametrize("mistake", SILENT_MISTAKES)
+def test_a_value_that_would_run_wrong_is_refused(mistake, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv, expected = SILENT_MISTAKES[mistake]
+    assert expected in _one_line_error(argv, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", BLANK_OUTPUTS)
+def test_every_command_that_writes_refuses_a_blank_path(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    err = _one_line_error(BLANK_OUTPUTS[command], capsys)
+    assert "names no" in err and "blank" in err, err
+    assert list(tmp_path.iterdir()) == []

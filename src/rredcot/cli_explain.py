@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from rredcot.config import refuse_blank_path
 from rredcot.errors import UserError
 from rredcot.explain import demo_sections, render_html, render_terminal
 
@@ -66,6 +67,7 @@ def add_explain_parser(sub) -> None:
 
 def check_output_file(path: str, flag: str) -> None:
     """Refuse an output file path that cannot be written, before any work is done."""
+    refuse_blank_path(path, flag.lstrip("-"), "file")
     target = Path(path)
     if target.is_dir():
         raise UserError(f"{flag} {path}: a directory; give a file name such as {target / 'x.html'}")
@@ -80,7 +82,7 @@ def check_output_file(path: str, flag: str) -> None:
 
 def run_explain(args: argparse.Namespace, task_args: dict) -> int:
     color = None if not args.no_color else False
-    if args.html:
+    if args.html is not None:
         check_output_file(args.html, "--html")
     if args.demo or not (args.checkpoint or args.run):
         if not args.demo:
