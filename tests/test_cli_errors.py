@@ -335,6 +335,14 @@ SILENT_MISTAKES = {
         ["diagnose", "--group_sizes", "100", "--samples", "2"],
         "100 > --samples 2",
     ),
+    "bench credit --methods x=uniform:nosuch.key=1": (
+        ["bench", "credit", "--checkpoint", "/nonexistent", "--methods", "x=uniform:nosuch.key=1"],
+        "unknown variant key 'nosuch.key'",
+    ),
+    "bench learn --methods x=uniform:sampling.nosuch=1": (
+        ["bench", "learn", "--methods", "x=uniform:sampling.nosuch=1"],
+        "unknown variant key 'sampling.nosuch'",
+    ),
     "bench credit --temperature 0": (
         ["bench", "credit", "--checkpoint", "/nonexistent", "--temperature", "0"],
         "temperature=0.0 must be > 0",
