@@ -243,3 +243,121 @@ def test_overwrite_keeps_sink_folders_the_run_did_not_write(run_copy):
     for sink in ("wandb", "tensorboard"):
         assert (run_copy / sink / "mine.txt").read_text() == "mine"
     assert not (run_copy / "config.yaml").exists() and not (run_copy / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a write that fails (a full disk) during a checkpoint: one line, no half checkpoint left
+
+
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_temporary(init_dir, tmp_path):
+    """The file-size limit makes every write past 200 kB fail at the OS (as a full disk does):
+    the policy (~150 kB) is written, ``trainer_state.pt`` (~320 kB with the optimiser) is not."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    argv = [
+        *(sys.executable, "-m", "rredcot", "train", "--init", str(init_dir), "--out", str(out)),
+        *("--credit", "uniform", "--steps", "1", "--prompts_per_step", "2", "--eval_size", "2"),
+        *("--sampling.num_generations", "2", "--sampling.max_new_tokens", "8"),
+        *("--checkpoint_every", "1", "--progress", "false", "--task.num_steps", "2"),
+    ]
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        argv, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=600
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rredcot: error: ")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "trainer_state.pt" in errors[0], errors[0]
+    assert list((out / "checkpoints").glob(".tmp_step_*")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# files that would run code when loaded, cut files, empty settings: one line naming the file
+
+
+class _Payload:
+    """Unpickling this runs ``exec``: it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def _trl_output(init_dir: Path, folder: Path, credit_method: str = "value_head") -> Path:
+    shutil.copytree(init_dir, folder)
+    settings = {
+        "credit_method": credit_method,
+        "credit": {},
+        "task": "arithmetic",
+        "task_args": {"num_steps": 2},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16},
+    }
+    (folder / "rredcot_credit.json").write_text(json.dumps(settings))
+    return folder
+
+
+def test_a_policy_whose_weights_would_run_code_is_refused_in_one_line(init_dir, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    marker = tmp_path / "payload_ran"
+    policy = tmp_path / "policy"
+    shutil.copytree(init_dir, policy)
+    weights = load_file(str(policy / "model.safetensors"))
+    (policy / "model.safetensors").unlink()
+    torch.save({**weights, "evil": _Payload(marker)}, policy / "pytorch_model.bin")
+    argv = ["explain", "--checkpoint", str(policy), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert not marker.exists()
+    assert "could run code" in err and "builtins.exec" in err and str(policy) in err, err
+
+
+def test_a_trl_value_head_that_would_run_code_is_refused_in_one_line(init_dir, tmp_path, capsys):
+    import torch
+
+    marker = tmp_path / "payload_ran"
+    out = _trl_output(init_dir, tmp_path / "trl_out")
+    record = {"credit_method": "value_head", "state": {"note": _Payload(marker)}}
+    torch.save(record, out / "value_head.pt")
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert not marker.exists()
+    assert "value_head.pt" in err and "could run code" in err, err
+
+
+def test_a_cut_trl_value_head_is_refused_in_one_line(init_dir, tmp_path, capsys):
+    import torch
+
+    out = _trl_output(init_dir, tmp_path / "trl_out")
+    torch.save({"credit_method": "value_head", "state": {"w": torch.zeros(64, 64)}}, out / "v.pt")
+    data = (out / "v.pt").read_bytes()
+    (out / "value_head.pt").write_bytes(data[: len(data) // 2])
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert "value_head.pt" in err and "cannot be read" in err, err
+    bench = ["bench", "credit", "--checkpoint", str(out), "--run", str(out)]
+    bench += ["--methods", "value_head", "--out", str(tmp_path / "bench")]
+    err = _one_line_error(bench, capsys)  # before sampling and the ground truth
+    assert "value_head.pt" in err and "cannot be read" in err, err
+    assert not (tmp_path / "bench" / "credit.json").exists()
+
+
+@pytest.mark.parametrize(
+    "text", ["{}", "[1, 2]", "{not json", '{"credit_method": "value_head", "credit": 3}']
+)
+def test_malformed_trl_settings_are_refused_naming_the_file(init_dir, tmp_path, capsys, text):
+    out = _trl_output(init_dir, tmp_path / "trl_out")
+    (out / "rredcot_credit.json").write_text(text)
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert str(out / "rredcot_credit.json") in err, err

@@ -153,7 +153,12 @@ def read_method_state(run_or_checkpoint: str | Path) -> tuple[dict, Path] | None
     p = Path(run_or_checkpoint).expanduser()
     trl = trl_settings_dir(p)
     if trl is not None and (trl / CREDIT_STATE_FILE).is_file():
-        saved = torch.load(trl / CREDIT_STATE_FILE, map_location="cpu", weights_only=True)
+        saved = runio.load_plain(trl / CREDIT_STATE_FILE)
+        if not isinstance(saved, dict) or not {"credit_method", "state"} <= set(saved):
+            raise UserError(
+                f"{trl / CREDIT_STATE_FILE} holds no credit method's state (a dict with "
+                "credit_method and state, as RREDCoTGRPOTrainer writes it); use a complete copy"
+            )
         return saved, trl
     ckpt, skipped = (p, []) if (p / "trainer_state.pt").exists() else runio.find_checkpoint(p)
     if ckpt is None and skipped:

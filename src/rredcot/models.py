@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from transformers import (
 )
 
 from rredcot.config import cache_root
+from rredcot.errors import UserError
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Ids 0..3 of the character tokenizer, in this order."""
@@ -376,6 +378,16 @@ def load_policy(
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kwargs
         )
+    except pickle.UnpicklingError as e:  # a .bin that torch.load(weights_only=True) refused
+        from rredcot.runio import unsafe_objects  # lazy: runio is the run directory's module
+
+        weights = os.path.join(name, "pytorch_model.bin")
+        what = unsafe_objects(weights, e) if os.path.isfile(weights) else str(e).splitlines()[0]
+        raise UserError(
+            f"could not load {name!r}: its weights hold objects other than tensors ({what}); "
+            "rredcot does not load them, since loading them could run code. Use a model saved "
+            "as safetensors (save_pretrained) from a source you trust"
+        ) from None
     except (OSError, ValueError) as e:
         if os.path.isdir(name):
             raise OSError(

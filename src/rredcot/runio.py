@@ -100,10 +100,23 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` through a temporary file, fsync and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with os.fdopen(create_file(tmp), "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with os.fdopen(create_file(tmp), "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except RuntimeError as err:  # torch's writer reports a failed write (a full disk) this way
+        tmp.unlink(missing_ok=True)
+        raise UserError(
+            f"{path}: could not be written ({str(err).splitlines()[0]}); is the disk full? free "
+            "space or write elsewhere"
+        ) from None
+    except OSError as err:  # a write that failed (a full disk): name the file
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -487,10 +500,14 @@ def save_checkpoint(
     final = checkpoint_dir(run_dir, step)
     tmp = root / f".tmp_step_{step:06d}"
     tmp.mkdir()
-    model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    atomic_torch_save(state, tmp / "trainer_state.pt")
-    write_manifest(tmp, step)
+    try:  # a failed write (a full disk) leaves no half checkpoint behind
+        model.save_pretrained(tmp / "policy")
+        tokenizer.save_pretrained(tmp / "policy")
+        atomic_torch_save(state, tmp / "trainer_state.pt")
+        write_manifest(tmp, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.lexists(final):
         _remove(final)
     os.replace(tmp, final)
@@ -657,6 +674,36 @@ _NUMPY_ARRAY_GLOBALS = [
 ]
 
 
+def unsafe_objects(path: str | Path, err: Exception) -> str:
+    """What a refused ``torch.load(weights_only=True)`` of ``path`` found (the globals it would
+    have imported), for a one-line message."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = {name for _, name in _NUMPY_ARRAY_GLOBALS}
+        return ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
+    except Exception:  # noqa: BLE001 - only the message's detail
+        return str(err).splitlines()[0]
+
+
+def load_plain(path: str | Path) -> Any:
+    """A torch file as tensors and plain data (``weights_only=True``); a file that would build
+    anything else (a pickle that runs code), a cut one or one that is no torch file is a
+    one-line ``UserError`` naming it."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"{path} holds objects other than tensors and plain data ({unsafe_objects(path, err)}"
+            "); rredcot does not load it, since loading it could run code"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise UserError(
+            f"{path} cannot be read ({str(err).splitlines()[0][:200]}): cut short or not a "
+            "file torch wrote; use a complete copy"
+        ) from None
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """``trainer_state.pt`` as tensors and plain data, through ``torch.load(weights_only=True)``,
     which builds nothing else: a file that would create any other object (a pickle that runs
@@ -669,14 +716,9 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         with allow(_NUMPY_ARRAY_GLOBALS) if allow else contextlib.nullcontext():
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        try:
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-            allowed = {name for _, name in _NUMPY_ARRAY_GLOBALS}
-            what = ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
-        except Exception:  # noqa: BLE001 - only the message's detail
-            what = str(err).splitlines()[0]
         raise UserError(
-            f"{path} holds objects other than tensors and plain data ({what}); rredcot does not "
+            f"{path} holds objects other than tensors and plain data "
+            f"({unsafe_objects(path, err)}); rredcot does not "
             "load it, since loading it could run code. Use a checkpoint written by `rredcot "
             "train`, or re-save one from a source you trust as plain data"
         ) from None
