@@ -376,3 +376,59 @@ def test_every_command_that_writes_refuses_a_blank_path(command, tmp_path, monke
     err = _one_line_error(BLANK_OUTPUTS[command], capsys)
     assert "names no" in err and "blank" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# names and data are checked before a model loads (issue 39)
+
+
+def test_names_and_data_fail_before_explain_or_diagnose_loads_a_model(
+    init_dir, tmp_path, monkeypatch, capsys
+):
+    import rredcot.diagnose
+    import rredcot.explain_model
+    import rredcot.train_setup
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the names and the data were checked")
+
+    for module in (rredcot.explain_model, rredcot.diagnose, rredcot.train_setup):
+        monkeypatch.setattr(module, "load_policy", no_loading)
+    monkeypatch.setattr(rredcot.diagnose, "default_policy_source", no_loading)
+    monkeypatch.setattr(rredcot.train_setup, "default_policy_source", no_loading)
+    bad_data = tmp_path / "data.jsonl"
+    bad_data.write_text('{"question": "1+1?"}\n{not json\n')
+    dataset = ["--task", "dataset", "--task.data", str(bad_data)]
+    mistakes = {
+        "explain --method": (
+            ["explain", "--checkpoint", str(init_dir), "--method", "nosuchmethod"],
+            "unknown credit method 'nosuchmethod'",
+        ),
+        "diagnose --segmenter": (
+            ["diagnose", "--policy", str(init_dir), "--segmenter", "nosuchseg"],
+            "unknown segmentation strategy 'nosuchseg'",
+        ),
+        "explain --task dataset": (
+            ["explain", "--checkpoint", str(init_dir), *dataset],
+            str(bad_data),
+        ),
+        "diagnose --task dataset": (
+            ["diagnose", "--policy", str(init_dir), *dataset],
+            str(bad_data),
+        ),
+        "diagnose --task dataset, default policy": (["diagnose", *dataset], str(bad_data)),
+        "train --task dataset, default policy": (
+            ["train", "--out", str(tmp_path / "run"), *dataset],
+            str(bad_data),
+        ),
+    }
+    for name, (argv, expected) in mistakes.items():
+        assert expected in _one_line_error(argv, capsys), name
+
+
+def test_a_model_that_cannot_load_is_not_called_an_output_write(tmp_path, capsys):
+    folder = tmp_path / "broken_model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    err = _one_line_error(["explain", "--checkpoint", str(folder), "--samples", "2"], capsys)
+    assert "writing the output" not in err and "could not load" in err, err

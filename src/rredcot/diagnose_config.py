@@ -133,6 +133,10 @@ class DiagnoseConfig:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         self.group_size_list()  # a bad list is refused before any model loads
+        if self.segmenter:  # and a misspelt strategy
+            from rredcot.segment import get_segmenter  # lazy, as CreditConfig's check
+
+            get_segmenter(self.segmenter)
 
     def group_size_list(self) -> list[int]:
         """The sizes ``G'`` of ``group_sizes`` and ``samples``; a size above ``samples`` is

@@ -27,6 +27,7 @@ from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config_io import load_yaml
+from rredcot.credit_choice import check_method_name
 from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
 from rredcot.integrations.saved import (
@@ -42,7 +43,7 @@ from rredcot.rollout import build_rollout_batch, fill_forward
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt
-from rredcot.tasks.base import Problem
+from rredcot.tasks.base import Problem, read_task_data
 
 DEFAULT_TASK = "arithmetic"
 
@@ -317,6 +318,8 @@ def explain_checkpoint(
     resolved, run_dir, saved, task = _explain_sources(args, task_args)
     if getattr(args, "method", None) is None:  # the run's own method, else the value head
         args.method = saved[0] if saved is not None else "value_head"
+    check_method_name(args.method, allow_auto=False)  # names and data before the model loads
+    read_task_data(task)
     own_run = saved is not None and saved[0] == args.method
     credit_cfg, sampling = CreditConfig(), SamplingConfig()
     if own_run:

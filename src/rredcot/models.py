@@ -389,14 +389,15 @@ def load_policy(
             "as safetensors (save_pretrained) from a source you trust"
         ) from None
     except (OSError, ValueError) as e:
+        cause = " ".join(str(e).split())[:500]  # one line, whatever the library wrote
         if os.path.isdir(name):
             raise OSError(
-                f"could not load a causal LM and tokenizer from directory {name!r}: {e}"
+                f"could not load a causal LM and tokenizer from directory {name!r}: {cause}"
             ) from e
         raise OSError(
             f"could not load {name!r}: it is not a local directory and the hub could not provide "
             "it (offline, or no such model). Pass a local directory holding the model and "
-            f"tokenizer files (save_pretrained output). Cause: {type(e).__name__}: {e}"
+            f"tokenizer files (save_pretrained output). Cause: {type(e).__name__}: {cause}"
         ) from e
 
     if tokenizer.pad_token is None:
