@@ -361,3 +361,15 @@ def test_malformed_trl_settings_are_refused_naming_the_file(init_dir, tmp_path, 
     argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
     err = _one_line_error(argv, capsys)
     assert str(out / "rredcot_credit.json") in err, err
+
+
+def test_an_error_quoting_a_linked_config_yaml_does_not_dump_its_target(tmp_path, capsys):
+    """``config.yaml`` linked to another file: the error names the file, quotes a few words."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret line " * 100)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").symlink_to(secret)
+    err = _one_line_error(["train", "--resume", str(run)], capsys)
+    assert len(err) < 300 and err.count("secret line") < 10, err
+    assert str(run / "config.yaml") in err, err

@@ -43,11 +43,22 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def brief(value: Any, limit: int = 60, quote: bool = True) -> str:
+    """``value`` for an error message, cut to about ``limit`` characters: a message that quotes
+    a file's content (a config.yaml linked to another file) never dumps it."""
+    text = repr(value) if quote else str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({type(value).__name__} of {len(str(value))} characters)"
+
+
 def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested mapping; unknown keys are errors that list the valid
     ones."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"config section {where or 'top level'} must be a mapping, got {data!r}")
+        raise ValueError(
+            f"config section {where or 'top level'} must be a mapping, got {brief(data)}"
+        )
     hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -55,7 +66,8 @@ def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
         if key not in fields:
             section = f" in {where.rstrip('.')}" if where else ""
             raise ValueError(
-                f"unknown config key {where}{key}; valid keys{section}: {valid_keys(cls)}"
+                f"unknown config key {where}{brief(key, quote=False)}; valid keys{section}: "
+                f"{valid_keys(cls)}"
             )
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -94,7 +106,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             return dict(value)
     except (TypeError, ValueError) as err:
         raise ValueError(
-            f"{name}: cannot read {value!r} as {getattr(hint, '__name__', hint)}"
+            f"{name}: cannot read {brief(value)} as {getattr(hint, '__name__', hint)}"
         ) from err
     return value
 
@@ -138,7 +150,7 @@ def merge_overrides(base: dict, flat: dict[str, Any]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 section = ".".join(parents[: i + 1])
-                raise UserError(f"config section {section!r} must be a mapping, got {node!r}")
+                raise UserError(f"config section {section!r} must be a mapping, got {brief(node)}")
         node[leaf] = value
     return out
 
@@ -178,7 +190,10 @@ def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
     """A config dataclass from a YAML file (see ``read_yaml_file`` for the errors)."""
     data = read_yaml_file(path)
-    return from_dict(cls, data or {})
+    try:
+        return from_dict(cls, data or {})
+    except ValueError as err:
+        raise UserError(f"{err} (in {path})") from None
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
