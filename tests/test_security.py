@@ -200,6 +200,11 @@ def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
     }
     for link, target in planted.items():
         link.symlink_to(target)
+    moved = {}  # the run's own files moved outside, a link left in their place
+    for name in ("metrics.jsonl", "config.yaml"):
+        shutil.move(run_copy / name, outside / name)
+        (run_copy / name).symlink_to(outside / name)
+        moved[outside / name] = (outside / name).read_bytes()
     for name in (".tmp_step_000003", "step_000003"):  # the checkpoint's temporary and final dirs
         folder = outside / name
         folder.mkdir()
@@ -208,8 +213,11 @@ def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
     assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
     for link, target in planted.items():
         assert target.read_text() == f"{target.name}: not rredcot's", f"{link.name} was followed"
+    for target, content in moved.items():
+        assert target.read_bytes() == content, f"{target.name} was written through its link"
     assert sorted(p.name for p in outside.rglob("*")) == sorted(
         ["a", "b", "c", "d", ".tmp_step_000003", "step_000003", "kept", "kept"]
+        + ["metrics.jsonl", "config.yaml"]
     )
     for name in ("metrics.jsonl", "config.yaml", "checkpoints/latest"):
         assert not (run_copy / name).is_symlink() and (run_copy / name).is_file(), name
