@@ -134,7 +134,7 @@ class DiagnoseConfig:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         self.group_size_list()  # a bad list is refused before any model loads
         if self.segmenter:  # and a misspelt strategy
-            from rredcot.segment import get_segmenter  # lazy, as CreditConfig's check
+            from rredcot.segment import get_segmenter  # lazy: as CreditConfig's check
 
             get_segmenter(self.segmenter)
 
