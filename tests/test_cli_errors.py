@@ -311,3 +311,124 @@ def test_bench_flags_take_either_spelling():
         cfg = bench_config("learn", args, {"num_steps": "12"})
         assert cfg.first_seed == 100 and cfg.overrides == {"lr": "0.1"}
         assert cfg.task_args == {"num_steps": "12"} and cfg.budget_tokens == 500_000
+
+
+# ---------------------------------------------------------------------------------------------
+# values that would run wrong silently are refused before any work (issue 39)
+
+SILENT_MISTAKES = {
+    "train --lr inf": (["train", "--lr", "inf"], "lr=inf: give a finite number"),
+    "train --lr 1e400": (["train", "--lr", "1e400"], "lr=inf: give a finite number"),
+    "train --kl_coef nan": (["train", "--kl_coef", "nan"], "kl_coef=nan: give a finite number"),
+    "train --keep_checkpoints -1": (
+        ["train", "--keep_checkpoints", "-1"],
+        "keep_checkpoints=-1 must be >= 0",
+    ),
+    "train --warmup_steps -3": (["train", "--warmup_steps", "-3"], "warmup_steps=-3 must be >= 0"),
+    "train --eval_every -1": (["train", "--eval_every", "-1"], "eval_every=-1 must be >= 0"),
+    "train --lr -1": (["train", "--lr", "-1"], "lr=-1.0 must be >= 0"),
+    "diagnose --temperature nan": (
+        ["diagnose", "--temperature", "nan"],
+        "--temperature=nan: give a finite number",
+    ),
+    "diagnose --group_sizes 100 --samples 2": (
+        ["diagnose", "--group_sizes", "100", "--samples", "2"],
+        "100 > --samples 2",
+    ),
+    "bench credit --methods x=uniform:nosuch.key=1": (
+        ["bench", "credit", "--checkpoint", "/nonexistent", "--methods", "x=uniform:nosuch.key=1"],
+        "unknown variant key 'nosuch.key'",
+    ),
+    "bench learn --methods x=uniform:sampling.nosuch=1": (
+        ["bench", "learn", "--methods", "x=uniform:sampling.nosuch=1"],
+        "unknown variant key 'sampling.nosuch'",
+    ),
+    "bench credit --temperature 0": (
+        ["bench", "credit", "--checkpoint", "/nonexistent", "--temperature", "0"],
+        "temperature=0.0 must be > 0",
+    ),
+}
+BLANK_OUTPUTS = {
+    "train --out ' '": ["train", "--out", " "],
+    "sft --out ''": ["sft", "--out", ""],
+    "diagnose --out ''": ["diagnose", "--out", ""],
+    "diagnose --out ' '": ["diagnose", "--out", " "],
+    "bench credit --out ''": ["bench", "credit", "--checkpoint", "/nonexistent", "--out", ""],
+    "bench learn --out ' '": ["bench", "learn", "--out", " "],
+    "bench overhead --out ''": ["bench", "overhead", "--out", ""],
+    "bench peer --out '\\t'": ["bench", "peer", "--out", "\t"],
+    "explain --html ''": ["explain", "--demo", "--html", ""],
+    "explain --html ' '": ["explain", "--demo", "--html", " "],
+}
+
+
+@pytest.mark.parametrize("mistake", SILENT_MISTAKES)
+def test_a_value_that_would_run_wrong_is_refused(mistake, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv, expected = SILENT_MISTAKES[mistake]
+    assert expected in _one_line_error(argv, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", BLANK_OUTPUTS)
+def test_every_command_that_writes_refuses_a_blank_path(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    err = _one_line_error(BLANK_OUTPUTS[command], capsys)
+    assert "names no" in err and "blank" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# names and data are checked before a model loads (issue 39)
+
+
+def test_names_and_data_fail_before_explain_or_diagnose_loads_a_model(
+    init_dir, tmp_path, monkeypatch, capsys
+):
+    import rredcot.diagnose
+    import rredcot.explain_model
+    import rredcot.train_setup
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the names and the data were checked")
+
+    for module in (rredcot.explain_model, rredcot.diagnose, rredcot.train_setup):
+        monkeypatch.setattr(module, "load_policy", no_loading)
+    monkeypatch.setattr(rredcot.diagnose, "default_policy_source", no_loading)
+    monkeypatch.setattr(rredcot.train_setup, "default_policy_source", no_loading)
+    bad_data = tmp_path / "data.jsonl"
+    bad_data.write_text('{"question": "1+1?"}\n{not json\n')
+    dataset = ["--task", "dataset", "--task.data", str(bad_data)]
+    mistakes = {
+        "explain --method": (
+            ["explain", "--checkpoint", str(init_dir), "--method", "nosuchmethod"],
+            "unknown credit method 'nosuchmethod'",
+        ),
+        "diagnose --segmenter": (
+            ["diagnose", "--policy", str(init_dir), "--segmenter", "nosuchseg"],
+            "unknown segmentation strategy 'nosuchseg'",
+        ),
+        "explain --task dataset": (
+            ["explain", "--checkpoint", str(init_dir), *dataset],
+            str(bad_data),
+        ),
+        "diagnose --task dataset": (
+            ["diagnose", "--policy", str(init_dir), *dataset],
+            str(bad_data),
+        ),
+        "diagnose --task dataset, default policy": (["diagnose", *dataset], str(bad_data)),
+        "train --task dataset, default policy": (
+            ["train", "--out", str(tmp_path / "run"), *dataset],
+            str(bad_data),
+        ),
+    }
+    for name, (argv, expected) in mistakes.items():
+        assert expected in _one_line_error(argv, capsys), name
+
+
+def test_a_model_that_cannot_load_is_not_called_an_output_write(tmp_path, capsys):
+    folder = tmp_path / "broken_model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    err = _one_line_error(["explain", "--checkpoint", str(folder), "--samples", "2"], capsys)
+    assert "writing the output" not in err and "could not load" in err, err

@@ -276,7 +276,10 @@ def test_config_refuses_bad_sizes_before_loading():
         DiagnoseConfig(group_sizes="1,4")
     with pytest.raises(ValueError, match="samples must be >= 2"):
         DiagnoseConfig(samples=1, group_sizes="2")
-    assert DiagnoseConfig(samples=8, group_sizes="2,4,16").group_size_list() == [2, 4, 8]
+    with pytest.raises(ValueError, match="16 > --samples 8"):  # not dropped silently (issue 39)
+        DiagnoseConfig(samples=8, group_sizes="2,4,16")
+    assert DiagnoseConfig(samples=8, group_sizes="2,4,8").group_size_list() == [2, 4, 8]
+    assert DiagnoseConfig(samples=4).group_size_list() == [2, 4]  # the default list, cut to G
 
 
 def test_cli_end_to_end_on_a_tiny_model(init_dir, tmp_path, capsys):

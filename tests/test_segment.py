@@ -295,6 +295,22 @@ def test_a_user_step_regex_that_backtracks_is_stopped(monkeypatch):
     assert split_text("x\nSTEP 2 y\nstep 3 z", r"step:^step \d") == [(0, 2), (2, 11), (11, 19)]
 
 
+def test_an_answer_pattern_that_backtracks_is_stopped(monkeypatch, capsys):
+    """``--answer-pattern '(a+)+$'`` hung on a 43-character trace (issue 39); a pattern given as
+    text now has the step:REGEX's time limit (made small here to keep the test fast)."""
+    import time
+
+    monkeypatch.setattr(segment_strategies, "USER_REGEX_SECONDS", 0.05)
+    text = "step one\n" + "a" * 40 + "!"
+    started = time.perf_counter()
+    for pattern in ("(a|aa)+$", "(a|aa)+b$"):
+        with pytest.raises(ValueError, match=r"answer pattern .* ran over 0.05 s"):
+            Segmenter("newline", answer_pattern=pattern).split(text)
+    assert time.perf_counter() - started < 10.0
+    # a pattern that is fine runs as before
+    assert Segmenter("newline", answer_pattern=r"^a+!$").find_answer(text) == 9
+
+
 # --------------------------------------------------------------------------------------------
 # Options: answer line, min_chars, max_segments
 # --------------------------------------------------------------------------------------------

@@ -134,6 +134,8 @@ _OS_ERROR_FIXES = {
 
 def describe_os_error(err: OSError) -> str:
     """One line for an ``OSError``: the path (or the output), what went wrong and the fix."""
+    if err.errno is None and err.filename is None:  # a message of its own (a model that won't load)
+        return str(err)
     what = err.strerror or str(err)
     where = f"{err.filename}: " if err.filename is not None else "writing the output: "
     fix = _OS_ERROR_FIXES.get(err.errno)

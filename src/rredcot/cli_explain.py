@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from rredcot.config import refuse_blank_path
 from rredcot.errors import UserError
 from rredcot.explain import demo_sections, render_html, render_terminal
 
@@ -39,6 +40,16 @@ def add_explain_parser(sub) -> None:
         "a `rredcot train` run directory, or a TRL output_dir or checkpoint-N of "
         "RREDCoTGRPOTrainer (value_head.pt, rredcot_credit.json). Alone, its policy is used too.",
     )
+    p.add_argument(
+        "--credit.process_reward.function",
+        "--credit.process-reward.function",
+        dest="process_reward_function",
+        default=None,
+        metavar="SPEC",
+        help="The process-reward function (module:callable or file.py:callable) to import and "
+        "call. A function that a --run's config.yaml or rredcot_credit.json names is never "
+        "imported unless you name it here yourself (read it first).",
+    )
     p.add_argument("--html", default=None, help="Also write a self-contained HTML page here.")
     p.add_argument("--samples", type=int, default=8, help="Completions sampled (group size).")
     p.add_argument("--seed", type=int, default=0)
@@ -56,6 +67,7 @@ def add_explain_parser(sub) -> None:
 
 def check_output_file(path: str, flag: str) -> None:
     """Refuse an output file path that cannot be written, before any work is done."""
+    refuse_blank_path(path, flag.lstrip("-"), "file")
     target = Path(path)
     if target.is_dir():
         raise UserError(f"{flag} {path}: a directory; give a file name such as {target / 'x.html'}")
@@ -70,7 +82,7 @@ def check_output_file(path: str, flag: str) -> None:
 
 def run_explain(args: argparse.Namespace, task_args: dict) -> int:
     color = None if not args.no_color else False
-    if args.html:
+    if args.html is not None:
         check_output_file(args.html, "--html")
     if args.demo or not (args.checkpoint or args.run):
         if not args.demo:

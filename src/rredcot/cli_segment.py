@@ -126,7 +126,7 @@ def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[Span]]:
 def _offsets(tokenizer_path: str, text: str) -> list[Span]:
     from transformers import AutoTokenizer  # lazy: CLI start-up (only --tokenizer needs it)
 
-    return _encode(AutoTokenizer.from_pretrained(tokenizer_path), text)[1]
+    return _encode(AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False), text)[1]
 
 
 def token_entropies(

@@ -11,11 +11,34 @@ maps these dataclasses to YAML files and CLI flags and back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def refuse_blank_path(path: str | None, name: str = "out", what: str = "directory") -> None:
+    """Refuse an output path that is empty or whitespace only (``--out ''`` would write into the
+    current directory, ``--out ' '`` into a folder named by a space); every command that writes
+    calls this one check."""
+    if path is not None and not str(path).strip():
+        raise ValueError(
+            f"{name}='' names no {what} (given {str(path)!r}: blank, so the current directory or "
+            f"a folder named by spaces); give --{name} PATH"
+        )
+
+
+def refuse_non_finite(cfg: Any, prefix: str = "") -> None:
+    """Refuse a float field of the config dataclass ``cfg`` (or of a config nested in it) that
+    is nan or infinite (``--lr inf``, ``--lr 1e400``, ``--kl_coef nan``), naming it."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            refuse_non_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{prefix}{f.name}={value}: give a finite number")
 
 
 def cache_root() -> Path:
@@ -719,6 +742,7 @@ class CreditConfig:
     oracle: OracleConfig = field(default_factory=OracleConfig)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self, "credit.")
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"credit.lam={self.lam} must be in [0, 1]")
         if self.anchor not in ("group", "none"):
@@ -898,6 +922,13 @@ class TrainConfig:
         }
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        for name in ("lr", "weight_decay", "max_grad_norm", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("warmup_steps", "eval_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.steps < 0:
             raise ValueError("steps must be >= 0")
         if self.prompts_per_step < 1:
@@ -924,8 +955,7 @@ class TrainConfig:
         for name in ("max_train_seconds", "max_compute"):
             if not getattr(self, name) >= 0:  # NaN fails too
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: no budget)")
-        if not self.out.strip():
-            raise ValueError("out='' names no directory (it would be the current one); give --out")
+        refuse_blank_path(self.out)
         if self.resume is not None and not self.resume.strip():
             raise ValueError("resume='' names no run directory; give --resume RUN_DIR")
 
@@ -995,6 +1025,9 @@ class SFTConfig:
     progress: bool = help_field("Show a progress bar.", default=True)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
         if not 0 <= self.early_answer_prob <= 1:
             raise ValueError("early_answer_prob must be in [0, 1]")
         if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
@@ -1008,5 +1041,4 @@ class SFTConfig:
                 f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "
                 "(0: stop by the accuracy band)"
             )
-        if not self.out.strip():
-            raise ValueError("out='' names no directory (it would be the current one); give --out")
+        refuse_blank_path(self.out)

@@ -11,7 +11,9 @@ errors that list the valid ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -41,11 +43,22 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def brief(value: Any, limit: int = 60, quote: bool = True) -> str:
+    """``value`` for an error message, cut to about ``limit`` characters: a message that quotes
+    a file's content (a config.yaml linked to another file) never dumps it."""
+    text = repr(value) if quote else str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({type(value).__name__} of {len(str(value))} characters)"
+
+
 def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested mapping; unknown keys are errors that list the valid
     ones."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"config section {where or 'top level'} must be a mapping, got {data!r}")
+        raise ValueError(
+            f"config section {where or 'top level'} must be a mapping, got {brief(data)}"
+        )
     hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -53,7 +66,8 @@ def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
         if key not in fields:
             section = f" in {where.rstrip('.')}" if where else ""
             raise ValueError(
-                f"unknown config key {where}{key}; valid keys{section}: {valid_keys(cls)}"
+                f"unknown config key {where}{brief(key, quote=False)}; valid keys{section}: "
+                f"{valid_keys(cls)}"
             )
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -92,7 +106,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             return dict(value)
     except (TypeError, ValueError) as err:
         raise ValueError(
-            f"{name}: cannot read {value!r} as {getattr(hint, '__name__', hint)}"
+            f"{name}: cannot read {brief(value)} as {getattr(hint, '__name__', hint)}"
         ) from err
     return value
 
@@ -136,7 +150,7 @@ def merge_overrides(base: dict, flat: dict[str, Any]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 section = ".".join(parents[: i + 1])
-                raise UserError(f"config section {section!r} must be a mapping, got {node!r}")
+                raise UserError(f"config section {section!r} must be a mapping, got {brief(node)}")
         node[leaf] = value
     return out
 
@@ -176,7 +190,10 @@ def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
     """A config dataclass from a YAML file (see ``read_yaml_file`` for the errors)."""
     data = read_yaml_file(path)
-    return from_dict(cls, data or {})
+    try:
+        return from_dict(cls, data or {})
+    except ValueError as err:
+        raise UserError(f"{err} (in {path})") from None
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
@@ -186,11 +203,38 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # not on Windows
+
+
+def create_file(path: str | Path) -> int:
+    """A descriptor of a new, empty file at ``path``, opened for writing: whatever is there (a
+    link someone planted, a temporary file left by a kill) is removed first, never followed, and
+    the file is created exclusively, so nothing outside the directory is ever written."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
+
+
+def open_for_append(path: str | Path) -> int:
+    """A descriptor of ``path`` opened to append (created if missing); a link there is refused
+    (a ``UserError``), never followed."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise UserError(
+            f"{path} is a symbolic link; rredcot does not write through a link in a run "
+            "directory: remove it (or replace it with the file itself)"
+        ) from None
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` through a temporary file, fsync and a rename."""
+    """Write ``text`` through a temporary file (:func:`create_file`), fsync and a rename (which
+    replaces a link at ``path`` itself, never its target)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with os.fdopen(create_file(tmp), "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
@@ -319,12 +363,15 @@ def given_fields(
 
 
 _INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not what it is
+_FUNCTION = "credit.process_reward.function"  # code a run names: imported only when restated
 
 
 def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
     """The config of ``--resume RUN``: the run's ``config.yaml`` with the fields named in ``given``
     taken from ``cfg`` (``None``: the fields where ``cfg`` differs from the defaults). A given
-    field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named."""
+    field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named, and so
+    is a process-reward function that the file names and ``given`` does not restate (reading a
+    run never imports code it names)."""
     run = Path(cfg.resume or "")
     saved_path = run / "config.yaml"
     if not saved_path.exists():
@@ -359,6 +406,13 @@ def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfi
             return as_text(merged[name]) == as_text(old[name])
         return merged[name] == old[name]
 
+    function = old.get(_FUNCTION)
+    if function and _FUNCTION not in given:
+        raise UserError(
+            f"--resume {run}: its config.yaml names {_FUNCTION}={function!r}, code that resuming "
+            "would import and run; read that file, then name it yourself to allow it: "
+            f"--{_FUNCTION} {function}"
+        )
     changed = sorted(n for n in merged if n not in RESUMABLE_FIELDS and not same(n))
     if changed:
         was = ", ".join(f"{n}={old[n]!r}" for n in changed)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rredcot.config import help_field
+from rredcot.config import help_field, refuse_blank_path, refuse_non_finite
 
 DEFAULT_UNCERTAIN_P = 0.5
 """A sampled token with ``p(y_t) < 0.5`` is an uncertain decision: the policy gave the token it
 emitted less than an even chance, so another token was at least as likely overall."""
+
+
+_DEFAULT_GROUP_SIZES = "2,4,8,16"
 
 
 @dataclass
@@ -35,8 +38,9 @@ class DiagnoseConfig:
     samples: int = help_field("Completions per prompt G (the group size).", default=16)
     group_sizes: str = help_field(
         "Comma-separated group sizes G' <= G at which the share of agreeing groups is also "
-        "given, computed exactly over every G'-subset of each prompt's G samples.",
-        default="2,4,8,16",
+        "given, computed exactly over every G'-subset of each prompt's G samples (a size above "
+        "--samples is refused; the default's are dropped).",
+        default=_DEFAULT_GROUP_SIZES,
     )
     temperature: float | None = help_field(
         "Sampling temperature (default: the run directory's sampling.temperature, else 1.0). "
@@ -110,6 +114,8 @@ class DiagnoseConfig:
     progress: bool = help_field("Progress bars.", default=True)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self, "--")
+        refuse_blank_path(self.out)
         for name in ("prompts", "samples", "mc_k", "chunk_prompts", "position_bins"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -127,9 +133,14 @@ class DiagnoseConfig:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         self.group_size_list()  # a bad list is refused before any model loads
+        if self.segmenter:  # and a misspelt strategy
+            from rredcot.segment import get_segmenter  # lazy: as CreditConfig's check
+
+            get_segmenter(self.segmenter)
 
     def group_size_list(self) -> list[int]:
-        """The sizes ``G'`` of ``group_sizes`` that are at most ``samples``, and ``samples``."""
+        """The sizes ``G'`` of ``group_sizes`` and ``samples``; a size above ``samples`` is
+        refused (one of the default list is dropped)."""
         try:
             sizes = [int(x) for x in str(self.group_sizes).split(",") if x.strip()]
         except ValueError as err:
@@ -146,4 +157,13 @@ class DiagnoseConfig:
                 "--samples must be >= 2: with one sample per prompt every group agrees and GRPO "
                 "learns nothing"
             )
-        return sorted({s for s in sizes if s <= self.samples} | {self.samples})
+        too_big = [s for s in sizes if s > self.samples]
+        if self.group_sizes == _DEFAULT_GROUP_SIZES:  # the default's sizes past --samples: dropped
+            sizes = [s for s in sizes if s <= self.samples]
+        elif too_big:
+            raise ValueError(
+                f"--group-sizes {self.group_sizes!r}: {', '.join(map(str, too_big))} > --samples "
+                f"{self.samples}; a group cannot be larger than the samples drawn per prompt: "
+                "raise --samples or drop those sizes"
+            )
+        return sorted(set(sizes) | {self.samples})

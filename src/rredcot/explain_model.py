@@ -15,6 +15,7 @@ a batch as :class:`~rredcot.explain.SegmentCredit` entries for the terminal and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config_io import load_yaml
+from rredcot.credit_choice import check_method_name
 from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
 from rredcot.integrations.saved import (
@@ -41,7 +43,7 @@ from rredcot.rollout import build_rollout_batch, fill_forward
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt
-from rredcot.tasks.base import Problem
+from rredcot.tasks.base import Problem, read_task_data
 
 DEFAULT_TASK = "arithmetic"
 
@@ -152,7 +154,12 @@ def read_method_state(run_or_checkpoint: str | Path) -> tuple[dict, Path] | None
     p = Path(run_or_checkpoint).expanduser()
     trl = trl_settings_dir(p)
     if trl is not None and (trl / CREDIT_STATE_FILE).is_file():
-        saved = torch.load(trl / CREDIT_STATE_FILE, map_location="cpu", weights_only=True)
+        saved = runio.load_plain(trl / CREDIT_STATE_FILE)
+        if not isinstance(saved, dict) or not {"credit_method", "state"} <= set(saved):
+            raise UserError(
+                f"{trl / CREDIT_STATE_FILE} holds no credit method's state (a dict with "
+                "credit_method and state, as RREDCoTGRPOTrainer writes it); use a complete copy"
+            )
         return saved, trl
     ckpt, skipped = (p, []) if (p / "trainer_state.pt").exists() else runio.find_checkpoint(p)
     if ckpt is None and skipped:
@@ -311,12 +318,15 @@ def explain_checkpoint(
     resolved, run_dir, saved, task = _explain_sources(args, task_args)
     if getattr(args, "method", None) is None:  # the run's own method, else the value head
         args.method = saved[0] if saved is not None else "value_head"
+    check_method_name(args.method, allow_auto=False)  # names and data before the model loads
+    read_task_data(task)
     own_run = saved is not None and saved[0] == args.method
     credit_cfg, sampling = CreditConfig(), SamplingConfig()
     if own_run:
         credit_cfg, sampling = saved[1], saved[2]
     elif saved is not None:
         sampling = saved[2]
+    credit_cfg = _allowed_function(credit_cfg, args, run_dir)
     # read before the model loads: a refused trainer_state.pt stops the command at once
     method_state = read_method_state(run_dir) if own_run else None
     attn = "eager" if args.method == "attention" else None
@@ -376,6 +386,30 @@ def _explain_sources(args: argparse.Namespace, task_args: dict):
         saved_task = (trl.task, trl.task_args) if trl.task else None
     task = choose_task(resolved, getattr(args, "task_name", None), task_args, saved_task)
     return resolved, run_dir, saved, task
+
+
+def _allowed_function(credit_cfg: CreditConfig, args: argparse.Namespace, run_dir) -> CreditConfig:
+    """``credit_cfg`` with the process-reward function this command may import: the one named
+    by ``--credit.process_reward.function`` on the command line. A function that only the run's
+    saved settings name is never imported: it is refused here, naming it and that flag."""
+    given = getattr(args, "process_reward_function", None)
+    saved = credit_cfg.process_reward.function
+    if saved and not given:
+        raise UserError(
+            f"{_settings_file(run_dir)} names credit.process_reward.function={saved!r}, code "
+            "that explain would import and run; read that file, then name it yourself to allow "
+            f"it: --credit.process_reward.function {saved} (or show another --method)"
+        )
+    if not given:
+        return credit_cfg
+    options = dataclasses.replace(credit_cfg.process_reward, function=given, model=None)
+    return dataclasses.replace(credit_cfg, process_reward=options)
+
+
+def _settings_file(run_dir) -> Path:
+    """The file that holds a run's credit settings (a TRL run's, else ``config.yaml``)."""
+    trl = trl_settings_dir(run_dir)
+    return trl / SETTINGS_FILE if trl is not None else Path(run_dir) / "config.yaml"
 
 
 def _untrained_note(method_name: str, run_dir: Path | None, saved) -> str:

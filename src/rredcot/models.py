@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from transformers import (
 )
 
 from rredcot.config import cache_root
-from rredcot.errors import missing_extra_message
+from rredcot.errors import UserError, missing_extra_message
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Ids 0..3 of the character tokenizer, in this order."""
@@ -278,9 +279,11 @@ def dequantised_dir(gguf_path: str | os.PathLike, log=None) -> Path:
         return out
     if log is not None:
         log(f"dequantising {src.name} into {out} (once; cached for later loads)")
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(src.parent), gguf_file=src.name, trust_remote_code=False
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        str(src.parent), gguf_file=src.name, dtype=torch.float32
+        str(src.parent), gguf_file=src.name, dtype=torch.float32, trust_remote_code=False
     )
     _strip_quantization(model)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -375,15 +378,26 @@ def load_policy(
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kwargs
         )
+    except pickle.UnpicklingError as e:  # a .bin that torch.load(weights_only=True) refused
+        from rredcot.runio import unsafe_objects  # lazy: runio is the run directory's module
+
+        weights = os.path.join(name, "pytorch_model.bin")
+        what = unsafe_objects(weights, e) if os.path.isfile(weights) else str(e).splitlines()[0]
+        raise UserError(
+            f"could not load {name!r}: its weights hold objects other than tensors ({what}); "
+            "rredcot does not load them, since loading them could run code. Use a model saved "
+            "as safetensors (save_pretrained) from a source you trust"
+        ) from None
     except (OSError, ValueError) as e:
+        cause = " ".join(str(e).split())[:500]  # one line, whatever the library wrote
         if os.path.isdir(name):
             raise OSError(
-                f"could not load a causal LM and tokenizer from directory {name!r}: {e}"
+                f"could not load a causal LM and tokenizer from directory {name!r}: {cause}"
             ) from e
         raise OSError(
             f"could not load {name!r}: it is not a local directory and the hub could not provide "
             "it (offline, or no such model). Pass a local directory holding the model and "
-            f"tokenizer files (save_pretrained output). Cause: {type(e).__name__}: {e}"
+            f"tokenizer files (save_pretrained output). Cause: {type(e).__name__}: {cause}"
         ) from e
 
     if tokenizer.pad_token is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rredcot.config_io import create_file
 from rredcot.runio import CURVES, METRICS, PLOTS, MetricsLog, plot_file_name
 
 
@@ -33,7 +34,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig.tight_layout()
         path = out_dir / plot_file_name(key)
         tmp = path.with_name(f".{path.name}.tmp")
-        fig.savefig(tmp, dpi=100, format="png")
+        with os.fdopen(create_file(tmp), "wb") as fh:  # a link planted there: not followed
+            fig.savefig(fh, dpi=100, format="png")
         os.replace(tmp, path)  # a reader never sees half a picture
         plt.close(fig)
         written.append(path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import hashlib
 import json
 import math
@@ -38,7 +39,7 @@ import yaml
 from safetensors import safe_open
 
 from rredcot.config import TrainConfig
-from rredcot.config_io import read_yaml_file, to_dict
+from rredcot.config_io import create_file, open_for_append, read_yaml_file, to_dict
 from rredcot.config_io import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
 
@@ -99,10 +100,23 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` through a temporary file, fsync and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with os.fdopen(create_file(tmp), "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except RuntimeError as err:  # torch's writer reports a failed write (a full disk) this way
+        tmp.unlink(missing_ok=True)
+        raise UserError(
+            f"{path}: could not be written ({str(err).splitlines()[0]}); is the disk full? free "
+            "space or write elsewhere"
+        ) from None
+    except OSError as err:  # a write that failed (a full disk): name the file
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -126,7 +140,7 @@ class MetricsLog:
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False)
-        with open(self.path, "a", encoding="utf-8") as fh:
+        with os.fdopen(open_for_append(self.path), "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -169,7 +183,7 @@ class MetricsLog:
         records, unreadable = self.read_lines()
         if unreadable:
             aside = self.path.with_name(UNREADABLE_METRICS)
-            with open(aside, "a", encoding="utf-8") as fh:
+            with os.fdopen(open_for_append(aside), "a", encoding="utf-8") as fh:
                 for number, text, problem in unreadable:
                     entry = {"line": number, "problem": problem, "text": text.rstrip("\n")}
                     fh.write(json.dumps(entry) + "\n")
@@ -245,9 +259,14 @@ class RunLock:
         self.pid = os.getpid()
         if fcntl is None:
             return
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a link planted as .lock is refused, never followed (nor truncated)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UserError(
+                    f"{self.path} is a symbolic link; a run's lock is never written through a "
+                    "link: remove it"
+                ) from None
             raise UserError(
                 f"cannot write to run directory {Path(run_dir)}: {err.strerror}"
             ) from err
@@ -363,6 +382,21 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+_SINKS = ("tensorboard", "wandb")  # folders a run writes only with report_to naming them
+
+
+def _wrote(run_dir: Path, name: str) -> bool:
+    """Whether the run wrote ``name`` of ``RUN_FILES``: a ``tensorboard/`` or ``wandb/`` folder
+    only when its ``config.yaml`` reports there (otherwise the folder is the user's)."""
+    if name not in _SINKS:
+        return True
+    try:
+        data = read_yaml_file(run_dir / CONFIG) if (run_dir / CONFIG).is_file() else None
+    except UserError:
+        data = None
+    return isinstance(data, dict) and data.get("report_to") == name
+
+
 def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Make, lock and check a run directory before anything is written to it.
 
@@ -387,7 +421,7 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunL
                     "(no config.yaml of a run, no checkpoint); --overwrite deletes only a "
                     "rredcot run's files: pick another --out, or clear that folder yourself"
                 )
-            remove_run_files(run_dir, present)
+            remove_run_files(run_dir, [name for name in present if _wrote(run_dir, name)])
     except BaseException:
         lock.release()
         raise
@@ -460,23 +494,29 @@ def save_checkpoint(
     (left by a timeline that a resume from an older checkpoint abandoned)."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp_step_*"):  # a save killed half-way
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".tmp_step_*"):  # a save killed half-way (or a link: removed)
+        with contextlib.suppress(OSError):
+            _remove(stale)
     final = checkpoint_dir(run_dir, step)
     tmp = root / f".tmp_step_{step:06d}"
     tmp.mkdir()
-    model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
-    atomic_torch_save(state, tmp / "trainer_state.pt")
-    write_manifest(tmp, step)
-    if final.exists():
-        shutil.rmtree(final)
+    try:  # a failed write (a full disk) leaves no half checkpoint behind
+        model.save_pretrained(tmp / "policy")
+        tokenizer.save_pretrained(tmp / "policy")
+        atomic_torch_save(state, tmp / "trainer_state.pt")
+        write_manifest(tmp, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.lexists(final):
+        _remove(final)
     os.replace(tmp, final)
     atomic_write_text(root / LATEST, final.name)
     older = [p for p in _checkpoint_dirs(run_dir) if _step_of(p) < step]
     newer = [p for p in _checkpoint_dirs(run_dir) if _step_of(p) > step]
     for old in newer + (older[: max(len(older) - (keep - 1), 0)] if keep > 0 else []):
-        shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _remove(old)
     return final
 
 
@@ -634,6 +674,36 @@ _NUMPY_ARRAY_GLOBALS = [
 ]
 
 
+def unsafe_objects(path: str | Path, err: Exception) -> str:
+    """What a refused ``torch.load(weights_only=True)`` of ``path`` found (the globals it would
+    have imported), for a one-line message."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = {name for _, name in _NUMPY_ARRAY_GLOBALS}
+        return ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
+    except Exception:  # noqa: BLE001 - only the message's detail
+        return str(err).splitlines()[0]
+
+
+def load_plain(path: str | Path) -> Any:
+    """A torch file as tensors and plain data (``weights_only=True``); a file that would build
+    anything else (a pickle that runs code), a cut one or one that is no torch file is a
+    one-line ``UserError`` naming it."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"{path} holds objects other than tensors and plain data ({unsafe_objects(path, err)}"
+            "); rredcot does not load it, since loading it could run code"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise UserError(
+            f"{path} cannot be read ({str(err).splitlines()[0][:200]}): cut short or not a "
+            "file torch wrote; use a complete copy"
+        ) from None
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """``trainer_state.pt`` as tensors and plain data, through ``torch.load(weights_only=True)``,
     which builds nothing else: a file that would create any other object (a pickle that runs
@@ -646,14 +716,9 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         with allow(_NUMPY_ARRAY_GLOBALS) if allow else contextlib.nullcontext():
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        try:
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-            allowed = {name for _, name in _NUMPY_ARRAY_GLOBALS}
-            what = ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
-        except Exception:  # noqa: BLE001 - only the message's detail
-            what = str(err).splitlines()[0]
         raise UserError(
-            f"{path} holds objects other than tensors and plain data ({what}); rredcot does not "
+            f"{path} holds objects other than tensors and plain data "
+            f"({unsafe_objects(path, err)}); rredcot does not "
             "load it, since loading it could run code. Use a checkpoint written by `rredcot "
             "train`, or re-save one from a source you trust as plain data"
         ) from None

@@ -37,7 +37,7 @@ from rredcot.seeding import seed_everything
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
-from rredcot.tasks.base import Problem, Task, get_task_class, make_params
+from rredcot.tasks.base import Problem, Task, get_task_class, make_params, read_task_data
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -144,6 +144,7 @@ def load_train_policy(cfg: TrainConfig, task: Task, log=print) -> tuple[Any, Any
     """The policy to train, its tokenizer and where it came from: ``--init``, else the model's
     default source for the task (the tiny model's warm-start on arithmetic, the shipped real
     model elsewhere); with a LoRA adapter when ``model.lora_r > 0``."""
+    read_task_data(task)  # a bad data file is refused before a model is built or loaded
     if cfg.init:
         source = cfg.init
     else:

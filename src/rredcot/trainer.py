@@ -709,6 +709,10 @@ def train(cfg: TrainConfig, log=print, given: set[str] | None = None) -> dict[st
     ``config.RESUMABLE_FIELDS`` is refused, every one named (``config_io.resume_config``)."""
     if cfg.resume:
         cfg = resume_config(cfg, given)
+        if cfg.credit.process_reward.function:
+            log(
+                f"--resume: importing credit.process_reward.function={cfg.credit.process_reward.function!r}"
+            )
     return Trainer(cfg, log=log).train()
 
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rredcot.config import help_field
+from rredcot.config import help_field, refuse_blank_path, refuse_non_finite
 from rredcot.errors import require_extra
 
 METHODS_HELP = (
@@ -76,6 +76,12 @@ class CreditBenchConfig:
     device: str = help_field("Device: auto, cpu, cuda, mps.", default="auto")
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        refuse_blank_path(self.out)
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"temperature={self.temperature} must be > 0 and top_p={self.top_p} in (0, 1]"
+            )
         for name in ("prompts", "samples", "mc_k", "chunk_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
@@ -154,6 +160,8 @@ class LearnBenchConfig:
     )
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        refuse_blank_path(self.out)
         if self.seeds < 1:
             raise ValueError("--seeds must be >= 1")
         for name in ("budget_tokens", "budget_seconds", "budget_compute"):
@@ -192,6 +200,8 @@ class OverheadBenchConfig:
     task_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        refuse_blank_path(self.out)
         if self.steps < 1:
             raise ValueError("--steps must be >= 1 (timed rounds)")
         if self.warmup < 0:
@@ -225,6 +235,8 @@ class PeerBenchConfig:
     timeout: float = help_field("Seconds each process may run.", default=7200.0)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        refuse_blank_path(self.out)
         for name in ("prompts", "generations", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")

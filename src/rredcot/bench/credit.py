@@ -70,6 +70,7 @@ from rredcot.explain import render_html
 from rredcot.explain_model import (
     choose_task,
     load_method_state,
+    read_method_state,
     resolve_checkpoint,
     run_credit_config,
     segment_credits,
@@ -445,6 +446,8 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     saved_run = run_credit_config(cfg.run) if cfg.run else None
     if cfg.run and saved_run is None:
         raise FileNotFoundError(f"--run {cfg.run!r}: no config.yaml there; is it a run directory?")
+    if saved_run is not None and any(v.method == saved_run[0] for v in variants):
+        read_method_state(cfg.run)  # a cut or refused state stops here, before the ground truth
     if cfg.max_new_tokens is None:
         own = run_credit_config(resolved.run_dir)
         cfg.max_new_tokens = (own[2].max_new_tokens if own else 0) or (

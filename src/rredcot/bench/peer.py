@@ -311,7 +311,7 @@ def run_trl(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task, model_dir, length = _resolve(cfg, log)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dataset = _trl_dataset(task, tokenizer, cfg.prompts * (cfg.warmup + cfg.steps), cfg.seed)

@@ -15,11 +15,12 @@ options keeps them: ``vh_merge=value_head:segmenter=newline+merge:fraction=0.5:l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 
 from rredcot.config import CreditConfig, TrainConfig
-from rredcot.config_io import from_dict, merge_overrides, valid_keys
+from rredcot.config_io import flatten, from_dict, merge_overrides, to_dict, valid_keys
 from rredcot.credit_choice import check_method_name
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -43,6 +44,12 @@ class Variant:
         return {**(base or {}), **self.overrides, "credit_method": self.method}
 
 
+@functools.cache
+def _train_paths() -> frozenset[str]:
+    """Every dotted ``TrainConfig`` field name (``sampling.temperature``, ``model.lora_r``)."""
+    return frozenset(flatten(to_dict(TrainConfig())))
+
+
 def _dotted_key(key: str) -> str:
     """A variant's or ``--set``'s key as a dotted ``TrainConfig`` name: credit fields and
     sections (``lam``, ``value_head.lr``) get ``credit.``."""
@@ -51,7 +58,7 @@ def _dotted_key(key: str) -> str:
     head = key.split(".", 1)[0]
     if head in credit_fields:
         return f"credit.{key}"
-    if "." in key or key in train_fields:
+    if key in train_fields or key.startswith("task_args.") or key in _train_paths():
         return key
     raise ValueError(
         f"unknown variant key {key!r}; use a credit field ({valid_keys(CreditConfig)}), a "

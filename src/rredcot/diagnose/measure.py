@@ -55,7 +55,7 @@ from rredcot.rollout import build_rollout_batch, eval_mode, policy_forward, segm
 from rredcot.segment import segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
-from rredcot.tasks.base import Task
+from rredcot.tasks.base import Task, read_task_data
 from rredcot.train_setup import resolve_device
 
 # ---------------------------------------------------------------------------------------------
@@ -584,6 +584,7 @@ def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:
     source = cfg.policy
     if not source:
         task0 = get_task(cfg.task or "arithmetic", **cfg.task_args)
+        read_task_data(task0)  # a bad data file is refused before a model is built
         source = default_policy_source(task0, None, log=log)
     local = Path(source).expanduser()
     try:
@@ -593,6 +594,7 @@ def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:
             raise
         resolved = ResolvedCheckpoint(Path(source), None, None)  # a hub id
     task = choose_task(resolved, cfg.task, cfg.task_args)
+    read_task_data(task)
     saved = run_credit_config(resolved.run_dir)
     credit_cfg, sampling = (saved[1], saved[2]) if saved else (None, None)
     policy, tokenizer = load_policy(str(resolved.policy_dir))

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import from_dict, to_dict
+from rredcot.config_io import create_file, from_dict, to_dict
+from rredcot.errors import UserError
 
 __all__ = [
     "CREDIT_STATE_FILE",
@@ -65,7 +66,8 @@ def write_settings(directory: str | Path, settings: dict[str, Any]) -> Path:
     path = Path(directory) / SETTINGS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    with os.fdopen(create_file(tmp), "w", encoding="utf-8") as fh:  # a planted link: not followed
+        fh.write(json.dumps(settings, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
 
@@ -103,21 +105,27 @@ def read_settings(directory: str | Path) -> RunSettings | None:
     path = Path(directory) / SETTINGS_FILE
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    sampling = data.get("sampling") or {}
-    return RunSettings(
-        credit_method=data["credit_method"],
-        credit=from_dict(CreditConfig, data.get("credit") or {}, where="credit."),
-        task=data.get("task"),
-        task_args=dict(data.get("task_args") or {}),
-        answer_column=data.get("answer_column", "answer"),
-        sampling=SamplingConfig(
-            temperature=float(sampling.get("temperature", 1.0)),
-            top_p=float(sampling.get("top_p", 1.0)),
-            max_new_tokens=int(sampling.get("max_new_tokens", 0)),
-        ),
-        credit_choice=data.get("credit_choice"),
-    )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("credit_method"), str):
+            raise ValueError("no credit_method: not the settings RREDCoTGRPOTrainer writes")
+        sampling = data.get("sampling") or {}
+        return RunSettings(
+            credit_method=data["credit_method"],
+            credit=from_dict(CreditConfig, data.get("credit") or {}, where="credit."),
+            task=data.get("task"),
+            task_args=dict(data.get("task_args") or {}),
+            answer_column=data.get("answer_column", "answer"),
+            sampling=SamplingConfig(
+                temperature=float(sampling.get("temperature", 1.0)),
+                top_p=float(sampling.get("top_p", 1.0)),
+                max_new_tokens=int(sampling.get("max_new_tokens", 0)),
+            ),
+            credit_choice=data.get("credit_choice"),
+        )
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError, UserError) as err:
+        why = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        raise ValueError(f"{path} cannot be read as a TRL run's rredcot settings: {why}") from None
 
 
 def latest_trl_checkpoint(output_dir: str | Path) -> Path | None:

@@ -206,8 +206,8 @@ class PRMScorer:
         self.options = options
         self.device = torch.device(device)
         try:
-            config = AutoConfig.from_pretrained(name)
-            self.tokenizer = AutoTokenizer.from_pretrained(name)
+            config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+            self.tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
         except (OSError, ValueError) as err:
             raise ValueError(
                 f"{_FLAG}.model={name!r}: cannot load it ({err}); give a local directory written "
@@ -222,7 +222,7 @@ class PRMScorer:
         self.kind = kind
         cls = getattr(transformers, _KIND_CLASSES[kind])
         dtype = _DTYPES[options.dtype]
-        model = cls.from_pretrained(name, dtype=dtype)
+        model = cls.from_pretrained(name, dtype=dtype, trust_remote_code=False)
         # .to(dtype) too: older transformers read torch_dtype and ignore dtype
         self.model = model.to(self.device, dtype).eval().requires_grad_(False)
         if self.model.config.pad_token_id is None:

@@ -20,6 +20,7 @@ from itertools import accumulate
 from operator import not_
 from typing import Any
 
+from rredcot.segment import strategies as _strategies
 from rredcot.segment.strategies import Strategy, entropy_cuts, find_strategy, skip_whitespace
 from rredcot.segment.tokens import (
     Span,
@@ -49,6 +50,19 @@ DEFAULT_ANSWER_PATTERN = (
 _WHITESPACE = re.compile(r"\s*")
 
 
+def _compile_answer_pattern(pattern: str | re.Pattern[str]) -> Any:
+    """A compiled ``re.Pattern`` as it is; a pattern given as text, checked by ``re`` and
+    compiled by ``regex`` (the same syntax), whose searches can be stopped when they run long."""
+    if isinstance(pattern, re.Pattern):
+        return pattern
+    compiled = re.compile(pattern)
+    if pattern == DEFAULT_ANSWER_PATTERN:  # ours, linear: no limit needed
+        return compiled
+    import regex  # as strategies._parse_regex: only patterns of yours need it
+
+    return regex.compile(pattern)
+
+
 def _answer_start(text: str, cuts: list[int], pattern: re.Pattern[str]) -> int | None:
     """Start of the final answer (the last non-blank line, if it matches), else ``None``.
 
@@ -59,7 +73,19 @@ def _answer_start(text: str, cuts: list[int], pattern: re.Pattern[str]) -> int |
     if end == 0:
         return None
     line_start = text.rfind("\n", 0, end) + 1
-    m = pattern.search(text[line_start:end])
+    line = text[line_start:end]
+    if isinstance(pattern, re.Pattern):
+        m = pattern.search(line)
+    else:  # a pattern given as text, compiled by `regex`: bounded as a step:REGEX is
+        try:
+            m = pattern.search(line, timeout=_strategies.USER_REGEX_SECONDS)
+        except TimeoutError:
+            raise ValueError(
+                f"answer pattern {pattern.pattern!r} ran over {_strategies.USER_REGEX_SECONDS:g} s "
+                f"on a line "
+                f"of {len(line)} characters (catastrophic backtracking, e.g. nested repeats like "
+                "(a+)+$); simplify the pattern"
+            ) from None
     if m is None:
         return None
     k = bisect_right(cuts, line_start + m.start()) - 1
@@ -184,8 +210,8 @@ class Segmenter:
             raise ValueError(f"max_segments must be None or an int >= 1, got {self.max_segments!r}")
         answer_re = None
         if getattr(self.answer_pattern, "pattern", self.answer_pattern):  # not None, not empty
-            try:
-                answer_re = re.compile(self.answer_pattern)
+            try:  # a pattern given as text runs with a time limit (`regex`, re's syntax)
+                answer_re = _compile_answer_pattern(self.answer_pattern)
             except re.error as e:
                 raise ValueError(
                     f"answer_pattern {self.answer_pattern!r} is not a regex: {e}"

@@ -282,6 +282,14 @@ def get_task_class(name: str) -> type[Task]:
     return _TASKS[name]
 
 
+def read_task_data(task: Task) -> None:
+    """Read and check a task's data now where it reads a file (``dataset``), so that a bad file
+    is refused before a model loads, not after."""
+    load = getattr(task, "load", None)
+    if callable(load):
+        load()
+
+
 def get_task(name: str, **params: Any) -> Task:
     """Build the task registered as `name` from keyword parameters (strings are converted)."""
     return get_task_class(name)(**params)

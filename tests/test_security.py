@@ -1,0 +1,383 @@
+"""A run directory from someone else runs no code and writes nowhere else (issue 39): a
+process-reward function that a run's ``config.yaml`` or a TRL run's ``rredcot_credit.json`` names
+is not imported by ``explain`` or ``train --resume`` unless named on the command line; every
+loader pins ``trust_remote_code=False``; files in a run directory are written without following
+links planted there; ``--overwrite`` deletes only what the run wrote."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import micro_config
+from rredcot.cli import main
+from rredcot.config import TrainConfig
+from rredcot.config_io import resume_config
+from rredcot.errors import UserError
+from rredcot.trainer import Trainer
+
+QUIET = {"log": lambda *_: None}
+
+
+@pytest.fixture(scope="module")
+def uniform_run(init_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("security") / "run"
+    Trainer(micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0), **QUIET).train()
+    return run
+
+
+@pytest.fixture
+def run_copy(uniform_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(uniform_run, copy)
+    return copy
+
+
+def _payload(tmp_path: Path) -> tuple[str, Path]:
+    """A real Python file that writes ``marker`` when imported; returns its ``file.py:score``."""
+    marker = tmp_path / "function_ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(
+        f"open({str(marker)!r}, 'w').write('pwned')\n"
+        "def score(prompt, completion, ends):\n"
+        "    return [0.5] * len(ends)\n"
+    )
+    return f"{evil}:score", marker
+
+
+def _name_function(run: Path, spec: str) -> None:
+    """Make ``run/config.yaml`` a process_reward run whose function is ``spec``."""
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    data["credit_method"] = "process_reward"
+    data["credit"]["process_reward"]["function"] = spec
+    (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _one_line_error(argv, capsys) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# a function a run names is not imported by reading or resuming it
+
+
+def test_explain_and_resume_do_not_import_a_function_the_run_names(run_copy, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    ckpt = run_copy / "checkpoints" / "step_000002"
+    commands = {
+        "explain --run": ["explain", "--run", str(run_copy), "--samples", "2", "--no-color"],
+        "explain --checkpoint": ["explain", "--checkpoint", str(ckpt), "--samples", "2"],
+        "train --resume": ["train", "--resume", str(run_copy), "--steps", "3"],
+    }
+    for name, argv in commands.items():
+        err = _one_line_error(argv, capsys)
+        assert not marker.exists(), f"{name}: the run's function was imported"
+        assert spec in err and "--credit.process_reward.function" in err, (name, err)
+
+
+def test_a_restated_function_may_be_resumed(run_copy, tmp_path):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    cfg = TrainConfig(resume=str(run_copy))
+    cfg.credit.process_reward.function = spec
+    resumed = resume_config(cfg, {"resume", "credit.process_reward.function"})
+    assert resumed.credit.process_reward.function == spec
+    with pytest.raises(UserError, match="name it yourself"):
+        resume_config(TrainConfig(resume=str(run_copy)), {"resume"})
+    assert not marker.exists()
+
+
+def test_explain_calls_a_function_named_on_its_command_line(run_copy, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    argv = ["explain", "--run", str(run_copy), "--samples", "2", "--no-color"]
+    assert main([*argv, "--credit.process_reward.function", spec]) == 0
+    assert marker.exists()
+    assert "process_reward" in capsys.readouterr().out
+
+
+def test_explain_does_not_import_a_function_a_trl_run_names(init_dir, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    out = tmp_path / "trl_out"
+    shutil.copytree(init_dir, out)
+    settings = {
+        "credit_method": "process_reward",
+        "credit": {"process_reward": {"function": spec}},
+        "task": "arithmetic",
+        "task_args": {"num_steps": 2},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16},
+    }
+    (out / "rredcot_credit.json").write_text(json.dumps(settings))
+    err = _one_line_error(["explain", "--run", str(out), "--samples", "2", "--no-color"], capsys)
+    assert not marker.exists(), "the TRL run's function was imported"
+    assert "rredcot_credit.json" in err and spec in err
+
+
+# ---------------------------------------------------------------------------------------------
+# trust_remote_code is pinned: a model folder's own code never runs, even when stdin says yes
+
+
+def _remote_code_model(init_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A model folder with an unknown ``model_type`` whose ``auto_map`` points at a real Python
+    file that writes ``marker`` when imported (what ``trust_remote_code`` would run)."""
+    marker = tmp_path / "remote_code_ran"
+    folder = tmp_path / "remote_code_model"
+    shutil.copytree(init_dir, folder)
+    (folder / "evil_code.py").write_text(
+        f"open({str(marker)!r}, 'w').write('pwned')\n"
+        "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+        "class EvilConfig(PretrainedConfig):\n"
+        "    model_type = 'evilnet'\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "evilnet"
+    config["auto_map"] = {
+        "AutoConfig": "evil_code.EvilConfig",
+        "AutoModelForCausalLM": "evil_code.EvilConfig",
+        "AutoModelForSequenceClassification": "evil_code.EvilConfig",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config["auto_map"] = {"AutoTokenizer": ["evil_code.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return folder, marker
+
+
+def test_loaders_pin_trust_remote_code_false(init_dir, tmp_path, monkeypatch, capsys):
+    """As ``yes | rredcot ...``: transformers' question on stdin is never asked, nothing runs."""
+    from rredcot.config import ProcessRewardConfig
+    from rredcot.methods.process_reward import PRMScorer
+
+    folder, marker = _remote_code_model(init_dir, tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 20))
+    with pytest.raises(ValueError):
+        PRMScorer(ProcessRewardConfig(model=str(folder)))
+    assert not marker.exists(), "the PRM folder's code ran"
+
+
+def test_segment_tokenizer_pins_trust_remote_code_false(init_dir, tmp_path, monkeypatch, capsys):
+    folder, marker = _remote_code_model(init_dir, tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 20))
+    text = tmp_path / "trace.txt"
+    text.write_text("step one\nstep two\n")
+    main(["segment", str(text), "--strategy", "tokens:2", "--tokenizer", str(folder)])
+    assert not marker.exists(), "segment --tokenizer ran the folder's code"
+
+
+# ---------------------------------------------------------------------------------------------
+# links planted in a run directory are never followed on write
+
+
+def _outside_file(outside: Path, name: str) -> Path:
+    path = outside / name
+    path.write_text(f"{name}: not rredcot's")
+    return path
+
+
+def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    ckpts = run_copy / "checkpoints"
+    (run_copy / "plots").mkdir(exist_ok=True)
+    planted = {
+        run_copy / ".metrics.jsonl.tmp": _outside_file(outside, "a"),
+        run_copy / ".config.yaml.tmp": _outside_file(outside, "b"),
+        ckpts / ".latest.tmp": _outside_file(outside, "c"),
+        run_copy / "plots" / ".reward_mean.png.tmp": _outside_file(outside, "d"),
+    }
+    for link, target in planted.items():
+        link.symlink_to(target)
+    moved = {}  # the run's own files moved outside, a link left in their place
+    for name in ("metrics.jsonl", "config.yaml"):
+        shutil.move(run_copy / name, outside / name)
+        (run_copy / name).symlink_to(outside / name)
+        moved[outside / name] = (outside / name).read_bytes()
+    for name in (".tmp_step_000003", "step_000003"):  # the checkpoint's temporary and final dirs
+        folder = outside / name
+        folder.mkdir()
+        planted[ckpts / name] = _outside_file(folder, "kept")
+        (ckpts / name).symlink_to(folder, target_is_directory=True)
+    assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
+    for link, target in planted.items():
+        assert target.read_text() == f"{target.name}: not rredcot's", f"{link.name} was followed"
+    for target, content in moved.items():
+        assert target.read_bytes() == content, f"{target.name} was written through its link"
+    assert sorted(p.name for p in outside.rglob("*")) == sorted(
+        ["a", "b", "c", "d", ".tmp_step_000003", "step_000003", "kept", "kept"]
+        + ["metrics.jsonl", "config.yaml"]
+    )
+    for name in ("metrics.jsonl", "config.yaml", "checkpoints/latest"):
+        assert not (run_copy / name).is_symlink() and (run_copy / name).is_file(), name
+    assert not (ckpts / "step_000003").is_symlink()
+    assert (ckpts / "step_000003" / "trainer_state.pt").is_file()
+    assert (run_copy / "checkpoints" / "latest").read_text() == "step_000003"
+
+
+@pytest.mark.parametrize("name", [".lock", "metrics.unreadable.jsonl"])
+def test_a_link_a_run_would_write_through_is_refused(run_copy, tmp_path, capsys, name):
+    """``.lock`` (opened and truncated before any check on main) and the file unreadable
+    metrics lines are set aside in: a link there is refused in one line, its target untouched."""
+    target = _outside_file(tmp_path, "precious")
+    (run_copy / name).unlink(missing_ok=True)  # .lock is left by the run (empty)
+    (run_copy / name).symlink_to(target)
+    with open(run_copy / "metrics.jsonl", "a") as fh:
+        fh.write("{garbled\n")
+    err = _one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    assert "symbolic link" in err and name in err, err
+    assert target.read_text() == "precious: not rredcot's"
+
+
+def test_overwrite_keeps_sink_folders_the_run_did_not_write(run_copy):
+    """``report_to none``: ``wandb/`` and ``tensorboard/`` in the run directory are the user's."""
+    for sink in ("wandb", "tensorboard"):
+        (run_copy / sink).mkdir()
+        (run_copy / sink / "mine.txt").write_text("mine")
+    from rredcot import runio
+
+    runio.claim_run_dir(run_copy, resume=False, overwrite=True).release()
+    for sink in ("wandb", "tensorboard"):
+        assert (run_copy / sink / "mine.txt").read_text() == "mine"
+    assert not (run_copy / "config.yaml").exists() and not (run_copy / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a write that fails (a full disk) during a checkpoint: one line, no half checkpoint left
+
+
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_temporary(init_dir, tmp_path):
+    """The file-size limit makes every write past 200 kB fail at the OS (as a full disk does):
+    the policy (~150 kB) is written, ``trainer_state.pt`` (~320 kB with the optimiser) is not."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    argv = [
+        *(sys.executable, "-m", "rredcot", "train", "--init", str(init_dir), "--out", str(out)),
+        *("--credit", "uniform", "--steps", "1", "--prompts_per_step", "2", "--eval_size", "2"),
+        *("--sampling.num_generations", "2", "--sampling.max_new_tokens", "8"),
+        *("--checkpoint_every", "1", "--progress", "false", "--task.num_steps", "2"),
+    ]
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        argv, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=600
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rredcot: error: ")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "trainer_state.pt" in errors[0], errors[0]
+    assert list((out / "checkpoints").glob(".tmp_step_*")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# files that would run code when loaded, cut files, empty settings: one line naming the file
+
+
+class _Payload:
+    """Unpickling this runs ``exec``: it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def _trl_output(init_dir: Path, folder: Path, credit_method: str = "value_head") -> Path:
+    shutil.copytree(init_dir, folder)
+    settings = {
+        "credit_method": credit_method,
+        "credit": {},
+        "task": "arithmetic",
+        "task_args": {"num_steps": 2},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16},
+    }
+    (folder / "rredcot_credit.json").write_text(json.dumps(settings))
+    return folder
+
+
+def test_a_policy_whose_weights_would_run_code_is_refused_in_one_line(init_dir, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    marker = tmp_path / "payload_ran"
+    policy = tmp_path / "policy"
+    shutil.copytree(init_dir, policy)
+    weights = load_file(str(policy / "model.safetensors"))
+    (policy / "model.safetensors").unlink()
+    torch.save({**weights, "evil": _Payload(marker)}, policy / "pytorch_model.bin")
+    argv = ["explain", "--checkpoint", str(policy), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert not marker.exists()
+    assert "could run code" in err and "builtins.exec" in err and str(policy) in err, err
+
+
+def test_a_trl_value_head_that_would_run_code_is_refused_in_one_line(init_dir, tmp_path, capsys):
+    import torch
+
+    marker = tmp_path / "payload_ran"
+    out = _trl_output(init_dir, tmp_path / "trl_out")
+    record = {"credit_method": "value_head", "state": {"note": _Payload(marker)}}
+    torch.save(record, out / "value_head.pt")
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert not marker.exists()
+    assert "value_head.pt" in err and "could run code" in err, err
+
+
+def test_a_cut_trl_value_head_is_refused_in_one_line(init_dir, tmp_path, capsys):
+    import torch
+
+    out = _trl_output(init_dir, tmp_path / "trl_out")
+    torch.save({"credit_method": "value_head", "state": {"w": torch.zeros(64, 64)}}, out / "v.pt")
+    data = (out / "v.pt").read_bytes()
+    (out / "value_head.pt").write_bytes(data[: len(data) // 2])
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert "value_head.pt" in err and "cannot be read" in err, err
+    bench = ["bench", "credit", "--checkpoint", str(out), "--run", str(out)]
+    bench += ["--methods", "value_head", "--out", str(tmp_path / "bench")]
+    err = _one_line_error(bench, capsys)  # before sampling and the ground truth
+    assert "value_head.pt" in err and "cannot be read" in err, err
+    assert not (tmp_path / "bench" / "credit.json").exists()
+
+
+@pytest.mark.parametrize(
+    "text", ["{}", "[1, 2]", "{not json", '{"credit_method": "value_head", "credit": 3}']
+)
+def test_malformed_trl_settings_are_refused_naming_the_file(init_dir, tmp_path, capsys, text):
+    out = _trl_output(init_dir, tmp_path / "trl_out")
+    (out / "rredcot_credit.json").write_text(text)
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    err = _one_line_error(argv, capsys)
+    assert str(out / "rredcot_credit.json") in err, err
+
+
+def test_an_error_quoting_a_linked_config_yaml_does_not_dump_its_target(tmp_path, capsys):
+    """``config.yaml`` linked to another file: the error names the file, quotes a few words."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret line " * 100)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").symlink_to(secret)
+    err = _one_line_error(["train", "--resume", str(run)], capsys)
+    assert len(err) < 300 and err.count("secret line") < 10, err
+    assert str(run / "config.yaml") in err, err
