@@ -54,9 +54,6 @@ IMPORT_NAME = {
     "hydra-core": "hydra",
 }
 NOT_OPTIONAL = {"numpy", "packaging", "accelerate", "scipy", "pytest", "hypothesis", "ruff"}
-# The TRL adapter guards its import with its own one-line message (checked by behaviour below);
-# it moves to require_extra with the adapter's rewrite onto the credit seam (issue 43, item 1).
-OWN_GUARD = {"integrations/trl.py"}
 
 
 def _tracked() -> list[str]:
@@ -169,8 +166,6 @@ def test_optional_imports_go_through_require_extra():
     bad = []
     for path in _library_files():
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel in OWN_GUARD:
-            continue
         tree = ast.parse(path.read_text())
         guarded = _require_extra_targets(tree)
         for name, line in _imports(tree):

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from rredcot.config import CreditConfig
-from rredcot.config_io import from_dict
+from rredcot.config_io import create_file, from_dict
 from rredcot.credit_choice import (
     AUTO,
     CreditChoice,
@@ -68,6 +68,7 @@ from rredcot.credit_choice import (
     choose_credit,
     group_outcomes,
 )
+from rredcot.errors import UserError, require_extra
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.integrations.saved import (
@@ -91,15 +92,14 @@ from rredcot.models import (
 )
 from rredcot.normalization import masked_mean
 from rredcot.rollout import eval_mode, policy_forward, segment_batch
+from rredcot.runio import load_plain
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.answers import extract_reference
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
-try:
-    from trl import GRPOConfig, GRPOTrainer
-except ImportError as err:  # pragma: no cover - the extra is not installed
-    raise ImportError("rredcot.integrations.trl needs TRL: pip install 'rredcot[trl]'") from err
+_trl = require_extra("trl", "trl", "rredcot.integrations.trl")
+GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
 
 __all__ = [
     "CREDIT_STATE_FILE",
@@ -1023,7 +1023,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             return None
         path = Path(output_dir) / CREDIT_STATE_FILE
         tmp = path.with_name(f"{path.name}.tmp")
-        torch.save({"credit_method": method.name, "state": state}, tmp)
+        with os.fdopen(create_file(tmp), "wb") as f:  # a link planted at tmp is never followed
+            torch.save({"credit_method": method.name, "state": state}, f)
         tmp.replace(path)
         return path
 
@@ -1039,7 +1040,9 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         path = Path(checkpoint_dir) / CREDIT_STATE_FILE
         if not path.exists():
             return False
-        saved = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+        saved = load_plain(path)  # a payload or a cut file: one line naming it
+        if not isinstance(saved, dict) or "state" not in saved:
+            raise UserError(f"{path} is not a credit state RREDCoTGRPOTrainer writes")
         if saved.get("credit_method") != self.credit_method.name:
             raise ValueError(
                 f"{path} holds the state of credit method {saved.get('credit_method')!r}, but "
