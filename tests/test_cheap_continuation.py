@@ -184,3 +184,18 @@ def test_bad_cheap_options_fail_with_the_field_name():
         from_dict(CreditConfig, {"continuation_likelihood": {"stop_below": 1.0}})
     with pytest.raises(ValueError, match="continuation_likelihood.window"):
         from_dict(CreditConfig, {"continuation_likelihood": {"window": -1}})
+
+
+def test_presets_name_their_settings_and_take_more():
+    from rredcot.bench.variants import parse_variants
+    from rredcot.credit_choice import CHEAP_SETTINGS, FLOW_SETTINGS
+
+    flow, cheap, wide = parse_variants(
+        "cl_flow,cl_cheap,cl_w2=cl_cheap:continuation_likelihood.window=2"
+    )
+    assert (flow.name, flow.method) == ("cl_flow", "continuation_likelihood")
+    assert flow.credit_config().lam == 0.0 and flow.credit_config().anchor == "none"
+    assert cheap.name == "cl_cheap" and set(CHEAP_SETTINGS) > set(FLOW_SETTINGS)
+    options = cheap.credit_config().continuation_likelihood
+    assert (options.window, options.stop_below) == (1, 0.01)
+    assert wide.name == "cl_w2" and wide.credit_config().continuation_likelihood.window == 2
