@@ -197,5 +197,5 @@ def test_presets_name_their_settings_and_take_more():
     assert flow.credit_config().lam == 0.0 and flow.credit_config().anchor == "none"
     assert cheap.name == "cl_cheap" and set(CHEAP_SETTINGS) > set(FLOW_SETTINGS)
     options = cheap.credit_config().continuation_likelihood
-    assert (options.window, options.stop_below) == (1, 0.01)
+    assert (options.window, options.stop_below, options.scope) == (1, 0.0, "all")
     assert wide.name == "cl_w2" and wide.credit_config().continuation_likelihood.window == 2

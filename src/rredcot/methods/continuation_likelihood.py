@@ -50,6 +50,19 @@ positions, ``logits_mb`` MiB of logits at a time. Forward tokens per trace are a
 correct completions of one prompt mostly coincide, so ``C`` is 1-2) against ``P + T`` for a
 uniform step's forward; ``credit/extra_forward_tokens`` reports it per step.
 
+**Cheap scoring** (:func:`cheap_values_from_scorer`; options ``reuse_reference``, ``window``,
+``stop_below``, ``scope``): most of those tokens re-score what one pass already knows. A
+prefix that is the reference's own, token for token (every line of a correct arithmetic trace,
+a wrong trace's lines before its first error), needs no probe: ``π(r_k | s_k)`` is the
+reference's own log-prob from ``b_k`` on, and one pass of prompt + reference per group gives
+every ``k`` (exact). Off that path a probe can score only the continuation's next ``window``
+lines and read the rest from the source's own pass (an approximation: the lines after the
+window are scored as if the prefix were the source's). A prefix that has left every known-good
+path only loses value, so with ``stop_below`` a trace's first boundary off the path goes first
+and a value below the threshold is given to the trace's later boundaries unprobed. ``scope=
+all_wrong`` scores only groups whose samples are all wrong, where GRPO gives no credit.
+Costs and credit quality of each: ``benchmarks/results/cheap_continuation/``.
+
 **Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.value_source`): the
 group-mean anchor and the hand-over from uniform by measured reliability.
 """
