@@ -27,6 +27,8 @@ SPECS = {
     "oracle_pooled": "oracle:oracle.values=pooled",
     "oracle_mc": "oracle:oracle.values=monte_carlo:oracle.rollouts=16",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
+    "cl_cheap": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1",
     "auto": "auto",
     "cl_flow_off": "continuation_likelihood:lam=0:anchor=none:handover.mode=off",
     "vh_merge": "value_head:segmenter=newline+merge:fraction=0.5",

@@ -484,8 +484,45 @@ class ContinuationLikelihoodConfig:
     logits_mb: int = help_field(
         "Memory budget (MiB, fp32) of the logits of one slice of scored positions.", default=256
     )
+    reuse_reference: bool = help_field(
+        "Score each group's reference once from its prompt and read pi(r_k | s_k) from that "
+        "pass wherever a trace's prefix is the reference's own, token for token (the same "
+        "log-probs as a probe, no probe); correct samples that are the reference need no "
+        "proposal pass. window, stop_below and scope=all_wrong imply it.",
+        default=False,
+    )
+    window: int = help_field(
+        "Segments of each continuation a probe scores after the prefix (0: its whole "
+        "remainder). The rest is read from the continuation's source's own pass (the "
+        "reference's, or the correct sample's proposal): pi(u | s_k) ~ pi(u[:window] | s_k) "
+        "pi(u[window:] | the source's prefix). Probe tokens fall from about n/2 x T to "
+        "window lines per boundary.",
+        default=0,
+    )
+    stop_below: float = help_field(
+        "Probe each trace's first boundary off the known paths first; where its value is below "
+        "this, the trace's later boundaries take that value unprobed (a prefix that has left "
+        "every known-good path only loses value). 0: probe every boundary.",
+        default=0.0,
+    )
+    scope: str = help_field(
+        "all: score every group; all_wrong: only groups with no correct sample, where GRPO "
+        "gives no credit; the other groups get GRPO's credit (their mean reward as every "
+        "value, lambda 1) and cost nothing.",
+        default="all",
+    )
 
     def __post_init__(self) -> None:
+        if self.scope not in ("all", "all_wrong"):
+            raise ValueError(
+                f"credit.continuation_likelihood.scope={self.scope!r} must be all or all_wrong"
+            )
+        if self.window < 0:
+            raise ValueError(f"credit.continuation_likelihood.window={self.window} must be >= 0")
+        if not 0.0 <= self.stop_below < 1.0:
+            raise ValueError(
+                f"credit.continuation_likelihood.stop_below={self.stop_below} must be in [0, 1)"
+            )
         if self.source not in ("group", "reference", "both"):
             raise ValueError(
                 f"credit.continuation_likelihood.source={self.source!r} must be group, "

@@ -39,6 +39,15 @@ FLOW_METHOD = "continuation_likelihood"
 FLOW_SETTINGS: dict[str, Any] = {"lam": 0.0, "anchor": "none", "handover.smoothing": 0.5}
 """``credit.<field>`` values of the flowing continuation likelihood (the learn bench's
 ``cl_flow`` variant), dotted below the credit config."""
+CHEAP_SETTINGS: dict[str, Any] = {**FLOW_SETTINGS, "continuation_likelihood.window": 1}
+"""``cl_flow`` scored cheaply (``cl_cheap``): the reference's log-probs read from one pass per
+group wherever a prefix is on its path, one line probed per boundary off it, the rest read from
+the reference's pass (benchmarks/results/cheap_continuation/)."""
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cl_flow": (FLOW_METHOD, FLOW_SETTINGS),
+    "cl_cheap": (FLOW_METHOD, CHEAP_SETTINGS),
+}
+"""Named variants a benchmark's ``--methods`` takes as they are (``uniform,cl_cheap``)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,11 @@ def flow_flags() -> str:
 
 def _flag_value(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def preset_value(value: Any) -> str:
+    """A preset's setting as a variant's override string."""
+    return str(value).lower() if isinstance(value, bool) else _flag_value(value)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
 from rredcot.rollout import build_rollout_batch, fill_forward, policy_forward, segment_batch
-from rredcot.segment import Segmenter, segmenter_from_config
+from rredcot.segment import Segmenter, get_segmenter, segmenter_from_config
 from rredcot.train_setup import resolve_device
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +266,10 @@ def _fit_batches(bench: _Bench, variants: list[Variant]) -> list[RolloutBatch]:
     """Fresh traces on training problems (never the evaluated ones) to fit the learned methods
     on; none when no variant learns or every learned one is loaded from ``--run``."""
     cfg = bench.cfg
-    ctx0 = _method_context(bench.policy, bench.tokenizer, bench.task, None, cfg, bench.device)
+    # any segmenter: this context only asks each method whether it has state to fit, and
+    # continuation_likelihood cannot be built without one
+    newline = get_segmenter("newline")
+    ctx0 = _method_context(bench.policy, bench.tokenizer, bench.task, newline, cfg, bench.device)
     needs_fit = any(
         build_credit(v.method, v.credit_config(cfg.overrides), ctx0).state_dict()
         and (bench.saved_run is None or bench.saved_run[0] != v.method)

@@ -5,6 +5,9 @@ docs/method.md (failure modes) runs next to the default::
 
     --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover.mode=off:value_head.shared_prefixes=false"
 
+A preset of :data:`rredcot.credit_choice.PRESETS` (``cl_flow``, ``cl_cheap``) stands for its method
+and settings (``uniform,cl_cheap``; ``cl_w2=cl_cheap:continuation_likelihood.window=2``).
+
 Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...) or of its sections
 (``value_head.lr``, ``handover.mode``), dotted ``TrainConfig`` paths (``sampling.temperature``) or
 top-level ``TrainConfig`` fields (``lr``). Without a name the variant is called by its whole
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 from rredcot.config import CreditConfig, TrainConfig
 from rredcot.config_io import flatten, from_dict, merge_overrides, to_dict, valid_keys
-from rredcot.credit_choice import check_method_name
+from rredcot.credit_choice import PRESETS, check_method_name, preset_value
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
@@ -78,8 +81,12 @@ def parse_variant(spec: str, allow_auto: bool = False) -> Variant:
         name, spec = head.strip(), rest.strip()
     method, *pairs = spec.split(":")
     method = method.strip()
-    check_method_name(method, allow_auto)  # raises with the valid names
     overrides: dict[str, str] = {}
+    if method in PRESETS:  # a named preset: its method and settings, then the spec's own
+        name = name or (spec if pairs else method)
+        method, settings = PRESETS[method]
+        overrides = {_dotted_key(k): preset_value(v) for k, v in settings.items()}
+    check_method_name(method, allow_auto)  # raises with the valid names
     last = None
     for pair in pairs:
         key, eq, value = pair.partition("=")

@@ -50,6 +50,19 @@ positions, ``logits_mb`` MiB of logits at a time. Forward tokens per trace are a
 correct completions of one prompt mostly coincide, so ``C`` is 1-2) against ``P + T`` for a
 uniform step's forward; ``credit/extra_forward_tokens`` reports it per step.
 
+**Cheap scoring** (:func:`cheap_values_from_scorer`; options ``reuse_reference``, ``window``,
+``stop_below``, ``scope``): most of those tokens re-score what one pass already knows. A
+prefix that is the reference's own, token for token (every line of a correct arithmetic trace,
+a wrong trace's lines before its first error), needs no probe: ``π(r_k | s_k)`` is the
+reference's own log-prob from ``b_k`` on, and one pass of prompt + reference per group gives
+every ``k`` (exact). Off that path a probe can score only the continuation's next ``window``
+lines and read the rest from the source's own pass (an approximation: the lines after the
+window are scored as if the prefix were the source's). A prefix that has left every known-good
+path only loses value, so with ``stop_below`` a trace's first boundary off the path goes first
+and a value below the threshold is given to the trace's later boundaries unprobed. ``scope=
+all_wrong`` scores only groups whose samples are all wrong, where GRPO gives no credit.
+Costs and credit quality of each: ``benchmarks/results/cheap_continuation/``.
+
 **Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.value_source`): the
 group-mean anchor and the hand-over from uniform by measured reliability.
 """
@@ -67,7 +80,7 @@ from torch import Tensor
 
 from rredcot.batch import RolloutBatch
 from rredcot.config import ContinuationLikelihoodConfig
-from rredcot.methods.base import CreditContext, register_credit
+from rredcot.methods.base import CreditContext, CreditRows, Estimate, register_credit
 from rredcot.methods.probe_logprobs import (
     Probe,
     packed_probe_logprobs,
@@ -75,11 +88,13 @@ from rredcot.methods.probe_logprobs import (
     unpacked_probe_logprobs,
 )
 from rredcot.methods.value_source import ValueSourceCredit
+from rredcot.normalization import group_mean_std
 from rredcot.rollout import eval_mode
 from rredcot.segment import Segmenter, segment_completion
 
 ESTIMATORS = ("importance", "sum")
 SOURCES = ("group", "reference", "both")
+SCOPES = ("all", "all_wrong")
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,7 @@ class Continuation:
     ids: tuple[int, ...]
     log_weight: float
     known_logp: float | None = None
+    source: int = -1  # the reference (-1), or the first correct row that wrote it
 
 
 def estimate_from_logprobs(
@@ -128,16 +144,15 @@ def _response_tokens(batch: RolloutBatch) -> list[list[int]]:
     return [batch.input_ids[row, P : P + b[-1]].tolist() for row, b in enumerate(batch.boundaries)]
 
 
-def reference_remainders(
+def reference_paths(
     batch: RolloutBatch, tokenizer, task, segmenter: Segmenter
-) -> dict[int, list[tuple[int, ...]]]:
-    """Per group, the reference completion's remainder after each of its boundaries
-    ``[r_0, r_1, ...]`` (``r_k`` = tokens from boundary ``k`` to its end, EOS included); groups
-    whose task has no reference are left out."""
+) -> dict[int, tuple[tuple[int, ...], list[int]]]:
+    """Per group, the reference completion's token ids (EOS included) and its boundaries
+    ``[0, rb_1, ..., rb_n]``; groups whose task has no reference are left out."""
     if segmenter.uses_entropy:  # a reference has no entropies: its lines, with the same options
         segmenter = dataclasses.replace(segmenter, strategy="newline")
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    out: dict[int, list[tuple[int, ...]]] = {}
+    out: dict[int, tuple[tuple[int, ...], list[int]]] = {}
     for row, problem in enumerate(batch.problems):
         gid = int(batch.group_ids[row])
         if gid in out:
@@ -147,8 +162,20 @@ def reference_remainders(
             continue
         ids = list(tokenizer(gold, add_special_tokens=False)["input_ids"]) + eos
         bounds, _, _ = segment_completion(segmenter, tokenizer, ids, text=gold)
-        out[gid] = [tuple(ids[b:]) for b in bounds[:-1]]
+        out[gid] = (tuple(ids), list(bounds))
     return out
+
+
+def reference_remainders(
+    batch: RolloutBatch, tokenizer, task, segmenter: Segmenter
+) -> dict[int, list[tuple[int, ...]]]:
+    """Per group, the reference completion's remainder after each of its boundaries
+    ``[r_0, r_1, ...]`` (``r_k`` = tokens from boundary ``k`` to its end, EOS included); groups
+    whose task has no reference are left out."""
+    return {
+        gid: [ids[b:] for b in bounds[:-1]]
+        for gid, (ids, bounds) in reference_paths(batch, tokenizer, task, segmenter).items()
+    }
 
 
 def build_continuations(
@@ -159,8 +186,10 @@ def build_continuations(
     source: str = "both",
     estimator: str = "importance",
     max_continuations: int = 4,
+    rows: set[int] | None = None,
 ) -> list[Continuation]:
-    """Every (row, boundary ``k < n``, continuation) of the batch, with its weight.
+    """Every (row, boundary ``k < n``, continuation) of the batch, with its weight (of the rows
+    in ``rows`` only, where given).
 
     ``own_logprobs[j]``: ``(T_j,)`` log π of correct row ``j``'s response tokens from its prompt
     (the proposal's log-probs; needed for ``importance``).
@@ -178,6 +207,8 @@ def build_continuations(
     correct = {row for row in range(batch.size) if float(batch.rewards[row]) >= 1.0}
     out: list[Continuation] = []
     for row, bounds in enumerate(batch.boundaries):
+        if rows is not None and row not in rows:
+            continue
         gid = int(batch.group_ids[row])
         members = groups[gid]
         G = len(members)
@@ -188,7 +219,7 @@ def build_continuations(
             order: list[tuple[int, ...]] = []
             ref = refs[k] if k < len(refs) else None
             if ref is not None:
-                found[ref] = [[0.0], float("nan")]
+                found[ref] = [[0.0], float("nan"), -1]
                 order.append(ref)
             if source in ("group", "both"):
                 for j in members:
@@ -201,7 +232,7 @@ def build_continuations(
                     if u not in found:
                         if len(order) >= max_continuations:
                             continue
-                        found[u] = [[], float("nan")]
+                        found[u] = [[], float("nan"), j]
                         order.append(u)
                     if estimator == "sum":
                         found[u][0] = [0.0]
@@ -214,11 +245,11 @@ def build_continuations(
                     if responses[j][: bj[k]] == prefix:
                         found[u][1] = log_q  # the prefix is the source's own: p = q
             for u in order:
-                log_weights, known = found[u]
+                log_weights, known, origin = found[u]
                 if log_weights:
                     log_weight = float(torch.tensor(log_weights, dtype=torch.float64).logsumexp(0))
                     known_logp = None if known != known else known  # nan -> probe it
-                    out.append(Continuation(row, k, u, log_weight, known_logp))
+                    out.append(Continuation(row, k, u, log_weight, known_logp, origin))
     return out
 
 
@@ -236,12 +267,18 @@ def continuation_values(
     packing: str = "auto",
     max_batch_tokens: int = 16384,
     logits_mb: int = 256,
+    reuse_reference: bool = False,
+    window: int = 0,
+    stop_below: float = 0.0,
+    scope: str = "all",
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """``V(s_k)`` for every boundary ``k < n`` (module docstring); ``values[b, n_b] = R_b``.
 
     Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``packing`` as
-    :func:`rredcot.methods.answer_likelihood.answer_values`.
+    :func:`rredcot.methods.answer_likelihood.answer_values`. ``reuse_reference``, ``window``,
+    ``stop_below``, ``scope``: :func:`cheap_values_from_scorer` (any of them set runs it).
     """
+    cheap = reuse_reference or window > 0 or stop_below > 0.0 or scope != "all"
     if packing not in ("auto", "packed", "unpacked"):
         raise ValueError(f"packing={packing!r}: use auto, packed or unpacked")
     use_packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
@@ -274,19 +311,19 @@ def continuation_values(
         return logprobs
 
     with eval_mode(policy):
-        references = (
-            reference_remainders(batch, tokenizer, task, segmenter)
+        paths = (
+            reference_paths(batch, tokenizer, task, segmenter)
             if source in ("reference", "both")
             else {}
         )
-        values, mask, stats = values_from_scorer(
-            batch,
-            references,
-            counted,
-            source=source,
-            estimator=estimator,
-            max_continuations=max_continuations,
-        )
+        references = {g: [ids[b:] for b in bounds[:-1]] for g, (ids, bounds) in paths.items()}
+        options = {"source": source, "estimator": estimator, "max_continuations": max_continuations}
+        if cheap:
+            values, mask, stats = cheap_values_from_scorer(
+                batch, paths, counted, window=window, stop_below=stop_below, scope=scope, **options
+            )
+        else:
+            values, mask, stats = values_from_scorer(batch, references, counted, **options)
     stats.update(
         {
             "credit/extra_forward_tokens": float(forwarded),
@@ -360,6 +397,182 @@ def values_from_scorer(
     return values, mask, stats
 
 
+def _reference_followed(responses, batch, paths, row: int) -> bool:
+    """Whether ``row``'s response is its group's reference token for token, cut at the same
+    boundaries (then every remainder of it is the reference's)."""
+    path = paths.get(int(batch.group_ids[row]))
+    return path is not None and (tuple(responses[row]), list(batch.boundaries[row])) == path
+
+
+def cheap_values_from_scorer(
+    batch: RolloutBatch,
+    paths: dict[int, tuple[tuple[int, ...], list[int]]],
+    score: Callable[[list[Probe]], list[Tensor]],
+    *,
+    source: str = "both",
+    estimator: str = "importance",
+    max_continuations: int = 4,
+    window: int = 0,
+    stop_below: float = 0.0,
+    scope: str = "all",
+    clip: bool = True,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """:func:`values_from_scorer`'s estimate with fewer forward tokens (module docstring, cheap
+    scoring); ``paths``: :func:`reference_paths`.
+
+    1. One pass scores each group's reference from its prompt, and the proposals of the correct
+       samples that are not the reference. ``π(r_k | s_k)`` of a prefix that is the reference's
+       own (token for token) is read from it: exact, no probe.
+    2. ``window > 0``: a probe scores the first ``window`` segments of its continuation only;
+       the rest is read from its source's own pass (the reference's, or the sample's proposal).
+    3. ``stop_below > 0``: each trace's first probed boundary goes first; a trace whose value
+       there is below ``stop_below`` gives that value to its later boundaries unprobed.
+    4. ``scope="all_wrong"``: only groups with no correct sample are scored; the others get the
+       group's mean reward at every boundary (GRPO's values; the method gives them lambda 1).
+
+    Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool, stats)``.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"continuation scope={scope!r}: use {', '.join(SCOPES)}")
+    if window < 0 or not 0.0 <= stop_below < 1.0:
+        raise ValueError(f"window={window} must be >= 0 and stop_below={stop_below} in [0, 1)")
+    responses = _response_tokens(batch)
+    gids = batch.group_ids.tolist()
+    mixed = all_right_or_mixed_groups(batch.rewards, batch.group_ids)
+    in_scope = {r for r in range(batch.size) if scope == "all" or gids[r] not in mixed}
+    use_reference = source in ("reference", "both")
+    paths = {g: p for g, p in paths.items() if use_reference}
+    first_row: dict[int, int] = {}
+    for r in sorted(in_scope):
+        first_row.setdefault(gids[r], r)
+    ref_groups = [g for g in first_row if g in paths]
+    ref_probes = [Probe(first_row[g], 0, 0, paths[g][0]) for g in ref_groups]
+    own_probes = []
+    if source in ("group", "both"):
+        own_probes = [
+            Probe(j, 0, 0, tuple(responses[j]))
+            for j in sorted(in_scope)
+            if float(batch.rewards[j]) >= 1.0
+            and responses[j]
+            and not _reference_followed(responses, batch, paths, j)
+        ]
+    first = score(ref_probes + own_probes) if ref_probes or own_probes else []
+    ref_logprobs = dict(zip(ref_groups, first[: len(ref_probes)]))
+    own_logprobs = {p.row: lp for p, lp in zip(own_probes, first[len(ref_probes) :])}
+    refs = {g: [ids[b:] for b in bounds[:-1]] for g, (ids, bounds) in paths.items()}
+    conts = build_continuations(
+        batch,
+        refs,
+        own_logprobs,
+        source=source,
+        estimator=estimator,
+        max_continuations=max_continuations,
+        rows=in_scope,
+    )
+
+    def source_pass(c: Continuation) -> tuple[Tensor, list[int]]:
+        """The source's per-token log-probs from its own prefix, and its boundaries."""
+        if c.source < 0:
+            g = gids[c.row]
+            return ref_logprobs[g], paths[g][1]
+        return own_logprobs[c.source], batch.boundaries[c.source]
+
+    logp: list[float | None] = [c.known_logp for c in conts]
+    from_reference = 0
+    for i, c in enumerate(conts):
+        if logp[i] is None and c.source < 0:
+            ids, bounds = paths[gids[c.row]]
+            if tuple(responses[c.row][: batch.boundaries[c.row][c.k]]) == ids[: bounds[c.k]]:
+                logp[i] = float(ref_logprobs[gids[c.row]][bounds[c.k] :].sum())
+                from_reference += 1
+    heads: dict[int, tuple[int, float]] = {}  # cont -> (tokens probed, log-prob of the rest)
+    for i, c in enumerate(conts):
+        if logp[i] is not None:
+            continue
+        head, tail = len(c.ids), 0.0
+        if window:
+            lps, bounds = source_pass(c)
+            if c.k + window < len(bounds) - 1:
+                head = bounds[c.k + window] - bounds[c.k]
+                tail = float(lps[bounds[c.k] + head :].sum())
+        heads[i] = (head, tail)
+    by_row: dict[int, list[int]] = {}
+    for i in heads:
+        by_row.setdefault(conts[i].row, []).append(i)
+    probes_run: list[Probe] = []
+
+    def probe(indices: list[int]) -> None:
+        probes = [
+            Probe(
+                conts[i].row,
+                conts[i].k,
+                batch.boundaries[conts[i].row][conts[i].k],
+                conts[i].ids[: heads[i][0]],
+            )
+            for i in indices
+        ]
+        for i, lp in zip(indices, score(probes) if probes else []):
+            logp[i] = float(lp.sum()) + heads[i][1]
+        probes_run.extend(probes)
+
+    stopped: dict[int, tuple[int, float]] = {}  # row -> (boundary, its value)
+    if stop_below > 0.0:
+        firsts = {row: min(conts[i].k for i in idx) for row, idx in by_row.items()}
+        probe([i for row, idx in by_row.items() for i in idx if conts[i].k == firsts[row]])
+        for row, k in firsts.items():
+            at = [i for i, c in enumerate(conts) if c.row == row and c.k == k]
+            v = sum(math.exp(min(0.0, conts[i].log_weight + logp[i])) for i in at)
+            if v < stop_below:
+                stopped[row] = (k, min(v, 1.0))
+    later = [i for i in heads if logp[i] is None and conts[i].row not in stopped]
+    probe(later)
+    skipped = [i for i in heads if logp[i] is None]
+    for i in skipped:
+        logp[i] = -math.inf  # a stopped trace's later continuations: its stop value instead
+    n = batch.num_segments.cpu()
+    S = int(n.max()) if len(n) else 0
+    extra = [(row, k2) for row, (k, _) in stopped.items() for k2 in range(k + 1, int(n[row]))]
+    slots = torch.tensor(
+        [c.row * (S + 1) + c.k for c in conts] + [row * (S + 1) + k2 for row, k2 in extra],
+        dtype=torch.long,
+    )
+    log_terms = torch.tensor(
+        logp + [math.log(max(stopped[row][1], 1e-300)) for row, _ in extra], dtype=torch.float64
+    )
+    log_weights = torch.tensor(
+        [c.log_weight for c in conts] + [0.0] * len(extra), dtype=torch.float64
+    )
+    flat = estimate_from_logprobs(log_terms, log_weights, slots, batch.size * (S + 1), clip)
+    values = flat.view(batch.size, S + 1).clone()
+    outside = [r for r in range(batch.size) if r not in in_scope]
+    if outside:
+        mean, _ = group_mean_std(batch.rewards.detach().float().cpu(), batch.group_ids.cpu())
+        values[outside] = mean[outside].unsqueeze(1).expand(-1, S + 1)
+    values[torch.arange(batch.size), n] = batch.rewards.detach().float().cpu()
+    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    stats = {
+        "credit/continuations": float(len(conts)),
+        "credit/continuations_probed": float(len(probes_run)),
+        "credit/continuations_per_boundary": len(conts) / max(int(n.sum()), 1),
+        "credit/continuation_tokens": float(sum(len(p.ids) for p in probes_run)),
+        "credit/continuations_from_reference": float(from_reference),
+        "credit/continuations_stopped": float(len(skipped)),
+        "credit/continuation_rows": float(len(in_scope)),
+    }
+    return values, mask, stats
+
+
+def all_right_or_mixed_groups(rewards: Tensor, group_ids: Tensor) -> set[int]:
+    """The ids of groups with at least one correct sample (``R >= 1``): GRPO already gives them
+    credit.
+
+    Args:
+        rewards: ``(B,)``; group_ids: ``(B,)`` long.
+    """
+    right = rewards.detach().cpu() >= 1.0
+    return {int(g) for g in group_ids.cpu()[right].tolist()}
+
+
 @register_credit("continuation_likelihood", options=ContinuationLikelihoodConfig)
 class ContinuationLikelihoodCredit(ValueSourceCredit):
     """Values from the policy's likelihood of known-good continuations after each prefix, with
@@ -385,6 +598,10 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
             "max_continuations": o.max_continuations,
             "max_batch_tokens": o.chunk_tokens,
             "logits_mb": o.logits_mb,
+            "reuse_reference": o.reuse_reference,
+            "window": o.window,
+            "stop_below": o.stop_below,
+            "scope": o.scope,
         }
 
     def _check_packing(self, batch: RolloutBatch) -> None:
@@ -417,6 +634,19 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
                 stacklevel=3,
             )
             self._packing = "unpacked"
+
+    def estimate(self, rows: CreditRows) -> Estimate:
+        """The guarded estimate; with ``scope=all_wrong`` the rows of groups with a correct
+        sample (valued at their group's mean reward, unscored) get lambda 1: GRPO's credit."""
+        est = super().estimate(rows)
+        if self.options.scope != "all_wrong":
+            return est
+        mixed = all_right_or_mixed_groups(rows.rewards, rows.group_ids)
+        grpo_rows = torch.tensor([int(g) in mixed for g in rows.group_ids.tolist()])
+        mask = est.credit.mask
+        lam = torch.full(mask[:, 1:].shape, float(est.credit.lam), device=mask.device)
+        lam[grpo_rows.to(mask.device)] = 1.0
+        return dataclasses.replace(est, credit=dataclasses.replace(est.credit, lam=lam))
 
     def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values, mask, stats)`` of :func:`continuation_values`, not anchored."""
