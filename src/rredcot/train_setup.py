@@ -31,6 +31,7 @@ from rredcot.credit_choice import (
 )
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
+from rredcot.memory import check_run_fits, resolve_micro_batch_tokens
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.normalization import get_normalizer
@@ -252,6 +253,7 @@ class TrainParts:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_pool: list[Problem]  # the prompts the steps draw from (prompts that fit)
     eval_set: list[Problem]  # the greedy-accuracy prompts (prompts that fit)
+    micro_batch_tokens: int = 0  # tokens a forward takes at a time (rredcot.memory)
 
 
 def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
@@ -277,6 +279,8 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     c = cfg.credit
     segmenter = segmenter_from_config(c, task.answer_line_pattern)
     train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
+    micro_batch_tokens = resolve_micro_batch_tokens(cfg.micro_batch_tokens, policy, device, log)
+    check_run_fits(cfg, policy, device, micro_batch_tokens, _longest_prompt(train_pool, tokenizer))
     choice = None
     if cfg.credit_method == AUTO:
         choice = probe_credit_choice(cfg, task, policy, tokenizer, segmenter, decoder, train_pool)
@@ -320,6 +324,7 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         scheduler=scheduler,
         train_pool=train_pool,
         eval_set=eval_set,
+        micro_batch_tokens=micro_batch_tokens,
     )
 
 
@@ -379,6 +384,15 @@ def _optimiser(cfg: TrainConfig, policy, accelerator: Accelerator):
         optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps * per_step, cfg.steps * per_step)
     )
     return model, optimizer, scheduler
+
+
+def _longest_prompt(problems: list[Problem], tokenizer, sample: int = 256) -> int:
+    """Tokens of the longest rendered prompt among the first ``sample`` of ``problems``."""
+    special = prompt_special_tokens(tokenizer)
+    return max(
+        len(tokenizer(render_prompt(p, tokenizer), add_special_tokens=special)["input_ids"])
+        for p in problems[:sample]
+    )
 
 
 def _prompt_sets(
