@@ -130,6 +130,7 @@ def test_update_gradient_in_micro_batches_equals_the_whole_batch_gradient(
             single_forward=single_forward,
         )
         trainer.cfg.credit.handover.mode = "off"
+        trainer.generation_rows = 0  # both sample the batch at once: the same rows to update on
         trainers[tokens] = trainer
         records[tokens], grads[tokens] = train_step_with_grads(trainer)
     whole, micro = trainers[0], trainers[1]
@@ -170,3 +171,40 @@ def test_a_run_that_cannot_fit_is_refused_before_it_samples(init_dir, tmp_path, 
     cfg = micro_config(init_dir, tmp_path / "ok", steps=1)
     cfg.micro_batch_tokens = 256
     assert Trainer(cfg, log=lambda *_: None).micro_batch_tokens == 256
+
+
+def test_sampling_in_chunks_of_whole_groups(tiny_policy, char_tokenizer):
+    """``max_rows`` generates whole prompts' groups at a time; at or above the batch it draws
+    exactly what one generation draws."""
+    from rredcot.rollout import sample
+
+    prompts = ["1+2=?\n", "3*4=?\n", "12+7=?\n"]
+
+    def draw(max_rows):
+        torch.manual_seed(0)
+        return sample(
+            tiny_policy,
+            char_tokenizer,
+            prompts,
+            num_generations=4,
+            max_new_tokens=10,
+            max_rows=max_rows,
+        )
+
+    whole = draw(0)
+    assert all(torch.equal(a, b) for a, b in zip(draw(12), whole) if torch.is_tensor(a))
+    ids, mask, P, response_mask = draw(5)  # one prompt's 4 rows at a time
+    assert whole[2] == P and ids.shape[0] == 12 and ids.shape[1] <= whole[0].shape[1]
+    assert torch.equal(ids[:, :P], whole[0][:, :P])  # the same prompts, in the same rows
+    assert response_mask.shape == (12, ids.shape[1] - P)
+    assert torch.equal(mask[:, P:], response_mask.long())
+
+
+def test_generation_rows_fit_the_micro_batch_budget():
+    shape = ModelShape(
+        vocab=49152, hidden=576, layers=30, kv_width=192, parameters=1, trainable=1, param_bytes=4
+    )
+    rows = memory.generation_rows(shape, 633, 214)
+    per_row = 214 * 2 * 30 * 192 * 4 + 16 * 49152
+    assert rows == (633 * shape.forward_bytes_per_token()) // per_row
+    assert 64 < rows < 128  # SmolLM2 at the defaults: the 128-row batch in two parts

@@ -138,12 +138,26 @@ def micro_batches(rows: torch.Tensor, row_tokens: int, budget: int) -> list[torc
     return list(rows.split(per))
 
 
+def generation_row_bytes(shape: ModelShape, length: int) -> int:
+    """Memory one sampled row takes while it is generated: its KV cache (``length`` positions
+    x 2 x layers x key width at the parameters' dtype) and its float32 next-token scores, sorted
+    for top-p (16 bytes per vocabulary entry)."""
+    return length * 2 * shape.layers * shape.kv_width * shape.param_bytes + 16 * shape.vocab
+
+
+def generation_rows(shape: ModelShape, micro_batch_tokens: int, length: int) -> int:
+    """Rows sampled at a time (``rollout.sample``'s ``max_rows``): as many as fit the memory
+    of one micro-batch's forward (``micro_batch_tokens`` x its bytes per token)."""
+    budget = micro_batch_tokens * shape.forward_bytes_per_token()
+    return max(1, budget // generation_row_bytes(shape, length))
+
+
 @dataclass(frozen=True)
 class RunEstimate:
     """What a run's memory grows with besides the micro-batch (bytes), and the free memory."""
 
-    weights: int  # the policy (and reference), gradients and AdamW moments
-    rollout: int  # the largest batch of sampled rows: KV cache, sampling logits, per-row tensors
+    weights: int  # gradients and AdamW moments still to be built, the frozen reference
+    rollout: int  # the batch's rows (per-row tensors, features) and the rows being generated
     micro_batch: int
     free: int
 
@@ -154,21 +168,21 @@ class RunEstimate:
 
 def estimate_run(cfg, policy, device, micro_batch_tokens: int, prompt_tokens: int) -> RunEstimate:
     """The memory a training run with ``cfg`` needs beyond what is already loaded: the optimiser
-    state still to be built, and one step's batch (``prompts_per_step`` or ``credit.auto_prompts``
-    prompts x ``num_generations``, ``prompt_tokens + max_new_tokens`` long)."""
+    state still to be built, and the largest batch it samples (:func:`sampled_rows` rows of
+    ``prompt_tokens + max_new_tokens``), generated :func:`generation_rows` rows at a time."""
     shape = ModelShape.of(policy)
-    s = cfg.sampling
     rows = sampled_rows(cfg)
-    length = prompt_tokens + s.max_new_tokens
-    kv_cache = 2 * shape.layers * shape.kv_width * shape.param_bytes * s.max_new_tokens
-    sampling_logits = 3 * 4 * shape.vocab  # each row's next-token scores, sorted for top-p
-    hidden_states = 2 * 4 * shape.hidden * length  # the value head's features (two layers)
-    per_row = kv_cache + sampling_logits + hidden_states + 64 * length
+    length = prompt_tokens + cfg.sampling.max_new_tokens
+    # per kept row: ids, masks, log-probs, advantages (~64 B a token) and two hidden layers of
+    # the value head's features
+    kept = rows * length * (64 + 2 * 4 * shape.hidden)
+    generating = min(rows, generation_rows(shape, micro_batch_tokens, length))
+    rollout = kept + generating * generation_row_bytes(shape, length)
     weights = 3 * 4 * shape.trainable  # gradients and AdamW's two moments (float32)
     if cfg.kl_coef > 0:
         weights += shape.parameters * shape.param_bytes  # the frozen reference
     micro = micro_batch_tokens * shape.forward_bytes_per_token()
-    return RunEstimate(weights, rows * per_row, micro, available_bytes(device))
+    return RunEstimate(weights, rollout, micro, available_bytes(device))
 
 
 def sampled_rows(cfg) -> int:
@@ -188,7 +202,7 @@ def check_run_fits(cfg, policy, device, micro_batch_tokens: int, prompt_tokens: 
     raise UserError(
         f"this run would need about {gib(est.total)} but {gib(est.free)} is free: "
         f"{rows} sampled rows of up to {prompt_tokens}+{s.max_new_tokens} tokens "
-        f"({gib(est.rollout)}: KV cache, sampling logits, features), optimiser state "
+        f"({gib(est.rollout)}: their tensors and features, the KV cache of those being generated), optimiser state "
         f"{gib(est.weights)}, micro-batch {gib(est.micro_batch)}; lower "
         f"--sampling.num_generations ({s.num_generations}) or --prompts_per_step "
         f"({cfg.prompts_per_step}) or --sampling.max_new_tokens ({s.max_new_tokens})"

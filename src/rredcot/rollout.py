@@ -330,6 +330,7 @@ def sample(
     device=None,
     use_model_generation_config: bool = False,
     decoder: str = "auto",
+    max_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
 
@@ -337,6 +338,9 @@ def sample(
     model's ``generation_config`` (repetition penalty, top-k, min-p, ...) is ignored unless
     ``use_model_generation_config``. ``decoder`` is ``sampling.decoder`` (auto, fast or hf;
     :func:`resolve_decoder`): both loops draw the same tokens from the same RNG state.
+    ``max_rows`` > 0 generates whole prompts' groups of at most that many rows at a time
+    (``rredcot.memory.generation_rows``), so the KV cache grows with it, not the batch; a batch
+    within it is generated at once, as with 0.
 
     Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
     """
@@ -344,31 +348,44 @@ def sample(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
-    if resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast":
-        response_ids = decode.generate(  # takes each prompt once, for its G samples
-            policy,
-            prompt_ids,
-            prompt_mask,
-            num_return_sequences=num_generations,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            greedy=greedy,
-            temperature=temperature,
-            top_p=top_p,
-        )
-    else:
-        response_ids = _hf_generate(
+    fast = resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast"
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if fast:
+            return decode.generate(  # takes each prompt once, for its G samples
+                policy,
+                ids,
+                mask,
+                num_return_sequences=num_generations,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                greedy=greedy,
+                temperature=temperature,
+                top_p=top_p,
+            )
+        return _hf_generate(
             policy,
             tokenizer,
-            repeated_ids,
-            repeated_mask,
+            ids.repeat_interleave(num_generations, dim=0),
+            mask.repeat_interleave(num_generations, dim=0),
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             greedy=greedy,
             use_model_generation_config=use_model_generation_config,
         )
+
+    per = len(prompts) if max_rows <= 0 else max(1, max_rows // num_generations)
+    parts = [
+        generate(prompt_ids[s : s + per], prompt_mask[s : s + per])
+        for s in range(0, len(prompts), per)
+    ]
+    width = max(part.shape[1] for part in parts)  # a part whose rows all ended stops early
+    fill = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.cat(
+        [F.pad(part, (0, width - part.shape[1]), value=fill) for part in parts]
+    )
     response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
     # Padding after EOS is replaced by the pad id so that the sequence is well formed.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -560,9 +577,11 @@ def sample_groups(
     decoder,
     *,
     tree: bool = True,
+    max_rows: int = 0,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """:func:`build_rollout_batch` at a run's sampling settings (``sampling``: its
-    ``SamplingConfig``), as tree groups where ``sampling.tree.enabled`` and ``tree``."""
+    ``SamplingConfig``), as tree groups where ``sampling.tree.enabled`` and ``tree``;
+    ``max_rows``: :func:`sample`'s."""
     return build_rollout_batch(
         policy,
         tokenizer,
@@ -576,6 +595,7 @@ def sample_groups(
         use_model_generation_config=sampling.use_model_generation_config,
         decoder=decoder,
         tree=sampling.tree if tree and sampling.tree.enabled else None,
+        max_rows=max_rows,
     )
 
 
@@ -593,6 +613,7 @@ def build_rollout_batch(
     use_model_generation_config: bool = False,
     decoder: str = "auto",
     tree=None,
+    max_rows: int = 0,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
 
@@ -622,7 +643,9 @@ def build_rollout_batch(
             policy, tokenizer, prompts, segmenter, tree, **options
         )
     else:
-        input_ids, attention_mask, P, response_mask = sample(policy, tokenizer, prompts, **options)
+        input_ids, attention_mask, P, response_mask = sample(
+            policy, tokenizer, prompts, **options, max_rows=max_rows
+        )
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
     checked = _verify_rows(tokenizer, task, rows_problems, input_ids[:, P:], response_mask)

@@ -31,7 +31,12 @@ from rredcot.credit_choice import (
 )
 from rredcot.errors import UserError
 from rredcot.loss import lr_lambda
-from rredcot.memory import check_run_fits, resolve_micro_batch_tokens
+from rredcot.memory import (
+    ModelShape,
+    check_run_fits,
+    generation_rows,
+    resolve_micro_batch_tokens,
+)
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.normalization import get_normalizer
@@ -254,6 +259,7 @@ class TrainParts:
     train_pool: list[Problem]  # the prompts the steps draw from (prompts that fit)
     eval_set: list[Problem]  # the greedy-accuracy prompts (prompts that fit)
     micro_batch_tokens: int = 0  # tokens a forward takes at a time (rredcot.memory)
+    generation_rows: int = 0  # rows sampled at a time (rredcot.memory.generation_rows)
 
 
 def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
@@ -280,10 +286,15 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     segmenter = segmenter_from_config(c, task.answer_line_pattern)
     train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
     micro_batch_tokens = resolve_micro_batch_tokens(cfg.micro_batch_tokens, policy, device, log)
-    check_run_fits(cfg, policy, device, micro_batch_tokens, _longest_prompt(train_pool, tokenizer))
+    longest = _longest_prompt(train_pool, tokenizer)
+    check_run_fits(cfg, policy, device, micro_batch_tokens, longest)
+    length = longest + cfg.sampling.max_new_tokens
+    max_rows = generation_rows(ModelShape.of(policy), micro_batch_tokens, length)
     choice = None
     if cfg.credit_method == AUTO:
-        choice = probe_credit_choice(cfg, task, policy, tokenizer, segmenter, decoder, train_pool)
+        choice = probe_credit_choice(
+            cfg, task, policy, tokenizer, segmenter, decoder, train_pool, max_rows
+        )
         apply_choice(cfg, choice)
         log(f"credit auto: {choice.method}, because {choice.reason}")
     method = build_credit(
@@ -325,11 +336,19 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         train_pool=train_pool,
         eval_set=eval_set,
         micro_batch_tokens=micro_batch_tokens,
+        generation_rows=max_rows,
     )
 
 
 def probe_credit_choice(
-    cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, decoder: str, pool: list[Problem]
+    cfg: TrainConfig,
+    task: Task,
+    policy,
+    tokenizer,
+    segmenter,
+    decoder: str,
+    pool: list[Problem],
+    max_rows: int = 0,
 ) -> CreditChoice:
     """``--credit auto``'s choice (``rredcot.credit_choice``) from ``credit.auto_prompts``
     prompts of the training pool, each sampled ``num_generations`` times from the starting
@@ -347,7 +366,15 @@ def probe_credit_choice(
         seed_everything(step_seed(cfg.seed, 0, salt=29))
         policy.eval()
         batch, stats = sample_groups(
-            policy, tokenizer, task, problems, segmenter, cfg.sampling, decoder, tree=False
+            policy,
+            tokenizer,
+            task,
+            problems,
+            segmenter,
+            cfg.sampling,
+            decoder,
+            tree=False,
+            max_rows=max_rows,
         )
     finally:
         restore_rng_state(rng_state)

@@ -88,6 +88,7 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.train_pool, self.eval_set = parts.train_pool, parts.eval_set
         self.micro_batch_tokens = parts.micro_batch_tokens
+        self.generation_rows = parts.generation_rows
         self.metrics = runio.MetricsLog(self.run_dir / runio.METRICS)
         # the run's totals (checkpoint.COUNTERS)
         self.step = 0
@@ -268,6 +269,7 @@ class Trainer:
             self.segmenter,
             self.cfg.sampling,
             self.decoder,
+            max_rows=self.generation_rows,
         )
         if forward:
             batch = self._fill_forward(batch)
