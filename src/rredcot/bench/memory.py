@@ -125,13 +125,14 @@ def _run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _cells(cfg: MemoryBenchConfig) -> list[tuple[str, str, int]]:
-    """(model, method, scale) of every measurement, in order."""
+    """(model, method, scale) of every measurement: per model, every method at scale 1, then
+    the larger scales."""
     methods = [m.strip() for m in cfg.methods.split(",") if m.strip()]
     scaled = methods if cfg.scaled_methods == "all" else cfg.scaled_methods.split(",")
     cells = []
     for model in [m.strip() for m in cfg.models.split(",") if m.strip()]:
-        for method in methods:
-            for scale in cfg.scale_list():
+        for scale in cfg.scale_list():  # every method at the default batch first
+            for method in methods:
                 if scale == 1 or method in scaled:
                     cells.append((model, method, scale))
     return cells
