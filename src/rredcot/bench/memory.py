@@ -25,8 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rredcot.bench.configs import MemoryBenchConfig
 from rredcot.bench.report import markdown_table
+from rredcot.config import TrainConfig
+from rredcot.trainer import Trainer
 
 GIB = 1 << 30
 MARKER = "MEMORY-RESULT "
@@ -61,11 +65,6 @@ class _PeakPoller:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this process: build the trainer of ``spec``, run its steps."""
-    import torch
-
-    from rredcot.config import TrainConfig
-    from rredcot.trainer import Trainer
-
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     cfg = TrainConfig(
