@@ -208,3 +208,33 @@ def test_generation_rows_fit_the_micro_batch_budget():
     per_row = 214 * 2 * 30 * 192 * 4 + 16 * 49152
     assert rows == (633 * shape.forward_bytes_per_token()) // per_row
     assert 64 < rows < 128  # SmolLM2 at the defaults: the 128-row batch in two parts
+
+
+def test_bench_memory_measures_a_step_in_its_own_process(tmp_path):
+    from rredcot.bench.configs import MemoryBenchConfig
+    from rredcot.bench.memory import _cells, run_memory_bench
+
+    cfg = MemoryBenchConfig(
+        methods="uniform,value_head",
+        models="tiny",
+        scales="1,2",
+        scaled_methods="uniform",
+        prompts_per_step=2,
+        threads=1,
+        out=str(tmp_path / "memory"),
+    )
+    assert _cells(cfg) == [
+        ("tiny", "uniform", 1),
+        ("tiny", "value_head", 1),
+        ("tiny", "uniform", 2),
+    ]
+    with pytest.raises(ValueError, match="--scales"):
+        MemoryBenchConfig(scales="1,x")
+
+    cfg.methods, cfg.scales = "uniform", "1"
+    (result,) = run_memory_bench(cfg, log=lambda *_: None)["results"]
+    assert "error" not in result, result
+    assert result["rows"] == 2 * 8
+    assert 0 < result["setup_rss"] <= result["step_peak_rss"] <= result["process_peak_rss"] * 1.05
+    table = (tmp_path / "memory" / "memory.md").read_text()
+    assert "| tiny" in table and "uniform" in table
