@@ -245,6 +245,9 @@ class MemoryBenchConfig:
         default=None,
     )
     threads: int = help_field("torch threads per process (0: rredcot train's auto).", default=0)
+    micro_batch_tokens: int = help_field(
+        "--micro_batch_tokens of every run (0: rredcot train's automatic rule).", default=0
+    )
     seed: int = help_field("Seed.", default=0)
     timeout: float = help_field("Seconds each measurement may run.", default=3600.0)
     out: str = help_field("Output directory.", default="benchmarks/results/memory")
@@ -259,8 +262,15 @@ class MemoryBenchConfig:
             raise ValueError(f"--scales {self.scales!r}: give integers, e.g. 1,2,4") from err
         if not scales or min(scales) < 1:
             raise ValueError(f"--scales {self.scales!r}: give integers >= 1, e.g. 1,2,4")
-        if self.steps < 1 or self.prompts_per_step < 1 or self.threads < 0:
-            raise ValueError("--steps and --prompts-per-step must be >= 1, --threads >= 0")
+        if (
+            self.steps < 1
+            or self.prompts_per_step < 1
+            or min(self.threads, self.micro_batch_tokens) < 0
+        ):
+            raise ValueError(
+                "--steps and --prompts-per-step must be >= 1, --threads and "
+                "--micro-batch-tokens >= 0"
+            )
 
 
 def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -78,6 +78,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         prompts_per_step=spec["prompts"],
         progress=False,
         threads=spec.get("threads", 0),
+        micro_batch_tokens=spec.get("micro_batch_tokens", 0),
     )
     if spec.get("model"):
         cfg.model.name_or_path = spec["model"]
@@ -153,6 +154,7 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict[str, Any]:
                 "steps": cfg.steps,
                 "seed": cfg.seed,
                 "threads": cfg.threads,
+                "micro_batch_tokens": cfg.micro_batch_tokens,
                 "out": str(Path(tmp) / f"run{i}"),
             }
             result = {
