@@ -810,8 +810,11 @@ class TrainConfig:
     single_forward: bool = help_field(
         "On-policy updates (1 epoch, 1 minibatch, no accumulation) run ONE policy forward per "
         "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
-        "credit before the loss is formed. False: a separate no-grad scoring pass as well "
-        "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        "credit before the loss is formed. A batch larger than one micro-batch "
+        "(micro_batch_tokens) keeps one forward where the credit reads none (uniform, the probe "
+        "methods) and takes a scoring pass where it reads hidden states or entropies. False: a "
+        "separate no-grad scoring pass as well (always used for off-policy updates; metric "
+        "forward/scoring_pass says which ran).",
         default=True,
     )
     skip_zero_advantage_rows: bool = help_field(
