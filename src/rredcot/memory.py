@@ -1,11 +1,11 @@
 """Memory bounded by a micro-batch: the token budget of each forward, and what a run needs.
 
-Every pass that forwards a batch (the policy update, the old-log-prob and reference passes, the
-credit methods' scoring passes, ``diagnose``) forwards it ``micro_batch_tokens`` tokens (rows x
-padded length) at a time, so its memory grows with the micro-batch, not the batch. Unset, the
-budget is chosen from the model's size and the free memory (:func:`auto_micro_batch_tokens`).
-A run whose batch alone would not fit (its sampling KV cache and per-row tensors) is refused
-before it starts (:func:`check_run_fits`), naming the flag to change.
+The trainer's passes over a batch (the policy update, the old-log-prob and reference passes)
+forward it ``micro_batch_tokens`` tokens (rows x padded length) at a time, and sampling generates
+:func:`generation_rows` rows at a time, so their memory grows with the micro-batch, not the batch
+(the credit methods' probe passes have token budgets of their own). Unset, the budget is chosen
+from the model's size and the free memory (:func:`auto_micro_batch_tokens`). A run whose batch
+would not fit is refused before it samples (:func:`check_run_fits`), naming the flag to change.
 """
 
 from __future__ import annotations
