@@ -844,8 +844,9 @@ class TrainConfig:
     resume: str | None = help_field(
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, max_train_seconds, max_compute, eval_every, eval_size, "
-        "checkpoint_every, keep_checkpoints, report_to, progress, threads, device, sampling.decoder, shared_prompt_forward and "
-        "skip_zero_advantage_rows may change.",
+        "checkpoint_every, keep_checkpoints, report_to, progress, threads, device, "
+        "sampling.decoder, shared_prompt_forward, skip_zero_advantage_rows and "
+        "micro_batch_tokens may change.",
         default=None,
     )
     overwrite: bool = help_field(
@@ -877,8 +878,11 @@ class TrainConfig:
     single_forward: bool = help_field(
         "On-policy updates (1 epoch, 1 minibatch, no accumulation) run ONE policy forward per "
         "step: the loss forward, whose detached log-probs, hidden states and entropies feed the "
-        "credit before the loss is formed. False: a separate no-grad scoring pass as well "
-        "(always used for off-policy updates; metric forward/scoring_pass says which ran).",
+        "credit before the loss is formed. A batch larger than one micro-batch "
+        "(micro_batch_tokens) keeps one forward where the credit reads none (uniform, the probe "
+        "methods) and takes a scoring pass where it reads hidden states or entropies. False: a "
+        "separate no-grad scoring pass as well (always used for off-policy updates; metric "
+        "forward/scoring_pass says which ran).",
         default=True,
     )
     skip_zero_advantage_rows: bool = help_field(
@@ -944,6 +948,17 @@ class TrainConfig:
         "beyond the idle cores only contend with other jobs; torch's default on accelerators.",
         default=0,
     )
+    micro_batch_tokens: int = help_field(
+        "Tokens (rows x padded length) forwarded at a time by every pass over a batch (the "
+        "update, with gradients accumulated across micro-batches; the old-log-prob, reference "
+        "and credit scoring passes), so memory grows with this, not the batch; a micro-batch "
+        "holds at least one row. The update's gradient is the whole batch's (to float rounding; "
+        "identical where the batch fits one micro-batch). 0 (auto): a budget of min(available "
+        "memory / 8, 1 GiB) on the CPU, free GPU memory / 4 on a GPU, divided by 4 x (3 x "
+        "vocabulary + 16 x hidden size x layers) bytes per token (at least 64); the run logs "
+        "the value (docs/memory.md).",
+        default=0,
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
@@ -985,6 +1000,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every must be >= 1")
         if self.threads < 0:
             raise ValueError("threads must be >= 0 (0: auto)")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: auto)")
         if self.max_tokens_generated < 0:
             raise ValueError(
                 f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
@@ -1013,6 +1030,7 @@ RESUMABLE_FIELDS = (
     "sampling.decoder",
     "shared_prompt_forward",
     "skip_zero_advantage_rows",
+    "micro_batch_tokens",
 )
 """Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
 is evaluated, checkpointed, logged and placed, never what it trains."""

@@ -19,6 +19,7 @@ from rredcot import credit, decode
 from rredcot import shared_prompt as shared_prompt_forward
 from rredcot import tree as tree_sampling
 from rredcot.batch import RolloutBatch
+from rredcot.memory import micro_batches
 from rredcot.segment import Segmenter, segment_completion
 from rredcot.shared_prefixes import shared_prefix_ids
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
@@ -130,17 +131,116 @@ def policy_forward(
         logits, hidden = _plain_forward(
             policy, input_ids, attention_mask, prompt_len, hidden_layers
         )
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
     targets = input_ids[:, prompt_len:]
-    logp_all = F.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logprobs, entropy = chosen_token_logprobs(logits, targets, temperature, with_entropy)
     return ForwardOutput(logprobs, entropy, hidden)
+
+
+LOGSOFTMAX_CHUNK_BYTES = 64 << 20
+"""The float32 log-softmax of at most this many bytes of logits exists at a time
+(:func:`chosen_token_logprobs`)."""
+
+
+def chosen_token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits / temperature)`` at ``targets``, ``(..., T)``, and optionally the
+    entropy of the same distribution (no graph), from ``logits (..., T, V)`` of any float dtype.
+
+    The float32 log-softmax runs over row chunks of at most ``chunk_bytes`` and is never kept:
+    the backward recomputes it chunk by chunk, so no full-vocabulary copy of the batch's logits
+    exists besides the logits and their gradient. Values, entropies and gradients are bit-identical
+    to ``F.log_softmax(logits.float() / temperature).gather(...)`` (the same kernels row by row;
+    ``tests/test_micro_batch.py``)."""
+    return _ChosenLogprobs.apply(logits, targets, float(temperature), with_entropy, chunk_bytes)
+
+
+class _ChosenLogprobs(torch.autograd.Function):
+    """:func:`chosen_token_logprobs`: chunked forward, log-softmax recomputed in the backward."""
+
+    @staticmethod
+    def _chunks(logits: torch.Tensor, chunk_bytes: int):
+        V = logits.shape[-1]
+        flat = logits.reshape(-1, V)
+        step = max(1, chunk_bytes // (4 * V))
+        return flat, [slice(s, s + step) for s in range(0, flat.shape[0], step)]
+
+    @staticmethod
+    def _log_softmax(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+        chunk = chunk.float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        return F.log_softmax(chunk, dim=-1)
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk_bytes):
+        flat, chunks = _ChosenLogprobs._chunks(logits, chunk_bytes)
+        index = targets.reshape(-1, 1)
+        chosen = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(chosen) if with_entropy else None
+        for sl in chunks:
+            logp = _ChosenLogprobs._log_softmax(flat[sl], temperature)
+            chosen[sl] = logp.gather(-1, index[sl]).squeeze(-1)
+            if entropy is not None:
+                entropy[sl] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.chunk_bytes = temperature, chunk_bytes
+        if entropy is None:
+            return chosen.view(targets.shape), None
+        entropy = entropy.view(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return chosen.view(targets.shape), entropy
+
+    @staticmethod
+    def backward(ctx, grad_chosen, _grad_entropy):
+        logits, targets = ctx.saved_tensors
+        flat, chunks = _ChosenLogprobs._chunks(logits, ctx.chunk_bytes)
+        index = targets.reshape(-1, 1)
+        grad_flat = grad_chosen.reshape(-1, 1).float()
+        grad_logits = torch.empty_like(flat)
+        for sl in chunks:
+            logp = _ChosenLogprobs._log_softmax(flat[sl], ctx.temperature)
+            # what gather's and log_softmax's own backwards compute, in the same kernels
+            picked = torch.zeros_like(logp).scatter_(-1, index[sl], grad_flat[sl])
+            grad = torch._log_softmax_backward_data(picked, logp, -1, torch.float32)
+            if ctx.temperature != 1.0:
+                grad = grad / ctx.temperature
+            grad_logits[sl] = grad.to(flat.dtype)
+        return grad_logits.view(logits.shape), None, None, None, None
+
+
+@torch.no_grad()
+def scoring_forward(
+    policy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    *,
+    micro_batch_tokens: int = 0,
+    **options,
+) -> ForwardOutput:
+    """:func:`policy_forward` without a graph, ``micro_batch_tokens`` tokens (rows x padded
+    length) at a time (0: all rows at once), its outputs concatenated over the rows: the
+    memory of a no-grad pass (old log-probs, the KL reference, credit scoring, diagnose)
+    grows with the micro-batch, not the batch. Row by row the same values as one forward."""
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    budget = micro_batch_tokens or input_ids.numel()
+    parts = [
+        policy_forward(policy, input_ids[m], attention_mask[m], prompt_len, **options)
+        for m in micro_batches(rows, input_ids.shape[1], budget)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(part, name) for part in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    return ForwardOutput(cat("logprobs"), cat("entropy"), cat("hidden_states"))
 
 
 def _keeps_logits(policy) -> bool:
@@ -230,6 +330,7 @@ def sample(
     device=None,
     use_model_generation_config: bool = False,
     decoder: str = "auto",
+    max_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
 
@@ -237,6 +338,9 @@ def sample(
     model's ``generation_config`` (repetition penalty, top-k, min-p, ...) is ignored unless
     ``use_model_generation_config``. ``decoder`` is ``sampling.decoder`` (auto, fast or hf;
     :func:`resolve_decoder`): both loops draw the same tokens from the same RNG state.
+    ``max_rows`` > 0 generates whole prompts' groups of at most that many rows at a time
+    (``rredcot.memory.generation_rows``), so the KV cache grows with it, not the batch; a batch
+    within it is generated at once, as with 0.
 
     Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
     """
@@ -244,31 +348,44 @@ def sample(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
-    if resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast":
-        response_ids = decode.generate(  # takes each prompt once, for its G samples
-            policy,
-            prompt_ids,
-            prompt_mask,
-            num_return_sequences=num_generations,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            greedy=greedy,
-            temperature=temperature,
-            top_p=top_p,
-        )
-    else:
-        response_ids = _hf_generate(
+    fast = resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast"
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if fast:
+            return decode.generate(  # takes each prompt once, for its G samples
+                policy,
+                ids,
+                mask,
+                num_return_sequences=num_generations,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                greedy=greedy,
+                temperature=temperature,
+                top_p=top_p,
+            )
+        return _hf_generate(
             policy,
             tokenizer,
-            repeated_ids,
-            repeated_mask,
+            ids.repeat_interleave(num_generations, dim=0),
+            mask.repeat_interleave(num_generations, dim=0),
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             greedy=greedy,
             use_model_generation_config=use_model_generation_config,
         )
+
+    per = len(prompts) if max_rows <= 0 else max(1, max_rows // num_generations)
+    parts = [
+        generate(prompt_ids[s : s + per], prompt_mask[s : s + per])
+        for s in range(0, len(prompts), per)
+    ]
+    width = max(part.shape[1] for part in parts)  # a part whose rows all ended stops early
+    fill = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.cat(
+        [F.pad(part, (0, width - part.shape[1]), value=fill) for part in parts]
+    )
     response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
     # Padding after EOS is replaced by the pad id so that the sequence is well formed.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -460,9 +577,11 @@ def sample_groups(
     decoder,
     *,
     tree: bool = True,
+    max_rows: int = 0,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """:func:`build_rollout_batch` at a run's sampling settings (``sampling``: its
-    ``SamplingConfig``), as tree groups where ``sampling.tree.enabled`` and ``tree``."""
+    ``SamplingConfig``), as tree groups where ``sampling.tree.enabled`` and ``tree``;
+    ``max_rows``: :func:`sample`'s."""
     return build_rollout_batch(
         policy,
         tokenizer,
@@ -476,6 +595,7 @@ def sample_groups(
         use_model_generation_config=sampling.use_model_generation_config,
         decoder=decoder,
         tree=sampling.tree if tree and sampling.tree.enabled else None,
+        max_rows=max_rows,
     )
 
 
@@ -493,6 +613,7 @@ def build_rollout_batch(
     use_model_generation_config: bool = False,
     decoder: str = "auto",
     tree=None,
+    max_rows: int = 0,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
 
@@ -522,7 +643,9 @@ def build_rollout_batch(
             policy, tokenizer, prompts, segmenter, tree, **options
         )
     else:
-        input_ids, attention_mask, P, response_mask = sample(policy, tokenizer, prompts, **options)
+        input_ids, attention_mask, P, response_mask = sample(
+            policy, tokenizer, prompts, **options, max_rows=max_rows
+        )
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
     checked = _verify_rows(tokenizer, task, rows_problems, input_ids[:, P:], response_mask)
@@ -644,16 +767,19 @@ def fill_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     shared_prompt: bool = True,
+    micro_batch_tokens: int = 0,
 ) -> RolloutBatch:
     """The no-grad scoring pass over a fresh batch: old log-probs (at the sampling temperature,
     so they score what was sampled), optionally the hidden states the value head reads and the
-    entropies entropy segmentation reads (``batch.entropies``)."""
+    entropies entropy segmentation reads (``batch.entropies``); ``micro_batch_tokens`` at a
+    time (:func:`scoring_forward`)."""
     with eval_mode(policy):
-        fwd = policy_forward(
+        fwd = scoring_forward(
             policy,
             batch.input_ids,
             batch.attention_mask,
             batch.prompt_len,
+            micro_batch_tokens=micro_batch_tokens,
             hidden_layers=hidden_layers,
             temperature=temperature,
             with_entropy=with_entropy,

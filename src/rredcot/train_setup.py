@@ -23,6 +23,12 @@ from rredcot.config import TrainConfig
 from rredcot.credit_choice import AUTO, check_method_name
 from rredcot.errors import UserError, require_extra
 from rredcot.loss import lr_lambda
+from rredcot.memory import (
+    ModelShape,
+    check_run_fits,
+    generation_rows,
+    resolve_micro_batch_tokens,
+)
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_policy, set_activation_checkpointing
 from rredcot.normalization import get_normalizer
@@ -243,6 +249,8 @@ class TrainParts:
     # --credit auto: the generators' states where a named method is built, so that the method
     # built after the choice is the one a named run builds (runio.capture_rng_state)
     method_rng: dict[str, Any] | None = None
+    micro_batch_tokens: int = 0  # tokens a forward takes at a time (rredcot.memory)
+    generation_rows: int = 0  # rows sampled at a time (rredcot.memory.generation_rows)
 
 
 def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
@@ -268,6 +276,11 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     c = cfg.credit
     segmenter = segmenter_from_config(c, task.answer_line_pattern)
     train_pool, eval_set = _prompt_sets(cfg, task, policy, tokenizer, log)
+    micro_batch_tokens = resolve_micro_batch_tokens(cfg.micro_batch_tokens, policy, device, log)
+    longest = _longest_prompt(train_pool, tokenizer)
+    check_run_fits(cfg, policy, device, micro_batch_tokens, longest)
+    length = longest + cfg.sampling.max_new_tokens
+    max_rows = generation_rows(ModelShape.of(policy), micro_batch_tokens, length)
     method, method_rng = None, None
     if cfg.credit_method == AUTO:  # chosen from step 1's own batch (Trainer.choose_credit)
         method_rng = capture_rng_state()
@@ -299,6 +312,8 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
         train_pool=train_pool,
         eval_set=eval_set,
         method_rng=method_rng,
+        micro_batch_tokens=micro_batch_tokens,
+        generation_rows=max_rows,
     )
 
 
@@ -343,6 +358,15 @@ def _optimiser(cfg: TrainConfig, policy, accelerator: Accelerator):
         optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps * per_step, cfg.steps * per_step)
     )
     return model, optimizer, scheduler
+
+
+def _longest_prompt(problems: list[Problem], tokenizer, sample: int = 256) -> int:
+    """Tokens of the longest rendered prompt among the first ``sample`` of ``problems``."""
+    special = prompt_special_tokens(tokenizer)
+    return max(
+        len(tokenizer(render_prompt(p, tokenizer), add_special_tokens=special)["input_ids"])
+        for p in problems[:sample]
+    )
 
 
 def _prompt_sets(

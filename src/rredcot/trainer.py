@@ -39,12 +39,14 @@ from rredcot.credit_choice import (
 )
 from rredcot.evaluation import greedy_accuracy
 from rredcot.loss import policy_loss
+from rredcot.memory import micro_batches
 from rredcot.normalization import masked_mean
 from rredcot.plots import plot_run
 from rredcot.rollout import (
     fill_forward,
     policy_forward,
     sample_groups,
+    scoring_forward,
     segment_batch,
     train_mode_without_dropout,
 )
@@ -97,6 +99,8 @@ class Trainer:
         self._method_rng = parts.method_rng
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.train_pool, self.eval_set = parts.train_pool, parts.eval_set
+        self.micro_batch_tokens = parts.micro_batch_tokens
+        self.generation_rows = parts.generation_rows
         self.metrics = runio.MetricsLog(self.run_dir / runio.METRICS)
         # the run's totals (checkpoint.COUNTERS)
         self.step = 0
@@ -216,11 +220,17 @@ class Trainer:
 
         # The forward the credit reads: on-policy, the loss forward itself (run first only for
         # methods that read it: hidden states, entropy cuts); otherwise a no-grad scoring pass.
+        # A batch larger than one micro-batch cannot keep its loss forward's graph while the
+        # credit is computed: the credit reads a no-grad pass, the loss forwards its own
+        # micro-batches (or, where the credit reads no forward, they are the only pass).
         loss_forward = None
-        if not self.single_pass():
+        one_graph = self.single_pass() and len(self._micro_batches(batch)) == 1
+        reads_forward = self.method.needs_hidden_states or self.segmenter.uses_entropy
+        scoring_pass = not self.single_pass() or (reads_forward and not one_graph)
+        if scoring_pass:
             batch = self._fill_forward(batch)
             clock.lap("old_logprobs")
-        elif self.method.needs_hidden_states or self.segmenter.uses_entropy:
+        elif reads_forward:
             batch, loss_forward = self._loss_forward(batch)
             clock.lap("update")
 
@@ -234,7 +244,7 @@ class Trainer:
         advantages = shared_token_weighted(
             credit_out.advantages.detach(), batch, self.cfg.sampling.tree.shared_token_weight
         )
-        if self.single_pass() and loss_forward is None:
+        if one_graph and loss_forward is None:
             rows = self._rows_with_gradient(
                 batch, torch.arange(batch.size), advantages, ref_logprobs
             )
@@ -245,7 +255,7 @@ class Trainer:
         value_stats = self.method.update(credit_rows, estimate)
         clock.lap("value_update")
         return self._record(
-            step, batch, stats, credit_out, update_stats, value_stats, clock, not self.single_pass()
+            step, batch, stats, credit_out, update_stats, value_stats, clock, scoring_pass
         )
 
     def choose_credit(self, batch: RolloutBatch, problems) -> None:
@@ -310,6 +320,7 @@ class Trainer:
             self.segmenter,
             self.cfg.sampling,
             self.decoder,
+            max_rows=self.generation_rows,
         )
         if forward:
             batch = self._fill_forward(batch)
@@ -325,6 +336,7 @@ class Trainer:
             temperature=self.cfg.sampling.temperature,
             shared_prompt=self.cfg.shared_prompt_forward,
             with_entropy=self.segmenter.uses_entropy,
+            micro_batch_tokens=self.micro_batch_tokens,
         )
         if self.segmenter.uses_entropy:
             batch = segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
@@ -333,15 +345,21 @@ class Trainer:
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         if self.reference is None:
             return None
-        with torch.no_grad():
-            return policy_forward(
-                self.reference,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.prompt_len,
-                temperature=self.cfg.sampling.temperature,
-                shared_prompt=self.cfg.shared_prompt_forward,
-            ).logprobs
+        return scoring_forward(
+            self.reference,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            micro_batch_tokens=self.micro_batch_tokens,
+            temperature=self.cfg.sampling.temperature,
+            shared_prompt=self.cfg.shared_prompt_forward,
+        ).logprobs
+
+    def _micro_batches(self, batch: RolloutBatch, rows: torch.Tensor | None = None):
+        """``rows`` (default: all) in consecutive micro-batches of at most
+        ``micro_batch_tokens`` tokens (``rredcot.memory.micro_batches``)."""
+        rows = torch.arange(batch.size) if rows is None else rows
+        return micro_batches(rows, batch.input_ids.shape[1], self.micro_batch_tokens)
 
     def single_pass(self) -> bool:
         """Whether the loss forward is the step's only policy forward: an on-policy update (one
@@ -415,8 +433,8 @@ class Trainer:
         steps: list[dict[str, float]] = []
         for _ in range(cfg.epochs_per_batch):
             order = torch.randperm(batch.size, generator=gen)
-            if loss_forward is not None:
-                order = torch.arange(batch.size)  # the forward already ran in batch order
+            if self.single_pass():  # one minibatch: batch order keeps a prompt's rows together
+                order = torch.arange(batch.size)
             for rows in order.chunk(cfg.minibatches):
                 steps.append(
                     self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward)
@@ -444,7 +462,9 @@ class Trainer:
             "entropy": 0.0,
             "update/rows_forwarded": len(live) / max(len(rows), 1),
         }
-        micros = live.chunk(cfg.grad_accumulation) if len(live) else ()
+        micros = []  # grad_accumulation chunks, each in micro-batches of micro_batch_tokens
+        for chunk in live.chunk(cfg.grad_accumulation) if len(live) else ():
+            micros += [chunk] if loss_forward is not None else self._micro_batches(batch, chunk)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not micros:  # every row's gradient is zero: the optimiser still takes its step
             for p in params:
@@ -465,9 +485,11 @@ class Trainer:
                         shared_prompt=cfg.shared_prompt_forward,
                     )
                 rmask = batch.response_mask[micro]
+                # no scoring pass ran (an on-policy update in micro-batches): old = new, detached
+                on_policy = batch.old_logprobs is None
                 loss, stats = policy_loss(
                     fwd.logprobs,
-                    batch.old_logprobs[micro],
+                    fwd.logprobs.detach() if on_policy else batch.old_logprobs[micro],
                     advantages[micro],
                     rmask,
                     num_rows=len(rows),

@@ -1,4 +1,4 @@
-"""``rredcot bench credit | learn | overhead | peer``: the command-line side of the benchmarks.
+"""``rredcot bench credit | learn | overhead | peer | memory``: the command-line side of the benchmarks.
 
 Each subcommand's flags are generated from its config dataclass (``rredcot.bench.configs``) by
 the generator ``rredcot train`` uses, so every flag has its help text and its default from one
@@ -18,6 +18,7 @@ import importlib
 from rredcot.bench.configs import (
     CreditBenchConfig,
     LearnBenchConfig,
+    MemoryBenchConfig,
     OverheadBenchConfig,
     PeerBenchConfig,
     parse_trl_overrides,
@@ -58,6 +59,13 @@ SUBCOMMANDS = {
         "rredcot's uniform trainer against TRL's GRPOTrainer: same model, task, batch, length.",
         "Alternating processes; seconds per step, completions per second, peak memory and the "
         "time split of each. Writes peer.json and peer.md under --out.",
+    ),
+    "memory": (
+        MemoryBenchConfig,
+        "rredcot.bench.memory",
+        "run_memory_bench",
+        "Peak resident memory of a step per credit method, model and batch size.",
+        "Each measurement in its own process; writes memory.json and memory.md under --out.",
     ),
 }
 # fields filled from flags of their own, not from the generator

@@ -246,6 +246,66 @@ class PeerBenchConfig:
             raise ValueError("--max-new-tokens must be >= 1")
 
 
+MEMORY_METHODS = (
+    "uniform,value_head,answer_likelihood,continuation_likelihood,monte_carlo,gradient,"
+    "attention,first_last"
+)
+
+
+@dataclass
+class MemoryBenchConfig:
+    methods: str = help_field("Comma-separated credit methods.", default=MEMORY_METHODS)
+    models: str = help_field(
+        "Comma-separated models: 'tiny' (the arithmetic warm-start) or a --model.name_or_path "
+        "(e.g. smollm2-135m-instruct).",
+        default="tiny,smollm2-135m-instruct",
+    )
+    scales: str = help_field(
+        "Comma-separated batch multipliers of --prompts-per-step (1 is the default batch).",
+        default="1,2,4",
+    )
+    scaled_methods: str = help_field(
+        "Methods measured at the scales above 1: 'all', or a comma-separated list (the others "
+        "at scale 1 only).",
+        default="all",
+    )
+    prompts_per_step: int = help_field("Prompts per step at scale 1.", default=16)
+    steps: int = help_field("Steps per measurement (each in its own process).", default=1)
+    tiny_task: str = help_field("Task of the tiny model.", default="arithmetic")
+    real_task: str = help_field("Task of the other models.", default="gsm8k")
+    real_task_data: str | None = help_field(
+        "--task.data of the real task (e.g. a GSM8K jsonl); default: the task's own.",
+        default=None,
+    )
+    threads: int = help_field("torch threads per process (0: rredcot train's auto).", default=0)
+    micro_batch_tokens: int = help_field(
+        "--micro_batch_tokens of every run (0: rredcot train's automatic rule).", default=0
+    )
+    seed: int = help_field("Seed.", default=0)
+    timeout: float = help_field("Seconds each measurement may run.", default=3600.0)
+    out: str = help_field("Output directory.", default="benchmarks/results/memory")
+
+    def scale_list(self) -> list[int]:
+        return [int(s) for s in self.scales.split(",") if s.strip()]
+
+    def __post_init__(self) -> None:
+        try:
+            scales = self.scale_list()
+        except ValueError as err:
+            raise ValueError(f"--scales {self.scales!r}: give integers, e.g. 1,2,4") from err
+        if not scales or min(scales) < 1:
+            raise ValueError(f"--scales {self.scales!r}: give integers >= 1, e.g. 1,2,4")
+        if (
+            self.steps < 1
+            or self.prompts_per_step < 1
+            or min(self.threads, self.micro_batch_tokens) < 0
+        ):
+            raise ValueError(
+                "--steps and --prompts-per-step must be >= 1, --threads and "
+                "--micro-batch-tokens >= 0"
+            )
+
+
 def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:
     """``["bf16=true", "loss_type=grpo"]`` -> ``{"bf16": True, "loss_type": "grpo"}`` (values are
     JSON where they parse as JSON, strings otherwise); keys must be ``GRPOConfig`` fields."""
