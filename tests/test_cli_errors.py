@@ -385,16 +385,16 @@ def test_every_command_that_writes_refuses_a_blank_path(command, tmp_path, monke
 def test_names_and_data_fail_before_explain_or_diagnose_loads_a_model(
     init_dir, tmp_path, monkeypatch, capsys
 ):
-    import rredcot.diagnose
+    import rredcot.diagnose.measure
     import rredcot.explain_model
     import rredcot.train_setup
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the names and the data were checked")
 
-    for module in (rredcot.explain_model, rredcot.diagnose, rredcot.train_setup):
+    for module in (rredcot.explain_model, rredcot.diagnose.measure, rredcot.train_setup):
         monkeypatch.setattr(module, "load_policy", no_loading)
-    monkeypatch.setattr(rredcot.diagnose, "default_policy_source", no_loading)
+    monkeypatch.setattr(rredcot.diagnose.measure, "default_policy_source", no_loading)
     monkeypatch.setattr(rredcot.train_setup, "default_policy_source", no_loading)
     bad_data = tmp_path / "data.jsonl"
     bad_data.write_text('{"question": "1+1?"}\n{not json\n')
