@@ -19,10 +19,20 @@ import torch
 from rredcot import runio
 from rredcot.models import load_policy
 
-COUNTERS = ("step", "samples_seen", "tokens_generated", "extra_tokens_generated", "skipped_total")
+COUNTERS = (
+    "step",
+    "samples_seen",
+    "tokens_generated",
+    "extra_tokens_generated",
+    "skipped_total",
+    "reference_tokens_trained",
+)
 """The run's totals after the checkpoint's step, as ``trainer_state.pt`` keys."""
 
-_ADDED_LATER = {"extra_tokens_generated": 0}  # absent from older checkpoints: their default
+_ADDED_LATER = {
+    "extra_tokens_generated": 0,
+    "reference_tokens_trained": 0,
+}  # absent from older checkpoints: their default
 
 
 def save_training_checkpoint(

@@ -745,6 +745,58 @@ class CreditConfig:
         raise ValueError(f"{cls.__name__} is not a section of CreditConfig")
 
 
+REFERENCE_MODES = ("off", "sft", "luffy")
+"""The values of ``references.mode`` (:mod:`rredcot.references` says what each trains)."""
+
+REFERENCE_GROUPS = ("failed", "all")
+"""The values of ``references.groups``."""
+
+
+@dataclass
+class ReferencesConfig:
+    """Training on the task's reference solutions (Task.gold_completion) beside the RL loss: the
+    baselines a credit method that reads references must beat (rredcot.references)."""
+
+    mode: str = help_field(
+        "off (no reference is read), sft (a supervised term: references.sft_coef times the NLL "
+        "of the chosen groups' references, aggregated as loss_agg aggregates, added to the loss "
+        "of every optimiser step) or luffy (the reference joins its group as one more sample "
+        "with its verified reward, the credit method's advantages computed with it, its tokens "
+        "trained off-policy with LUFFY's shaped, unclipped ratio f(pi) = pi / (pi + gamma)). "
+        "Either way the reference tokens trained on count against max_tokens_generated (metric "
+        "reference_tokens_trained).",
+        default="off",
+    )
+    groups: str = help_field(
+        "Which groups get their reference: failed (no sample with reward >= 1, where GRPO has no "
+        "signal) or all (every group of the step: plain SFT mixing, or LUFFY as published).",
+        default="failed",
+    )
+    sft_coef: float = help_field(
+        "Weight of the supervised term (references.mode sft).", default=0.1
+    )
+    shaping_gamma: float = help_field(
+        "gamma of LUFFY's policy shaping f(pi) = pi / (pi + gamma) of a reference token's "
+        "probability (references.mode luffy; LUFFY uses 0.1).",
+        default=0.1,
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in REFERENCE_MODES:
+            raise ValueError(f"references.mode={self.mode!r}: use {', '.join(REFERENCE_MODES)}")
+        if self.groups not in REFERENCE_GROUPS:
+            raise ValueError(
+                f"references.groups={self.groups!r}: use {', '.join(REFERENCE_GROUPS)}"
+            )
+        if not self.sft_coef > 0:
+            raise ValueError(
+                f"references.sft_coef={self.sft_coef} must be > 0 (references.mode off turns "
+                "the references off)"
+            )
+        if not self.shaping_gamma > 0:
+            raise ValueError(f"references.shaping_gamma={self.shaping_gamma} must be > 0")
+
+
 @dataclass
 class TrainConfig:
     task: str = help_field(
@@ -841,8 +893,8 @@ class TrainConfig:
     )
     max_tokens_generated: int = help_field(
         "Token budget: stop once the sampled tokens reach it, counting the policy's rollouts "
-        "plus the tokens a credit method generates on top (Monte Carlo continuations); 0: no "
-        "budget, only `steps` ends the run.",
+        "plus the tokens a credit method generates on top (Monte Carlo continuations) and the "
+        "reference tokens trained on (references.mode); 0: no budget, only `steps` ends the run.",
         default=0,
     )
     eval_every: int = help_field(
@@ -866,6 +918,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
+    references: ReferencesConfig = field(default_factory=ReferencesConfig)
 
     def loss_settings(self) -> dict[str, Any]:
         """The clipped PG term's settings, as ``loss.policy_loss`` takes them (the KL term, which
@@ -905,6 +958,11 @@ class TrainConfig:
             raise ValueError("out='' names no directory (it would be the current one); give --out")
         if self.resume is not None and not self.resume.strip():
             raise ValueError("resume='' names no run directory; give --resume RUN_DIR")
+        if self.references.mode == "luffy" and self.sampling.tree.enabled:
+            raise ValueError(
+                "references.mode luffy adds the reference to independent groups; it does not "
+                "join tree groups: turn sampling.tree.enabled off or use references.mode sft"
+            )
 
 
 RESUMABLE_FIELDS = (
