@@ -335,3 +335,21 @@ def test_references_off_leaves_a_run_as_before(init_dir, tmp_path, monkeypatch):
         for r in records
     ]
     assert timeless == json.loads(FIXTURE.read_text())
+
+
+def test_a_learn_bench_variant_sets_the_references(tmp_path):
+    from rredcot.bench.learn import LearnBenchConfig, train_config
+    from rredcot.bench.variants import parse_variants
+
+    spec = "ref_sft=uniform:references.mode=sft:references.sft_coef=0.5,ref_luffy=uniform:references.mode=luffy:references.groups=all"
+    cfg = LearnBenchConfig(methods=spec, out=str(tmp_path))
+    sft, luffy = (train_config(cfg, v, 0, "init", tmp_path / v.name) for v in parse_variants(spec))
+    assert (sft.credit_method, sft.references.mode, sft.references.sft_coef) == (
+        "uniform",
+        "sft",
+        0.5,
+    )
+    assert (luffy.references.mode, luffy.references.groups) == ("luffy", "all")
+    with pytest.raises(ValueError, match="references.mode='rl'"):
+        bad = parse_variants("bad=uniform:references.mode=rl")[0]
+        train_config(cfg, bad, 0, "init", tmp_path / "bad")
