@@ -29,6 +29,11 @@ GRPO has no signal (``groups=all``: every group, as LUFFY).
 
 Both are charged to the token budget: every reference token trained on in a step counts once in
 ``extra_tokens_generated`` (and in ``reference_tokens_trained``).
+
+Another trainer (TRL) calls the same pieces: :func:`chosen_groups` on its rewards,
+:func:`reference_rows` on its prompt ids and mask, then either :func:`reference_nll` on the
+reference rows' log-probs (sft) or the rows appended to its completions with an ``off_policy``
+row mask, which ``rredcot.loss.policy_loss`` (or :func:`off_policy_pg` in its own loss) reads.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ __all__ = [
     "chosen_groups",
     "off_policy_pg",
     "reference_nll",
+    "reference_rows",
     "reference_samples",
     "shaped_ratio",
 ]
@@ -106,25 +112,49 @@ def chosen_groups(rewards: Tensor, group_ids: Tensor, which: str) -> list[int]:
 def build_reference_rows(
     batch: RolloutBatch, groups: list[int], task: Task, tokenizer
 ) -> ReferenceRows:
-    """One reference row per group of ``groups`` whose problem has a reference (others are left
-    out): the group's prompt columns copied from its first row, then the reference's tokens and
-    EOS, right-padded to the longest."""
+    """:func:`reference_rows` for the groups ``groups`` of a :class:`RolloutBatch`."""
     P = batch.prompt_len
+    return reference_rows(
+        batch.input_ids[:, :P],
+        batch.attention_mask[:, :P],
+        batch.group_ids,
+        batch.problems,
+        groups,
+        task,
+        tokenizer,
+    )
+
+
+def reference_rows(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group_ids: Tensor,
+    problems: list[Problem],
+    groups: list[int],
+    task: Task,
+    tokenizer,
+) -> ReferenceRows:
+    """One reference row per group of ``groups`` whose problem has a reference (others are left
+    out): the group's left-padded prompt ``prompt_ids`` / ``prompt_mask (B, P)`` copied from its
+    first row, then the reference's tokens and EOS, right-padded to the longest. ``group_ids
+    (B,)`` and ``problems`` (B) name each row's group and problem (any trainer's batch: TRL's
+    ``prompt_ids`` / ``prompt_mask`` too)."""
+    P = prompt_ids.shape[1]
     first_row = {}
-    for row, gid in enumerate(batch.group_ids.tolist()):
+    for row, gid in enumerate(group_ids.tolist()):
         first_row.setdefault(int(gid), row)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     picked, responses, texts = [], [], []
     for gid in groups:
         row = first_row[gid]
-        gold = task.gold_completion(batch.problems[row])
+        gold = task.gold_completion(problems[row])
         if gold is None:
             continue
         picked.append((gid, row))
         responses.append(list(tokenizer(gold, add_special_tokens=False)["input_ids"]) + eos)
         texts.append(gold)
-    device = batch.input_ids.device
+    device = prompt_ids.device
     T = max((len(r) for r in responses), default=0)
     R = len(picked)
     response_ids = torch.full((R, T), pad, dtype=torch.long, device=device)
@@ -133,15 +163,13 @@ def build_reference_rows(
         response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
         response_mask[i, : len(ids)] = 1.0
     rows = torch.tensor([row for _, row in picked], dtype=torch.long, device=device)
-    prompt_ids = batch.input_ids[rows, :P]
-    prompt_mask = batch.attention_mask[rows, :P]
     return ReferenceRows(
-        input_ids=torch.cat([prompt_ids, response_ids], dim=1),
-        attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+        input_ids=torch.cat([prompt_ids[rows], response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask[rows], response_mask.long()], dim=1),
         prompt_len=P,
         response_mask=response_mask,
         group_ids=torch.tensor([g for g, _ in picked], dtype=torch.long, device=device),
-        problems=[batch.problems[row] for _, row in picked],
+        problems=[problems[row] for _, row in picked],
         completions=texts,
     )
 
