@@ -353,3 +353,98 @@ def test_a_learn_bench_variant_sets_the_references(tmp_path):
     with pytest.raises(ValueError, match="references.mode='rl'"):
         bad = parse_variants("bad=uniform:references.mode=rl")[0]
         train_config(cfg, bad, 0, "init", tmp_path / "bad")
+
+
+# ---------------------------------------------------------------------------------------------
+# bread: rollouts branched from a reference prefix
+
+
+class _FirstLineTask(ArithmeticTask):
+    """Reward 1 when the completion starts with the reference's first line: a branch from the
+    reference prefix is right by construction, a random policy's own sample is not."""
+
+    def verify(self, problem, completion):
+        first = self.gold_completion(problem).split("\n")[0] + "\n"
+        return Verdict(float(completion.startswith(first)), None, None, "first line")
+
+
+class _FirstLineParityTask(_FirstLineTask):
+    """:class:`_FirstLineTask` whose right starts must also go on with a character of even code:
+    mixed rewards among the branches, none among a random policy's own samples."""
+
+    def verify(self, problem, completion):
+        first = self.gold_completion(problem).split("\n")[0] + "\n"
+        rest = completion[len(first) :] if completion.startswith(first) else ""
+        return Verdict(float(bool(rest) and ord(rest[0]) % 2 == 0), None, None, "parity")
+
+
+register_task("test_references_first_line")(_FirstLineTask)
+register_task("test_references_first_line_parity")(_FirstLineParityTask)
+
+
+def test_branched_rollouts_start_from_the_reference_prefix(tiny_policy, char_tokenizer):
+    from rredcot.config import SamplingConfig
+
+    task = get_task("test_references_first_line", num_steps=2)
+    batch = _wrong_batch(tiny_policy, char_tokenizer, task)
+    sampling = SamplingConfig(num_generations=3, max_new_tokens=8)
+    torch.manual_seed(5)
+    branch, generated = references.branch_samples(
+        tiny_policy,
+        batch,
+        [0, 1],
+        task,
+        char_tokenizer,
+        get_segmenter("newline"),
+        sampling,
+        "auto",
+        fraction=0.5,
+        rollouts=2,
+    )
+    assert branch.size == 4 and generated == int(branch.response_mask.sum()) > 0
+    assert branch.group_ids.tolist() == [2, 2, 3, 3]  # groups of their own
+    for row in range(4):
+        problem = branch.problems[row]
+        prefix = task.gold_completion(problem).split("\n")[0] + "\n"  # 1 of 3 lines (fraction 0.5)
+        assert references.reference_prefix(task, problem, 0.5) == prefix
+        prompt = char_tokenizer.decode(
+            branch.input_ids[row, : branch.prompt_len], skip_special_tokens=True
+        )
+        assert prompt.endswith(
+            render_prompt(problem, char_tokenizer) + prefix
+        )  # context, not trained
+        assert float(branch.rewards[row]) == 1.0  # verified on prefix + completion
+    # merged: the batch's own rows score as before (more left padding, same log-probs)
+    merged = references.merge_batches(batch, branch, char_tokenizer.pad_token_id)
+    assert merged.size == batch.size + 4 and merged.prompt_len == branch.prompt_len
+    alone = policy_forward(tiny_policy, batch.input_ids, batch.attention_mask, batch.prompt_len)
+    both = policy_forward(tiny_policy, merged.input_ids, merged.attention_mask, merged.prompt_len)
+    T = batch.response_len
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(
+        both.logprobs[: batch.size, :T][mask], alone.logprobs[mask], rtol=1e-4, atol=1e-5
+    )
+    assert merged.rewards.tolist() == batch.rewards.tolist() + [1.0] * 4
+
+
+def test_bread_run_charges_its_rollouts_and_learns_from_them(init_dir, tmp_path):
+    task = "test_references_first_line_parity"
+    cfg = micro_config(init_dir, tmp_path / "run", steps=1, task=task)
+    cfg.references.mode = "bread"
+    cfg.references.branch_rollouts = 4
+    trainer = Trainer(cfg, log=lambda *_: None)
+    record, grads = train_step_with_grads(trainer, 1)
+    assert record["reward_mean"] == 0.0 and record["samples_seen"] == 8  # own samples only
+    assert record["references/groups"] == 2
+    assert 0.0 < record["references/branch_reward_mean"] < 1.0  # the branches disagree
+    assert record["extra_tokens_generated"] == record["references/branch_tokens"] > 0
+    assert record["reference_tokens_trained"] == 0  # the prefix is context, not trained on
+    assert undocumented(set(record)) == []
+    # the own groups all fail (no signal); the branch groups' mixed rewards give the gradient
+    assert record["advantage_abs_mean"] > 0
+    assert max(float(g.abs().max()) for g in grads) > 0
+
+
+def test_bread_needs_uniform_credit():
+    with pytest.raises(ValueError, match="bread runs with credit_method uniform"):
+        TrainConfig(credit_method="value_head", references=ReferencesConfig(mode="bread"))

@@ -745,7 +745,7 @@ class CreditConfig:
         raise ValueError(f"{cls.__name__} is not a section of CreditConfig")
 
 
-REFERENCE_MODES = ("off", "sft", "luffy")
+REFERENCE_MODES = ("off", "sft", "luffy", "bread")
 """The values of ``references.mode`` (:mod:`rredcot.references` says what each trains)."""
 
 REFERENCE_GROUPS = ("failed", "all")
@@ -762,8 +762,10 @@ class ReferencesConfig:
         "of the chosen groups' references, aggregated as loss_agg aggregates, added to the loss "
         "of every optimiser step) or luffy (the reference joins its group as one more sample "
         "with its verified reward, the credit method's advantages computed with it, its tokens "
-        "trained off-policy with LUFFY's shaped, unclipped ratio f(pi) = pi / (pi + gamma)). "
-        "Either way the reference tokens trained on count against max_tokens_generated (metric "
+        "trained off-policy with LUFFY's shaped, unclipped ratio f(pi) = pi / (pi + gamma)) or "
+        "bread (references.branch_rollouts more samples after the prompt and a prefix of the "
+        "reference, a group of their own; uniform credit only). The reference tokens trained on "
+        "and the branched rollouts count against max_tokens_generated (metric "
         "reference_tokens_trained).",
         default="off",
     )
@@ -780,6 +782,16 @@ class ReferencesConfig:
         "probability (references.mode luffy; LUFFY uses 0.1).",
         default=0.1,
     )
+    branch_rollouts: int = help_field(
+        "Rollouts sampled from each chosen group's reference prefix (references.mode bread; "
+        "0: sampling.num_generations).",
+        default=0,
+    )
+    branch_fraction: float = help_field(
+        "The share of the reference's lines given as the prefix the branched rollouts start "
+        "from (references.mode bread; at least one line, never all).",
+        default=0.5,
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in REFERENCE_MODES:
@@ -795,6 +807,13 @@ class ReferencesConfig:
             )
         if not self.shaping_gamma > 0:
             raise ValueError(f"references.shaping_gamma={self.shaping_gamma} must be > 0")
+        if self.branch_rollouts < 0:
+            raise ValueError(
+                f"references.branch_rollouts={self.branch_rollouts} must be >= 0 "
+                "(0: sampling.num_generations)"
+            )
+        if not 0 < self.branch_fraction < 1:
+            raise ValueError(f"references.branch_fraction={self.branch_fraction} must be in (0, 1)")
 
 
 @dataclass
@@ -958,10 +977,17 @@ class TrainConfig:
             raise ValueError("out='' names no directory (it would be the current one); give --out")
         if self.resume is not None and not self.resume.strip():
             raise ValueError("resume='' names no run directory; give --resume RUN_DIR")
-        if self.references.mode == "luffy" and self.sampling.tree.enabled:
+        if self.references.mode in ("luffy", "bread") and self.sampling.tree.enabled:
             raise ValueError(
-                "references.mode luffy adds the reference to independent groups; it does not "
-                "join tree groups: turn sampling.tree.enabled off or use references.mode sft"
+                f"references.mode {self.references.mode} adds rows to independent groups; it "
+                "does not join tree groups: turn sampling.tree.enabled off or use "
+                "references.mode sft"
+            )
+        if self.references.mode == "bread" and self.credit_method != "uniform":
+            raise ValueError(
+                "references.mode bread runs with credit_method uniform (a branched rollout "
+                "starts inside the reference, where other methods' per-step values are not "
+                f"defined), not {self.credit_method!r}: set --credit uniform"
             )
 
 

@@ -27,8 +27,15 @@ On-policy rows keep the clipped PPO term. The published LUFFY mixes a reference 
 ``references.groups=failed`` (the default) does it only in groups with no correct sample, where
 GRPO has no signal (``groups=all``: every group, as LUFFY).
 
-Both are charged to the token budget: every reference token trained on in a step counts once in
-``extra_tokens_generated`` (and in ``reference_tokens_trained``).
+``bread`` (BREAD, "branched rollouts from expert anchors"): in a chosen group, ``branch_rollouts``
+more completions are sampled after the prompt and a prefix of the reference (its first
+``branch_fraction`` of lines), verified on prefix + completion, as a group of their own (new group
+id: their advantages compare rollouts from the same anchor), the prefix being context that is never
+trained on. BREAD searches for the shortest anchor from which the policy succeeds; here the anchor
+is a fixed share of the reference's lines (one sampling pass, no search).
+
+Each is charged to the token budget: every reference token trained on in a step counts once in
+``extra_tokens_generated`` (and in ``reference_tokens_trained``), every branched rollout token too.
 
 Another trainer (TRL) calls the same pieces: :func:`chosen_groups` on its rewards,
 :func:`reference_rows` on its prompt ids and mask, then either :func:`reference_nll` on the
@@ -51,12 +58,15 @@ from rredcot.tasks.base import Problem, Task, Verdict
 __all__ = [
     "ReferenceRows",
     "append_reference_samples",
+    "branch_samples",
     "build_reference_rows",
     "check_run",
     "check_task_references",
     "chosen_groups",
+    "merge_batches",
     "off_policy_pg",
     "reference_nll",
+    "reference_prefix",
     "reference_rows",
     "reference_samples",
     "shaped_ratio",
@@ -325,3 +335,170 @@ def reference_samples(
         char_starts.append(starts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return append_reference_samples(batch, refs, verdicts, boundaries, char_starts, pad)
+
+
+# ---------------------------------------------------------------------------------------------
+# bread: rollouts from a reference prefix
+
+
+def reference_prefix(task: Task, problem: Problem, fraction: float) -> str | None:
+    """The anchor of a branched rollout: the reference's first ``floor(fraction * n)`` lines of
+    its ``n`` (at least 1, fewer than ``n``), each with its newline; None when the reference has
+    fewer than 2 lines (or none)."""
+    gold = task.gold_completion(problem)
+    if gold is None:
+        return None
+    lines = gold.split("\n")
+    if len(lines) < 2:
+        return None
+    k = min(max(int(fraction * len(lines)), 1), len(lines) - 1)
+    return "\n".join(lines[:k]) + "\n"
+
+
+def _left_pad_columns(t: Tensor, width: int, value) -> Tensor:
+    """``t (B, P)`` left-padded with ``value`` to ``width`` columns."""
+    if t.shape[1] >= width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=1)
+
+
+def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> RolloutBatch:
+    """The rows of ``a`` then ``b`` in one batch: prompt columns left-padded and response columns
+    right-padded to the wider of the two, ``segment_ids`` and ``prefix_ids`` rebuilt. Neither
+    batch may carry forward outputs yet, nor tree share counts."""
+    for x in (a, b):
+        if x.old_logprobs is not None or x.hidden_states is not None:
+            raise ValueError("merge batches before the forward pass fills them")
+        if x.token_share_counts is not None:
+            raise ValueError("tree-sampled groups (sampling.tree) cannot be merged")
+    P = max(a.prompt_len, b.prompt_len)
+    T = max(a.response_len, b.response_len)
+
+    def columns(x: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+        p = x.prompt_len
+        ids = torch.cat(
+            [
+                _left_pad_columns(x.input_ids[:, :p], P, pad_token_id),
+                _pad_columns(x.input_ids[:, p:], T, pad_token_id),
+            ],
+            dim=1,
+        )
+        mask = _pad_columns(x.response_mask, T, 0.0)
+        attn = torch.cat([_left_pad_columns(x.attention_mask[:, :p], P, 0), mask.long()], dim=1)
+        return ids, attn, mask
+
+    (ia, aa, ma), (ib, ab, mb) = columns(a), columns(b)
+    off = None
+    if a.off_policy is not None or b.off_policy is not None:
+        flag = lambda x: (  # noqa: E731
+            x.off_policy
+            if x.off_policy is not None
+            else torch.zeros(x.size, dtype=torch.bool, device=x.input_ids.device)
+        )
+        off = torch.cat([flag(a), flag(b)])
+    bounds = [*a.boundaries, *b.boundaries]
+    response_mask = torch.cat([ma, mb])
+    input_ids = torch.cat([ia, ib])
+    group_ids = torch.cat([a.group_ids, b.group_ids])
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=torch.cat([aa, ab]),
+        prompt_len=P,
+        response_mask=response_mask,
+        rewards=torch.cat([a.rewards, b.rewards]),
+        group_ids=group_ids,
+        boundaries=bounds,
+        segment_ids=credit.boundaries_to_segment_ids(bounds, T).to(input_ids.device),
+        segment_char_starts=[*a.segment_char_starts, *b.segment_char_starts],
+        problems=[*a.problems, *b.problems],
+        completions=[*a.completions, *b.completions],
+        verdicts=[*a.verdicts, *b.verdicts],
+        prefix_ids=shared_prefix_ids(input_ids[:, P:], response_mask, bounds, group_ids),
+        off_policy=off,
+    )
+
+
+def branch_samples(
+    policy,
+    batch: RolloutBatch,
+    groups: list[int],
+    task: Task,
+    tokenizer,
+    segmenter,
+    sampling,
+    decoder: str,
+    *,
+    fraction: float,
+    rollouts: int,
+) -> tuple[RolloutBatch | None, int]:
+    """BREAD-style branched rollouts: for each group of ``groups`` whose reference has 2+ lines,
+    ``rollouts`` completions sampled from the policy after the prompt *and* the reference's
+    prefix (:func:`reference_prefix`), each verified on prefix + completion. The prefix is
+    context (prompt columns: never trained on); each branch is a new group (id after the batch's
+    last), so its advantages compare rollouts from the same state. Returns the branch rows
+    (None when no group has a prefix) and the tokens generated for them."""
+    from rredcot.rollout import checked_verify, render_prompt, sample, segment_batch
+
+    first_row: dict[int, int] = {}
+    for row, gid in enumerate(batch.group_ids.tolist()):
+        first_row.setdefault(int(gid), row)
+    anchors = []
+    for gid in groups:
+        problem = batch.problems[first_row[gid]]
+        prefix = reference_prefix(task, problem, fraction)
+        if prefix is not None:
+            anchors.append((problem, prefix))
+    if not anchors:
+        return None, 0
+    prompts = [render_prompt(p, tokenizer) + prefix for p, prefix in anchors]
+    input_ids, attention_mask, P, response_mask = sample(
+        policy,
+        tokenizer,
+        prompts,
+        num_generations=rollouts,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        use_model_generation_config=sampling.use_model_generation_config,
+        decoder=decoder,
+    )
+    generated = int(response_mask.sum())
+    eos = tokenizer.eos_token_id
+    lengths = response_mask.sum(-1).long().tolist()
+    problems, completions, verdicts, keep = [], [], [], []
+    for row in range(input_ids.shape[0]):
+        problem, prefix = anchors[row // rollouts]
+        ids = input_ids[row, P : P + lengths[row]].tolist()
+        text = tokenizer.decode(
+            ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=True
+        )
+        verdict, ok = checked_verify(task, problem, prefix + text)
+        problems.append(problem)
+        completions.append(text)
+        verdicts.append(verdict)
+        keep.append(ok)
+    first_new = int(batch.group_ids.max()) + 1
+    device = input_ids.device
+    whole = [[0, n] if n else [0] for n in lengths]
+    branch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=P,
+        response_mask=response_mask,
+        rewards=torch.tensor([float(v.reward) for v in verdicts], device=device),
+        group_ids=first_new + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
+        boundaries=whole,
+        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
+        segment_char_starts=[[0] if n else [] for n in lengths],
+        problems=problems,
+        completions=completions,
+        verdicts=verdicts,
+    )
+    if not all(keep):
+        branch = branch.select([row for row, ok in enumerate(keep) if ok])
+        if branch.size == 0:
+            return None, generated
+    if not segmenter.uses_entropy:
+        branch = segment_batch(branch, tokenizer, segmenter)
+    return branch, generated

@@ -98,6 +98,7 @@ class Trainer:
         self.skipped_total = 0
         self.reference_tokens_trained = 0  # also charged in extra_tokens_generated
         self._sft_rows: references.ReferenceRows | None = None  # this step's, references.mode sft
+        self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
         if cfg.references.mode != "off" and self.world > 1:
             self.release()
             raise ValueError(
@@ -280,10 +281,13 @@ class Trainer:
         optimiser steps (sft); their tokens are charged to the budget and counted in ``stats``."""
         cfg = self.cfg.references
         self._sft_rows = None
+        self._own_rows = None
         if cfg.mode == "off":
             return batch
         failed = references.chosen_groups(batch.rewards, batch.group_ids, "failed")
         groups = references.chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
+        if cfg.mode == "bread":
+            return self._with_branches(batch, stats, failed, groups)
         refs = references.build_reference_rows(batch, groups, self.task, self.tokenizer)
         if cfg.mode == "sft":
             self._sft_rows = refs
@@ -291,6 +295,7 @@ class Trainer:
             batch = references.reference_samples(
                 batch, refs, self.task, self.tokenizer, self.segmenter
             )
+            self._own_rows = ~batch.off_policy
         self.extra_tokens_generated += refs.tokens
         self.reference_tokens_trained += refs.tokens
         stats.update(
@@ -302,6 +307,46 @@ class Trainer:
             }
         )
         return batch
+
+    def _with_branches(self, batch, stats, failed, groups) -> RolloutBatch:
+        """references.mode bread: the chosen groups' branched rollouts from a reference prefix
+        (``references.branch_samples``), appended as groups of their own; charged as generated."""
+        cfg, s = self.cfg.references, self.cfg.sampling
+        self.policy.eval()
+        branch, generated = references.branch_samples(
+            self.policy,
+            batch,
+            groups,
+            self.task,
+            self.tokenizer,
+            self.segmenter,
+            s,
+            self.decoder,
+            fraction=cfg.branch_fraction,
+            rollouts=cfg.branch_rollouts or s.num_generations,
+        )
+        self.extra_tokens_generated += generated
+        stats.update(
+            {
+                "references/failed_groups": float(len(failed)),
+                "references/groups": float(len(set(branch.group_ids.tolist())))
+                if branch is not None
+                else 0.0,
+                "references/branch_tokens": float(generated),
+                "references/branch_reward_mean": float(branch.rewards.mean())
+                if branch is not None
+                else 0.0,
+                "reference_tokens_trained": self.reference_tokens_trained,
+            }
+        )
+        if branch is None:
+            return batch
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        own = torch.cat(
+            [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
+        )
+        self._own_rows = own.to(batch.input_ids.device)
+        return references.merge_batches(batch, branch, pad)
 
     def _reference_sft_step(self) -> dict[str, float]:
         """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
@@ -505,9 +550,9 @@ class Trainer:
     ) -> dict[str, Any]:
         """Count the step into the run's totals and return its metrics record."""
         B = batch.size
-        rewards = batch.rewards  # the sampled rows' (reference samples left out)
-        if batch.off_policy is not None:
-            rewards = rewards[~batch.off_policy]
+        rewards = batch.rewards  # the policy's own samples' (reference rows, branches left out)
+        if self._own_rows is not None:
+            rewards = rewards[self._own_rows]
         self.samples_seen += rewards.numel()
         self.tokens_generated += int(stats["rollout/tokens"])
         self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)

@@ -36,6 +36,7 @@ SPECS = {
     "ref_sft": "uniform:references.mode=sft:references.sft_coef=0.1",
     "ref_sft_c1": "uniform:references.mode=sft:references.sft_coef=1.0",
     "ref_luffy": "uniform:references.mode=luffy",
+    "ref_bread": "uniform:references.mode=bread",
 }
 
 
