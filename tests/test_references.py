@@ -278,7 +278,14 @@ def test_a_run_records_its_references_section(init_dir, tmp_path):
     import yaml
 
     saved = yaml.safe_load((run / "config.yaml").read_text())["references"]
-    assert saved == {"mode": "sft", "groups": "failed", "sft_coef": 0.25, "shaping_gamma": 0.1}
+    assert saved == {
+        "mode": "sft",
+        "groups": "failed",
+        "sft_coef": 0.25,
+        "shaping_gamma": 0.1,
+        "branch_rollouts": 0,
+        "branch_fraction": 0.5,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
