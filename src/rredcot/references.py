@@ -3,10 +3,10 @@ method that reads references must beat (DESIGN.md 7d), as pure functions over te
 batches, so that the trainer and the TRL adapter share them.
 
 A reference is ``task.gold_completion(problem)`` followed by EOS, scored after the same prompt the
-policy's samples had. Two ways of training on it:
+policy's samples had. Three ways of training on it:
 
-``sft`` (a supervised term mixed into the RL loss, as in SFT+RL hybrids such as SRFT / "RL with
-an auxiliary SFT loss"): each optimiser step adds ``sft_coef * NLL`` of the chosen references,
+``sft`` (a supervised term mixed into the RL loss, as SFT+RL hybrids add an NLL on
+demonstrations): each optimiser step adds ``sft_coef * NLL`` of the chosen references,
 the NLL aggregated as the policy loss aggregates (``loss_agg``, over the reference rows alone)::
 
     L = L_PG + c * agg_t(-log pi_theta(y*_t | x, y*_<t))
@@ -34,8 +34,9 @@ id: their advantages compare rollouts from the same anchor), the prefix being co
 trained on. BREAD searches for the shortest anchor from which the policy succeeds; here the anchor
 is a fixed share of the reference's lines (one sampling pass, no search).
 
-Each is charged to the token budget: every reference token trained on in a step counts once in
-``extra_tokens_generated`` (and in ``reference_tokens_trained``), every branched rollout token too.
+Each is charged to the token budget (``extra_tokens_generated``): every reference token trained on
+in a step counts once (and in ``reference_tokens_trained``), and so does every token of a branched
+rollout.
 
 Another trainer (TRL) calls the same pieces: :func:`chosen_groups` on its rewards,
 :func:`reference_rows` on its prompt ids and mask, then either :func:`reference_nll` on the
