@@ -287,7 +287,7 @@ def test_checkpoints_carry_a_manifest_written_last(finished_run):
 
 def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_copy):
     """``trainer_state.pt`` keeps the keys runs have always written; a checkpoint from before
-    ``extra_tokens_generated`` was counted (no such key), with the RNG states pickled as the
+    ``extra_tokens_generated`` and ``reference_tokens_trained`` were counted (no such keys), with the RNG states pickled as the
     tuples (and NumPy array) of the format before plain data, resumes and reruns the same
     steps."""
     import numpy as np
@@ -301,6 +301,7 @@ def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_co
         "tokens_generated",
         "extra_tokens_generated",
         "skipped_total",
+        "reference_tokens_trained",
         "optimizer",
         "scheduler",
         "credit_method",
@@ -313,7 +314,7 @@ def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_co
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    del state["extra_tokens_generated"]
+    del state["extra_tokens_generated"], state["reference_tokens_trained"]  # both added later
     python, numpy_state = state["rng"]["python"], state["rng"]["numpy"]
     state["rng"]["python"] = (
         python["version"],
