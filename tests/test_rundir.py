@@ -287,7 +287,7 @@ def test_checkpoints_carry_a_manifest_written_last(finished_run):
 
 def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_copy):
     """``trainer_state.pt`` keeps the keys runs have always written; a checkpoint from before
-    ``extra_tokens_generated`` was counted (no such key), with the RNG states pickled as the
+    ``extra_tokens_generated`` and ``reference_tokens_trained`` were counted (no such keys), with the RNG states pickled as the
     tuples (and NumPy array) of the format before plain data, resumes and reruns the same
     steps."""
     import numpy as np
@@ -303,6 +303,7 @@ def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_co
         "skipped_total",
         "train_seconds",
         "compute_used",
+        "reference_tokens_trained",
         "optimizer",
         "scheduler",
         "credit_method",
@@ -316,6 +317,7 @@ def test_a_checkpoint_in_the_layout_of_earlier_runs_resumes(finished_run, run_co
         "tokenizer_config.json",
     ]
     del state["extra_tokens_generated"], state["train_seconds"], state["compute_used"]
+    del state["reference_tokens_trained"]  # all four added later
     python, numpy_state = state["rng"]["python"], state["rng"]["numpy"]
     state["rng"]["python"] = (
         python["version"],

@@ -50,6 +50,9 @@ class RolloutBatch:
     # (B, T) float, tree groups only (sampling.tree): how many leaves of the group share the
     # tokens up to and including each one (rredcot.tree.token_share_counts); None otherwise
     token_share_counts: torch.Tensor | None = None
+    # (B,) bool, references.mode luffy only: True on a reference row (an off-policy sample whose
+    # behaviour probability is taken as 1, rredcot.references); None: every row was sampled
+    off_policy: torch.Tensor | None = None
 
     def replace(self, **changes: Any) -> RolloutBatch:
         """A copy with the given fields changed (tensors are shared, not copied)."""
@@ -109,4 +112,5 @@ class RolloutBatch:
             entropies=pick(self.entropies),
             prefix_ids=pick(self.prefix_ids),
             token_share_counts=pick(self.token_share_counts),
+            off_policy=pick(self.off_policy),
         )

@@ -27,11 +27,17 @@ COUNTERS = (
     "skipped_total",
     "train_seconds",
     "compute_used",
+    "reference_tokens_trained",
 )
 """The run's totals after the checkpoint's step, as ``trainer_state.pt`` keys."""
 
 # absent from older checkpoints: their default (a resumed old run counts from there)
-_ADDED_LATER = {"extra_tokens_generated": 0, "train_seconds": 0.0, "compute_used": 0.0}
+_ADDED_LATER = {
+    "extra_tokens_generated": 0,
+    "train_seconds": 0.0,
+    "compute_used": 0.0,
+    "reference_tokens_trained": 0,
+}
 
 
 def save_training_checkpoint(

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from rredcot.references import off_policy_pg
+
 __all__ = ["LOSS_AGGREGATIONS", "aggregate", "clipped_pg", "k3_kl", "lr_lambda", "policy_loss"]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo")
@@ -80,12 +82,18 @@ def policy_loss(
     max_len: int,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    off_policy: Tensor | None = None,
+    off_policy_gamma: float = 0.1,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with an optional k3 KL penalty, aggregated by ``loss_agg``.
 
     Args:
         logprobs, old_logprobs, advantages, response_mask: ``(b, T)`` for a micro-batch.
         num_rows, num_tokens, max_len: see :func:`aggregate`.
+        off_policy: ``(b,)`` bool, rows that are reference samples (``references.mode luffy``):
+            their PG term is LUFFY's shaped, unclipped one
+            (:func:`rredcot.references.off_policy_pg`, ``off_policy_gamma``), not the clipped
+            ratio to ``old_logprobs``.
 
     Returns:
         the loss and ``{"clip_fraction", "kl", "ratio_mean"}`` over the micro-batch's tokens
@@ -94,6 +102,11 @@ def policy_loss(
     per_token, ratio, was_clipped = clipped_pg(
         logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high
     )
+    if off_policy is not None and bool(off_policy.any()):
+        rows = off_policy.to(per_token.device)[:, None]
+        shaped = off_policy_pg(logprobs, advantages, off_policy_gamma)
+        per_token = torch.where(rows, shaped, per_token)
+        was_clipped = was_clipped & ~rows
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
         kl = k3_kl(logprobs, ref_logprobs)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rredcot import runio
+from rredcot import references, runio
 from rredcot.batch import RolloutBatch
 from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_training_checkpoint
 from rredcot.config import TrainConfig
@@ -70,6 +70,7 @@ class Trainer:
         self.run_dir = Path(cfg.out)
         resolve_device(cfg.device)  # refuse a device the machine lacks before anything else
         check_names(cfg)  # a typo fails before the run directory or a model is touched
+        references.check_run(cfg)  # references.mode on a task without reference solutions
         main = is_main_process()
         self._lock: runio.RunLock | None = None
         if main:  # one writer per run directory, and no silent reuse of a run
@@ -111,6 +112,15 @@ class Trainer:
         self.skipped_total = 0
         self.train_seconds = 0.0  # the steps' step_seconds summed (max_train_seconds)
         self.compute_used = 0.0  # forward-token equivalents (max_compute; step_compute)
+        self.reference_tokens_trained = 0  # also charged in extra_tokens_generated
+        self._sft_rows: references.ReferenceRows | None = None  # this step's, references.mode sft
+        self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
+        if cfg.references.mode != "off" and self.world > 1:
+            self.release()
+            raise ValueError(
+                "references.mode runs in a single process for now (processes would run "
+                "different backward passes); launch one process or set references.mode off"
+            )
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""
@@ -214,6 +224,7 @@ class Trainer:
             )
         if self.method is None:  # --credit auto: chosen from this batch, no extra sampling
             self.choose_credit(batch, problems)
+        batch = self._with_references(batch, stats)
         clock.lap("rollout")
         ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
         clock.lap("reference")
@@ -325,6 +336,100 @@ class Trainer:
         if forward:
             batch = self._fill_forward(batch)
         return batch, stats
+
+    def _with_references(self, batch: RolloutBatch, stats: dict[str, float]) -> RolloutBatch:
+        """``references.mode`` (rredcot.references): the chosen groups' references, joined to
+        the batch as off-policy samples (luffy) or kept for the supervised term of this step's
+        optimiser steps (sft); their tokens are charged to the budget and counted in ``stats``."""
+        cfg = self.cfg.references
+        self._sft_rows = None
+        self._own_rows = None
+        if cfg.mode == "off":
+            return batch
+        failed = references.chosen_groups(batch.rewards, batch.group_ids, "failed")
+        groups = references.chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
+        if cfg.mode == "bread":
+            return self._with_branches(batch, stats, failed, groups)
+        refs = references.build_reference_rows(batch, groups, self.task, self.tokenizer)
+        if cfg.mode == "sft":
+            self._sft_rows = refs
+        else:
+            batch = references.reference_samples(
+                batch, refs, self.task, self.tokenizer, self.segmenter
+            )
+            self._own_rows = ~batch.off_policy
+        self.extra_tokens_generated += refs.tokens
+        self.reference_tokens_trained += refs.tokens
+        stats.update(
+            {
+                "references/failed_groups": float(len(failed)),
+                "references/groups": float(refs.size),
+                "references/tokens": float(refs.tokens),
+                "reference_tokens_trained": self.reference_tokens_trained,
+            }
+        )
+        return batch
+
+    def _with_branches(self, batch, stats, failed, groups) -> RolloutBatch:
+        """references.mode bread: the chosen groups' branched rollouts from a reference prefix
+        (``references.branch_samples``), appended as groups of their own; charged as generated."""
+        cfg, s = self.cfg.references, self.cfg.sampling
+        self.policy.eval()
+        branch, generated = references.branch_samples(
+            self.policy,
+            batch,
+            groups,
+            self.task,
+            self.tokenizer,
+            self.segmenter,
+            s,
+            self.decoder,
+            fraction=cfg.branch_fraction,
+            rollouts=cfg.branch_rollouts or s.num_generations,
+        )
+        self.extra_tokens_generated += generated
+        stats.update(
+            {
+                "references/failed_groups": float(len(failed)),
+                "references/groups": float(len(set(branch.group_ids.tolist())))
+                if branch is not None
+                else 0.0,
+                "references/branch_tokens": float(generated),
+                "references/branch_reward_mean": float(branch.rewards.mean())
+                if branch is not None
+                else 0.0,
+                "reference_tokens_trained": self.reference_tokens_trained,
+            }
+        )
+        if branch is None:
+            return batch
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        own = torch.cat(
+            [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
+        )
+        self._own_rows = own.to(batch.input_ids.device)
+        return references.merge_batches(batch, branch, pad)
+
+    def _reference_sft_step(self) -> dict[str, float]:
+        """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
+        (``references.reference_nll``), into the gradient of the optimiser step being formed."""
+        refs = self._sft_rows
+        if refs is None or refs.size == 0:
+            return {}
+        cfg = self.cfg
+        fwd = policy_forward(
+            self.model,
+            refs.input_ids,
+            refs.attention_mask,
+            refs.prompt_len,
+            temperature=cfg.sampling.temperature,
+            shared_prompt=cfg.shared_prompt_forward,
+        )
+        nll = references.reference_nll(
+            fwd.logprobs, refs.response_mask, cfg.loss_agg, cfg.sampling.max_new_tokens
+        )
+        self.accelerator.backward(cfg.references.sft_coef * nll)
+        return {"references/sft_nll": float(nll.detach())}
 
     def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
         """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
@@ -497,6 +602,8 @@ class Trainer:
                     **cfg.loss_settings(),
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
                     kl_coef=cfg.kl_coef,
+                    off_policy=None if batch.off_policy is None else batch.off_policy[micro],
+                    off_policy_gamma=cfg.references.shaping_gamma,
                 )
                 self.accelerator.backward(loss)
             share = float(rmask.sum()) / max(live_tokens, 1.0)  # this micro-batch's token share
@@ -504,6 +611,7 @@ class Trainer:
             totals["entropy"] += float((fwd.entropy.detach() * rmask).sum()) / max(live_tokens, 1.0)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v * share
+        totals.update(self._reference_sft_step())
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         totals["grad_norm"] = float(self.accelerator.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
@@ -515,7 +623,10 @@ class Trainer:
     ) -> dict[str, Any]:
         """Count the step into the run's totals and return its metrics record."""
         B = batch.size
-        self.samples_seen += B
+        rewards = batch.rewards  # the policy's own samples' (reference rows, branches left out)
+        if self._own_rows is not None:
+            rewards = rewards[self._own_rows]
+        self.samples_seen += rewards.numel()
         self.tokens_generated += int(stats["rollout/tokens"])
         self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
         self.skipped_total += int(stats["rollout/skipped_samples"])
@@ -538,8 +649,8 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "tokens_generated": self.tokens_generated,
             "extra_tokens_generated": self.extra_tokens_generated,
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std()) if B > 1 else 0.0,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             **update_stats,
             "advantage_abs_mean": float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0,
             "zero_variance_groups": _zero_variance_groups(batch.rewards, batch.group_ids),
