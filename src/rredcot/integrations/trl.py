@@ -65,8 +65,7 @@ from rredcot.credit_choice import (
     CreditChoice,
     apply_choice,
     check_method_name,
-    choose_credit,
-    group_outcomes,
+    choose_from_rollouts,
 )
 from rredcot.errors import UserError, require_extra
 from rredcot.integrations._batch import prompt_text as _prompt_text
@@ -630,8 +629,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         task = self.task
         mine = task is not None and all(task.gold_completion(p) is not None for p in batch.problems)
         has_references = self.collective.max_int(int(not mine)) == 0
-        figures = group_outcomes(rows.rewards.cpu(), rows.group_ids.cpu())
-        return choose_credit(figures, has_references)
+        return choose_from_rollouts(rows.rewards.cpu(), rows.group_ids.cpu(), has_references)
 
     def _use_choice(self, choice: CreditChoice, config: CreditConfig | None = None) -> None:
         """Use what ``auto`` chose: its method, with its settings over the run's credit config
