@@ -53,7 +53,9 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.rollout import checked_verify, render_prompt, sample, segment_batch
 from rredcot.shared_prefixes import shared_prefix_ids
+from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict
 
 __all__ = [
@@ -307,7 +309,6 @@ def check_run(cfg) -> None:
     solutions, before a model is loaded (a few training problems are looked at)."""
     if cfg.references.mode == "off":
         return
-    from rredcot.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_args)
     check_task_references(task, task.train_problems(4, seed=cfg.seed), cfg.task)
@@ -439,7 +440,6 @@ def branch_samples(
     context (prompt columns: never trained on); each branch is a new group (id after the batch's
     last), so its advantages compare rollouts from the same state. Returns the branch rows
     (None when no group has a prefix) and the tokens generated for them."""
-    from rredcot.rollout import checked_verify, render_prompt, sample, segment_batch
 
     first_row: dict[int, int] = {}
     for row, gid in enumerate(batch.group_ids.tolist()):
