@@ -271,6 +271,7 @@ def test_every_config_field_has_help_text():
         MonteCarloConfig,
         OracleConfig,
         ProcessRewardConfig,
+        ReferencesConfig,
         ReweightConfig,
         SamplingConfig,
         SFTConfig,
@@ -282,7 +283,7 @@ def test_every_config_field_has_help_text():
     configs = [TrainConfig, ModelConfig, SamplingConfig, CreditConfig, SFTConfig]
     configs += [ValueHeadConfig, HandoverConfig, AnswerLikelihoodConfig, MonteCarloConfig]
     configs += [ProcessRewardConfig, ContinuationLikelihoodConfig, ReweightConfig]
-    configs += [TreeSamplingConfig, OracleConfig]
+    configs += [TreeSamplingConfig, OracleConfig, ReferencesConfig]
     configs += [CreditBenchConfig, LearnBenchConfig, OverheadBenchConfig, PeerBenchConfig]
     missing = [
         f"{cls.__name__}.{f.name}"
