@@ -3,6 +3,7 @@ supervised term's gradient, the budget, refusals, and mode off leaving a run unc
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -118,7 +119,8 @@ def test_reference_sample_loss_and_importance_weight_by_hand(tiny_policy, char_t
     # old log-probs far below: every sampled token's ratio is e^2 (clipped at 1.28 for A > 0)
     old = logprobs.detach() - 2.0
     gamma = 0.1
-    loss, stats = policy_loss(
+    loss_of = functools.partial(
+        policy_loss,
         logprobs,
         old,
         advantages,
@@ -129,9 +131,8 @@ def test_reference_sample_loss_and_importance_weight_by_hand(tiny_policy, char_t
         num_rows=4,
         num_tokens=float(mask.sum()),
         max_len=12,
-        off_policy=merged.off_policy,
-        off_policy_gamma=gamma,
     )
+    loss, stats = loss_of(off_policy=merged.off_policy, off_policy_gamma=gamma)
     total, n_tokens, clipped, sampled_tokens = 0.0, 0, 0, 0
     lp = logprobs.detach().tolist()
     for row in range(4):
@@ -155,18 +156,7 @@ def test_reference_sample_loss_and_importance_weight_by_hand(tiny_policy, char_t
         expected = -adv_rows[3] * gamma * pi / (pi + gamma) ** 2 / n_tokens
         assert grad[3, t].item() == pytest.approx(expected, rel=1e-4)
     # and the off-policy mask changes only the reference row's terms
-    plain, _ = policy_loss(
-        logprobs,
-        old,
-        advantages,
-        mask,
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        loss_agg="token_mean",
-        num_rows=4,
-        num_tokens=float(mask.sum()),
-        max_len=12,
-    )
+    plain, _ = loss_of()
     assert plain.item() != pytest.approx(loss.item())
 
 
