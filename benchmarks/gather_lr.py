@@ -39,6 +39,9 @@ SPECS = {
     "ref_sft_c1": "uniform:references.mode=sft:references.sft_coef=1.0",
     "ref_luffy": "uniform:references.mode=luffy",
     "ref_bread": "uniform:references.mode=bread",
+    # the combination: cl_cheap's credit on top of the best reference baseline (ref_sft_c1)
+    "cl_cheap_ref_sft_c1": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1:references.mode=sft:references.sft_coef=1.0",
 }
 
 
