@@ -96,14 +96,15 @@ def test_the_rule_chooses_a_method_only_where_it_was_measured_ahead_per_second(
 
 
 def test_todays_table_runs_uniform_on_both_arithmetic_testbeds_and_says_which_row_decided():
-    # the testbeds' own first-batch figures (auto_probe.txt): cl_flow is behind GRPO per second
+    # the testbeds' own first-batch figures (auto_probe.txt): cl_flow and cl_cheap are behind
+    # GRPO per second; the reason cites the one closest to GRPO (cl_cheap)
     default = choose_credit({"mean_reward": 0.40, "all_wrong": 0.28}, has_references=True)
     low = choose_credit({"mean_reward": 0.11, "all_wrong": 0.58}, has_references=True)
     assert default.method == low.method == "uniform" and default.settings == {}
-    assert default.decided_by == "headroom/arith4_default_report/learn.json"
-    assert low.decided_by == "headroom/arith12_low450_report/learn.json"
-    assert "-5.2 ± 1.0 at GRPO's last second" in default.reason
-    assert "-12.2 ± 2.2 at GRPO's last second" in low.reason
+    assert default.decided_by == "per_second/arith4_default/learn.json"
+    assert low.decided_by == "per_second/arith12_low450/learn.json"
+    assert "-1.4 ± 0.6 at GRPO's last second" in default.reason
+    assert "-4.4 ± 1.5 at GRPO's last second" in low.reason
     # adding a row measured ahead per second there (the cheap estimator, once measured)
     # changes the choice
     cheap = _row(all_wrong=0.28, mean_reward=0.40, settings={"lam": 0.0})
@@ -118,7 +119,7 @@ def test_todays_table_runs_uniform_on_both_arithmetic_testbeds_and_says_which_ro
     first = {"mean_reward": 0.55, "all_wrong": 0.12}
     assert choose_credit(first, True).decided_by is None  # no batch size: the bare bands
     sized = choose_credit({**first, "groups": 16.0}, True)
-    assert sized.decided_by == "headroom/arith4_default_report/learn.json"
+    assert sized.decided_by == "per_second/arith4_default/learn.json"
     # where nothing was measured: uniform, and it says so
     easy = choose_credit({"mean_reward": 0.9, "all_wrong": 0.0}, True)
     assert easy.method == "uniform" and easy.decided_by is None
@@ -166,7 +167,7 @@ def test_diagnose_verdict_says_what_auto_runs_by_the_same_rule():
     assert any(flow_flags() in r and r.startswith("+") for r in reasons)  # per token
     said = [r for r in reasons if "--credit auto would run" in r]
     assert len(said) == 1 and "would run uniform" in said[0]
-    assert "arith12_low450_report" in said[0]
+    assert "per_second/arith12_low450" in said[0]
 
 
 # ---------------------------------------------------------------------------------------------
