@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -58,7 +59,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot.config import CreditConfig
+from rredcot import references
+from rredcot.config import CreditConfig, ReferencesConfig
 from rredcot.config_io import create_file, from_dict
 from rredcot.credit_choice import (
     AUTO,
@@ -119,6 +121,33 @@ TRL_METHODS = (
     "process_reward",
     "uniform",
 )
+
+
+# rredcot's loss_agg of each TRL loss_type, by how TRL aggregates its per-token loss: grpo and
+# sapo average each row's token mean over the rows (seq_mean); bnpo, dapo, cispo and vespo average
+# over tokens (token_mean); dr_grpo divides by rows x max_completion_length. luspo sums each row's
+# tokens, an aggregation rredcot has not.
+LOSS_AGG_OF_LOSS_TYPE = {
+    "grpo": "seq_mean",
+    "sapo": "seq_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "vespo": "token_mean",
+    "dr_grpo": "dr_grpo",
+}
+# luffy's reference row is taken out of TRL's loss and its own term added with TRL's normaliser:
+# exact where that normaliser does not change when a row's tokens leave it (not bnpo's)
+REFERENCE_LOSS_TYPES = {
+    "sft": tuple(LOSS_AGG_OF_LOSS_TYPE),
+    "luffy": ("grpo", "sapo", "dapo", "cispo", "vespo", "dr_grpo"),
+}
+REFERENCE_LOSS_TYPE_WHY = {
+    "sft": "the NLL is aggregated as the loss aggregates, and luspo's per-row sum has no "
+    "rredcot loss_agg",
+    "luffy": "the reference row's term is added beside TRL's loss with TRL's normaliser, which "
+    "bnpo and luspo form differently",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +213,17 @@ class RREDCoTGRPOConfig(GRPOConfig):
         default="answer",
         metadata={"help": "Dataset column with each prompt's reference answer (if any)."},
     )
+    references: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Fields of rredcot.config.ReferencesConfig (mode, groups, sft_coef, "
+            "shaping_gamma) as a dict or a JSON object string: training on the task's reference "
+            "solutions (task.gold_completion of each row's problem; needs task=...). mode sft adds "
+            "sft_coef times the references' NLL, aggregated as loss_type aggregates, to the "
+            "loss; luffy puts the reference in place of one rollout of each chosen group, "
+            "trained with LUFFY's shaped ratio; bread is rredcot train's only. Unset: off."
+        },
+    )
 
     def __post_init__(self) -> None:
         if getattr(self, "activation_checkpointing", False) is None:
@@ -223,8 +263,47 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 "credit_method='answer_likelihood' needs task=... (e.g. 'gsm8k'): the task's "
                 "render_answer writes the answer probes"
             )
+        self.references = _as_dict(self.references, "references")
+        self._check_references()
 
         self._warn_scale_rewards_conflict()
+
+    @property
+    def references_config(self) -> ReferencesConfig:
+        """The :class:`ReferencesConfig` built from ``references`` (unset fields: the defaults,
+        ``mode="off"``)."""
+        return from_dict(ReferencesConfig, _as_dict(self.references, "references"), "references.")
+
+    def _check_references(self) -> None:
+        """Refuse ``references`` settings the adapter cannot run, naming the field and the fix."""
+        refs = self.references_config  # unknown keys and bad values: one line each
+        mode = refs.mode
+        if mode == "off":
+            return
+        if mode == "bread":
+            raise ValueError(
+                "references.mode='bread' is not supported in TRL (its branched rollouts are "
+                "sampled after a prompt plus a reference prefix, a generation TRL's step does "
+                "not run); use references.mode 'sft' or 'luffy', or rredcot train "
+                "--references.mode bread"
+            )
+        if not self.task:
+            raise ValueError(
+                f"references.mode={mode!r} needs task=... (e.g. 'gsm8k'): the task's "
+                "gold_completion gives each row's reference solution"
+            )
+        if self.loss_type not in REFERENCE_LOSS_TYPES[mode]:
+            raise ValueError(
+                f"references.mode={mode!r} does not support loss_type={self.loss_type!r} "
+                f"({REFERENCE_LOSS_TYPE_WHY[mode]}); use loss_type one of "
+                f"{', '.join(REFERENCE_LOSS_TYPES[mode])}"
+            )
+        if mode == "luffy" and self.beta != 0.0:
+            raise ValueError(
+                "references.mode='luffy' needs beta=0 (TRL's reference-model log-probs of a "
+                "replaced row are the sampled completion's, not the reference's); set beta=0.0 "
+                "or use references.mode 'sft'"
+            )
 
     @property
     def credit_config(self) -> CreditConfig:
@@ -514,14 +593,26 @@ class _Waiting:
 
 
 @dataclass
+class _ReferenceTerm:
+    """``references.mode`` sft: a training generation batch's reference rows, whose NLL its
+    micro-batches add to their losses in shares (:meth:`RREDCoTGRPOTrainer._reference_sft_loss`)."""
+
+    rows: references.ReferenceRows
+    parts: int  # steps_per_generation: the micro-batches of the batch, one share each
+    nll: float = 0.0  # the shares' NLL summed so far (logged once the last share is in)
+    done: int = 0  # shares added so far (num_iterations passes each add every share)
+
+
+@dataclass
 class _CreditState:
     """What the adapter holds between TRL's calls: the generation batch in hand (a new one each
-    batch)."""
+    batch; an evaluation batch keeps the training batch's reference term)."""
 
     rewards_per_func: Tensor | None = None  # (N all processes, funcs), before TRL scales them
     read_pass: bool = False  # read the hidden states of TRL's coming old-log-prob pass
     hidden: Tensor | None = None  # (B, P+T, D) what that pass gave
     waiting: _Waiting | None = None  # the credit waiting for the batch's loss forward
+    references: _ReferenceTerm | None = None  # the training batch's sft term (references.mode)
 
 
 def _outcome_rewards(
@@ -594,10 +685,38 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
         self.last_credit: CreditOutput | None = None  # its credit (this process's rows)
         self._state = _CreditState()
+        self.reference_tokens_trained = 0  # references.mode: reference tokens trained on (run)
+        self._check_reference_data()
         if args.credit_method == AUTO:
             self._announce(self.describe_credit())
         else:
             self._use_method(args.credit_method, args.credit_config)
+
+    def _check_reference_data(self) -> None:
+        """With ``references`` on: one process (as rredcot train), and a training set whose first
+        rows give the task a reference solution each; refused before training starts."""
+        mode = self.args.references_config.mode
+        if mode == "off":
+            return
+        if self.collective.world > 1:
+            raise ValueError(
+                "references.mode runs in a single process for now (processes would run "
+                "different backward passes); launch one process or set references.mode off"
+            )
+        data, column = self.train_dataset, self.args.answer_column
+        if data is None:
+            return
+        columns = getattr(data, "column_names", None)
+        if columns is not None and column not in columns:
+            raise ValueError(
+                f"references.mode={mode!r} reads each row's reference solution from the task and "
+                f"the {column!r} column, which the training set lacks (columns: {columns}); set "
+                "answer_column to the column with the answers or solutions"
+            )
+        rows = list(itertools.islice(iter(data), 4))
+        references.check_task_references(
+            self.task, [self._problem(r) for r in rows], self.args.task
+        )
 
     # -- the credit method --------------------------------------------------------------------
     def _use_method(self, name: str, config: CreditConfig) -> None:
@@ -739,7 +858,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         method = self.credit_method
         reads = method is not None and method.needs_hidden_states
-        self._state = _CreditState(read_pass=reads and self._hidden_source(mode) == "trl_pass")
+        self._state = _CreditState(
+            read_pass=reads and self._hidden_source(mode) == "trl_pass",
+            references=self._state.references if mode == "eval" else None,
+        )
         output = super()._generate_and_score_completions(inputs)
         return self._apply_credit(inputs, output)
 
@@ -763,13 +885,89 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         waiting = self._state.waiting
         if waiting is not None and "rredcot_row" in inputs:
             waiting.inputs = inputs  # its forward gives the credit (_credit_in_loss_forward)
-        return super()._compute_loss(model, inputs)
+        loss = super()._compute_loss(model, inputs)
+        term = self._state.references
+        if term is not None and self.model.training:
+            loss = loss + self._reference_sft_loss(model, term)
+        return loss
+
+    # -- the reference solutions (references.mode) ----------------------------------------------
+    def _with_references(self, inputs: list[dict], output: dict) -> None:
+        """``references.mode`` on a training generation batch: the references of the groups
+        ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), as
+        :func:`rredcot.references.reference_rows` after the group's prompt; sft keeps them for the
+        loss (:meth:`_reference_sft_loss`). Their tokens are counted once per generation batch
+        (``rredcot/references/tokens``; the run's ``rredcot/reference_tokens_trained``), as rredcot
+        train counts them (docs/metrics.md)."""
+        cfg = self.args.references_config
+        if cfg.mode == "off":
+            return
+        device = output["prompt_ids"].device
+        rewards, _ = _outcome_rewards(
+            self._state.rewards_per_func, self.reward_weights, self.num_generations
+        )
+        group_ids = torch.arange(rewards.shape[0]) // self.num_generations
+        failed = references.chosen_groups(rewards.cpu(), group_ids, "failed")
+        groups = references.chosen_groups(rewards.cpu(), group_ids, cfg.groups)
+        refs = references.reference_rows(
+            output["prompt_ids"],
+            output["prompt_mask"],
+            group_ids.to(device),
+            [self._problem(x) for x in inputs],
+            groups,
+            self.task,
+            self._tokenizer,
+        )
+        self._state.references = _ReferenceTerm(refs, self.args.steps_per_generation)
+        self.reference_tokens_trained += refs.tokens
+        self._log_credit(
+            {
+                "references/failed_groups": float(len(failed)),
+                "references/groups": float(refs.size),
+                "references/tokens": float(refs.tokens),
+                "reference_tokens_trained": float(self.reference_tokens_trained),
+            },
+            "train",
+        )
+
+    def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
+        """This micro-batch's share of ``sft_coef`` times the references' NLL
+        (:func:`rredcot.references.reference_nll`, aggregated over every reference row of the
+        generation batch as ``loss_type`` aggregates: :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are
+        split over the batch's ``steps_per_generation`` micro-batches, so the shares sum to the
+        whole term; scaled by ``steps_per_generation / gradient_accumulation_steps`` as TRL scales
+        its own loss, an optimiser step gets ``sft_coef * NLL`` once (TRL's defaults: one
+        generation batch per optimiser step, as rredcot train adds it once per optimiser step)."""
+        rows, S = term.rows, term.parts
+        share = torch.tensor_split(torch.arange(rows.size), S)[self._step % S]
+        nll = torch.zeros((), device=rows.input_ids.device)
+        if len(share):
+            mask = rows.response_mask[share]
+            logps, _, _ = super()._get_per_token_logps_and_entropies(
+                model, rows.input_ids[share], rows.attention_mask[share], mask.shape[1]
+            )
+            nll = references.reference_nll(
+                logps,
+                mask,
+                LOSS_AGG_OF_LOSS_TYPE[self.loss_type],
+                self.max_completion_length,
+                num_rows=rows.size,
+                num_tokens=float(rows.response_mask.sum()),
+            )
+        term.nll, term.done = term.nll + float(nll.detach()), term.done + 1
+        if term.done % S == 0:  # the last share of a pass over the batch
+            self._log_credit({"references/sft_nll": term.nll}, "train")
+            term.nll = 0.0
+        scale = S / self.current_gradient_accumulation_steps
+        return self.args.references_config.sft_coef * scale * nll
 
     # -- the credit of a generation batch -------------------------------------------------------
     def _apply_credit(self, inputs: list[dict], output: dict) -> dict:
         """TRL's per-completion advantages replaced by rredcot's ``(B, T)`` token advantages:
         now, or in the batch's loss forward where the hidden states come from it."""
         mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self._with_references(inputs, output)
         batch, rows, loss_mask = self._rollout_batch(inputs, output, mode)
         if self.credit_method is None:
             self._use_choice(self._choose_credit(rows, batch))
