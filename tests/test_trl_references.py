@@ -202,3 +202,140 @@ def test_data_without_references_is_refused_before_training(tiny_model_dir, tmp_
             reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
             reward_weights=[1.0],
         )
+
+
+class LuffySpy(RREDCoTGRPOTrainer):
+    """Records each generation batch as the credit left it, and each training micro-batch's loss
+    beside TRL's own loss of the same inputs with the reference rows masked out."""
+
+    def _apply_credit(self, inputs, output):
+        output = super()._apply_credit(inputs, output)
+        self.generated = getattr(self, "generated", []) + [
+            {
+                "prompts": [x["prompt"] for x in inputs],
+                "prompt_ids": output["prompt_ids"],
+                "prompt_mask": output["prompt_mask"],
+                "completion_ids": output["completion_ids"].clone(),
+                "completion_mask": output["completion_mask"].clone(),
+                "reference": output["rredcot_reference"].clone(),
+                "advantages": output["advantages"].clone(),
+                "rewards_per_func": self._state.rewards_per_func.clone(),
+            }
+        ]
+        return output
+
+    def _compute_loss(self, model, inputs):
+        on_policy = dict(inputs)
+        keep = (~inputs["rredcot_reference"]).unsqueeze(1).float()
+        on_policy["tool_mask"] = inputs["completion_mask"].float() * keep
+        trl = GRPOTrainer._compute_loss(self, model, on_policy)
+        ours = super()._compute_loss(model, inputs)
+        if self.model.training:
+            self.losses = getattr(self, "losses", []) + [(float(trl), float(ours))]
+        return ours
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_luffy_reference_row_takes_a_rollouts_place_with_the_shaped_ratio(
+    tiny_model_dir,  # noqa: F811
+    arithmetic_dataset,  # noqa: F811
+    tmp_path,
+    loss_type,
+):
+    from rredcot.integrations.trl import task_reward
+
+    first = arithmetic_dataset[0]["prompt"]
+    gamma = 0.1
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method="uniform",
+        cls=LuffySpy,
+        reward_funcs=[task_reward("arithmetic", num_steps=2), first_prompt_correct_reward(first)],
+        reward_weights=[1.0, 1.0],
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,  # one generation batch of 16 rows (4 groups), 2 micro-batches
+        max_steps=1,
+        loss_type=loss_type,
+        references={"mode": "luffy", "shaping_gamma": gamma},
+    )
+    model = trainer.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(before)
+
+    rec = trainer.generated[0]
+    prompts, G = rec["prompts"], 4
+    answers = {row["prompt"]: row["answer"] for row in arithmetic_dataset}
+    eos = trainer.processing_class.eos_token_id
+    # the untrained policy is wrong everywhere: the failed groups' rewards are [0, 0, 0, 1] once
+    # the reference (verified correct) replaces their last rollout; GRPO's advantage of the
+    # reference is (1 - 0.25) / (std 0.5 + 1e-4)
+    a_ref = 0.75 / (0.5 + 1e-4)
+    terms, tokens, refs = [], 0, []
+    for row in range(0, len(prompts), G):
+        last = row + G - 1
+        if prompts[row] == first:
+            assert not rec["reference"][row : row + G].any()  # correct samples: no reference
+            continue
+        refs.append(last)
+        assert rec["reference"][row : row + G].tolist() == [False, False, False, True]
+        assert rec["rewards_per_func"][row : row + G, 0].tolist() == [0.0, 0.0, 0.0, 1.0]
+        gold = TASK.gold_completion(Problem(prompts[row], answers[prompts[row]]))
+        target = trainer.processing_class(gold, add_special_tokens=False)["input_ids"] + [eos]
+        n = len(target)
+        assert rec["completion_ids"][last, :n].tolist() == target
+        assert int(rec["completion_mask"][last].sum()) == n
+        adv = rec["advantages"][last, :n]
+        torch.testing.assert_close(adv, torch.full_like(adv, a_ref), rtol=1e-5, atol=1e-6)
+        pi = hand_reference_logprobs(
+            model, rec["prompt_ids"][row], rec["prompt_mask"][row], gold, trainer.processing_class
+        ).exp()
+        terms.append(-a_ref * pi / (pi + gamma))  # LUFFY: -A f(pi), f(pi) = pi / (pi + gamma)
+        tokens += n
+    model.load_state_dict(trained)
+    assert len(refs) == 3
+
+    B_micro, accumulation = 8, 2
+    if loss_type == "grpo":  # each row's token mean over the micro-batch's rows
+        expected = sum(float(t.mean()) for t in terms) / (B_micro * accumulation)
+    else:  # dapo: over the generation batch's tokens, the reference's included
+        expected = sum(float(t.sum()) for t in terms) / float(rec["completion_mask"].sum())
+    assert len(trainer.losses) == 2
+    added = sum(ours - trl for trl, ours in trainer.losses)
+    assert added == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    logged = {k: v for h in trainer.state.log_history for k, v in h.items()}
+    assert logged["rredcot/references/tokens"] == tokens
+    assert logged["rredcot/references/groups"] == 3.0
+    assert 0 < logged["rredcot/references/shaped_ratio"] < 1
+
+
+def test_luffy_with_credit_from_the_loss_forward(
+    tiny_model_dir,  # noqa: F811
+    arithmetic_dataset,  # noqa: F811
+    tmp_path,
+):
+    """A value head whose credit is formed in the one loss forward (TRL's defaults) gives the
+    reference row its advantages there, as it gives the sampled rows theirs."""
+    from rredcot.integrations.trl import task_reward
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        reward_funcs=[task_reward("arithmetic", num_steps=2)],
+        reward_weights=[1.0],
+        max_steps=1,
+        references={"mode": "luffy"},
+    )
+    trainer.train()
+    rec = trainer.records[0]
+    assert rec["deferred"]  # the credit waited for the loss forward
+    reference = trainer.last_batch.completions[-1]
+    assert reference == TASK.gold_completion(trainer.last_batch.problems[-1])
+    assert float(trainer.last_batch.rewards[-1]) == 1.0  # the reward function's, on the reference
+    ours = rec["ours"][-1]
+    assert torch.isfinite(rec["ours"]).all() and float(ours.sum()) > 0  # it was credited

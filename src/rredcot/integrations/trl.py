@@ -101,6 +101,7 @@ from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 _trl = require_extra("trl", "trl", "rredcot.integrations.trl")
 GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
+is_conversational = _trl.data_utils.is_conversational
 
 __all__ = [
     "CREDIT_STATE_FILE",
@@ -136,6 +137,15 @@ LOSS_AGG_OF_LOSS_TYPE = {
     "vespo": "token_mean",
     "dr_grpo": "dr_grpo",
 }
+# TRL's (B, T) completion columns of a generation batch (luffy widens them to a reference)
+_COMPLETION_COLUMNS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "sampling_per_token_logps",
+    "importance_sampling_ratio",
+    "tool_mask",
+)
 # luffy's reference row is taken out of TRL's loss and its own term added with TRL's normaliser:
 # exact where that normaliser does not change when a row's tokens leave it (not bnpo's)
 REFERENCE_LOSS_TYPES = {
@@ -613,6 +623,7 @@ class _CreditState:
     hidden: Tensor | None = None  # (B, P+T, D) what that pass gave
     waiting: _Waiting | None = None  # the credit waiting for the batch's loss forward
     references: _ReferenceTerm | None = None  # the training batch's sft term (references.mode)
+    loss_logps: list[Tensor] | None = None  # luffy: the loss forward's log-probs, kept here
 
 
 def _outcome_rewards(
@@ -866,6 +877,12 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         return self._apply_credit(inputs, output)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        result = self._logps_reading_hidden_states(model, *args, **kwargs)
+        if self._state.loss_logps is not None:  # luffy's loss reads the forward's log-probs
+            self._state.loss_logps.append(result[0])
+        return result
+
+    def _logps_reading_hidden_states(self, model, *args, **kwargs):
         state = self._state
         trl_pass = state.read_pass and model is self.model  # its first pass; a PEFT ref's follows
         loss_forward = state.waiting is not None and state.waiting.inputs is not None
@@ -885,6 +902,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         waiting = self._state.waiting
         if waiting is not None and "rredcot_row" in inputs:
             waiting.inputs = inputs  # its forward gives the credit (_credit_in_loss_forward)
+        if "rredcot_reference" in inputs:
+            return self._luffy_loss(model, inputs)
         loss = super()._compute_loss(model, inputs)
         term = self._state.references
         if term is not None and self.model.training:
@@ -918,7 +937,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self.task,
             self._tokenizer,
         )
-        self._state.references = _ReferenceTerm(refs, self.args.steps_per_generation)
+        if cfg.mode == "sft":
+            self._state.references = _ReferenceTerm(refs, self.args.steps_per_generation)
+        else:
+            self._replace_rollouts(inputs, output, refs)
         self.reference_tokens_trained += refs.tokens
         self._log_credit(
             {
@@ -929,6 +951,122 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             },
             "train",
         )
+
+    def _replace_rollouts(self, inputs: list[dict], output: dict, refs) -> None:
+        """references.mode luffy: each reference ``refs`` in place of its group's last rollout,
+        in ``output`` before the credit reads it (LUFFY's recipe: G rows, one off-policy).
+        The row's rewards are the reward functions' on the reference (into the outcome ``R``
+        the credit reads); its old (and sampling) log-probs are 0 (``pi_phi = 1``); the
+        completion columns are widened where the reference is longer; ``num_items_in_batch``
+        is recounted; ``rredcot_reference`` marks the rows for the loss
+        (:meth:`_luffy_loss`). TRL's own logs of the batch (rewards, completions) were written
+        before, from the sampled rollouts."""
+        if refs.size == 0:
+            output["rredcot_reference"] = torch.zeros(
+                output["completion_ids"].shape[0], dtype=torch.bool, device=refs.input_ids.device
+            )
+            return
+        G = self.num_generations
+        rows = ((refs.group_ids + 1) * G - 1).tolist()  # the last row of each chosen group
+        B, T = output["completion_ids"].shape
+        width = max(T, refs.response_mask.shape[1])
+        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        fills = {"completion_ids": pad, "importance_sampling_ratio": 1.0, "tool_mask": 1}
+        for key in _COMPLETION_COLUMNS:  # widened to the longest reference
+            value = output.get(key)
+            if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == T:
+                output[key] = _fit_columns(value, width)
+                output[key][:, T:] = fills.get(key, 0)
+        P = refs.prompt_len
+        Tr = refs.response_mask.shape[1]
+        ids, mask = output["completion_ids"], output["completion_mask"]
+        ids[rows] = pad
+        ids[rows, :Tr] = refs.input_ids[:, P:].to(ids.dtype)
+        mask[rows] = 0
+        mask[rows, :Tr] = refs.response_mask.to(mask.dtype)
+        for key, value in (
+            ("old_per_token_logps", 0.0),
+            ("sampling_per_token_logps", 0.0),
+            ("importance_sampling_ratio", 1.0),
+            ("tool_mask", 1),
+        ):
+            if isinstance(output.get(key), Tensor) and output[key].shape[0] == B:
+                output[key][rows] = value
+        loss_mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
+        output["num_items_in_batch"] = loss_mask.sum().to(output["num_items_in_batch"].dtype)
+        reference = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        reference[rows] = True
+        output["rredcot_reference"] = reference
+        self._state.hidden = None  # TRL's pass saw the sampled rows: the credit forwards anew
+        chat = is_conversational(inputs[0])
+        completions = [
+            [{"role": "assistant", "content": text}] if chat else text for text in refs.completions
+        ]
+        picked = [inputs[r] for r in rows]
+        rewards = GRPOTrainer._calculate_rewards(
+            self,
+            picked,
+            [x["prompt"] for x in picked],
+            completions,
+            [
+                refs.input_ids[i, P:][refs.response_mask[i].bool()].tolist()
+                for i in range(len(rows))
+            ],
+        )
+        self._state.rewards_per_func[rows] = rewards.to(self._state.rewards_per_func.dtype)
+
+    def _luffy_loss(self, model, inputs: dict) -> Tensor:
+        """references.mode luffy: TRL's loss of the micro-batch with its reference rows left out
+        (their tokens masked as TRL masks tool output), plus LUFFY's term on them: per token
+        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.references.off_policy_pg`,
+        unclipped, ``pi`` from the same loss forward), normalised as ``loss_type`` normalises the
+        micro-batch (per-row means over the micro-batch's rows for grpo/sapo, rows x
+        ``max_completion_length`` for dr_grpo, the generation batch's tokens for dapo/cispo/vespo)
+        and scaled for gradient accumulation as TRL scales its own."""
+        ref = inputs["rredcot_reference"]
+        mask = inputs["completion_mask"].float()
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        trl_inputs = dict(inputs)
+        trl_inputs["tool_mask"] = mask * (~ref).unsqueeze(1).to(mask.dtype)
+        waiting = self._state.waiting
+        if waiting is not None and waiting.inputs is inputs:
+            waiting.inputs = trl_inputs  # the loss forward writes the credit where TRL reads it
+        self._state.loss_logps = []
+        try:
+            loss = super()._compute_loss(model, trl_inputs)
+            logps = self._state.loss_logps[0]
+        finally:
+            self._state.loss_logps = None
+        advantages = inputs["advantages"] = trl_inputs["advantages"]  # the loss forward's credit
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        gamma = self.args.references_config.shaping_gamma
+        per_token = references.off_policy_pg(logps, advantages, gamma) * mask
+        per_token = per_token[ref]
+        train = self.model.training
+        accumulation = self.current_gradient_accumulation_steps if train else 1.0
+        B = mask.shape[0]
+        if self.loss_type in ("grpo", "sapo"):
+            term = (per_token.sum(-1) / mask[ref].sum(-1).clamp(min=1.0)).sum() / B
+        elif self.loss_type == "dr_grpo":
+            term = per_token.sum() / (B * self.max_completion_length)
+        else:  # dapo, cispo, vespo: the generation batch's tokens, as TRL's normaliser
+            normalizer = (
+                inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            )
+            if train:
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+            term, accumulation = per_token.sum() / normalizer, 1.0
+        if bool(ref.any()):
+            with torch.no_grad():
+                shaped = references.shaped_ratio(logps[ref], gamma)
+                weights = mask[ref]
+            self._log_credit(
+                {"references/shaped_ratio": float((shaped * weights).sum() / weights.sum())},
+                "train" if train else "eval",
+            )
+        return loss + term / accumulation
 
     def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
         """This micro-batch's share of ``sft_coef`` times the references' NLL
