@@ -7,6 +7,7 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
+from metrics_doc import undocumented
 from rredcot.integrations.trl import RREDCoTGRPOConfig, RREDCoTGRPOTrainer
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem
@@ -128,6 +129,8 @@ def test_sft_adds_the_failed_groups_reference_nll_to_trls_loss(
     assert logged["rredcot/references/failed_groups"] == 3.0
     assert logged["rredcot/references/sft_nll"] == pytest.approx(expected / sft_coef, rel=1e-4)
     assert trainer.reference_tokens_trained == tokens
+    ours = {k for k in logged if k.startswith("rredcot/")}
+    assert undocumented(ours, prefix="rredcot/") == []  # every key is in docs/metrics.md
 
 
 def test_references_off_adds_nothing_to_trls_loss(
@@ -311,6 +314,7 @@ def test_luffy_reference_row_takes_a_rollouts_place_with_the_shaped_ratio(
     assert logged["rredcot/references/tokens"] == tokens
     assert logged["rredcot/references/groups"] == 3.0
     assert 0 < logged["rredcot/references/shaped_ratio"] < 1
+    assert undocumented({k for k in logged if k.startswith("rredcot/")}, prefix="rredcot/") == []
 
 
 def test_luffy_with_credit_from_the_loss_forward(

@@ -33,11 +33,25 @@ generation batch is one micro-batch (``steps_per_generation=1``; evaluation), it
 micro-batches, or the Liger loss) one no-grad forward of the adapter's own, as the trainer's
 scoring pass under gradient accumulation (``rredcot/extra_forward`` = 1).
 
+``references`` (issue 40's baselines, :mod:`rredcot.references`; needs ``task``, one process)
+trains on the task's reference solutions (``task.gold_completion`` of each row's problem) in the
+groups ``references.groups`` chooses (default: no completion with outcome ``R >= 1``), on training
+batches only. ``sft``: ``sft_coef`` times the references' NLL, aggregated as ``loss_type``
+aggregates (:data:`LOSS_AGG_OF_LOSS_TYPE`), is added to the loss in shares over the generation
+batch's micro-batches: once per optimiser step with TRL's defaults, as ``rredcot train`` adds it.
+``luffy``: LUFFY's own recipe, which fits TRL's ``G`` rows per prompt: the reference takes the
+place of the group's last rollout (``rredcot train`` appends it as a ``G + 1``-th row and drops
+no sample), its reward is the reward functions' on it, the credit method's advantages are
+computed with it, and its tokens are trained with the shaped, unclipped ``-A * f(pi)`` while TRL's
+loss covers the other rows. ``bread`` is refused: its branched rollouts need a generation TRL's
+step does not run.
+
 TRL internals overridden, each for one reason: ``_generate_and_score_completions`` (its advantages
 replaced), ``_calculate_rewards`` (every process's rewards per function before TRL scales them),
 ``_get_per_token_logps_and_entropies`` (the hidden states of TRL's pass or of the single loss
 forward, read by a hook on the decoder, with the log-probs of the same forward) and
-``_compute_loss`` (which micro-batch the single loss forward's credit goes to); ``save_model``
+``_compute_loss`` (which micro-batch the single loss forward's credit goes to, and the
+references' terms); ``save_model``
 and ``_load_optimizer_and_scheduler`` keep the credit's state beside TRL's checkpoints. All the
 adapter holds between those calls is one :class:`_CreditState`.
 """
