@@ -285,17 +285,27 @@ def off_policy_pg(logprobs: Tensor, advantages: Tensor, gamma: float) -> Tensor:
     return -advantages * shaped_ratio(logprobs, gamma)
 
 
-def reference_nll(logprobs: Tensor, response_mask: Tensor, loss_agg: str, max_len: int) -> Tensor:
+def reference_nll(
+    logprobs: Tensor,
+    response_mask: Tensor,
+    loss_agg: str,
+    max_len: int,
+    *,
+    num_rows: int | None = None,
+    num_tokens: float | None = None,
+) -> Tensor:
     """The supervised term: ``-log pi`` of the reference tokens ``logprobs (R, T)`` aggregated
-    over the reference rows as the policy loss aggregates (``loss.aggregate``)."""
+    over the reference rows as the policy loss aggregates (``loss.aggregate``). ``num_rows`` /
+    ``num_tokens``: those of every reference row when ``logprobs`` holds only some of them (a
+    micro-batch's share; the shares then sum to the whole term); default: these rows'."""
     from rredcot.loss import aggregate  # lazy: rredcot.loss imports this module
 
     return aggregate(
         -logprobs,
         response_mask,
         loss_agg,
-        num_rows=logprobs.shape[0],
-        num_tokens=float(response_mask.sum()),
+        num_rows=logprobs.shape[0] if num_rows is None else num_rows,
+        num_tokens=float(response_mask.sum()) if num_tokens is None else num_tokens,
         max_len=max_len,
     )
 

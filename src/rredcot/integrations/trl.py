@@ -33,11 +33,25 @@ generation batch is one micro-batch (``steps_per_generation=1``; evaluation), it
 micro-batches, or the Liger loss) one no-grad forward of the adapter's own, as the trainer's
 scoring pass under gradient accumulation (``rredcot/extra_forward`` = 1).
 
+``references`` (issue 40's baselines, :mod:`rredcot.references`; needs ``task``, one process)
+trains on the task's reference solutions (``task.gold_completion`` of each row's problem) in the
+groups ``references.groups`` chooses (default: no completion with outcome ``R >= 1``), on training
+batches only. ``sft``: ``sft_coef`` times the references' NLL, aggregated as ``loss_type``
+aggregates (:data:`LOSS_AGG_OF_LOSS_TYPE`), is added to the loss in shares over the generation
+batch's micro-batches: once per optimiser step with TRL's defaults, as ``rredcot train`` adds it.
+``luffy``: LUFFY's own recipe, which fits TRL's ``G`` rows per prompt: the reference takes the
+place of the group's last rollout (``rredcot train`` appends it as a ``G + 1``-th row and drops
+no sample), its reward is the reward functions' on it, the credit method's advantages are
+computed with it, and its tokens are trained with the shaped, unclipped ``-A * f(pi)`` while TRL's
+loss covers the other rows. ``bread`` is refused: its branched rollouts need a generation TRL's
+step does not run.
+
 TRL internals overridden, each for one reason: ``_generate_and_score_completions`` (its advantages
 replaced), ``_calculate_rewards`` (every process's rewards per function before TRL scales them),
 ``_get_per_token_logps_and_entropies`` (the hidden states of TRL's pass or of the single loss
 forward, read by a hook on the decoder, with the log-probs of the same forward) and
-``_compute_loss`` (which micro-batch the single loss forward's credit goes to); ``save_model``
+``_compute_loss`` (which micro-batch the single loss forward's credit goes to, and the
+references' terms); ``save_model``
 and ``_load_optimizer_and_scheduler`` keep the credit's state beside TRL's checkpoints. All the
 adapter holds between those calls is one :class:`_CreditState`.
 """
@@ -46,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -58,7 +73,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot.config import CreditConfig
+from rredcot import references
+from rredcot.config import CreditConfig, ReferencesConfig
 from rredcot.config_io import create_file, from_dict
 from rredcot.credit_choice import (
     AUTO,
@@ -99,6 +115,7 @@ from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
 
 _trl = require_extra("trl", "trl", "rredcot.integrations.trl")
 GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
+is_conversational = _trl.data_utils.is_conversational
 
 __all__ = [
     "CREDIT_STATE_FILE",
@@ -119,6 +136,42 @@ TRL_METHODS = (
     "process_reward",
     "uniform",
 )
+
+
+# rredcot's loss_agg of each TRL loss_type, by how TRL aggregates its per-token loss: grpo and
+# sapo average each row's token mean over the rows (seq_mean); bnpo, dapo, cispo and vespo average
+# over tokens (token_mean); dr_grpo divides by rows x max_completion_length. luspo sums each row's
+# tokens, an aggregation rredcot has not.
+LOSS_AGG_OF_LOSS_TYPE = {
+    "grpo": "seq_mean",
+    "sapo": "seq_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "vespo": "token_mean",
+    "dr_grpo": "dr_grpo",
+}
+# TRL's (B, T) completion columns of a generation batch (luffy widens them to a reference)
+_COMPLETION_COLUMNS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "sampling_per_token_logps",
+    "importance_sampling_ratio",
+    "tool_mask",
+)
+# luffy's reference row is taken out of TRL's loss and its own term added with TRL's normaliser:
+# exact where that normaliser does not change when a row's tokens leave it (not bnpo's)
+REFERENCE_LOSS_TYPES = {
+    "sft": tuple(LOSS_AGG_OF_LOSS_TYPE),
+    "luffy": ("grpo", "sapo", "dapo", "cispo", "vespo", "dr_grpo"),
+}
+REFERENCE_LOSS_TYPE_WHY = {
+    "sft": "the NLL is aggregated as the loss aggregates, and luspo's per-row sum has no "
+    "rredcot loss_agg",
+    "luffy": "the reference row's term is added beside TRL's loss with TRL's normaliser, which "
+    "bnpo and luspo form differently",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +237,17 @@ class RREDCoTGRPOConfig(GRPOConfig):
         default="answer",
         metadata={"help": "Dataset column with each prompt's reference answer (if any)."},
     )
+    references: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Fields of rredcot.config.ReferencesConfig (mode, groups, sft_coef, "
+            "shaping_gamma) as a dict or a JSON object string: training on the task's reference "
+            "solutions (task.gold_completion of each row's problem; needs task=...). mode sft adds "
+            "sft_coef times the references' NLL, aggregated as loss_type aggregates, to the "
+            "loss; luffy puts the reference in place of one rollout of each chosen group, "
+            "trained with LUFFY's shaped ratio; bread is rredcot train's only. Unset: off."
+        },
+    )
 
     def __post_init__(self) -> None:
         if getattr(self, "activation_checkpointing", False) is None:
@@ -223,8 +287,47 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 "credit_method='answer_likelihood' needs task=... (e.g. 'gsm8k'): the task's "
                 "render_answer writes the answer probes"
             )
+        self.references = _as_dict(self.references, "references")
+        self._check_references()
 
         self._warn_scale_rewards_conflict()
+
+    @property
+    def references_config(self) -> ReferencesConfig:
+        """The :class:`ReferencesConfig` built from ``references`` (unset fields: the defaults,
+        ``mode="off"``)."""
+        return from_dict(ReferencesConfig, _as_dict(self.references, "references"), "references.")
+
+    def _check_references(self) -> None:
+        """Refuse ``references`` settings the adapter cannot run, naming the field and the fix."""
+        refs = self.references_config  # unknown keys and bad values: one line each
+        mode = refs.mode
+        if mode == "off":
+            return
+        if mode == "bread":
+            raise ValueError(
+                "references.mode='bread' is not supported in TRL (its branched rollouts are "
+                "sampled after a prompt plus a reference prefix, a generation TRL's step does "
+                "not run); use references.mode 'sft' or 'luffy', or rredcot train "
+                "--references.mode bread"
+            )
+        if not self.task:
+            raise ValueError(
+                f"references.mode={mode!r} needs task=... (e.g. 'gsm8k'): the task's "
+                "gold_completion gives each row's reference solution"
+            )
+        if self.loss_type not in REFERENCE_LOSS_TYPES[mode]:
+            raise ValueError(
+                f"references.mode={mode!r} does not support loss_type={self.loss_type!r} "
+                f"({REFERENCE_LOSS_TYPE_WHY[mode]}); use loss_type one of "
+                f"{', '.join(REFERENCE_LOSS_TYPES[mode])}"
+            )
+        if mode == "luffy" and self.beta != 0.0:
+            raise ValueError(
+                "references.mode='luffy' needs beta=0 (TRL's reference-model log-probs of a "
+                "replaced row are the sampled completion's, not the reference's); set beta=0.0 "
+                "or use references.mode 'sft'"
+            )
 
     @property
     def credit_config(self) -> CreditConfig:
@@ -514,14 +617,27 @@ class _Waiting:
 
 
 @dataclass
+class _ReferenceTerm:
+    """``references.mode`` sft: a training generation batch's reference rows, whose NLL its
+    micro-batches add to their losses in shares (:meth:`RREDCoTGRPOTrainer._reference_sft_loss`)."""
+
+    rows: references.ReferenceRows
+    parts: int  # steps_per_generation: the micro-batches of the batch, one share each
+    nll: float = 0.0  # the shares' NLL summed so far (logged once the last share is in)
+    done: int = 0  # shares added so far (num_iterations passes each add every share)
+
+
+@dataclass
 class _CreditState:
     """What the adapter holds between TRL's calls: the generation batch in hand (a new one each
-    batch)."""
+    batch; an evaluation batch keeps the training batch's reference term)."""
 
     rewards_per_func: Tensor | None = None  # (N all processes, funcs), before TRL scales them
     read_pass: bool = False  # read the hidden states of TRL's coming old-log-prob pass
     hidden: Tensor | None = None  # (B, P+T, D) what that pass gave
     waiting: _Waiting | None = None  # the credit waiting for the batch's loss forward
+    references: _ReferenceTerm | None = None  # the training batch's sft term (references.mode)
+    loss_logps: list[Tensor] | None = None  # luffy: the loss forward's log-probs, kept here
 
 
 def _outcome_rewards(
@@ -594,10 +710,38 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self.last_batch: RolloutBatch | None = None  # the last generation batch, for inspection
         self.last_credit: CreditOutput | None = None  # its credit (this process's rows)
         self._state = _CreditState()
+        self.reference_tokens_trained = 0  # references.mode: reference tokens trained on (run)
+        self._check_reference_data()
         if args.credit_method == AUTO:
             self._announce(self.describe_credit())
         else:
             self._use_method(args.credit_method, args.credit_config)
+
+    def _check_reference_data(self) -> None:
+        """With ``references`` on: one process (as rredcot train), and a training set whose first
+        rows give the task a reference solution each; refused before training starts."""
+        mode = self.args.references_config.mode
+        if mode == "off":
+            return
+        if self.collective.world > 1:
+            raise ValueError(
+                "references.mode runs in a single process for now (processes would run "
+                "different backward passes); launch one process or set references.mode off"
+            )
+        data, column = self.train_dataset, self.args.answer_column
+        if data is None:
+            return
+        columns = getattr(data, "column_names", None)
+        if columns is not None and column not in columns:
+            raise ValueError(
+                f"references.mode={mode!r} reads each row's reference solution from the task and "
+                f"the {column!r} column, which the training set lacks (columns: {columns}); set "
+                "answer_column to the column with the answers or solutions"
+            )
+        rows = list(itertools.islice(iter(data), 4))
+        references.check_task_references(
+            self.task, [self._problem(r) for r in rows], self.args.task
+        )
 
     # -- the credit method --------------------------------------------------------------------
     def _use_method(self, name: str, config: CreditConfig) -> None:
@@ -739,11 +883,20 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         method = self.credit_method
         reads = method is not None and method.needs_hidden_states
-        self._state = _CreditState(read_pass=reads and self._hidden_source(mode) == "trl_pass")
+        self._state = _CreditState(
+            read_pass=reads and self._hidden_source(mode) == "trl_pass",
+            references=self._state.references if mode == "eval" else None,
+        )
         output = super()._generate_and_score_completions(inputs)
         return self._apply_credit(inputs, output)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        result = self._logps_reading_hidden_states(model, *args, **kwargs)
+        if self._state.loss_logps is not None:  # luffy's loss reads the forward's log-probs
+            self._state.loss_logps.append(result[0])
+        return result
+
+    def _logps_reading_hidden_states(self, model, *args, **kwargs):
         state = self._state
         trl_pass = state.read_pass and model is self.model  # its first pass; a PEFT ref's follows
         loss_forward = state.waiting is not None and state.waiting.inputs is not None
@@ -763,13 +916,210 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         waiting = self._state.waiting
         if waiting is not None and "rredcot_row" in inputs:
             waiting.inputs = inputs  # its forward gives the credit (_credit_in_loss_forward)
-        return super()._compute_loss(model, inputs)
+        if "rredcot_reference" in inputs:
+            return self._luffy_loss(model, inputs)
+        loss = super()._compute_loss(model, inputs)
+        term = self._state.references
+        if term is not None and self.model.training:
+            loss = loss + self._reference_sft_loss(model, term)
+        return loss
+
+    # -- the reference solutions (references.mode) ----------------------------------------------
+    def _with_references(self, inputs: list[dict], output: dict) -> None:
+        """``references.mode`` on a training generation batch: the references of the groups
+        ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), as
+        :func:`rredcot.references.reference_rows` after the group's prompt; sft keeps them for the
+        loss (:meth:`_reference_sft_loss`). Their tokens are counted once per generation batch
+        (``rredcot/references/tokens``; the run's ``rredcot/reference_tokens_trained``), as rredcot
+        train counts them (docs/metrics.md)."""
+        cfg = self.args.references_config
+        if cfg.mode == "off":
+            return
+        device = output["prompt_ids"].device
+        rewards, _ = _outcome_rewards(
+            self._state.rewards_per_func, self.reward_weights, self.num_generations
+        )
+        group_ids = torch.arange(rewards.shape[0]) // self.num_generations
+        failed = references.chosen_groups(rewards.cpu(), group_ids, "failed")
+        groups = references.chosen_groups(rewards.cpu(), group_ids, cfg.groups)
+        refs = references.reference_rows(
+            output["prompt_ids"],
+            output["prompt_mask"],
+            group_ids.to(device),
+            [self._problem(x) for x in inputs],
+            groups,
+            self.task,
+            self._tokenizer,
+        )
+        if cfg.mode == "sft":
+            self._state.references = _ReferenceTerm(refs, self.args.steps_per_generation)
+        else:
+            self._replace_rollouts(inputs, output, refs)
+        self.reference_tokens_trained += refs.tokens
+        self._log_credit(
+            {
+                "references/failed_groups": float(len(failed)),
+                "references/groups": float(refs.size),
+                "references/tokens": float(refs.tokens),
+                "reference_tokens_trained": float(self.reference_tokens_trained),
+            },
+            "train",
+        )
+
+    def _replace_rollouts(self, inputs: list[dict], output: dict, refs) -> None:
+        """references.mode luffy: each reference ``refs`` in place of its group's last rollout,
+        in ``output`` before the credit reads it (LUFFY's recipe: G rows, one off-policy).
+        The row's rewards are the reward functions' on the reference (into the outcome ``R``
+        the credit reads); its old (and sampling) log-probs are 0 (``pi_phi = 1``); the
+        completion columns are widened where the reference is longer; ``num_items_in_batch``
+        is recounted; ``rredcot_reference`` marks the rows for the loss
+        (:meth:`_luffy_loss`). TRL's own logs of the batch (rewards, completions) were written
+        before, from the sampled rollouts."""
+        if refs.size == 0:
+            output["rredcot_reference"] = torch.zeros(
+                output["completion_ids"].shape[0], dtype=torch.bool, device=refs.input_ids.device
+            )
+            return
+        G = self.num_generations
+        rows = ((refs.group_ids + 1) * G - 1).tolist()  # the last row of each chosen group
+        B, T = output["completion_ids"].shape
+        width = max(T, refs.response_mask.shape[1])
+        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        fills = {"completion_ids": pad, "importance_sampling_ratio": 1.0, "tool_mask": 1}
+        for key in _COMPLETION_COLUMNS:  # widened to the longest reference
+            value = output.get(key)
+            if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == T:
+                output[key] = _fit_columns(value, width)
+                output[key][:, T:] = fills.get(key, 0)
+        P = refs.prompt_len
+        Tr = refs.response_mask.shape[1]
+        ids, mask = output["completion_ids"], output["completion_mask"]
+        ids[rows] = pad
+        ids[rows, :Tr] = refs.input_ids[:, P:].to(ids.dtype)
+        mask[rows] = 0
+        mask[rows, :Tr] = refs.response_mask.to(mask.dtype)
+        for key, value in (
+            ("old_per_token_logps", 0.0),
+            ("sampling_per_token_logps", 0.0),
+            ("importance_sampling_ratio", 1.0),
+            ("tool_mask", 1),
+        ):
+            if isinstance(output.get(key), Tensor) and output[key].shape[0] == B:
+                output[key][rows] = value
+        loss_mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
+        output["num_items_in_batch"] = loss_mask.sum().to(output["num_items_in_batch"].dtype)
+        reference = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        reference[rows] = True
+        output["rredcot_reference"] = reference
+        self._state.hidden = None  # TRL's pass saw the sampled rows: the credit forwards anew
+        chat = is_conversational(inputs[0])
+        completions = [
+            [{"role": "assistant", "content": text}] if chat else text for text in refs.completions
+        ]
+        picked = [inputs[r] for r in rows]
+        rewards = GRPOTrainer._calculate_rewards(
+            self,
+            picked,
+            [x["prompt"] for x in picked],
+            completions,
+            [
+                refs.input_ids[i, P:][refs.response_mask[i].bool()].tolist()
+                for i in range(len(rows))
+            ],
+        )
+        self._state.rewards_per_func[rows] = rewards.to(self._state.rewards_per_func.dtype)
+
+    def _luffy_loss(self, model, inputs: dict) -> Tensor:
+        """references.mode luffy: TRL's loss of the micro-batch with its reference rows left out
+        (their tokens masked as TRL masks tool output), plus LUFFY's term on them: per token
+        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.references.off_policy_pg`,
+        unclipped, ``pi`` from the same loss forward), normalised as ``loss_type`` normalises the
+        micro-batch (per-row means over the micro-batch's rows for grpo/sapo, rows x
+        ``max_completion_length`` for dr_grpo, the generation batch's tokens for dapo/cispo/vespo)
+        and scaled for gradient accumulation as TRL scales its own."""
+        ref = inputs["rredcot_reference"]
+        mask = inputs["completion_mask"].float()
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        trl_inputs = dict(inputs)
+        trl_inputs["tool_mask"] = mask * (~ref).unsqueeze(1).to(mask.dtype)
+        waiting = self._state.waiting
+        if waiting is not None and waiting.inputs is inputs:
+            waiting.inputs = trl_inputs  # the loss forward writes the credit where TRL reads it
+        self._state.loss_logps = []
+        try:
+            loss = super()._compute_loss(model, trl_inputs)
+            logps = self._state.loss_logps[0]
+        finally:
+            self._state.loss_logps = None
+        advantages = inputs["advantages"] = trl_inputs["advantages"]  # the loss forward's credit
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        gamma = self.args.references_config.shaping_gamma
+        per_token = references.off_policy_pg(logps, advantages, gamma) * mask
+        per_token = per_token[ref]
+        train = self.model.training
+        accumulation = self.current_gradient_accumulation_steps if train else 1.0
+        B = mask.shape[0]
+        if self.loss_type in ("grpo", "sapo"):
+            term = (per_token.sum(-1) / mask[ref].sum(-1).clamp(min=1.0)).sum() / B
+        elif self.loss_type == "dr_grpo":
+            term = per_token.sum() / (B * self.max_completion_length)
+        else:  # dapo, cispo, vespo: the generation batch's tokens, as TRL's normaliser
+            normalizer = (
+                inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            )
+            if train:
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+            term, accumulation = per_token.sum() / normalizer, 1.0
+        if bool(ref.any()):
+            with torch.no_grad():
+                shaped = references.shaped_ratio(logps[ref], gamma)
+                weights = mask[ref]
+            self._log_credit(
+                {"references/shaped_ratio": float((shaped * weights).sum() / weights.sum())},
+                "train" if train else "eval",
+            )
+        return loss + term / accumulation
+
+    def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
+        """This micro-batch's share of ``sft_coef`` times the references' NLL
+        (:func:`rredcot.references.reference_nll`, aggregated over every reference row of the
+        generation batch as ``loss_type`` aggregates: :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are
+        split over the batch's ``steps_per_generation`` micro-batches, so the shares sum to the
+        whole term; scaled by ``steps_per_generation / gradient_accumulation_steps`` as TRL scales
+        its own loss, an optimiser step gets ``sft_coef * NLL`` once (TRL's defaults: one
+        generation batch per optimiser step, as rredcot train adds it once per optimiser step)."""
+        rows, S = term.rows, term.parts
+        share = torch.tensor_split(torch.arange(rows.size), S)[self._step % S]
+        nll = torch.zeros((), device=rows.input_ids.device)
+        if len(share):
+            mask = rows.response_mask[share]
+            logps, _, _ = super()._get_per_token_logps_and_entropies(
+                model, rows.input_ids[share], rows.attention_mask[share], mask.shape[1]
+            )
+            nll = references.reference_nll(
+                logps,
+                mask,
+                LOSS_AGG_OF_LOSS_TYPE[self.loss_type],
+                self.max_completion_length,
+                num_rows=rows.size,
+                num_tokens=float(rows.response_mask.sum()),
+            )
+        term.nll, term.done = term.nll + float(nll.detach()), term.done + 1
+        if term.done % S == 0:  # the last share of a pass over the batch
+            self._log_credit({"references/sft_nll": term.nll}, "train")
+            term.nll = 0.0
+        scale = S / self.current_gradient_accumulation_steps
+        return self.args.references_config.sft_coef * scale * nll
 
     # -- the credit of a generation batch -------------------------------------------------------
     def _apply_credit(self, inputs: list[dict], output: dict) -> dict:
         """TRL's per-completion advantages replaced by rredcot's ``(B, T)`` token advantages:
         now, or in the batch's loss forward where the hidden states come from it."""
         mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self._with_references(inputs, output)
         batch, rows, loss_mask = self._rollout_batch(inputs, output, mode)
         if self.credit_method is None:
             self._use_choice(self._choose_credit(rows, batch))
