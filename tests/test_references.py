@@ -187,6 +187,18 @@ def test_luffy_run_trains_the_reference_and_charges_it(init_dir, tmp_path):
     assert undocumented(set(record)) == []
 
 
+def test_luffy_step_where_no_group_takes_a_reference_trains_as_grpo(init_dir, tmp_path, monkeypatch):
+    # a step whose every group has a correct sample joins no reference (the default task does
+    # this once it trains): no off-policy rows, the step is GRPO's (it crashed on ~None once)
+    cfg = micro_config(init_dir, tmp_path / "run", steps=1)
+    cfg.references.mode = "luffy"
+    trainer = Trainer(cfg, log=lambda *_: None)
+    monkeypatch.setattr(references, "chosen_groups", lambda rewards, group_ids, which: [])
+    record, _ = train_step_with_grads(trainer, 1)
+    assert record["references/groups"] == 0 and record["references/tokens"] == 0
+    assert record["extra_tokens_generated"] == 0 and record["samples_seen"] == 8
+
+
 # ---------------------------------------------------------------------------------------------
 # sft: the supervised term
 

@@ -357,7 +357,8 @@ class Trainer:
             batch = references.reference_samples(
                 batch, refs, self.task, self.tokenizer, self.segmenter
             )
-            self._own_rows = ~batch.off_policy
+            if batch.off_policy is not None:  # None: no group chose a reference this step
+                self._own_rows = ~batch.off_policy
         self.extra_tokens_generated += refs.tokens
         self.reference_tokens_trained += refs.tokens
         stats.update(
