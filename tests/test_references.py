@@ -187,7 +187,9 @@ def test_luffy_run_trains_the_reference_and_charges_it(init_dir, tmp_path):
     assert undocumented(set(record)) == []
 
 
-def test_luffy_step_where_no_group_takes_a_reference_trains_as_grpo(init_dir, tmp_path, monkeypatch):
+def test_luffy_step_where_no_group_takes_a_reference_trains_as_grpo(
+    init_dir, tmp_path, monkeypatch
+):
     # a step whose every group has a correct sample joins no reference (the default task does
     # this once it trains): no off-policy rows, the step is GRPO's (it crashed on ~None once)
     cfg = micro_config(init_dir, tmp_path / "run", steps=1)
