@@ -83,6 +83,16 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "sampled token (docs/diagnose.md)",
             )
         )
+        if figures.get("has_references", True):  # the reference baseline (rredcot.references)
+            reasons.append(
+                (
+                    "+",
+                    "with reference solutions, training on them first: --references.mode sft "
+                    "--references.sft_coef 1 (the references of all-wrong groups as targets) was "
+                    "further ahead of GRPO, per sampled token and per second, than any credit "
+                    "method that reads them (docs/diagnose.md)",
+                )
+            )
         if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
             choice = choose_credit(
                 {"mean_reward": mean_reward, "all_wrong": wrong},
