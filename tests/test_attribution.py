@@ -298,6 +298,24 @@ def test_micro_batching_and_padding_do_not_change_weights(name, tiny_policy, cha
 
 
 @pytest.mark.parametrize("name", ["gradient", "attention"])
+def test_extra_forwards_take_at_most_micro_batch_tokens(name, tiny_policy, char_tokenizer, batch):
+    """The context's token budget (the run's micro_batch_tokens) bounds each extra forward
+    (rows x padded width, at least one row), and the weights are those of one forward."""
+    whole = make_method(name, tiny_policy, char_tokenizer).weights_and_cost(batch)[0]
+    budget = batch.prompt_len + int(batch.response_mask.sum(-1).max())  # one longest row
+    context = CreditContext(policy=tiny_policy, tokenizer=char_tokenizer, micro_batch_tokens=budget)
+    method = get_credit(name)(CreditConfig(), context)
+    shapes = []
+    scores = method.token_scores
+    method.token_scores = lambda policy, ids, *rest: (
+        shapes.append(ids.shape) or scores(policy, ids, *rest)
+    )
+    torch.testing.assert_close(method.weights_and_cost(batch)[0], whole, atol=1e-5, rtol=1e-4)
+    assert len(shapes) >= 2, shapes  # the batch's model rows do not fit one budget
+    assert all(rows == 1 or rows * width <= budget for rows, width in shapes), (budget, shapes)
+
+
+@pytest.mark.parametrize("name", ["gradient", "attention"])
 def test_no_parameter_grads_and_mode_restored(name, tiny_policy, char_tokenizer, batch):
     tiny_policy.train()
     out = make_method(name, tiny_policy, char_tokenizer).compute(batch)

@@ -285,7 +285,7 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     if cfg.credit_method == AUTO:  # chosen from step 1's own batch (Trainer.choose_credit)
         method_rng = capture_rng_state()
     else:
-        method = build_method(cfg, task, policy, tokenizer, segmenter, device)
+        method = build_method(cfg, task, policy, tokenizer, segmenter, device, micro_batch_tokens)
     model, optimizer, scheduler = _optimiser(cfg, policy, accelerator)
     if cfg.sampling.num_generations == 1:
         log(
@@ -317,7 +317,9 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     )
 
 
-def build_method(cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, device):
+def build_method(
+    cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, device, micro_batch_tokens=0
+):
     """The run's credit method (``cfg.credit_method``, never ``auto``) from its credit config."""
     return build_credit(
         cfg.credit_method,
@@ -329,6 +331,7 @@ def build_method(cfg: TrainConfig, task: Task, policy, tokenizer, segmenter, dev
             segmenter=segmenter,
             sampling=cfg.sampling,
             device=device,
+            micro_batch_tokens=micro_batch_tokens,
         ),
     )
 

@@ -286,7 +286,13 @@ class Trainer:
         runio.restore_rng_state(self._method_rng)
         try:
             self.method = build_method(
-                self.cfg, self.task, self.policy, self.tokenizer, self.segmenter, self.device
+                self.cfg,
+                self.task,
+                self.policy,
+                self.tokenizer,
+                self.segmenter,
+                self.device,
+                self.micro_batch_tokens,
             )
         finally:
             runio.restore_rng_state(here)

@@ -233,8 +233,26 @@ class _AttributionCredit(CreditMethod):
     """Shared part: model-based subclasses set ``token_scores``, run over micro-batches of the
     rows that need the model; the estimate's cost counts those rows' tokens."""
 
-    micro_batch_size: int = 16  # rows per extra forward (and backward)
+    micro_batch_size: int = 16  # rows per extra forward (and backward), at most
     backward: bool = False  # whether the extra pass also runs backward
+
+    def row_chunks(self, need: list[int], lengths: list[int], prompt_len: int) -> list[list[int]]:
+        """``need`` in consecutive chunks of at most ``micro_batch_size`` rows and, where the
+        context sets ``micro_batch_tokens``, at most that many tokens (rows x padded width); at
+        least one row each."""
+        budget = self.context.micro_batch_tokens
+        chunks: list[list[int]] = []
+        for i in need:
+            trial = (chunks[-1] if chunks else []) + [i]
+            width = prompt_len + max(lengths[j] for j in trial)
+            fits = len(trial) <= self.micro_batch_size and (
+                not budget or len(trial) * width <= budget
+            )
+            if chunks and fits:
+                chunks[-1] = trial
+            else:
+                chunks.append([i])
+        return chunks
 
     def rows(self, batch: RolloutBatch) -> CreditRows:
         """The batch's rows with their attribution weights."""
@@ -271,8 +289,7 @@ class _AttributionCredit(CreditMethod):
         was_training = policy.training
         policy.eval()
         try:
-            for lo in range(0, len(need), self.micro_batch_size):
-                rows = need[lo : lo + self.micro_batch_size]
+            for rows in self.row_chunks(need, lengths, P):
                 width = P + max(lengths[i] for i in rows)
                 ids = batch.input_ids[rows, :width].to(device)
                 mask = batch.attention_mask[rows, :width].to(device)

@@ -50,6 +50,7 @@ class CreditContext:
     segmenter: Segmenter | None = None
     sampling: SamplingConfig | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    micro_batch_tokens: int = 0  # tokens one extra forward may take (rredcot.memory); 0: no cap
 
 
 @dataclass(frozen=True)
