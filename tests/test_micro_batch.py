@@ -238,3 +238,24 @@ def test_bench_memory_measures_a_step_in_its_own_process(tmp_path):
     assert 0 < result["setup_rss"] <= result["step_peak_rss"] <= result["process_peak_rss"] * 1.05
     table = (tmp_path / "memory" / "memory.md").read_text()
     assert "| tiny" in table and "uniform" in table
+
+
+def test_bench_memory_keeps_the_peak_so_far_of_a_step_that_runs_out_of_time(tmp_path):
+    # a SmolLM2 monte_carlo step takes hours on a CPU: its row still says how high memory went
+    from rredcot.bench.memory import GIB, _run_child
+
+    spec = {
+        "model": None,
+        "task": "arithmetic",
+        "method": "uniform",
+        "prompts": 1,
+        "steps": 10**6,  # never finishes: stopped by the timeout
+        "seed": 0,
+        "threads": 1,
+        "out": str(tmp_path / "run"),
+        "report_every": 0.2,
+    }
+    result = _run_child(spec, timeout=40)
+    assert result["error"].startswith("timed out after 40 s after "), result
+    assert "step peak so far" in result["error"]
+    assert 0 < result["setup_rss"] <= result["partial_step_peak_rss"] < 8 * GIB

@@ -34,6 +34,7 @@ from rredcot.trainer import Trainer
 
 GIB = 1 << 30
 MARKER = "MEMORY-RESULT "
+PARTIAL = "MEMORY-SO-FAR "  # the peak so far, printed while a step runs (kept when it times out)
 
 
 def _rss() -> int:
@@ -45,13 +46,18 @@ def _rss() -> int:
 class _PeakPoller:
     """The highest resident memory of this process while a block runs, polled in a thread."""
 
-    def __init__(self, every: float = 0.01) -> None:
+    def __init__(self, every: float = 0.01, report=None, report_every: float = 10.0) -> None:
         self.every, self.peak, self._stop = every, _rss(), threading.Event()
+        self.report, self.report_every = report, report_every  # report(peak) now and then
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self.every):
             self.peak = max(self.peak, _rss())
+            if self.report is not None and time.monotonic() - last >= self.report_every:
+                self.report(self.peak)
+                last = time.monotonic()
 
     def __enter__(self) -> _PeakPoller:
         self._thread.start()
@@ -86,9 +92,15 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = Trainer(cfg, log=lambda *_: None)
     setup_seconds = time.perf_counter() - start
     setup_rss = _rss()
+    start = time.perf_counter()
+
+    def so_far(peak: int) -> None:  # read back by _run_child if the step runs out of time
+        seconds = time.perf_counter() - start
+        line = {"setup_rss": setup_rss, "step_peak_rss": peak, "seconds": seconds}
+        print(PARTIAL + json.dumps(line), flush=True)
+
     try:
-        with _PeakPoller() as poller:
-            start = time.perf_counter()
+        with _PeakPoller(report=so_far, report_every=spec.get("report_every", 10.0)) as poller:
             records = []
             for step in range(1, spec["steps"] + 1):
                 trainer.step = step
@@ -115,8 +127,19 @@ def _run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "rredcot.bench.memory", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as stopped:
+        error = {"error": f"timed out after {timeout:.0f} s"}
+        out = stopped.stdout or ""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        partial = [line for line in out.splitlines() if line.startswith(PARTIAL)]
+        if partial:  # the step's peak until it was stopped: a lower bound on the whole step's
+            last = json.loads(partial[-1][len(PARTIAL) :])
+            error["error"] += (
+                f" after {last['seconds']:.0f} s of its steps; step peak so far "
+                f"{last['step_peak_rss'] / GIB:.2f} GiB"
+            )
+            error.update(setup_rss=last["setup_rss"], partial_step_peak_rss=last["step_peak_rss"])
+        return error
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER) :])
