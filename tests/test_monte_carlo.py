@@ -4,6 +4,8 @@ on the warm-started policy."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -318,3 +320,36 @@ def test_monte_carlo_blames_the_first_wrong_step(warm_checkpoint, arithmetic_tas
         elsewhere += [c for j, c in enumerate(credit_row) if j != target]
     gap = sum(elsewhere) / len(elsewhere) - sum(at_error) / len(at_error)
     assert gap > 0.04, gap
+
+
+def test_continuations_are_generated_within_the_micro_batch(warm, arithmetic_task, monkeypatch):
+    # a real model's continuations (K per prefix) must not all be generated at once: each
+    # generate call holds at most the rows micro_batch_tokens gives (rredcot.memory)
+    from rredcot.memory import ModelShape, generation_rows
+
+    policy, tokenizer = warm
+    batch = make_rollout_batch(
+        policy, tokenizer, arithmetic_task, num_prompts=4, num_generations=2, hidden_layers=None
+    )
+    sampling = SamplingConfig(max_new_tokens=24)
+    calls = []
+    real = monte_carlo.generate_from_ids
+
+    def counting(policy, tokenizer, ids, num_samples, **kw):
+        calls.append(len(ids) * num_samples)
+        return real(policy, tokenizer, ids, num_samples=num_samples, **kw)
+
+    monkeypatch.setattr(monte_carlo, "generate_from_ids", counting)
+    options = CreditConfig(lam=0.0, monte_carlo=MonteCarloConfig(rollouts=4))
+    length = batch.input_ids.shape[1] - batch.response_mask.shape[1] + 24
+    budget = 100
+    rows = generation_rows(ModelShape.of(policy), budget, length)
+    assert 4 <= rows < 256  # the budget binds below the fixed 256 rows
+    ctx = CreditContext(policy, tokenizer, task=arithmetic_task, sampling=sampling)
+    for tokens, most in ((0, 256), (budget, rows)):
+        calls.clear()
+        torch.manual_seed(0)
+        ctx = dataclasses.replace(ctx, micro_batch_tokens=tokens)
+        get_credit("monte_carlo")(options, ctx).compute(batch)
+        assert calls and max(calls) <= most, (tokens, calls)
+    assert len(calls) > 1  # the micro-batch split the continuations

@@ -36,6 +36,7 @@ import torch
 from rredcot.batch import RolloutBatch
 from rredcot.config import MonteCarloConfig, SamplingConfig
 from rredcot.credit import Cost
+from rredcot.memory import ModelShape, generation_rows
 from rredcot.methods.base import CreditContext, CreditMethod, CreditRows, register_credit
 from rredcot.rollout import checked_verify, eval_mode, response_mask_from_ids
 
@@ -299,7 +300,7 @@ class MonteCarloCredit(CreditMethod):
     """VinePPO: ``V(s_k)`` = mean reward of ``credit.monte_carlo.rollouts`` continuations from
     ``s_k``."""
 
-    batch_size: int = 256
+    batch_size: int = 256  # continuation rows per generate call, fewer where the micro-batch says
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
@@ -322,6 +323,11 @@ class MonteCarloCredit(CreditMethod):
         """``(values (B, S+1), mask (B, S+1), stats)`` of :func:`mc_values`."""
         ctx = self.context
         s = ctx.sampling or SamplingConfig()
+        rows = self.batch_size
+        if ctx.micro_batch_tokens:  # a prefix and its continuation: at most prompt + budget
+            length = batch.input_ids.shape[1] - batch.response_mask.shape[1] + s.max_new_tokens
+            shape = ModelShape.of(ctx.policy)
+            rows = min(rows, generation_rows(shape, ctx.micro_batch_tokens, length))
         return mc_values(
             ctx.policy,
             ctx.tokenizer,
@@ -332,5 +338,5 @@ class MonteCarloCredit(CreditMethod):
             top_p=s.top_p,
             max_new_tokens=s.max_new_tokens,
             max_boundaries=self.options.max_boundaries,
-            batch_size=self.batch_size,
+            batch_size=rows,
         )
