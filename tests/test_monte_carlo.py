@@ -341,7 +341,7 @@ def test_continuations_are_generated_within_the_micro_batch(warm, arithmetic_tas
 
     monkeypatch.setattr(monte_carlo, "generate_from_ids", counting)
     options = CreditConfig(lam=0.0, monte_carlo=MonteCarloConfig(rollouts=4))
-    length = batch.input_ids.shape[1] - batch.response_mask.shape[1] + 24
+    length = batch.prompt_len + 24
     budget = 100
     rows = generation_rows(ModelShape.of(policy), budget, length)
     assert 4 <= rows < 256  # the budget binds below the fixed 256 rows

@@ -100,6 +100,16 @@ class ReferenceRows:
         """Reference tokens (EOS included): what training on these rows charges to the budget."""
         return int(self.response_mask.sum())
 
+    def stats(self, failed_groups: int, trained: float) -> dict[str, float]:
+        """A step's reference metrics (docs/metrics.md): groups with no correct sample, the
+        groups given a reference (these rows), their tokens and the run's tokens trained so far."""
+        return {
+            "references/failed_groups": float(failed_groups),
+            "references/groups": float(self.size),
+            "references/tokens": float(self.tokens),
+            "reference_tokens_trained": trained,
+        }
+
 
 def check_task_references(task: Task, problems: list[Problem], task_name: str) -> None:
     """Refuse a task whose problems have no reference solution (``gold_completion`` is None),

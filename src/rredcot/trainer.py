@@ -367,14 +367,7 @@ class Trainer:
                 self._own_rows = ~batch.off_policy
         self.extra_tokens_generated += refs.tokens
         self.reference_tokens_trained += refs.tokens
-        stats.update(
-            {
-                "references/failed_groups": float(len(failed)),
-                "references/groups": float(refs.size),
-                "references/tokens": float(refs.tokens),
-                "reference_tokens_trained": self.reference_tokens_trained,
-            }
-        )
+        stats.update(refs.stats(len(failed), self.reference_tokens_trained))
         return batch
 
     def _with_branches(self, batch, stats, failed, groups) -> RolloutBatch:

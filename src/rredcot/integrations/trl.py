@@ -956,15 +956,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         else:
             self._replace_rollouts(inputs, output, refs)
         self.reference_tokens_trained += refs.tokens
-        self._log_credit(
-            {
-                "references/failed_groups": float(len(failed)),
-                "references/groups": float(refs.size),
-                "references/tokens": float(refs.tokens),
-                "reference_tokens_trained": float(self.reference_tokens_trained),
-            },
-            "train",
-        )
+        self._log_credit(refs.stats(len(failed), float(self.reference_tokens_trained)), "train")
 
     def _replace_rollouts(self, inputs: list[dict], output: dict, refs) -> None:
         """references.mode luffy: each reference ``refs`` in place of its group's last rollout,

@@ -325,7 +325,7 @@ class MonteCarloCredit(CreditMethod):
         s = ctx.sampling or SamplingConfig()
         rows = self.batch_size
         if ctx.micro_batch_tokens:  # a prefix and its continuation: at most prompt + budget
-            length = batch.input_ids.shape[1] - batch.response_mask.shape[1] + s.max_new_tokens
+            length = batch.prompt_len + s.max_new_tokens
             shape = ModelShape.of(ctx.policy)
             rows = min(rows, generation_rows(shape, ctx.micro_batch_tokens, length))
         return mc_values(
