@@ -327,8 +327,10 @@ def test_luffy_with_tree_groups_is_refused():
 
 
 def test_references_off_leaves_a_run_as_before(init_dir, tmp_path, monkeypatch):
-    """Uniform credit with references off: a 2-step run's metrics equal, bit for bit, those of
-    the code before references existed (main 47062b3, the fixture), and no reference code runs."""
+    """Uniform credit with references off: a 2-step run's metrics equal those of the code before
+    references existed (main 47062b3, the fixture), and no reference code runs. The fixture was
+    made on another CPU: counts must match exactly, floats within a tolerance far below any
+    change of behaviour (a different sample or update moves them by 1e-2 or more)."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("reference code ran with references.mode off")
@@ -348,7 +350,12 @@ def test_references_off_leaves_a_run_as_before(init_dir, tmp_path, monkeypatch):
     before = json.loads(FIXTURE.read_text())
     assert len(timeless) == len(before)
     for now, then in zip(timeless, before, strict=True):
-        assert {k: now.get(k) for k in then} == then  # every value logged then, unchanged
+        for key, value in then.items():  # every value logged then, unchanged
+            assert key in now, key
+            if isinstance(value, float):
+                assert now[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+            else:
+                assert now[key] == value, key
         # keys logged since the fixture was made: the equal-time and compute budgets (issue 41)
         assert set(now) - set(then) <= {"compute/step", "compute/used", "train_seconds"}, now
 
