@@ -232,6 +232,7 @@ def test_auto_decides_from_step_ones_batch_and_with_todays_table_runs_uniform(
     assert choice["method"] == "uniform"  # nothing was measured ahead of GRPO per second
     figures = choice["figures"]
     assert figures["samples"] == 2 * 4 and figures["groups"] == 2  # step 1's own batch
+    assert figures["model_kind"] == "character" and figures["model_parameters"] > 0
     records = _records(run)
     assert figures["mean_reward"] == pytest.approx(records[1]["reward_mean"])
     assert records[-1]["extra_tokens_generated"] == 0  # and nothing charged for it
@@ -288,3 +289,85 @@ def test_a_misspelt_credit_method_lists_auto_and_auto_prompts_is_retired(init_di
     with pytest.warns(UserWarning, match="auto_prompts=64 is ignored"):
         cfg = CreditConfig(auto_prompts=64)
     assert cfg.auto_prompts is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the measurements file: written by the bench, read by auto, rows of other models not alike
+
+
+def test_auto_reads_its_rows_from_the_data_file_the_bench_writes(tmp_path):
+    from rredcot.bench.configs import RecordAutoConfig
+    from rredcot.bench.record import run_record_auto
+
+    assert credit_choice.load_measurements() == MEASUREMENTS  # the table is the file's rows
+    shipped = {(m.source, m.variant): m for m in MEASUREMENTS}
+    row = shipped["per_second/arith4_default/learn.json", "cl_cheap"]
+    out = tmp_path / "rows.json"
+    cfg = RecordAutoConfig(
+        learn=str(RESULTS / row.source),
+        variants="cl_cheap",
+        testbed=row.testbed,
+        all_wrong=row.all_wrong,
+        mean_reward=row.mean_reward,
+        model_kind="character",
+        model=row.model,
+        file=str(out),
+    )
+    (written,) = run_record_auto(cfg)
+    assert written == row  # the shipped row is what the bench writes from its source
+    assert credit_choice.load_measurements(out) == (row,)
+    run_record_auto(cfg)  # recording again replaces the row, it does not add a second
+    assert len(credit_choice.load_measurements(out)) == 1
+
+
+def test_record_auto_refuses_what_auto_cannot_apply(tmp_path):
+    from rredcot.bench.configs import RecordAutoConfig
+    from rredcot.bench.record import run_record_auto
+    from rredcot.errors import UserError
+
+    learn = RESULTS / "references" / "arith4_default" / "learn.json"
+    cfg = RecordAutoConfig(
+        learn=str(learn), testbed="t", all_wrong=0.3, mean_reward=0.4, file=str(tmp_path / "f")
+    )
+    with pytest.raises(UserError, match="chooses credit settings only"):
+        run_record_auto(cfg)  # a references variant is not a credit choice
+    with pytest.raises(UserError, match="not in"):
+        run_record_auto(dataclasses.replace(cfg, variants="nope"))
+    with pytest.raises(ValueError, match="--all_wrong"):
+        RecordAutoConfig(learn=str(learn), testbed="t", all_wrong=2.0, mean_reward=0.4)
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_bad_measurements_file_is_one_clear_error(tmp_path):
+    path = tmp_path / "rows.json"
+    good = MEASUREMENTS[0].to_json()
+    for rows, match in (
+        ([{**good, "colour": 1}], "unknown fields"),
+        ([{k: v for k, v in good.items() if k != "method"}], "missing fields"),
+        ([{**good, "per_token": [0.1]}], "per_token must be"),
+        ([{**good, "model_kind": "robot"}], "model_kind"),
+        (["row"], "must be an object"),
+    ):
+        path.write_text(json.dumps({"rows": rows}))
+        with pytest.raises(ValueError, match=match):
+            credit_choice.load_measurements(path)
+
+
+def test_a_language_model_is_not_decided_by_the_character_models_rows():
+    figures = {"mean_reward": 0.40, "all_wrong": 0.28}  # the default task's own figures
+    char = choose_credit({**figures, "model_kind": "character"}, True)
+    assert char.decided_by == "per_second/arith4_default/learn.json"
+    lm = {**figures, "model_kind": "language_model", "model_parameters": 134_515_008}
+    chosen = choose_credit(lm, True, tuple(m for m in MEASUREMENTS if m.model_kind == "character"))
+    assert chosen.method == "uniform" and chosen.decided_by is None
+    assert "no credit method was measured on a model like it" in chosen.reason
+    assert "a language model of 135M parameters" in chosen.reason
+    # a row measured on a language model of like size decides; one 100x larger does not
+    small = _row(
+        all_wrong=0.28, mean_reward=0.40, model_kind="language_model", model_parameters=134_515_008
+    )
+    assert choose_credit(lm, True, (small,)).method == FLOW_METHOD
+    huge = dataclasses.replace(small, model_parameters=13_451_500_800)
+    assert choose_credit(lm, True, (huge,)).method == "uniform"
+    assert credit_choice.model_kind(100) == "character"
+    assert credit_choice.model_kind(49_152) == "language_model"

@@ -2,13 +2,16 @@
 
 The rule (the one ``rredcot diagnose``'s verdict states too, docs/diagnose.md): a credit method
 is chosen only where it was measured ahead of GRPO **per second** (equal training time) on a
-testbed like the run's, else ``uniform`` (GRPO). What was measured is :data:`MEASUREMENTS`, one
-row per (testbed, method); a testbed is like the run when the run's first batch has a share of
+testbed like the run's, else ``uniform`` (GRPO). What was measured is :data:`MEASUREMENTS`, read
+from a data file the learn bench writes (``rredcot bench record-auto``), one row per (testbed,
+model, method); a testbed is like the run when its policy is of the same kind (the character
+model is not like a pretrained language model; language models within a factor of ten of each
+other's parameters are alike) and the run's first batch has a share of
 all-wrong groups within ``ALL_WRONG_BAND`` and a mean reward within ``REWARD_BAND`` of the
 testbed's (each widened by two standard errors of the batch's own share), and the task writes reference solutions where the method reads them. A row decides
 for its method when both of its per-second figures (accuracy at GRPO's last training second and
 time-averaged accuracy over GRPO's run, paired per seed) are more than two standard errors above
-GRPO. A new measured row (a cheaper estimator) changes the choice by being added here.
+GRPO. A new measured row (a cheaper estimator) changes the choice by being added to the file.
 
 This module is the rule only (pure functions over a batch's rewards; torch-free at import). The
 entry point is :func:`choose_from_rollouts`: the trainer calls it on step 1's own rollouts (no
@@ -50,9 +53,25 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 """Named variants a benchmark's ``--methods`` takes as they are (``uniform,cl_cheap``)."""
 
 
+MODEL_KINDS = ("character", "language_model")
+"""What a measured row's policy was: the built-in character-level tiny Llama (``rredcot sft``),
+or a language model with a subword vocabulary (a pretrained Hugging Face causal LM)."""
+CHARACTER_VOCAB_MAX = 512  # a vocabulary this small is a character tokenizer's (ours has 100)
+PARAMETER_FACTOR = 10.0  # two language models are alike within this factor of parameters
+
+
+def model_kind(vocab_size: int) -> str:
+    """The kind (:data:`MODEL_KINDS`) of a policy whose tokenizer has ``vocab_size`` tokens."""
+    return "character" if vocab_size <= CHARACTER_VOCAB_MAX else "language_model"
+
+
+MEASUREMENTS_FILE = Path(__file__).parent / "measurements" / "credit_auto.json"
+"""The rows ``auto`` reads, written by ``rredcot bench record-auto`` from a ``learn.json``."""
+
+
 @dataclass(frozen=True)
 class Measurement:
-    """One measured (testbed, method) against GRPO, paired per seed, in accuracy points / 100.
+    """One measured (testbed, model, method) against GRPO, paired per seed, in accuracy / 100.
 
     The settings must not change sampling or segmentation (the choice is made after step 1's
     batch was sampled and segmented)."""
@@ -69,16 +88,36 @@ class Measurement:
     time_averaged: tuple[float, float]  # accuracy averaged over GRPO's training seconds − GRPO's
     seeds: int
     source: str  # the learn.json the figures are read from, under benchmarks/results/
+    model_kind: str = "character"  # MODEL_KINDS
+    model: str = ""  # the policy in words
+    model_parameters: int | None = None  # the policy's parameters (language models)
 
     def ahead_per_second(self) -> bool:
         """Both per-second figures more than two standard errors above GRPO."""
         return all(m - 2 * se > 0 for m, se in (self.at_grpo_last_second, self.time_averaged))
 
+    def like_model(self, figures: dict[str, Any]) -> bool:
+        """Whether the run's policy (``figures["model_kind"]``, ``figures["model_parameters"]``,
+        where given) is like this row's: the same kind, and for language models within
+        :data:`PARAMETER_FACTOR` of its parameters where both are known."""
+        kind = figures.get("model_kind")
+        if kind is None:
+            return True  # a caller that does not know the model (a pure figures check)
+        if kind != self.model_kind:
+            return False
+        theirs, ours = figures.get("model_parameters"), self.model_parameters
+        if kind == "language_model" and theirs and ours:
+            return max(theirs, ours) / min(theirs, ours) <= PARAMETER_FACTOR
+        return True
+
     def like(self, figures: dict[str, Any], has_references: bool) -> bool:
-        """Whether a run whose first batch scored ``figures`` is on a testbed like this one:
-        within the bands, widened by two standard errors of the batch's own shares (a batch of
-        16 groups measures a share to about ±0.1; ``figures["groups"]``, when given)."""
+        """Whether a run whose first batch scored ``figures`` is on a testbed like this one: a
+        policy like the row's (:meth:`like_model`) and shares within the bands, widened by two
+        standard errors of the batch's own shares (a batch of 16 groups measures a share to
+        about ±0.1; ``figures["groups"]``, when given)."""
         if self.needs_references and not has_references:
+            return False
+        if not self.like_model(figures):
             return False
         groups = figures.get("groups") or 0
 
@@ -104,68 +143,64 @@ class Measurement:
             f"{pts(self.time_averaged)} time-averaged, {self.seeds} seeds [{self.source}]"
         )
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-MEASUREMENTS: tuple[Measurement, ...] = (
-    Measurement(
-        testbed="the default task (4-step arithmetic chains, shipped 53.1% warm-start)",
-        all_wrong=0.28,  # auto_probe.txt: 256 prompts, seeds 0-4, 0.27-0.31
-        mean_reward=0.40,
-        method=FLOW_METHOD,
-        settings=FLOW_SETTINGS,
-        variant="cl_flow",
-        needs_references=True,
-        per_token=(0.0165, 0.0035),
-        at_grpo_last_second=(-0.0520, 0.0097),
-        time_averaged=(-0.0501, 0.0062),
-        seeds=10,
-        source="headroom/arith4_default_report/learn.json",
-    ),
-    Measurement(
-        testbed="12-step arithmetic chains, shipped low warm-start",
-        all_wrong=0.58,  # auto_probe.txt: 64 prompts, seeds 100-109, 0.52-0.67
-        mean_reward=0.11,
-        method=FLOW_METHOD,
-        settings=FLOW_SETTINGS,
-        variant="cl_flow",
-        needs_references=True,
-        per_token=(0.0320, 0.0124),
-        at_grpo_last_second=(-0.1219, 0.0220),
-        time_averaged=(-0.0628, 0.0067),
-        seeds=10,
-        source="headroom/arith12_low450_report/learn.json",
-    ),
-    Measurement(
-        testbed="the default task (4-step arithmetic chains, shipped 53.1% warm-start)",
-        all_wrong=0.28,
-        mean_reward=0.40,
-        method=FLOW_METHOD,
-        settings=CHEAP_SETTINGS,
-        variant="cl_cheap",
-        needs_references=True,
-        per_token=(0.0099, 0.0034),
-        at_grpo_last_second=(-0.0137, 0.0056),
-        time_averaged=(-0.0131, 0.0046),
-        seeds=10,
-        source="per_second/arith4_default/learn.json",
-    ),
-    Measurement(
-        testbed="12-step arithmetic chains, shipped low warm-start",
-        all_wrong=0.58,
-        mean_reward=0.11,
-        method=FLOW_METHOD,
-        settings=CHEAP_SETTINGS,
-        variant="cl_cheap",
-        needs_references=True,
-        per_token=(0.0328, 0.0131),
-        at_grpo_last_second=(-0.0437, 0.0148),
-        time_averaged=(-0.0256, 0.0041),
-        seeds=10,
-        source="per_second/arith12_low450/learn.json",
-    ),
-)
+
+_PAIRS = ("per_token", "at_grpo_last_second", "time_averaged")
+
+
+def measurement_from_json(row: Any, where: str) -> Measurement:
+    """A row of the measurements file, validated: a clear error names the row and the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be an object, not {type(row).__name__}")
+    names = {f.name for f in dataclasses.fields(Measurement)}
+    unknown = sorted(set(row) - names)
+    missing = sorted(
+        f.name
+        for f in dataclasses.fields(Measurement)
+        if f.name not in row and f.default is dataclasses.MISSING
+    )
+    if unknown or missing:
+        raise ValueError(
+            f"{where}: unknown fields {unknown} / missing fields {missing}; valid: {sorted(names)}"
+        )
+    values = dict(row)
+    for name in _PAIRS:
+        pair = values[name]
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise ValueError(f"{where}: {name} must be [mean, standard error], not {pair!r}")
+        values[name] = (float(pair[0]), float(pair[1]))
+    if values.get("model_kind", "character") not in MODEL_KINDS:
+        raise ValueError(f"{where}: model_kind {values['model_kind']!r}; valid: {MODEL_KINDS}")
+    if not isinstance(values["settings"], dict):
+        raise ValueError(f"{where}: settings must be an object of credit.<field> values")
+    return Measurement(**values)
+
+
+def load_measurements(path: str | Path = MEASUREMENTS_FILE) -> tuple[Measurement, ...]:
+    """The rows of a measurements file (:data:`MEASUREMENTS_FILE` by default)."""
+    data = json.loads(Path(path).read_text())
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected an object with a list 'rows'")
+    return tuple(measurement_from_json(r, f"{path} row {i}") for i, r in enumerate(rows))
+
+
+def write_measurements(rows: tuple[Measurement, ...] | list[Measurement], path: str | Path) -> None:
+    """Write ``rows`` to a measurements file, keeping its ``about`` text (atomic replace)."""
+    path = Path(path)
+    about = json.loads(path.read_text()).get("about", "") if path.exists() else ""
+    text = json.dumps({"about": about, "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+MEASUREMENTS: tuple[Measurement, ...] = load_measurements()
 """What was measured against GRPO at equal training time (``bench learn``'s per-second columns,
-the method's cl_flow variant at its tuned rate). A row's figures are its source's
-``*_vs_reference`` means and standard errors (tests check them)."""
+each method at its tuned rate), read from :data:`MEASUREMENTS_FILE`. A row's figures are its
+source's ``*_vs_reference`` means and standard errors (tests check them)."""
 
 
 def check_method_name(name: str, allow_auto: bool = True) -> None:
@@ -263,16 +298,26 @@ def outcome_figures(counts: list[float]) -> dict[str, float]:
     }
 
 
+def policy_figures(policy: Any, tokenizer: Any) -> dict[str, Any]:
+    """The policy's ``model_kind`` and ``model_parameters``, as :class:`Measurement` compares
+    them (the tokenizer's vocabulary tells a character model from a language model)."""
+    parameters = sum(p.numel() for p in policy.parameters())
+    return {"model_kind": model_kind(len(tokenizer)), "model_parameters": int(parameters)}
+
+
 def choose_from_rollouts(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     has_references: bool,
     measurements: tuple[Measurement, ...] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> CreditChoice:
     """``--credit auto``'s choice from one batch of the starting policy's own rollouts:
     rewards (B,) and group ids (B,) of G samples per prompt; ``has_references``: the task
-    writes a reference solution for every prompt of the batch (``Task.gold_completion``)."""
-    return choose_credit(group_outcomes(rewards, group_ids), has_references, measurements)
+    writes a reference solution for every prompt of the batch (``Task.gold_completion``);
+    ``model``: :func:`policy_figures` of the policy (rows of other models are not like it)."""
+    figures = {**group_outcomes(rewards, group_ids), **(model or {})}
+    return choose_credit(figures, has_references, measurements)
 
 
 def choose_credit(
@@ -312,6 +357,13 @@ def choose_credit(
             f"per second: {nearest.words()}; so {FALLBACK_METHOD} (GRPO)"
         )
         return CreditChoice(FALLBACK_METHOD, {}, reason, figures, nearest.source)
+    if not any(m.like_model(figures) for m in measurements):
+        reason = (
+            f"{seen}; no credit method was measured on a model like it "
+            f"({_model_words(figures)}; rows: {_measured_models(measurements)}); "
+            f"{FALLBACK_METHOD} (GRPO)"
+        )
+        return CreditChoice(FALLBACK_METHOD, {}, reason, figures, None)
     reason = (
         f"{seen}; no credit method was measured on a testbed like it (all-wrong share within "
         f"{ALL_WRONG_BAND:.0%} and mean reward within {REWARD_BAND:.2f} of a measured one, "
@@ -320,6 +372,17 @@ def choose_credit(
         f"{FALLBACK_METHOD} (GRPO)"
     )
     return CreditChoice(FALLBACK_METHOD, {}, reason, figures, None)
+
+
+def _model_words(figures: dict[str, Any]) -> str:
+    kind, parameters = figures.get("model_kind"), figures.get("model_parameters")
+    size = f" of {parameters / 1e6:.0f}M parameters" if parameters else ""
+    return f"a {kind.replace('_', ' ')}{size}" if kind else "a model of unknown kind"
+
+
+def _measured_models(measurements: tuple[Measurement, ...]) -> str:
+    kinds = sorted({m.model or m.model_kind for m in measurements})
+    return "; ".join(kinds) if kinds else "none"
 
 
 def apply_choice(cfg: Any, choice: CreditChoice) -> None:

@@ -36,6 +36,7 @@ from rredcot.credit_choice import (
     choose_credit,
     outcome_counts,
     outcome_figures,
+    policy_figures,
 )
 from rredcot.evaluation import greedy_accuracy
 from rredcot.loss import policy_loss
@@ -280,7 +281,8 @@ class Trainer:
         if self.world > 1:
             totals = self.accelerator.reduce(totals.to(self.device), reduction="sum").cpu()
         *summed, missing = totals.tolist()
-        choice = choose_credit(outcome_figures(summed), has_references=missing == 0)
+        figures = {**outcome_figures(summed), **policy_figures(self.policy, self.tokenizer)}
+        choice = choose_credit(figures, has_references=missing == 0)
         apply_choice(self.cfg, choice)
         here = runio.capture_rng_state()
         runio.restore_rng_state(self._method_rng)

@@ -21,6 +21,7 @@ from rredcot.bench.configs import (
     MemoryBenchConfig,
     OverheadBenchConfig,
     PeerBenchConfig,
+    RecordAutoConfig,
     parse_trl_overrides,
 )
 from rredcot.bench.variants import parse_set
@@ -66,6 +67,13 @@ SUBCOMMANDS = {
         "run_memory_bench",
         "Peak resident memory of a step per credit method, model and batch size.",
         "Each measurement in its own process; writes memory.json and memory.md under --out.",
+    ),
+    "record-auto": (
+        RecordAutoConfig,
+        "rredcot.bench.record",
+        "run_record_auto",
+        "Record a learn bench's per-second figures as rows --credit auto reads.",
+        "Adds (or replaces) rows of src/rredcot/measurements/credit_auto.json (or --file).",
     ),
 }
 # fields filled from flags of their own, not from the generator

@@ -325,3 +325,50 @@ def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:
         if bad:
             raise ValueError(f"--trl-set: {', '.join(bad)} are not GRPOConfig fields")
     return out
+
+
+@dataclass
+class RecordAutoConfig:
+    learn: str = help_field(
+        "A learn bench's learn.json (under benchmarks/results/) whose variants were measured "
+        "against uniform (GRPO), each at its tuned rate.",
+        default="",
+    )
+    variants: str = help_field(
+        "Comma-separated variants of its summary to record (empty: every credit variant but "
+        "the reference; variants that change more than credit settings are refused).",
+        default="",
+    )
+    testbed: str = help_field("The testbed in words (task, starting policy).", default="")
+    all_wrong: float = help_field(
+        "The starting policy's share of all-wrong groups at the runs' group size (its "
+        "first-batch figure, e.g. from benchmarks/probe_auto.py).",
+        default=-1.0,
+    )
+    mean_reward: float = help_field("The starting policy's mean reward.", default=-1.0)
+    model_kind: str = help_field(
+        "character (the built-in tiny Llama) or language_model (a subword-vocabulary LM).",
+        default="language_model",
+    )
+    model: str = help_field("The policy in words.", default="")
+    model_parameters: int = help_field("The policy's parameters (0: unknown).", default=0)
+    file: str = help_field(
+        "The measurements file to update (empty: the one --credit auto reads, "
+        "src/rredcot/measurements/credit_auto.json).",
+        default="",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.learn:
+            raise ValueError("bench record-auto needs --learn (a learn.json)")
+        if not self.testbed:
+            raise ValueError("bench record-auto needs --testbed (the task and starting policy)")
+        for name in ("all_wrong", "mean_reward"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(
+                    f"--{name} {getattr(self, name)}: give the starting policy's figure in [0, 1]"
+                )
+        if self.model_kind not in ("character", "language_model"):
+            raise ValueError(f"--model_kind {self.model_kind!r}: character or language_model")
+        if self.model_parameters < 0:
+            raise ValueError("--model_parameters must be >= 0 (0: unknown)")

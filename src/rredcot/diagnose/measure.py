@@ -24,7 +24,7 @@ from rredcot import credit as credit_algebra
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config_io import from_dict
-from rredcot.credit_choice import SUCCESS
+from rredcot.credit_choice import SUCCESS, policy_figures
 from rredcot.credit_scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.diagnose.figures import (
     CONFIDENCE,
@@ -459,7 +459,7 @@ def diagnose(
         f"{s['temperature']:g}, {s['max_new_tokens']} new tokens, segmenter {segmenter.strategy}"
     )
     m = _measure(policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg, s, log)
-    headline = _headline(m, cfg.uncertain_p)
+    headline = {**_headline(m, cfg.uncertain_p), **policy_figures(policy, tokenizer)}
     head, reasons = verdict(headline)
     settings = {
         "policy": source or getattr(getattr(policy, "config", None), "_name_or_path", ""),

@@ -95,7 +95,12 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
             )
         if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
             choice = choose_credit(
-                {"mean_reward": mean_reward, "all_wrong": wrong},
+                {
+                    "mean_reward": mean_reward,
+                    "all_wrong": wrong,
+                    "model_kind": figures.get("model_kind"),
+                    "model_parameters": figures.get("model_parameters"),
+                },
                 has_references=figures.get("has_references", True),
                 seen_in="the policy",
             )

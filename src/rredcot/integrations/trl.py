@@ -82,6 +82,7 @@ from rredcot.credit_choice import (
     apply_choice,
     check_method_name,
     choose_from_rollouts,
+    policy_figures,
 )
 from rredcot.errors import UserError, require_extra
 from rredcot.integrations._batch import prompt_text as _prompt_text
@@ -773,7 +774,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         task = self.task
         mine = task is not None and all(task.gold_completion(p) is not None for p in batch.problems)
         has_references = self.collective.max_int(int(not mine)) == 0
-        return choose_from_rollouts(rows.rewards.cpu(), rows.group_ids.cpu(), has_references)
+        model = policy_figures(self.model, self.processing_class)
+        return choose_from_rollouts(
+            rows.rewards.cpu(), rows.group_ids.cpu(), has_references, model=model
+        )
 
     def _use_choice(self, choice: CreditChoice, config: CreditConfig | None = None) -> None:
         """Use what ``auto`` chose: its method, with its settings over the run's credit config
