@@ -24,6 +24,7 @@ from rredcot.bench.variants import parse_variants
 SPECS = {
     "uniform": "uniform",
     "value_head": "value_head",
+    "answer_likelihood": "answer_likelihood",
     "oracle_pooled": "oracle:oracle.values=pooled",
     "oracle_mc": "oracle:oracle.values=monte_carlo:oracle.rollouts=16",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
