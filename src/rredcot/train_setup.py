@@ -19,8 +19,8 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from rredcot.config import TrainConfig
-from rredcot.credit_choice import AUTO, check_method_name
+from rredcot.config import MODEL_DEFAULTS, TrainConfig
+from rredcot.credit_choice import AUTO, check_method_name, model_kind
 from rredcot.errors import UserError, require_extra
 from rredcot.loss import lr_lambda
 from rredcot.memory import (
@@ -140,6 +140,20 @@ def resolve_max_new_tokens(cfg: TrainConfig, task: Task) -> None:
     """Fill ``sampling.max_new_tokens = 0`` (auto) from the task's suggestion, in place."""
     if cfg.sampling.max_new_tokens == 0:
         cfg.sampling.max_new_tokens = task.suggested_max_new_tokens() or DEFAULT_MAX_NEW_TOKENS
+
+
+def resolve_model_defaults(cfg: TrainConfig, tokenizer, log=print) -> None:
+    """Fill the fields left empty that default by the policy's kind (``MODEL_DEFAULTS``), in
+    place, and say which values were used."""
+    kind = model_kind(len(tokenizer))
+    filled = []
+    for name, value in MODEL_DEFAULTS[kind].items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+            filled.append(f"{name} {value:g}")
+    if filled:
+        words = "the built-in character model" if kind == "character" else "a language model"
+        log(f"defaults for {words}: {', '.join(filled)} (set them to override)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +282,7 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
     task = get_task(cfg.task, **cfg.task_args)
     resolve_max_new_tokens(cfg, task)
     policy, tokenizer, source = load_train_policy(cfg, task, log=log)
+    resolve_model_defaults(cfg, tokenizer, log)
     policy.to(device)
     decoder = _sampling_decoder(cfg, policy, log)
     reference = None
