@@ -1,8 +1,10 @@
 """The repository a newcomer checks out: its tracked paths, its scripts, and its optional imports.
 
 - No tracked path has a blank or whitespace-only component, or one with whitespace at its ends.
-- Scripts live in ``benchmarks/`` (results in ``benchmarks/results/``), and no tracked script
-  holds an absolute path of the machine it ran on.
+- Scripts live in ``benchmarks/`` (results in ``benchmarks/results/``), and no tracked file of
+  any kind (text, or a text member of a ``.tar.gz``) holds an absolute path of the machine it was
+  made on (``benchmarks/strip_machine_paths.py`` rewrites them).
+- Every ``benchmarks/results/...`` path the README and ``docs/`` cite exists.
 - The library (everything outside ``rredcot.bench``) never imports ``rredcot.bench``; only the
   command line (``cli.py``) dispatches the ``bench`` command to it.
 - An optional extra's package is reached through ``rredcot.errors.require_extra``, and a base
@@ -16,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -77,15 +80,75 @@ def test_scripts_live_in_benchmarks_not_in_results():
     assert not stray, f"scripts belong in benchmarks/, results in benchmarks/results/: {stray}"
 
 
-def test_no_machine_paths_in_tracked_scripts():
+def _machine_path_lines(name: str, text: str) -> list[str]:
+    """Lines of ``text`` that hold a machine path (in a result, a temporary folder counts too:
+    code may default to one, a result names where a run lay)."""
+    prefixes = MACHINE_PREFIXES + (("/tmp/",) if name.startswith("benchmarks/results/") else ())
+    return [
+        f"{name}:{n}: {line.strip()[:160]}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if any(prefix in line for prefix in prefixes)
+    ]
+
+
+def test_no_machine_paths_in_tracked_files():
+    """Any tracked text file (results, configs, the shipped warm-starts' ``sft_config.yaml``
+    included) and any text member of a tracked ``.tar.gz``."""
     found = []
     for p in _tracked():
-        if not p.endswith(SCRIPT_SUFFIXES):
+        path = ROOT / p
+        if not path.is_file():
             continue
-        for n, line in enumerate((ROOT / p).read_text(errors="replace").splitlines(), 1):
-            if any(prefix in line for prefix in MACHINE_PREFIXES):
-                found.append(f"{p}:{n}: {line.strip()}")
-    assert not found, "absolute machine paths (take them as arguments):\n" + "\n".join(found)
+        if p.endswith((".tar.gz", ".tgz")):
+            with tarfile.open(path, "r:gz") as tar:
+                for member in tar:
+                    if member.isfile():
+                        data = tar.extractfile(member).read()
+                        if b"\0" not in data:
+                            found += _machine_path_lines(
+                                f"{p}!{member.name}", data.decode("utf-8", "replace")
+                            )
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:  # binary (weights, pictures)
+            continue
+        found += _machine_path_lines(p, data.decode("utf-8", "replace"))
+    assert not found, (
+        "absolute machine paths (take them as arguments; for results run "
+        "benchmarks/strip_machine_paths.py):\n" + "\n".join(found[:50])
+    )
+
+
+def test_machine_path_check_sees_one():
+    home = MACHINE_PREFIXES[1] + "someone/run/config.yaml"
+    assert _machine_path_lines("x", f"init: {home}") == [f"x:1: init: {home}"]
+    assert _machine_path_lines("x", "init: ~/.cache/rredcot/warmstart") == []
+
+
+# A results path as the README and docs cite it: benchmarks/results/ and what follows, up to a
+# space, quote, bracket or backtick (a trailing full stop or comma is not part of it).
+RESULTS_PATH = re.compile(r"benchmarks/results/[A-Za-z0-9_./+-]*[A-Za-z0-9_/+-]")
+
+
+def _cited_results_paths() -> list[tuple[str, str]]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    cited = []
+    for doc in docs:
+        for found in RESULTS_PATH.findall(doc.read_text()):
+            cited.append((doc.relative_to(ROOT).as_posix(), found.rstrip("/")))
+    return cited
+
+
+def test_cited_results_exist():
+    cited = _cited_results_paths()
+    assert len(cited) >= 10  # the README and docs/results.md cite their results
+    tracked = _tracked()
+    missing = [
+        f"{doc}: {path}"
+        for doc, path in cited
+        if path not in tracked and not any(t.startswith(path + "/") for t in tracked)
+    ]
+    assert not missing, "cited results that are not in the repository:\n" + "\n".join(missing)
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, int]]:
