@@ -50,7 +50,7 @@ from rredcot.explain_model import (
 )
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
-from rredcot.models import load_policy
+from rredcot.models import DEFAULT_CHARSET, load_policy
 from rredcot.rollout import build_rollout_batch, eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.sft import default_policy_source
@@ -460,6 +460,11 @@ def diagnose(
     )
     m = _measure(policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg, s, log)
     headline = _headline(m, cfg.uncertain_p)
+    # what the verdict's recommendations were measured on: the task, a character-level model
+    # (the tiny Llama's tokenizer: one token per character), reference solutions
+    headline["task"] = task.name
+    headline["character_model"] = len(tokenizer) <= len(DEFAULT_CHARSET) + 4
+    headline["has_references"] = all(task.gold_completion(p) is not None for p in problems)
     head, reasons = verdict(headline)
     settings = {
         "policy": source or getattr(getattr(policy, "config", None), "_name_or_path", ""),
