@@ -362,3 +362,49 @@ def test_doc_links_resolve():
             if "://" not in link and not (doc.parent / link).exists():
                 missing.append(f"{doc.relative_to(ROOT)}: {link}")
     assert not missing, "links to files that do not exist:\n" + "\n".join(missing)
+
+
+def _learn_rows(doc: Path) -> list[tuple[str, str, str, str, Path]]:
+    """Rows of ``doc``'s tables that cite a learn bench report (``.../learn.md``): the variant (the
+    method cell's first code span), the per-token and per-second cells, and the report's
+    ``learn.json``."""
+    rows = []
+    for line in doc.read_text().splitlines():
+        link = re.search(r"\]\(([^)]*benchmarks/results/[^)]*)/learn\.md\)", line)
+        if not line.startswith("|") or not link:
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        variant = re.search(r"`([^`]+)`", cells[1])
+        assert variant, f"{doc.name}: no variant named in {line!r}"
+        report = (doc.parent / link.group(1) / "learn.json").resolve()
+        rows.append((line, variant.group(1), cells[2], cells[3], report))
+    return rows
+
+
+def _points(cell: str) -> tuple[float, float]:
+    """``+1.0 ± 0.3 (9/10)`` -> (1.0, 0.3)."""
+    found = re.match(r"\**([+−-]\d+\.\d) ± (\d+\.\d)", cell)
+    assert found, cell
+    return float(found.group(1).replace("−", "-")), float(found.group(2))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_results_tables_match_the_committed_reports(doc):
+    """Each figure of the results tables is its report's paired mean and standard error, per
+    sampled token (mean accuracy over training) and per second (at GRPO's last training second)."""
+    rows = _learn_rows(ROOT / doc)
+    assert len(rows) >= 6
+    for line, variant, per_token, per_second, report in rows:
+        summary = json.loads(report.read_text())["summary"]
+        by_variant = {r["variant"]: r for r in summary} if isinstance(summary, list) else summary
+        assert variant in by_variant, f"{doc}: {variant} is not in {report}"
+        row = by_variant[variant]
+        for cell, key in (
+            (per_token, "mean_accuracy_vs_reference"),
+            (per_second, "accuracy_at_reference_seconds_vs_reference"),
+        ):
+            mean, se = _points(cell)
+            want = row[key]
+            assert (mean, se) == (round(100 * want["mean"], 1), round(100 * want["sem"], 1)), (
+                f"{doc}: {line}\n{key}: {want}"
+            )
