@@ -408,3 +408,22 @@ def test_results_tables_match_the_committed_reports(doc):
             assert (mean, se) == (round(100 * want["mean"], 1), round(100 * want["sem"], 1)), (
                 f"{doc}: {line}\n{key}: {want}"
             )
+
+
+def test_readme_first_screen_says_what_auto_runs_and_cites_its_start_up_line():
+    """The README's first screen says that the default runs GRPO, and cites the measurement that
+    ``--credit auto``'s start-up line cites on the default task."""
+    from rredcot.credit_choice import MEASUREMENTS, choose_credit
+
+    first_screen = " ".join((ROOT / "README.md").read_text().split("## Install")[0].split())
+    assert "What `rredcot train` does by default: GRPO" in first_screen
+    default = MEASUREMENTS[0]  # the default task's testbed
+    choice = choose_credit(
+        {"mean_reward": default.mean_reward, "all_wrong": default.all_wrong}, True
+    )
+    assert choice.method == "uniform"
+    (cited,) = [
+        m for m in MEASUREMENTS if m.source == choice.decided_by and m.words() in choice.reason
+    ]
+    assert f"{100 * cited.per_token[0]:.1f} point ahead per token" in first_screen
+    assert f"{-100 * cited.at_grpo_last_second[0]:.1f} points behind per second" in first_screen
