@@ -168,9 +168,13 @@ def test_diagnose_verdict_says_what_auto_runs_by_the_same_rule():
     said = [r for r in reasons if "--credit auto would run" in r]
     assert len(said) == 1 and "would run uniform" in said[0]
     assert "per_second/arith12_low450" in said[0]
-    # with references, the reference baseline measured ahead of both is named; without, not
-    assert any("--references.mode sft" in r and r.startswith("+") for r in reasons)
-    _, bare = verdict({"mean_reward": 0.11, "all_wrong": 0.58, "has_references": False})
+    # with references, on a run like its testbeds (arithmetic, the tiny character model), the
+    # reference baseline measured ahead of both is recommended; elsewhere only noted; without, not
+    tiny = {"mean_reward": 0.11, "all_wrong": 0.58, "task": "arithmetic", "model_kind": "character"}
+    _, on_tiny = verdict(tiny)
+    assert any("--references.mode sft" in r and r.startswith("+") for r in on_tiny)
+    assert not any("--references.mode sft" in r and r.startswith("+") for r in reasons)
+    _, bare = verdict({**tiny, "has_references": False})
     assert not any("--references.mode" in r for r in bare)
 
 

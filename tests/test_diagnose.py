@@ -180,6 +180,32 @@ def test_verdict_rules():
     assert not any("all wrong" in r for r in reasons)  # no signal to learn from in them
 
 
+def test_verdict_recommends_references_only_where_measured():
+    """The reference baseline was measured only on arithmetic chains with the tiny character
+    model, whose warm-starts are cut-short supervised training on the same gold traces: the
+    verdict recommends it there, with that condition, and elsewhere says it was not measured."""
+    blind = {"mean_reward": 0.3, "all_wrong": 0.4, "all_right": 0.0, "has_references": True}
+    tiny = dict(blind, task="arithmetic", model_kind="character")
+    head, reasons = verdict(tiny)
+    (ref,) = [r for r in reasons if "--references.mode sft" in r]
+    assert ref.startswith("+ ") and "--references.sft_coef 1" in ref
+    assert "warm-start is supervised training on those same reference traces" in ref
+    for other in (
+        dict(blind, task="word_problems", model_kind="language_model"),  # SmolLM2 on word problems
+        dict(
+            blind, task="arithmetic", model_kind="language_model"
+        ),  # a pretrained model on the chains
+        blind,  # unknown
+    ):
+        head, reasons = verdict(other)
+        (ref,) = [r for r in reasons if "--references.mode sft" in r]
+        assert not ref.startswith("+"), ref
+        assert "has not been measured on a model or task like this one" in ref
+        assert "--references.sft_coef 1" not in ref
+    head, reasons = verdict(dict(tiny, has_references=False))
+    assert not any("--references.mode" in r for r in reasons)
+
+
 # ---------------------------------------------------------------------------------------------
 # the aggregation over a hand-built batch with probabilities set by the test
 

