@@ -41,7 +41,8 @@ rollout.
 Another trainer (TRL) calls the same pieces: :func:`chosen_groups` on its rewards,
 :func:`reference_rows` on its prompt ids and mask, then either :func:`reference_nll` on the
 reference rows' log-probs (sft) or the rows appended to its completions with an ``off_policy``
-row mask, which ``rredcot.loss.policy_loss`` (or :func:`off_policy_pg` in its own loss) reads.
+row mask, which ``rredcot.loss.policy_loss`` (or ``rredcot.loss.off_policy_pg`` in its own loss)
+reads.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.loss import aggregate
 from rredcot.rollout import checked_verify, render_prompt, sample, segment_batch
+from rredcot.segment import segment_completion
 from rredcot.shared_prefixes import shared_prefix_ids
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict
@@ -67,12 +70,10 @@ __all__ = [
     "check_task_references",
     "chosen_groups",
     "merge_batches",
-    "off_policy_pg",
     "reference_nll",
     "reference_prefix",
     "reference_rows",
     "reference_samples",
-    "shaped_ratio",
 ]
 
 CORRECT = 1.0  # a sample with reward >= this is correct (as continuation likelihood reads it)
@@ -279,20 +280,7 @@ def append_reference_samples(
 
 
 # ---------------------------------------------------------------------------------------------
-# the loss terms
-
-
-def shaped_ratio(logprobs: Tensor, gamma: float) -> Tensor:
-    """LUFFY's policy shaping of the off-policy ratio ``pi_theta / pi_phi`` with ``pi_phi = 1``:
-    ``f(pi) = pi / (pi + gamma)``, ``pi = exp(logprobs)``; ``(b, T)``."""
-    pi = torch.exp(logprobs)
-    return pi / (pi + gamma)
-
-
-def off_policy_pg(logprobs: Tensor, advantages: Tensor, gamma: float) -> Tensor:
-    """The per-token loss of an off-policy (reference) sample: ``-A * f(pi_theta)``
-    (:func:`shaped_ratio`), no clipping; ``(b, T)``."""
-    return -advantages * shaped_ratio(logprobs, gamma)
+# the supervised term
 
 
 def reference_nll(
@@ -308,8 +296,6 @@ def reference_nll(
     over the reference rows as the policy loss aggregates (``loss.aggregate``). ``num_rows`` /
     ``num_tokens``: those of every reference row when ``logprobs`` holds only some of them (a
     micro-batch's share; the shares then sum to the whole term); default: these rows'."""
-    from rredcot.loss import aggregate  # lazy: rredcot.loss imports this module
-
     return aggregate(
         -logprobs,
         response_mask,
@@ -341,9 +327,6 @@ def reference_samples(
     (:func:`append_reference_samples`): each verified by the task (its reward is the verdict's)
     and segmented by ``segmenter`` as a sampled completion is (one segment under an entropy
     segmenter, whose cuts come with the forward pass)."""
-    from rredcot.rollout import checked_verify  # lazy: rollout -> credit -> loss -> here
-    from rredcot.segment import segment_completion
-
     verdicts, boundaries, char_starts = [], [], []
     lengths = refs.response_mask.sum(-1).long().tolist()
     for i, (problem, text) in enumerate(zip(refs.problems, refs.completions)):

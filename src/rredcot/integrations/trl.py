@@ -92,6 +92,7 @@ from rredcot.integrations.saved import (
     settings_dict,
     write_settings,
 )
+from rredcot.loss import off_policy_pg, shaped_ratio
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
@@ -1024,7 +1025,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     def _luffy_loss(self, model, inputs: dict) -> Tensor:
         """references.mode luffy: TRL's loss of the micro-batch with its reference rows left out
         (their tokens masked as TRL masks tool output), plus LUFFY's term on them: per token
-        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.references.off_policy_pg`,
+        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.loss.off_policy_pg`,
         unclipped, ``pi`` from the same loss forward), normalised as ``loss_type`` normalises the
         micro-batch (per-row means over the micro-batch's rows for grpo/sapo, rows x
         ``max_completion_length`` for dr_grpo, the generation batch's tokens for dapo/cispo/vespo)
@@ -1048,7 +1049,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
         gamma = self.args.references_config.shaping_gamma
-        per_token = references.off_policy_pg(logps, advantages, gamma) * mask
+        per_token = off_policy_pg(logps, advantages, gamma) * mask
         per_token = per_token[ref]
         train = self.model.training
         accumulation = self.current_gradient_accumulation_steps if train else 1.0
@@ -1066,7 +1067,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             term, accumulation = per_token.sum() / normalizer, 1.0
         if bool(ref.any()):
             with torch.no_grad():
-                shaped = references.shaped_ratio(logps[ref], gamma)
+                shaped = shaped_ratio(logps[ref], gamma)
                 weights = mask[ref]
             self._log_credit(
                 {"references/shaped_ratio": float((shaped * weights).sum() / weights.sum())},
