@@ -424,6 +424,72 @@ def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> Rollou
     )
 
 
+def _anchors(
+    batch: RolloutBatch, groups: list[int], task: Task, fraction: float
+) -> list[tuple[Problem, str]]:
+    """``(problem, reference prefix)`` of each group of ``groups`` whose reference has 2+ lines
+    (:func:`reference_prefix`), in the order of ``groups``."""
+    first_row: dict[int, int] = {}
+    for row, gid in enumerate(batch.group_ids.tolist()):
+        first_row.setdefault(int(gid), row)
+    anchors = []
+    for gid in groups:
+        problem = batch.problems[first_row[gid]]
+        prefix = reference_prefix(task, problem, fraction)
+        if prefix is not None:
+            anchors.append((problem, prefix))
+    return anchors
+
+
+def _branch_batch(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_len: int,
+    response_mask: Tensor,
+    anchors: list[tuple[Problem, str]],
+    rollouts: int,
+    first_group: int,
+    task: Task,
+    tokenizer,
+) -> tuple[RolloutBatch, list[bool]]:
+    """The sampled branches as a batch, one segment each: ``rollouts`` rows per anchor, each
+    verified on prefix + completion, anchor ``i``'s rows in group ``first_group + i``. Returns
+    it and whether each row's verdict is usable (:func:`rredcot.rollout.checked_verify`)."""
+    P = prompt_len
+    eos = tokenizer.eos_token_id
+    lengths = response_mask.sum(-1).long().tolist()
+    problems, completions, verdicts, keep = [], [], [], []
+    for row in range(input_ids.shape[0]):
+        problem, prefix = anchors[row // rollouts]
+        ids = input_ids[row, P : P + lengths[row]].tolist()
+        text = tokenizer.decode(
+            ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=True
+        )
+        verdict, ok = checked_verify(task, problem, prefix + text)
+        problems.append(problem)
+        completions.append(text)
+        verdicts.append(verdict)
+        keep.append(ok)
+    device = input_ids.device
+    whole = [[0, n] if n else [0] for n in lengths]
+    branch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=P,
+        response_mask=response_mask,
+        rewards=torch.tensor([float(v.reward) for v in verdicts], device=device),
+        group_ids=first_group
+        + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
+        boundaries=whole,
+        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
+        segment_char_starts=[[0] if n else [] for n in lengths],
+        problems=problems,
+        completions=completions,
+        verdicts=verdicts,
+    )
+    return branch, keep
+
+
 def branch_samples(
     policy,
     batch: RolloutBatch,
@@ -443,16 +509,7 @@ def branch_samples(
     context (prompt columns: never trained on); each branch is a new group (id after the batch's
     last), so its advantages compare rollouts from the same state. Returns the branch rows
     (None when no group has a prefix) and the tokens generated for them."""
-
-    first_row: dict[int, int] = {}
-    for row, gid in enumerate(batch.group_ids.tolist()):
-        first_row.setdefault(int(gid), row)
-    anchors = []
-    for gid in groups:
-        problem = batch.problems[first_row[gid]]
-        prefix = reference_prefix(task, problem, fraction)
-        if prefix is not None:
-            anchors.append((problem, prefix))
+    anchors = _anchors(batch, groups, task, fraction)
     if not anchors:
         return None, 0
     prompts = [render_prompt(p, tokenizer) + prefix for p, prefix in anchors]
@@ -468,36 +525,16 @@ def branch_samples(
         decoder=decoder,
     )
     generated = int(response_mask.sum())
-    eos = tokenizer.eos_token_id
-    lengths = response_mask.sum(-1).long().tolist()
-    problems, completions, verdicts, keep = [], [], [], []
-    for row in range(input_ids.shape[0]):
-        problem, prefix = anchors[row // rollouts]
-        ids = input_ids[row, P : P + lengths[row]].tolist()
-        text = tokenizer.decode(
-            ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=True
-        )
-        verdict, ok = checked_verify(task, problem, prefix + text)
-        problems.append(problem)
-        completions.append(text)
-        verdicts.append(verdict)
-        keep.append(ok)
-    first_new = int(batch.group_ids.max()) + 1
-    device = input_ids.device
-    whole = [[0, n] if n else [0] for n in lengths]
-    branch = RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        prompt_len=P,
-        response_mask=response_mask,
-        rewards=torch.tensor([float(v.reward) for v in verdicts], device=device),
-        group_ids=first_new + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
-        boundaries=whole,
-        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
-        segment_char_starts=[[0] if n else [] for n in lengths],
-        problems=problems,
-        completions=completions,
-        verdicts=verdicts,
+    branch, keep = _branch_batch(
+        input_ids,
+        attention_mask,
+        P,
+        response_mask,
+        anchors,
+        rollouts,
+        int(batch.group_ids.max()) + 1,
+        task,
+        tokenizer,
     )
     if not all(keep):
         branch = branch.select([row for row, ok in enumerate(keep) if ok])
