@@ -38,15 +38,16 @@ Each is charged to the token budget (``extra_tokens_generated``): every referenc
 in a step counts once (and in ``reference_tokens_trained``), and so does every token of a branched
 rollout.
 
-Another trainer (TRL) calls the same pieces: :func:`chosen_groups` on its rewards,
-:func:`reference_rows` on its prompt ids and mask, then either :func:`reference_nll` on the
-reference rows' log-probs (sft) or the rows appended to its completions with an ``off_policy``
-row mask, which ``rredcot.loss.policy_loss`` (or ``rredcot.loss.off_policy_pg`` in its own loss)
-reads.
+``rredcot train``'s step calls this module once (:func:`step_references`: the step's batch with
+the rows joined, the sft rows, what to charge, the metrics); the TRL adapter builds its
+references with the same :func:`choose_references` on its rewards, prompt ids and mask. Both train
+the sft term with :meth:`ReferenceRows.nll` and luffy's rows through an ``off_policy`` row mask,
+which ``rredcot.loss.policy_loss`` (or ``rredcot.loss.off_policy_pg`` in TRL's loss) reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -63,17 +64,19 @@ from rredcot.tasks.base import Problem, Task, Verdict
 
 __all__ = [
     "ReferenceRows",
+    "StepReferences",
     "append_reference_samples",
     "branch_samples",
-    "build_reference_rows",
     "check_run",
     "check_task_references",
+    "choose_references",
     "chosen_groups",
     "merge_batches",
     "reference_nll",
     "reference_prefix",
     "reference_rows",
     "reference_samples",
+    "step_references",
 ]
 
 CORRECT = 1.0  # a sample with reward >= this is correct (as continuation likelihood reads it)
@@ -91,6 +94,7 @@ class ReferenceRows:
     group_ids: Tensor  # (R,) long: the group each reference belongs to
     problems: list[Problem] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)  # the reference texts (no EOS)
+    failed_groups: int = 0  # of the batch they were chosen from: groups with no correct sample
 
     @property
     def size(self) -> int:
@@ -101,15 +105,45 @@ class ReferenceRows:
         """Reference tokens (EOS included): what training on these rows charges to the budget."""
         return int(self.response_mask.sum())
 
-    def stats(self, failed_groups: int, trained: float) -> dict[str, float]:
+    def stats(self, trained: float) -> dict[str, float]:
         """A step's reference metrics (docs/metrics.md): groups with no correct sample, the
-        groups given a reference (these rows), their tokens and the run's tokens trained so far."""
+        groups given a reference (these rows), their tokens and the run's tokens trained so far
+        (``trained``)."""
         return {
-            "references/failed_groups": float(failed_groups),
+            "references/failed_groups": float(self.failed_groups),
             "references/groups": float(self.size),
             "references/tokens": float(self.tokens),
             "reference_tokens_trained": trained,
         }
+
+    def nll(
+        self, logprobs: Tensor, loss_agg: str, max_len: int, share: Tensor | None = None
+    ) -> Tensor:
+        """The supervised term (:func:`reference_nll`) of these rows' log-probs ``logprobs``;
+        with ``share`` (row indices), of those rows only, aggregated over every row (a
+        micro-batch's share: the shares' terms sum to the whole)."""
+        if share is None:
+            return reference_nll(logprobs, self.response_mask, loss_agg, max_len)
+        return reference_nll(
+            logprobs,
+            self.response_mask[share],
+            loss_agg,
+            max_len,
+            num_rows=self.size,
+            num_tokens=float(self.response_mask.sum()),
+        )
+
+
+@dataclass(frozen=True)
+class StepReferences:
+    """What ``references.mode`` gives one step of ``rredcot train`` (:func:`step_references`)."""
+
+    batch: RolloutBatch  # the step's batch, its reference (luffy) or branch (bread) rows joined
+    sft_rows: ReferenceRows | None = None  # sft: the rows whose NLL the optimiser steps add
+    own_rows: Tensor | None = None  # (B,) bool: the step's own samples, where other rows joined
+    generated: int = 0  # tokens charged to the budget (extra_tokens_generated)
+    trained: int = 0  # reference tokens trained on (reference_tokens_trained)
+    stats: dict[str, float] = field(default_factory=dict)  # the step's references/ metrics
 
 
 def check_task_references(task: Task, problems: list[Problem], task_name: str) -> None:
@@ -133,20 +167,26 @@ def chosen_groups(rewards: Tensor, group_ids: Tensor, which: str) -> list[int]:
     return out
 
 
-def build_reference_rows(
-    batch: RolloutBatch, groups: list[int], task: Task, tokenizer
+def choose_references(
+    rewards: Tensor,
+    group_ids: Tensor,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    problems: list[Problem],
+    which: str,
+    task: Task,
+    tokenizer,
 ) -> ReferenceRows:
-    """:func:`reference_rows` for the groups ``groups`` of a :class:`RolloutBatch`."""
-    P = batch.prompt_len
-    return reference_rows(
-        batch.input_ids[:, :P],
-        batch.attention_mask[:, :P],
-        batch.group_ids,
-        batch.problems,
-        groups,
-        task,
-        tokenizer,
-    )
+    """A batch's references, as ``rredcot train`` and the TRL adapter build them: those of the
+    groups ``which`` chooses (:func:`chosen_groups`), after their prompts
+    (:func:`reference_rows`), with the batch's count of groups that have no correct sample.
+    ``rewards``, ``group_ids``: ``(B,)``; ``prompt_ids`` / ``prompt_mask``: ``(B, P)``, left-padded;
+    ``problems``: each row's."""
+    rewards, group_ids = rewards.cpu(), group_ids.cpu()
+    failed = chosen_groups(rewards, group_ids, "failed")
+    groups = chosen_groups(rewards, group_ids, which)
+    rows = reference_rows(prompt_ids, prompt_mask, group_ids, problems, groups, task, tokenizer)
+    return dataclasses.replace(rows, failed_groups=len(failed))
 
 
 def reference_rows(
@@ -318,6 +358,108 @@ def check_run(cfg) -> None:
 
     task = get_task(cfg.task, **cfg.task_args)
     check_task_references(task, task.train_problems(4, seed=cfg.seed), cfg.task)
+
+
+def step_references(
+    batch: RolloutBatch,
+    cfg,
+    task: Task,
+    tokenizer,
+    segmenter,
+    *,
+    policy,
+    sampling,
+    decoder: str,
+    trained_before: int,
+) -> StepReferences:
+    """``references.mode`` (``cfg``: ``ReferencesConfig``) in one step of ``rredcot train``, the
+    step's one call here: ``off`` leaves the batch as it is; ``sft`` keeps the chosen groups'
+    references for the supervised term; ``luffy`` joins them to their groups as off-policy samples
+    (:func:`reference_samples`); ``bread`` samples branched rollouts from their prefixes with
+    ``policy`` at ``sampling`` (``SamplingConfig``) and appends them as groups of their own
+    (:func:`branch_samples`, :func:`merge_batches`). ``trained_before``: the run's reference
+    tokens trained on before this step (its metric counts on from there)."""
+    if cfg.mode == "off":
+        return StepReferences(batch)
+    if cfg.mode == "bread":
+        return _branched(
+            batch, cfg, task, tokenizer, segmenter, policy, sampling, decoder, trained_before
+        )
+    P = batch.prompt_len
+    refs = choose_references(
+        batch.rewards,
+        batch.group_ids,
+        batch.input_ids[:, :P],
+        batch.attention_mask[:, :P],
+        batch.problems,
+        cfg.groups,
+        task,
+        tokenizer,
+    )
+    charged = {
+        "generated": refs.tokens,
+        "trained": refs.tokens,
+        "stats": refs.stats(trained_before + refs.tokens),
+    }
+    if cfg.mode == "sft":
+        return StepReferences(batch, sft_rows=refs, **charged)
+    joined = reference_samples(batch, refs, task, tokenizer, segmenter)
+    own = None if joined.off_policy is None else ~joined.off_policy  # None: no group chose one
+    return StepReferences(joined, own_rows=own, **charged)
+
+
+def _branched(
+    batch: RolloutBatch,
+    cfg,
+    task: Task,
+    tokenizer,
+    segmenter,
+    policy,
+    sampling,
+    decoder: str,
+    trained_before: int,
+) -> StepReferences:
+    """``references.mode`` bread in a step: the chosen groups' branched rollouts from a
+    reference prefix (:func:`branch_samples`), appended as groups of their own (the prefix is
+    context: no reference token is trained on); their tokens are charged as generated."""
+    failed = chosen_groups(batch.rewards, batch.group_ids, "failed")
+    groups = chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
+    policy.eval()
+    branch, generated = branch_samples(
+        policy,
+        batch,
+        groups,
+        task,
+        tokenizer,
+        segmenter,
+        sampling,
+        decoder,
+        fraction=cfg.branch_fraction,
+        rollouts=cfg.branch_rollouts or sampling.num_generations,
+    )
+    stats = {
+        "references/failed_groups": float(len(failed)),
+        "references/groups": float(len(set(branch.group_ids.tolist())))
+        if branch is not None
+        else 0.0,
+        "references/branch_tokens": float(generated),
+        "references/branch_reward_mean": float(branch.rewards.mean())
+        if branch is not None
+        else 0.0,
+        "reference_tokens_trained": trained_before,
+    }
+    if branch is None:
+        return StepReferences(batch, generated=generated, stats=stats)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    own = torch.cat(
+        [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
+    )
+    return StepReferences(
+        merge_batches(batch, branch, pad),
+        own_rows=own.to(batch.input_ids.device),
+        generated=generated,
+        stats=stats,
+    )
 
 
 def reference_samples(

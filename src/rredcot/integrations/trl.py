@@ -928,27 +928,25 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     # -- the reference solutions (references.mode) ----------------------------------------------
     def _with_references(self, inputs: list[dict], output: dict) -> None:
         """``references.mode`` on a training generation batch: the references of the groups
-        ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), as
-        :func:`rredcot.references.reference_rows` after the group's prompt; sft keeps them for the
+        ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), after
+        the group's prompt (:func:`rredcot.references.choose_references`, as rredcot train builds
+        them); sft keeps them for the
         loss (:meth:`_reference_sft_loss`). Their tokens are counted once per generation batch
         (``rredcot/references/tokens``; the run's ``rredcot/reference_tokens_trained``), as rredcot
         train counts them (docs/metrics.md)."""
         cfg = self.args.references_config
         if cfg.mode == "off":
             return
-        device = output["prompt_ids"].device
         rewards, _ = _outcome_rewards(
             self._state.rewards_per_func, self.reward_weights, self.num_generations
         )
-        group_ids = torch.arange(rewards.shape[0]) // self.num_generations
-        failed = references.chosen_groups(rewards.cpu(), group_ids, "failed")
-        groups = references.chosen_groups(rewards.cpu(), group_ids, cfg.groups)
-        refs = references.reference_rows(
+        refs = references.choose_references(
+            rewards,
+            torch.arange(rewards.shape[0]) // self.num_generations,
             output["prompt_ids"],
             output["prompt_mask"],
-            group_ids.to(device),
             [self._problem(x) for x in inputs],
-            groups,
+            cfg.groups,
             self.task,
             self._tokenizer,
         )
@@ -957,7 +955,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         else:
             self._replace_rollouts(inputs, output, refs)
         self.reference_tokens_trained += refs.tokens
-        self._log_credit(refs.stats(len(failed), float(self.reference_tokens_trained)), "train")
+        self._log_credit(refs.stats(float(self.reference_tokens_trained)), "train")
 
     def _replace_rollouts(self, inputs: list[dict], output: dict, refs) -> None:
         """references.mode luffy: each reference ``refs`` in place of its group's last rollout,
@@ -1077,7 +1075,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
         """This micro-batch's share of ``sft_coef`` times the references' NLL
-        (:func:`rredcot.references.reference_nll`, aggregated over every reference row of the
+        (:meth:`rredcot.references.ReferenceRows.nll`, aggregated over every reference row of the
         generation batch as ``loss_type`` aggregates: :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are
         split over the batch's ``steps_per_generation`` micro-batches, so the shares sum to the
         whole term; scaled by ``steps_per_generation / gradient_accumulation_steps`` as TRL scales
@@ -1087,17 +1085,14 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         share = torch.tensor_split(torch.arange(rows.size), S)[self._step % S]
         nll = torch.zeros((), device=rows.input_ids.device)
         if len(share):
-            mask = rows.response_mask[share]
             logps, _, _ = super()._get_per_token_logps_and_entropies(
-                model, rows.input_ids[share], rows.attention_mask[share], mask.shape[1]
+                model,
+                rows.input_ids[share],
+                rows.attention_mask[share],
+                rows.response_mask.shape[1],
             )
-            nll = references.reference_nll(
-                logps,
-                mask,
-                LOSS_AGG_OF_LOSS_TYPE[self.loss_type],
-                self.max_completion_length,
-                num_rows=rows.size,
-                num_tokens=float(rows.response_mask.sum()),
+            nll = rows.nll(
+                logps, LOSS_AGG_OF_LOSS_TYPE[self.loss_type], self.max_completion_length, share
             )
         term.nll, term.done = term.nll + float(nll.detach()), term.done + 1
         if term.done % S == 0:  # the last share of a pass over the batch
