@@ -2,7 +2,8 @@
 
 TRL keeps everything it does well: sampling (transformers or vLLM), reward functions, datasets,
 the clipped loss, ``accelerate launch`` / DeepSpeed / FSDP, logging and checkpoints. This adapter
-changes one thing: the advantages. TRL 1.16 computes one advantage per completion at the end of
+changes the advantages (and, with ``references`` on, adds their terms to the loss). TRL 1.16
+computes one advantage per completion at the end of
 ``GRPOTrainer._generate_and_score_completions``; :class:`RREDCoTGRPOTrainer` lets that method run
 unchanged, then replaces ``output["advantages"]`` with rredcot's ``(B, T)`` token advantages, which
 TRL's ``_compute_loss`` takes as they are (it unsqueezes only 1-D ones).
@@ -46,13 +47,18 @@ computed with it, and its tokens are trained with the shaped, unclipped ``-A * f
 loss covers the other rows. ``bread`` is refused: its branched rollouts need a generation TRL's
 step does not run.
 
-TRL internals overridden, each for one reason: ``_generate_and_score_completions`` (its advantages
-replaced), ``_calculate_rewards`` (every process's rewards per function before TRL scales them),
-``_get_per_token_logps_and_entropies`` (the hidden states of TRL's pass or of the single loss
-forward, read by a hook on the decoder, with the log-probs of the same forward) and
-``_compute_loss`` (which micro-batch the single loss forward's credit goes to, and the
-references' terms); ``save_model``
-and ``_load_optimizer_and_scheduler`` keep the credit's state beside TRL's checkpoints. All the
+TRL internals this adapter depends on, as of TRL 1.16.0, the one version its tests ran against
+(the ``trl`` extra pins ``trl>=1.16,<1.17``). It overrides five private ``GRPOTrainer`` methods,
+each calling TRL's own inside: ``_generate_and_score_completions`` (its advantages replaced, and
+luffy's reference rows put in place of rollouts), ``_calculate_rewards`` (every process's rewards
+per function, kept before TRL scales them), ``_get_per_token_logps_and_entropies`` (the hidden
+states of TRL's pass or of the single loss forward, read by a hook on the decoder, with the
+log-probs of the same forward), ``_compute_loss`` (which micro-batch the single loss forward's
+credit goes to, and the references' terms added) and ``_load_optimizer_and_scheduler`` (the
+credit's state read back on resume); and the public ``save_model`` (that state written beside
+TRL's checkpoints). It also reads TRL's private attributes ``_metrics`` and ``_logs`` (its logs),
+``_step`` and ``_tokenizer``, and the keys of the dict ``_generate_and_score_completions``
+returns. All the
 adapter holds between those calls is one :class:`_CreditState`.
 """
 
