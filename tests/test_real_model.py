@@ -23,6 +23,8 @@ from rredcot.segment import get_segmenter, token_offsets
 from rredcot.tasks import Problem, get_task
 from text_batches import batch_from_texts
 
+pytestmark = pytest.mark.real_model  # every test here loads SmolLM2-135M-Instruct
+
 NON_ASCII = (
     "Zoë buys 4 more crêpes, so she has 3 + 4 = 7 crêpes.\n"
     "Then she gives 2 to José — 7 − 2 = 5 is what is left 😀. Naïve? No!\n"
@@ -246,6 +248,7 @@ def test_rredcot_train_two_steps_and_reload_without_the_gguf_file(tmp_path):
     assert tokenizer.chat_template and model.config.hidden_size == 576
 
 
+@pytest.mark.trl
 def test_trl_adapter_two_steps(real_model, task, tmp_path):
     from datasets import Dataset
 

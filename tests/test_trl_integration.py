@@ -26,6 +26,8 @@ from rredcot.methods.base import CreditContext, CreditRows, build_credit, credit
 from rredcot.normalization import group_mean_std
 from rredcot.rollout import fill_forward, segment_batch
 
+pytestmark = pytest.mark.trl
+
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
@@ -717,6 +719,7 @@ GSM8K_ROWS = [  # GSM8K's own format: the reference is the number after ####
 ]
 
 
+@pytest.mark.real_model
 def test_shipped_model_by_alias_or_gguf_path_on_gsm8k_rows(tmp_path):
     """The shipped SmolLM2 by its alias or its .gguf file, as `rredcot train` takes them, on
     GSM8K rows with their native `answer` column: one CPU step, rewards from the number after

@@ -19,6 +19,8 @@ from prm_scores import TEXTS
 from rredcot import credit, normalization
 from rredcot.config import CreditConfig
 
+pytestmark = pytest.mark.verl
+
 UIDS = np.array(["p0", "p0", "p0", "p1", "p1", "p1"], dtype=object)
 
 
