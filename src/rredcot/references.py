@@ -55,6 +55,7 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.config import ReferencesConfig, SamplingConfig
 from rredcot.loss import aggregate
 from rredcot.rollout import checked_verify, render_prompt, sample, segment_batch
 from rredcot.segment import segment_completion
@@ -362,21 +363,21 @@ def check_run(cfg) -> None:
 
 def step_references(
     batch: RolloutBatch,
-    cfg,
+    cfg: ReferencesConfig,
     task: Task,
     tokenizer,
     segmenter,
     *,
     policy,
-    sampling,
+    sampling: SamplingConfig,
     decoder: str,
     trained_before: int,
 ) -> StepReferences:
-    """``references.mode`` (``cfg``: ``ReferencesConfig``) in one step of ``rredcot train``, the
+    """``references.mode`` (``cfg``) in one step of ``rredcot train``, the
     step's one call here: ``off`` leaves the batch as it is; ``sft`` keeps the chosen groups'
     references for the supervised term; ``luffy`` joins them to their groups as off-policy samples
     (:func:`reference_samples`); ``bread`` samples branched rollouts from their prefixes with
-    ``policy`` at ``sampling`` (``SamplingConfig``) and appends them as groups of their own
+    ``policy`` at ``sampling`` and appends them as groups of their own
     (:func:`branch_samples`, :func:`merge_batches`). ``trained_before``: the run's reference
     tokens trained on before this step (its metric counts on from there)."""
     if cfg.mode == "off":
@@ -410,12 +411,12 @@ def step_references(
 
 def _branched(
     batch: RolloutBatch,
-    cfg,
+    cfg: ReferencesConfig,
     task: Task,
     tokenizer,
     segmenter,
     policy,
-    sampling,
+    sampling: SamplingConfig,
     decoder: str,
     trained_before: int,
 ) -> StepReferences:
@@ -639,7 +640,7 @@ def branch_samples(
     task: Task,
     tokenizer,
     segmenter,
-    sampling,
+    sampling: SamplingConfig,
     decoder: str,
     *,
     fraction: float,
