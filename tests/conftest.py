@@ -15,6 +15,18 @@ settings.load_profile("deterministic")
 # Tiny models gain nothing from intra-op threads, and tests may run in parallel processes.
 torch.set_num_threads(1)
 
+# Markers (pyproject.toml): slow, real_model, trl, verl. `python -m pytest` runs every test;
+# `python -m pytest -m "not slow"` is the quick loop.
+SLOW_FIXTURES = {"warm_checkpoint"}  # a warm-started policy: an SFT run of 500 steps, once
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that needs a fixture of :data:`SLOW_FIXTURES` is slow (whichever test runs first
+    pays for the fixture)."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def char_tokenizer():

@@ -273,6 +273,7 @@ def test_method_through_the_registry(char_tokenizer, wide_task, trace_batch):
         get_credit("answer_likelihood")(CreditConfig(), CreditContext(policy, char_tokenizer))
 
 
+@pytest.mark.slow
 def test_warm_policy_judges_a_finished_chain(warm_checkpoint, arithmetic_task):
     """Where answer likelihood does work on a warm start trained without early answers: right
     before the answer line it is the model's probability of writing the reference answer, high
@@ -374,6 +375,7 @@ def _column_at(batch, row, char):
     return starts.index(char)
 
 
+@pytest.mark.slow
 def test_think_cue_scores_a_reasoning_trace_the_plain_probe_cannot(char_tokenizer, think_model):
     """The done criterion of issue 14: the plain probe (the answer right after the prefix) gives
     a model that thinks in tags ~0 at every boundary inside its thought; the think-closing cue

@@ -424,6 +424,7 @@ def _tiny_train_overrides() -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
     cfg = LearnBenchConfig(
         methods="uniform,mc=monte_carlo:monte_carlo.rollouts=2",
@@ -507,6 +508,7 @@ class _FakeClock:
         return self.now
 
 
+@pytest.mark.slow
 def test_bench_learn_budget_seconds_stops_on_training_time_and_resumes(
     init_dir, tmp_path, monkeypatch
 ):
@@ -591,6 +593,7 @@ def test_per_second_scores_of_hand_made_curves():
     assert accuracy_at_second(short, 10.0) == 0.4
 
 
+@pytest.mark.slow
 def test_bench_learn_runs_auto_and_skips_it_when_complete(init_dir, tmp_path):
     cfg = LearnBenchConfig(
         methods="uniform,auto",

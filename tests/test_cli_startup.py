@@ -65,6 +65,7 @@ def test_light_commands_import_no_heavy_library(argv, stdin, expect):
     assert sorted(names.intersection(HEAVY)) == []
 
 
+@pytest.mark.slow
 def test_the_check_sees_torch_when_a_command_needs_it(tmp_path):
     """The same check on a path that does import torch (loading a policy): it can fail."""
     argv = ["segment", "--strategy", "entropy", "--checkpoint", str(tmp_path / "missing")]

@@ -246,6 +246,7 @@ def test_auto_decides_from_step_ones_batch_and_with_todays_table_runs_uniform(
     assert len(said) == 1 and f"{figures['all_wrong']:.0%} of its groups are all wrong" in said[0]
 
 
+@pytest.mark.slow
 def test_after_the_choice_the_run_is_the_chosen_methods_run(init_dir, tmp_path, monkeypatch):
     # a table in which value_head (a method with parameters, built after step 1's rollout)
     # was measured ahead everywhere: auto chooses it, and its run is the named run

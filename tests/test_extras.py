@@ -67,6 +67,7 @@ def test_extras_resolve_together():
     assert not bad, f"extras pin incompatible ranges: {bad}"
 
 
+@pytest.mark.verl
 def test_verl_extra_within_verls_own_requirements():
     """``pip install '.[verl]'`` next to verl 0.9 must not move a package out of verl's ranges
     (tensordict < 0.10 broke verl's DataProto and agent loop)."""

@@ -78,6 +78,7 @@ def _rewards(run) -> list[float]:
     return [r["reward_mean"] for r in records if "reward_mean" in r]
 
 
+@pytest.mark.slow
 def test_reward_rises_under_the_updates_and_falls_when_advantages_are_negated(init_dir, tmp_path):
     Trainer(_config(init_dir, tmp_path / "up"), log=lambda *_: None).train()
     up = _rewards(tmp_path / "up")

@@ -210,6 +210,7 @@ def test_generation_rows_fit_the_micro_batch_budget():
     assert 64 < rows < 128  # SmolLM2 at the defaults: the 128-row batch in two parts
 
 
+@pytest.mark.slow
 def test_bench_memory_measures_a_step_in_its_own_process(tmp_path):
     from rredcot.bench.configs import MemoryBenchConfig
     from rredcot.bench.memory import _cells, run_memory_bench
@@ -240,6 +241,7 @@ def test_bench_memory_measures_a_step_in_its_own_process(tmp_path):
     assert "| tiny" in table and "uniform" in table
 
 
+@pytest.mark.slow
 def test_bench_memory_keeps_the_peak_so_far_of_a_step_that_runs_out_of_time(tmp_path):
     # a SmolLM2 monte_carlo step takes hours on a CPU: its row still says how high memory went
     from rredcot.bench.memory import GIB, _run_child

@@ -266,6 +266,7 @@ def test_default_model_per_task(no_shipped_model, monkeypatch):
     assert sft.default_policy_source(words, None, log=print) == "smollm2-135m-instruct"
 
 
+@pytest.mark.slow
 def test_a_warm_start_records_what_its_floats_depend_on(warm_checkpoint):
     import json
 

@@ -187,6 +187,7 @@ def warm(warm_checkpoint):
     return policy, tokenizer
 
 
+@pytest.mark.slow
 def test_gold_prefixes_on_the_warm_policy(warm, arithmetic_task):
     policy, tokenizer = warm
     problems = arithmetic_task.train_problems(6, seed=7)
@@ -264,6 +265,7 @@ def _sharpen(policy, tokenizer, task, steps: int = 150, lr: float = 2e-3, seed: 
     return policy.eval()
 
 
+@pytest.mark.slow
 def test_monte_carlo_blames_the_first_wrong_step(warm_checkpoint, arithmetic_task):
     """Issue 8's done-criterion: on incorrect traces of the warm-started policy, the segment
     monte_carlo (K = 8, lambda = 0) blames most holds the first wrong step more often than

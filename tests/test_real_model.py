@@ -23,6 +23,8 @@ from rredcot.segment import get_segmenter, token_offsets
 from rredcot.tasks import Problem, get_task
 from text_batches import batch_from_texts
 
+pytestmark = pytest.mark.real_model  # every test here loads SmolLM2-135M-Instruct
+
 NON_ASCII = (
     "Zoë buys 4 more crêpes, so she has 3 + 4 = 7 crêpes.\n"
     "Then she gives 2 to José — 7 − 2 = 5 is what is left 😀. Naïve? No!\n"
@@ -131,6 +133,7 @@ def test_value_head_is_sized_and_fed_from_the_models_hidden_states(real_model, t
     assert any(not torch.equal(a, b) for a, b in zip(before, method.head.parameters()))
 
 
+@pytest.mark.slow
 def test_answer_likelihood_packed_logprobs_equal_unpacked(real_model, task, trace_batch):
     from rredcot.methods.answer_probes import build_probes
     from rredcot.methods.probe_logprobs import packed_probe_logprobs, unpacked_probe_logprobs
@@ -151,6 +154,7 @@ def test_answer_likelihood_packed_logprobs_equal_unpacked(real_model, task, trac
     assert float(right[0].sum()) > float(right[1].sum())
 
 
+@pytest.mark.slow
 def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
     """TRL on a CPU trains with bf16 autocast (accelerate wraps the model's forward): the probes
     still run packed and through the trunk, at the parameters' dtype, with no warning, and give
@@ -201,6 +205,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
     assert (packed_tokens, unpacked_tokens) == (forwarded_packed, forwarded_unpacked)
 
 
+@pytest.mark.slow
 def test_rredcot_train_two_steps_and_reload_without_the_gguf_file(tmp_path):
     from rredcot.cli import main
 
@@ -246,6 +251,8 @@ def test_rredcot_train_two_steps_and_reload_without_the_gguf_file(tmp_path):
     assert tokenizer.chat_template and model.config.hidden_size == 576
 
 
+@pytest.mark.trl
+@pytest.mark.slow
 def test_trl_adapter_two_steps(real_model, task, tmp_path):
     from datasets import Dataset
 

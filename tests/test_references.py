@@ -60,6 +60,20 @@ def _wrong_batch(policy, tokenizer, task, num_prompts=2, G=3):
     return batch
 
 
+def _chosen_references(batch, task, tokenizer, which="failed"):
+    P = batch.prompt_len
+    return references.choose_references(
+        batch.rewards,
+        batch.group_ids,
+        batch.input_ids[:, :P],
+        batch.attention_mask[:, :P],
+        batch.problems,
+        which,
+        task,
+        tokenizer,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # luffy: the reference sample
 
@@ -69,7 +83,8 @@ def test_reference_samples_join_their_groups(tiny_policy, char_tokenizer):
     batch = _wrong_batch(tiny_policy, char_tokenizer, task)
     groups = references.chosen_groups(batch.rewards, batch.group_ids, "failed")
     assert groups == [0, 1]
-    refs = references.build_reference_rows(batch, groups, task, char_tokenizer)
+    refs = _chosen_references(batch, task, char_tokenizer)
+    assert refs.group_ids.tolist() == groups and refs.failed_groups == 2
     merged = references.reference_samples(
         batch, refs, task, char_tokenizer, get_segmenter("newline")
     )
@@ -105,7 +120,8 @@ def test_reference_sample_loss_and_importance_weight_by_hand(tiny_policy, char_t
     PPO's clipped term; the total is their token mean."""
     task = get_task("arithmetic", num_steps=2)
     batch = _wrong_batch(tiny_policy, char_tokenizer, task, num_prompts=1, G=3)
-    refs = references.build_reference_rows(batch, [0], task, char_tokenizer)
+    refs = _chosen_references(batch, task, char_tokenizer)
+    assert refs.group_ids.tolist() == [0]
     merged = references.reference_samples(
         batch, refs, task, char_tokenizer, get_segmenter("newline")
     )
@@ -335,7 +351,7 @@ def test_references_off_leaves_a_run_as_before(init_dir, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("reference code ran with references.mode off")
 
-    for name in ("chosen_groups", "build_reference_rows", "reference_samples", "reference_nll"):
+    for name in ("chosen_groups", "choose_references", "reference_samples", "reference_nll"):
         monkeypatch.setattr(references, name, refuse)
     run = tmp_path / "run"
     cfg = micro_config(

@@ -296,6 +296,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_a_missing_extra_says_which_to_install():
     out = subprocess.run(
         [sys.executable, "-c", RUNNER, json.dumps(CASES)],

@@ -91,6 +91,7 @@ def _train_cmd(init_dir, out, steps):
     ]
 
 
+@pytest.mark.slow
 def test_two_concurrent_trains_give_one_run_and_one_refusal(init_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     out = tmp_path / "R"

@@ -257,6 +257,7 @@ def test_overwrite_keeps_sink_folders_the_run_did_not_write(run_copy):
 # a write that fails (a full disk) during a checkpoint: one line, no half checkpoint left
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_temporary(init_dir, tmp_path):
     """The file-size limit makes every write past 200 kB fail at the OS (as a full disk does):
     the policy (~150 kB) is written, ``trainer_state.pt`` (~320 kB with the optimiser) is not."""

@@ -228,6 +228,7 @@ def test_a_math_verify_deadline_holds_for_the_whole_call_including_start_up() ->
     assert answers.check_answer("x^2+2x+1", "(x+1)^2", "auto", timeout=120) == (True, None)
 
 
+@pytest.mark.slow
 def test_timed_out_verifies_score_zero_and_are_counted(
     tiny_policy, char_tokenizer, tmp_path
 ) -> None:

@@ -272,6 +272,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     steps = 7
@@ -307,6 +308,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
     assert _stable(records) == _stable(expected)
 
 
+@pytest.mark.slow
 def test_runs_under_accelerate_launch(init_dir, tmp_path):
     out = tmp_path / "acc"
     args = _cli(init_dir, out, 1)[3:]  # drop "python -m rredcot.cli"

@@ -26,6 +26,8 @@ from rredcot.methods.base import CreditContext, CreditRows, build_credit, credit
 from rredcot.normalization import group_mean_std
 from rredcot.rollout import fill_forward, segment_batch
 
+pytestmark = pytest.mark.trl
+
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
@@ -452,6 +454,7 @@ def test_task_reward_scores_with_the_verifier():
         reward([prompt], ["A:20"], solution=["20"])
 
 
+@pytest.mark.slow
 def test_core_imports_neither_trl_nor_verl():
     code = (
         "import sys, rredcot, rredcot.credit, rredcot.segment, rredcot.methods.base, "
@@ -467,6 +470,7 @@ def test_core_imports_neither_trl_nor_verl():
     assert out.stdout.strip() == "clean"
 
 
+@pytest.mark.slow
 def test_two_processes_groups_span_them(tiny_model_dir, tmp_path):
     """Two real processes (torchrun, gloo): each holds 2 completions of a 4-completion group.
     Uniform credit equals TRL's global advantages; value-head metrics and the head itself are the
@@ -717,6 +721,8 @@ GSM8K_ROWS = [  # GSM8K's own format: the reference is the number after ####
 ]
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_shipped_model_by_alias_or_gguf_path_on_gsm8k_rows(tmp_path):
     """The shipped SmolLM2 by its alias or its .gguf file, as `rredcot train` takes them, on
     GSM8K rows with their native `answer` column: one CPU step, rewards from the number after

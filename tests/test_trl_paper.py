@@ -3,9 +3,12 @@ newline+merge segmentation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_trl_integration import arithmetic_dataset, make_trainer, tiny_model_dir  # noqa: F401
+
+pytestmark = pytest.mark.trl
 
 
 def test_reweight_with_continuation_likelihood_keeps_trls_signs_and_totals(

@@ -13,6 +13,8 @@ from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem
 from test_trl_integration import arithmetic_dataset, make_trainer, tiny_model_dir  # noqa: F401
 
+pytestmark = pytest.mark.trl
+
 TASK = get_task("arithmetic", num_steps=2)
 
 

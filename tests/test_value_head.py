@@ -718,6 +718,7 @@ def _warm_method(warm_checkpoint):
     return method, policy, tokenizer
 
 
+@pytest.mark.slow
 def test_localises_injected_first_errors_on_the_warm_policy(warm_checkpoint, arithmetic_task):
     """Trained on outcomes only, the head blames the step where an error was injected (the
     credit benchmark's ground truth) far more often than chance.
@@ -758,6 +759,7 @@ def test_localises_injected_first_errors_on_the_warm_policy(warm_checkpoint, ari
     assert hits / wrong >= chance + 0.2, (hits / wrong, chance)
 
 
+@pytest.mark.slow
 def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arithmetic_task):
     """On the warm policy's own samples, scored before the head trains on them (the RL order),
     the value head blames the first wrong step more often than chance once it has seen a few

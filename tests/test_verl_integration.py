@@ -19,6 +19,8 @@ from prm_scores import TEXTS
 from rredcot import credit, normalization
 from rredcot.config import CreditConfig
 
+pytestmark = pytest.mark.verl
+
 UIDS = np.array(["p0", "p0", "p0", "p1", "p1", "p1"], dtype=object)
 
 
@@ -52,6 +54,7 @@ def test_registered_in_verls_registry():
     assert core_algos.ADV_ESTIMATOR_REGISTRY["rredcot"] is rv.compute_rredcot_advantage
 
 
+@pytest.mark.slow
 def test_verl_imports_it_through_external_modules():
     """What every Ray worker does: VERL_USE_EXTERNAL_MODULES makes ``import verl`` load us."""
     code = (

@@ -50,6 +50,7 @@ def test_a_checkpointed_run_and_a_step_whose_gradients_are_read_warn_nothing(
         trainer.release()
 
 
+@pytest.mark.trl
 def test_the_trl_config_sets_checkpointing_by_its_current_name(tmp_path, strict_warnings):
     from rredcot.integrations.trl import RREDCoTGRPOConfig
 

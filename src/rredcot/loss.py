@@ -1,5 +1,6 @@
-"""The policy loss as pure functions over tensors: the clipped PPO ratio term, the k3 KL
-penalty, and the aggregation over tokens (token mean, sequence mean, Dr. GRPO's constant).
+"""The policy loss as pure functions over tensors: the clipped PPO ratio term, LUFFY's shaped
+term of an off-policy (reference) row, the k3 KL penalty, and the aggregation over tokens (token
+mean, sequence mean, Dr. GRPO's constant).
 
 Shapes: ``(b, T)`` for a micro-batch of ``b`` rows and ``T`` response columns; every reduction is
 masked by ``response_mask``.
@@ -13,9 +14,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rredcot.references import off_policy_pg
-
-__all__ = ["LOSS_AGGREGATIONS", "aggregate", "clipped_pg", "k3_kl", "lr_lambda", "policy_loss"]
+__all__ = [
+    "LOSS_AGGREGATIONS",
+    "aggregate",
+    "clipped_pg",
+    "k3_kl",
+    "lr_lambda",
+    "off_policy_pg",
+    "policy_loss",
+    "shaped_ratio",
+]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo")
 
@@ -33,6 +41,20 @@ def clipped_pg(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
+
+
+def shaped_ratio(logprobs: Tensor, gamma: float) -> Tensor:
+    """LUFFY's policy shaping of the off-policy ratio ``pi_theta / pi_phi`` with ``pi_phi = 1``:
+    ``f(pi) = pi / (pi + gamma)``, ``pi = exp(logprobs)``; ``(b, T)``."""
+    pi = torch.exp(logprobs)
+    return pi / (pi + gamma)
+
+
+def off_policy_pg(logprobs: Tensor, advantages: Tensor, gamma: float) -> Tensor:
+    """The per-token loss of an off-policy (reference) sample: ``-A * f(pi_theta)``
+    (:func:`shaped_ratio`), no clipping: the PG term of a ``references.mode luffy`` row
+    (``rredcot.references``); ``(b, T)``."""
+    return -advantages * shaped_ratio(logprobs, gamma)
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -92,7 +114,7 @@ def policy_loss(
         num_rows, num_tokens, max_len: see :func:`aggregate`.
         off_policy: ``(b,)`` bool, rows that are reference samples (``references.mode luffy``):
             their PG term is LUFFY's shaped, unclipped one
-            (:func:`rredcot.references.off_policy_pg`, ``off_policy_gamma``), not the clipped
+            (:func:`off_policy_pg`, ``off_policy_gamma``), not the clipped
             ratio to ``old_logprobs``.
 
     Returns:

@@ -38,14 +38,16 @@ Each is charged to the token budget (``extra_tokens_generated``): every referenc
 in a step counts once (and in ``reference_tokens_trained``), and so does every token of a branched
 rollout.
 
-Another trainer (TRL) calls the same pieces: :func:`chosen_groups` on its rewards,
-:func:`reference_rows` on its prompt ids and mask, then either :func:`reference_nll` on the
-reference rows' log-probs (sft) or the rows appended to its completions with an ``off_policy``
-row mask, which ``rredcot.loss.policy_loss`` (or :func:`off_policy_pg` in its own loss) reads.
+``rredcot train``'s step calls this module once (:func:`step_references`: the step's batch with
+the rows joined, the sft rows, what to charge, the metrics); the TRL adapter builds its
+references with the same :func:`choose_references` on its rewards, prompt ids and mask. Both train
+the sft term with :meth:`ReferenceRows.nll` and luffy's rows through an ``off_policy`` row mask,
+which ``rredcot.loss.policy_loss`` (or ``rredcot.loss.off_policy_pg`` in TRL's loss) reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -53,26 +55,29 @@ from torch import Tensor
 
 from rredcot import credit
 from rredcot.batch import RolloutBatch
+from rredcot.config import ReferencesConfig, SamplingConfig
+from rredcot.loss import aggregate
 from rredcot.rollout import checked_verify, render_prompt, sample, segment_batch
+from rredcot.segment import segment_completion
 from rredcot.shared_prefixes import shared_prefix_ids
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict
 
 __all__ = [
     "ReferenceRows",
+    "StepReferences",
     "append_reference_samples",
     "branch_samples",
-    "build_reference_rows",
     "check_run",
     "check_task_references",
+    "choose_references",
     "chosen_groups",
     "merge_batches",
-    "off_policy_pg",
     "reference_nll",
     "reference_prefix",
     "reference_rows",
     "reference_samples",
-    "shaped_ratio",
+    "step_references",
 ]
 
 CORRECT = 1.0  # a sample with reward >= this is correct (as continuation likelihood reads it)
@@ -90,6 +95,7 @@ class ReferenceRows:
     group_ids: Tensor  # (R,) long: the group each reference belongs to
     problems: list[Problem] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)  # the reference texts (no EOS)
+    failed_groups: int = 0  # of the batch they were chosen from: groups with no correct sample
 
     @property
     def size(self) -> int:
@@ -100,15 +106,45 @@ class ReferenceRows:
         """Reference tokens (EOS included): what training on these rows charges to the budget."""
         return int(self.response_mask.sum())
 
-    def stats(self, failed_groups: int, trained: float) -> dict[str, float]:
+    def stats(self, trained: float) -> dict[str, float]:
         """A step's reference metrics (docs/metrics.md): groups with no correct sample, the
-        groups given a reference (these rows), their tokens and the run's tokens trained so far."""
+        groups given a reference (these rows), their tokens and the run's tokens trained so far
+        (``trained``)."""
         return {
-            "references/failed_groups": float(failed_groups),
+            "references/failed_groups": float(self.failed_groups),
             "references/groups": float(self.size),
             "references/tokens": float(self.tokens),
             "reference_tokens_trained": trained,
         }
+
+    def nll(
+        self, logprobs: Tensor, loss_agg: str, max_len: int, share: Tensor | None = None
+    ) -> Tensor:
+        """The supervised term (:func:`reference_nll`) of these rows' log-probs ``logprobs``;
+        with ``share`` (row indices), of those rows only, aggregated over every row (a
+        micro-batch's share: the shares' terms sum to the whole)."""
+        if share is None:
+            return reference_nll(logprobs, self.response_mask, loss_agg, max_len)
+        return reference_nll(
+            logprobs,
+            self.response_mask[share],
+            loss_agg,
+            max_len,
+            num_rows=self.size,
+            num_tokens=float(self.response_mask.sum()),
+        )
+
+
+@dataclass(frozen=True)
+class StepReferences:
+    """What ``references.mode`` gives one step of ``rredcot train`` (:func:`step_references`)."""
+
+    batch: RolloutBatch  # the step's batch, its reference (luffy) or branch (bread) rows joined
+    sft_rows: ReferenceRows | None = None  # sft: the rows whose NLL the optimiser steps add
+    own_rows: Tensor | None = None  # (B,) bool: the step's own samples, where other rows joined
+    generated: int = 0  # tokens charged to the budget (extra_tokens_generated)
+    trained: int = 0  # reference tokens trained on (reference_tokens_trained)
+    stats: dict[str, float] = field(default_factory=dict)  # the step's references/ metrics
 
 
 def check_task_references(task: Task, problems: list[Problem], task_name: str) -> None:
@@ -132,20 +168,26 @@ def chosen_groups(rewards: Tensor, group_ids: Tensor, which: str) -> list[int]:
     return out
 
 
-def build_reference_rows(
-    batch: RolloutBatch, groups: list[int], task: Task, tokenizer
+def choose_references(
+    rewards: Tensor,
+    group_ids: Tensor,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    problems: list[Problem],
+    which: str,
+    task: Task,
+    tokenizer,
 ) -> ReferenceRows:
-    """:func:`reference_rows` for the groups ``groups`` of a :class:`RolloutBatch`."""
-    P = batch.prompt_len
-    return reference_rows(
-        batch.input_ids[:, :P],
-        batch.attention_mask[:, :P],
-        batch.group_ids,
-        batch.problems,
-        groups,
-        task,
-        tokenizer,
-    )
+    """A batch's references, as ``rredcot train`` and the TRL adapter build them: those of the
+    groups ``which`` chooses (:func:`chosen_groups`), after their prompts
+    (:func:`reference_rows`), with the batch's count of groups that have no correct sample.
+    ``rewards``, ``group_ids``: ``(B,)``; ``prompt_ids`` / ``prompt_mask``: ``(B, P)``, left-padded;
+    ``problems``: each row's."""
+    rewards, group_ids = rewards.cpu(), group_ids.cpu()
+    failed = chosen_groups(rewards, group_ids, "failed")
+    groups = chosen_groups(rewards, group_ids, which)
+    rows = reference_rows(prompt_ids, prompt_mask, group_ids, problems, groups, task, tokenizer)
+    return dataclasses.replace(rows, failed_groups=len(failed))
 
 
 def reference_rows(
@@ -279,20 +321,7 @@ def append_reference_samples(
 
 
 # ---------------------------------------------------------------------------------------------
-# the loss terms
-
-
-def shaped_ratio(logprobs: Tensor, gamma: float) -> Tensor:
-    """LUFFY's policy shaping of the off-policy ratio ``pi_theta / pi_phi`` with ``pi_phi = 1``:
-    ``f(pi) = pi / (pi + gamma)``, ``pi = exp(logprobs)``; ``(b, T)``."""
-    pi = torch.exp(logprobs)
-    return pi / (pi + gamma)
-
-
-def off_policy_pg(logprobs: Tensor, advantages: Tensor, gamma: float) -> Tensor:
-    """The per-token loss of an off-policy (reference) sample: ``-A * f(pi_theta)``
-    (:func:`shaped_ratio`), no clipping; ``(b, T)``."""
-    return -advantages * shaped_ratio(logprobs, gamma)
+# the supervised term
 
 
 def reference_nll(
@@ -308,8 +337,6 @@ def reference_nll(
     over the reference rows as the policy loss aggregates (``loss.aggregate``). ``num_rows`` /
     ``num_tokens``: those of every reference row when ``logprobs`` holds only some of them (a
     micro-batch's share; the shares then sum to the whole term); default: these rows'."""
-    from rredcot.loss import aggregate  # lazy: rredcot.loss imports this module
-
     return aggregate(
         -logprobs,
         response_mask,
@@ -334,6 +361,108 @@ def check_run(cfg) -> None:
     check_task_references(task, task.train_problems(4, seed=cfg.seed), cfg.task)
 
 
+def step_references(
+    batch: RolloutBatch,
+    cfg: ReferencesConfig,
+    task: Task,
+    tokenizer,
+    segmenter,
+    *,
+    policy,
+    sampling: SamplingConfig,
+    decoder: str,
+    trained_before: int,
+) -> StepReferences:
+    """``references.mode`` (``cfg``) in one step of ``rredcot train``, the
+    step's one call here: ``off`` leaves the batch as it is; ``sft`` keeps the chosen groups'
+    references for the supervised term; ``luffy`` joins them to their groups as off-policy samples
+    (:func:`reference_samples`); ``bread`` samples branched rollouts from their prefixes with
+    ``policy`` at ``sampling`` and appends them as groups of their own
+    (:func:`branch_samples`, :func:`merge_batches`). ``trained_before``: the run's reference
+    tokens trained on before this step (its metric counts on from there)."""
+    if cfg.mode == "off":
+        return StepReferences(batch)
+    if cfg.mode == "bread":
+        return _branched(
+            batch, cfg, task, tokenizer, segmenter, policy, sampling, decoder, trained_before
+        )
+    P = batch.prompt_len
+    refs = choose_references(
+        batch.rewards,
+        batch.group_ids,
+        batch.input_ids[:, :P],
+        batch.attention_mask[:, :P],
+        batch.problems,
+        cfg.groups,
+        task,
+        tokenizer,
+    )
+    charged = {
+        "generated": refs.tokens,
+        "trained": refs.tokens,
+        "stats": refs.stats(trained_before + refs.tokens),
+    }
+    if cfg.mode == "sft":
+        return StepReferences(batch, sft_rows=refs, **charged)
+    joined = reference_samples(batch, refs, task, tokenizer, segmenter)
+    own = None if joined.off_policy is None else ~joined.off_policy  # None: no group chose one
+    return StepReferences(joined, own_rows=own, **charged)
+
+
+def _branched(
+    batch: RolloutBatch,
+    cfg: ReferencesConfig,
+    task: Task,
+    tokenizer,
+    segmenter,
+    policy,
+    sampling: SamplingConfig,
+    decoder: str,
+    trained_before: int,
+) -> StepReferences:
+    """``references.mode`` bread in a step: the chosen groups' branched rollouts from a
+    reference prefix (:func:`branch_samples`), appended as groups of their own (the prefix is
+    context: no reference token is trained on); their tokens are charged as generated."""
+    failed = chosen_groups(batch.rewards, batch.group_ids, "failed")
+    groups = chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
+    policy.eval()
+    branch, generated = branch_samples(
+        policy,
+        batch,
+        groups,
+        task,
+        tokenizer,
+        segmenter,
+        sampling,
+        decoder,
+        fraction=cfg.branch_fraction,
+        rollouts=cfg.branch_rollouts or sampling.num_generations,
+    )
+    stats = {
+        "references/failed_groups": float(len(failed)),
+        "references/groups": float(len(set(branch.group_ids.tolist())))
+        if branch is not None
+        else 0.0,
+        "references/branch_tokens": float(generated),
+        "references/branch_reward_mean": float(branch.rewards.mean())
+        if branch is not None
+        else 0.0,
+        "reference_tokens_trained": trained_before,
+    }
+    if branch is None:
+        return StepReferences(batch, generated=generated, stats=stats)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    own = torch.cat(
+        [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
+    )
+    return StepReferences(
+        merge_batches(batch, branch, pad),
+        own_rows=own.to(batch.input_ids.device),
+        generated=generated,
+        stats=stats,
+    )
+
+
 def reference_samples(
     batch: RolloutBatch, refs: ReferenceRows, task: Task, tokenizer, segmenter
 ) -> RolloutBatch:
@@ -341,9 +470,6 @@ def reference_samples(
     (:func:`append_reference_samples`): each verified by the task (its reward is the verdict's)
     and segmented by ``segmenter`` as a sampled completion is (one segment under an entropy
     segmenter, whose cuts come with the forward pass)."""
-    from rredcot.rollout import checked_verify  # lazy: rollout -> credit -> loss -> here
-    from rredcot.segment import segment_completion
-
     verdicts, boundaries, char_starts = [], [], []
     lengths = refs.response_mask.sum(-1).long().tolist()
     for i, (problem, text) in enumerate(zip(refs.problems, refs.completions)):
@@ -441,6 +567,72 @@ def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> Rollou
     )
 
 
+def _anchors(
+    batch: RolloutBatch, groups: list[int], task: Task, fraction: float
+) -> list[tuple[Problem, str]]:
+    """``(problem, reference prefix)`` of each group of ``groups`` whose reference has 2+ lines
+    (:func:`reference_prefix`), in the order of ``groups``."""
+    first_row: dict[int, int] = {}
+    for row, gid in enumerate(batch.group_ids.tolist()):
+        first_row.setdefault(int(gid), row)
+    anchors = []
+    for gid in groups:
+        problem = batch.problems[first_row[gid]]
+        prefix = reference_prefix(task, problem, fraction)
+        if prefix is not None:
+            anchors.append((problem, prefix))
+    return anchors
+
+
+def _branch_batch(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_len: int,
+    response_mask: Tensor,
+    anchors: list[tuple[Problem, str]],
+    rollouts: int,
+    first_group: int,
+    task: Task,
+    tokenizer,
+) -> tuple[RolloutBatch, list[bool]]:
+    """The sampled branches as a batch, one segment each: ``rollouts`` rows per anchor, each
+    verified on prefix + completion, anchor ``i``'s rows in group ``first_group + i``. Returns
+    it and whether each row's verdict is usable (:func:`rredcot.rollout.checked_verify`)."""
+    P = prompt_len
+    eos = tokenizer.eos_token_id
+    lengths = response_mask.sum(-1).long().tolist()
+    problems, completions, verdicts, keep = [], [], [], []
+    for row in range(input_ids.shape[0]):
+        problem, prefix = anchors[row // rollouts]
+        ids = input_ids[row, P : P + lengths[row]].tolist()
+        text = tokenizer.decode(
+            ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=True
+        )
+        verdict, ok = checked_verify(task, problem, prefix + text)
+        problems.append(problem)
+        completions.append(text)
+        verdicts.append(verdict)
+        keep.append(ok)
+    device = input_ids.device
+    whole = [[0, n] if n else [0] for n in lengths]
+    branch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=P,
+        response_mask=response_mask,
+        rewards=torch.tensor([float(v.reward) for v in verdicts], device=device),
+        group_ids=first_group
+        + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
+        boundaries=whole,
+        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
+        segment_char_starts=[[0] if n else [] for n in lengths],
+        problems=problems,
+        completions=completions,
+        verdicts=verdicts,
+    )
+    return branch, keep
+
+
 def branch_samples(
     policy,
     batch: RolloutBatch,
@@ -448,7 +640,7 @@ def branch_samples(
     task: Task,
     tokenizer,
     segmenter,
-    sampling,
+    sampling: SamplingConfig,
     decoder: str,
     *,
     fraction: float,
@@ -460,16 +652,7 @@ def branch_samples(
     context (prompt columns: never trained on); each branch is a new group (id after the batch's
     last), so its advantages compare rollouts from the same state. Returns the branch rows
     (None when no group has a prefix) and the tokens generated for them."""
-
-    first_row: dict[int, int] = {}
-    for row, gid in enumerate(batch.group_ids.tolist()):
-        first_row.setdefault(int(gid), row)
-    anchors = []
-    for gid in groups:
-        problem = batch.problems[first_row[gid]]
-        prefix = reference_prefix(task, problem, fraction)
-        if prefix is not None:
-            anchors.append((problem, prefix))
+    anchors = _anchors(batch, groups, task, fraction)
     if not anchors:
         return None, 0
     prompts = [render_prompt(p, tokenizer) + prefix for p, prefix in anchors]
@@ -485,36 +668,16 @@ def branch_samples(
         decoder=decoder,
     )
     generated = int(response_mask.sum())
-    eos = tokenizer.eos_token_id
-    lengths = response_mask.sum(-1).long().tolist()
-    problems, completions, verdicts, keep = [], [], [], []
-    for row in range(input_ids.shape[0]):
-        problem, prefix = anchors[row // rollouts]
-        ids = input_ids[row, P : P + lengths[row]].tolist()
-        text = tokenizer.decode(
-            ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=True
-        )
-        verdict, ok = checked_verify(task, problem, prefix + text)
-        problems.append(problem)
-        completions.append(text)
-        verdicts.append(verdict)
-        keep.append(ok)
-    first_new = int(batch.group_ids.max()) + 1
-    device = input_ids.device
-    whole = [[0, n] if n else [0] for n in lengths]
-    branch = RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        prompt_len=P,
-        response_mask=response_mask,
-        rewards=torch.tensor([float(v.reward) for v in verdicts], device=device),
-        group_ids=first_new + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
-        boundaries=whole,
-        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
-        segment_char_starts=[[0] if n else [] for n in lengths],
-        problems=problems,
-        completions=completions,
-        verdicts=verdicts,
+    branch, keep = _branch_batch(
+        input_ids,
+        attention_mask,
+        P,
+        response_mask,
+        anchors,
+        rollouts,
+        int(batch.group_ids.max()) + 1,
+        task,
+        tokenizer,
     )
     if not all(keep):
         branch = branch.select([row for row, ok in enumerate(keep) if ok])

@@ -346,75 +346,29 @@ class Trainer:
         return batch, stats
 
     def _with_references(self, batch: RolloutBatch, stats: dict[str, float]) -> RolloutBatch:
-        """``references.mode`` (rredcot.references): the chosen groups' references, joined to
-        the batch as off-policy samples (luffy) or kept for the supervised term of this step's
-        optimiser steps (sft); their tokens are charged to the budget and counted in ``stats``."""
-        cfg = self.cfg.references
-        self._sft_rows = None
-        self._own_rows = None
-        if cfg.mode == "off":
-            return batch
-        failed = references.chosen_groups(batch.rewards, batch.group_ids, "failed")
-        groups = references.chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
-        if cfg.mode == "bread":
-            return self._with_branches(batch, stats, failed, groups)
-        refs = references.build_reference_rows(batch, groups, self.task, self.tokenizer)
-        if cfg.mode == "sft":
-            self._sft_rows = refs
-        else:
-            batch = references.reference_samples(
-                batch, refs, self.task, self.tokenizer, self.segmenter
-            )
-            if batch.off_policy is not None:  # None: no group chose a reference this step
-                self._own_rows = ~batch.off_policy
-        self.extra_tokens_generated += refs.tokens
-        self.reference_tokens_trained += refs.tokens
-        stats.update(refs.stats(len(failed), self.reference_tokens_trained))
-        return batch
-
-    def _with_branches(self, batch, stats, failed, groups) -> RolloutBatch:
-        """references.mode bread: the chosen groups' branched rollouts from a reference prefix
-        (``references.branch_samples``), appended as groups of their own; charged as generated."""
-        cfg, s = self.cfg.references, self.cfg.sampling
-        self.policy.eval()
-        branch, generated = references.branch_samples(
-            self.policy,
+        """``references.mode``: this step's references (``references.step_references``), kept
+        for the step's sft term and its own rows; their tokens are charged to the budget and
+        counted in ``stats``."""
+        step = references.step_references(
             batch,
-            groups,
+            self.cfg.references,
             self.task,
             self.tokenizer,
             self.segmenter,
-            s,
-            self.decoder,
-            fraction=cfg.branch_fraction,
-            rollouts=cfg.branch_rollouts or s.num_generations,
+            policy=self.policy,
+            sampling=self.cfg.sampling,
+            decoder=self.decoder,
+            trained_before=self.reference_tokens_trained,
         )
-        self.extra_tokens_generated += generated
-        stats.update(
-            {
-                "references/failed_groups": float(len(failed)),
-                "references/groups": float(len(set(branch.group_ids.tolist())))
-                if branch is not None
-                else 0.0,
-                "references/branch_tokens": float(generated),
-                "references/branch_reward_mean": float(branch.rewards.mean())
-                if branch is not None
-                else 0.0,
-                "reference_tokens_trained": self.reference_tokens_trained,
-            }
-        )
-        if branch is None:
-            return batch
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        own = torch.cat(
-            [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
-        )
-        self._own_rows = own.to(batch.input_ids.device)
-        return references.merge_batches(batch, branch, pad)
+        self._sft_rows, self._own_rows = step.sft_rows, step.own_rows
+        self.extra_tokens_generated += step.generated
+        self.reference_tokens_trained += step.trained
+        stats.update(step.stats)
+        return step.batch
 
     def _reference_sft_step(self) -> dict[str, float]:
         """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
-        (``references.reference_nll``), into the gradient of the optimiser step being formed."""
+        (``ReferenceRows.nll``), into the gradient of the optimiser step being formed."""
         refs = self._sft_rows
         if refs is None or refs.size == 0:
             return {}
@@ -427,9 +381,7 @@ class Trainer:
             temperature=cfg.sampling.temperature,
             shared_prompt=cfg.shared_prompt_forward,
         )
-        nll = references.reference_nll(
-            fwd.logprobs, refs.response_mask, cfg.loss_agg, cfg.sampling.max_new_tokens
-        )
+        nll = refs.nll(fwd.logprobs, cfg.loss_agg, cfg.sampling.max_new_tokens)
         self.accelerator.backward(cfg.references.sft_coef * nll)
         return {"references/sft_nll": float(nll.detach())}
 

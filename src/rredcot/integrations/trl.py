@@ -2,7 +2,8 @@
 
 TRL keeps everything it does well: sampling (transformers or vLLM), reward functions, datasets,
 the clipped loss, ``accelerate launch`` / DeepSpeed / FSDP, logging and checkpoints. This adapter
-changes one thing: the advantages. TRL 1.16 computes one advantage per completion at the end of
+changes the advantages (and, with ``references`` on, adds their terms to the loss). TRL 1.16
+computes one advantage per completion at the end of
 ``GRPOTrainer._generate_and_score_completions``; :class:`RREDCoTGRPOTrainer` lets that method run
 unchanged, then replaces ``output["advantages"]`` with rredcot's ``(B, T)`` token advantages, which
 TRL's ``_compute_loss`` takes as they are (it unsqueezes only 1-D ones).
@@ -46,13 +47,18 @@ computed with it, and its tokens are trained with the shaped, unclipped ``-A * f
 loss covers the other rows. ``bread`` is refused: its branched rollouts need a generation TRL's
 step does not run.
 
-TRL internals overridden, each for one reason: ``_generate_and_score_completions`` (its advantages
-replaced), ``_calculate_rewards`` (every process's rewards per function before TRL scales them),
-``_get_per_token_logps_and_entropies`` (the hidden states of TRL's pass or of the single loss
-forward, read by a hook on the decoder, with the log-probs of the same forward) and
-``_compute_loss`` (which micro-batch the single loss forward's credit goes to, and the
-references' terms); ``save_model``
-and ``_load_optimizer_and_scheduler`` keep the credit's state beside TRL's checkpoints. All the
+TRL internals this adapter depends on, as of TRL 1.16.0, the one version its tests ran against
+(the ``trl`` extra pins ``trl>=1.16,<1.17``). It overrides five private ``GRPOTrainer`` methods,
+each calling TRL's own inside: ``_generate_and_score_completions`` (its advantages replaced, and
+luffy's reference rows put in place of rollouts), ``_calculate_rewards`` (every process's rewards
+per function, kept before TRL scales them), ``_get_per_token_logps_and_entropies`` (the hidden
+states of TRL's pass or of the single loss forward, read by a hook on the decoder, with the
+log-probs of the same forward), ``_compute_loss`` (which micro-batch the single loss forward's
+credit goes to, and the references' terms added) and ``_load_optimizer_and_scheduler`` (the
+credit's state read back on resume); and the public ``save_model`` (that state written beside
+TRL's checkpoints). It also reads TRL's private attributes ``_metrics`` and ``_logs`` (its logs),
+``_step`` and ``_tokenizer``, and the keys of the dict ``_generate_and_score_completions``
+returns. All the
 adapter holds between those calls is one :class:`_CreditState`.
 """
 
@@ -93,6 +99,7 @@ from rredcot.integrations.saved import (
     settings_dict,
     write_settings,
 )
+from rredcot.loss import off_policy_pg, shaped_ratio
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
@@ -931,27 +938,25 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     # -- the reference solutions (references.mode) ----------------------------------------------
     def _with_references(self, inputs: list[dict], output: dict) -> None:
         """``references.mode`` on a training generation batch: the references of the groups
-        ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), as
-        :func:`rredcot.references.reference_rows` after the group's prompt; sft keeps them for the
+        ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), after
+        the group's prompt (:func:`rredcot.references.choose_references`, as rredcot train builds
+        them); sft keeps them for the
         loss (:meth:`_reference_sft_loss`). Their tokens are counted once per generation batch
         (``rredcot/references/tokens``; the run's ``rredcot/reference_tokens_trained``), as rredcot
         train counts them (docs/metrics.md)."""
         cfg = self.args.references_config
         if cfg.mode == "off":
             return
-        device = output["prompt_ids"].device
         rewards, _ = _outcome_rewards(
             self._state.rewards_per_func, self.reward_weights, self.num_generations
         )
-        group_ids = torch.arange(rewards.shape[0]) // self.num_generations
-        failed = references.chosen_groups(rewards.cpu(), group_ids, "failed")
-        groups = references.chosen_groups(rewards.cpu(), group_ids, cfg.groups)
-        refs = references.reference_rows(
+        refs = references.choose_references(
+            rewards,
+            torch.arange(rewards.shape[0]) // self.num_generations,
             output["prompt_ids"],
             output["prompt_mask"],
-            group_ids.to(device),
             [self._problem(x) for x in inputs],
-            groups,
+            cfg.groups,
             self.task,
             self._tokenizer,
         )
@@ -960,7 +965,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         else:
             self._replace_rollouts(inputs, output, refs)
         self.reference_tokens_trained += refs.tokens
-        self._log_credit(refs.stats(len(failed), float(self.reference_tokens_trained)), "train")
+        self._log_credit(refs.stats(float(self.reference_tokens_trained)), "train")
 
     def _replace_rollouts(self, inputs: list[dict], output: dict, refs) -> None:
         """references.mode luffy: each reference ``refs`` in place of its group's last rollout,
@@ -1028,7 +1033,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     def _luffy_loss(self, model, inputs: dict) -> Tensor:
         """references.mode luffy: TRL's loss of the micro-batch with its reference rows left out
         (their tokens masked as TRL masks tool output), plus LUFFY's term on them: per token
-        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.references.off_policy_pg`,
+        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.loss.off_policy_pg`,
         unclipped, ``pi`` from the same loss forward), normalised as ``loss_type`` normalises the
         micro-batch (per-row means over the micro-batch's rows for grpo/sapo, rows x
         ``max_completion_length`` for dr_grpo, the generation batch's tokens for dapo/cispo/vespo)
@@ -1052,7 +1057,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
         gamma = self.args.references_config.shaping_gamma
-        per_token = references.off_policy_pg(logps, advantages, gamma) * mask
+        per_token = off_policy_pg(logps, advantages, gamma) * mask
         per_token = per_token[ref]
         train = self.model.training
         accumulation = self.current_gradient_accumulation_steps if train else 1.0
@@ -1070,7 +1075,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             term, accumulation = per_token.sum() / normalizer, 1.0
         if bool(ref.any()):
             with torch.no_grad():
-                shaped = references.shaped_ratio(logps[ref], gamma)
+                shaped = shaped_ratio(logps[ref], gamma)
                 weights = mask[ref]
             self._log_credit(
                 {"references/shaped_ratio": float((shaped * weights).sum() / weights.sum())},
@@ -1080,7 +1085,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
         """This micro-batch's share of ``sft_coef`` times the references' NLL
-        (:func:`rredcot.references.reference_nll`, aggregated over every reference row of the
+        (:meth:`rredcot.references.ReferenceRows.nll`, aggregated over every reference row of the
         generation batch as ``loss_type`` aggregates: :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are
         split over the batch's ``steps_per_generation`` micro-batches, so the shares sum to the
         whole term; scaled by ``steps_per_generation / gradient_accumulation_steps`` as TRL scales
@@ -1090,17 +1095,14 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         share = torch.tensor_split(torch.arange(rows.size), S)[self._step % S]
         nll = torch.zeros((), device=rows.input_ids.device)
         if len(share):
-            mask = rows.response_mask[share]
             logps, _, _ = super()._get_per_token_logps_and_entropies(
-                model, rows.input_ids[share], rows.attention_mask[share], mask.shape[1]
+                model,
+                rows.input_ids[share],
+                rows.attention_mask[share],
+                rows.response_mask.shape[1],
             )
-            nll = references.reference_nll(
-                logps,
-                mask,
-                LOSS_AGG_OF_LOSS_TYPE[self.loss_type],
-                self.max_completion_length,
-                num_rows=rows.size,
-                num_tokens=float(rows.response_mask.sum()),
+            nll = rows.nll(
+                logps, LOSS_AGG_OF_LOSS_TYPE[self.loss_type], self.max_completion_length, share
             )
         term.nll, term.done = term.nll + float(nll.detach()), term.done + 1
         if term.done % S == 0:  # the last share of a pass over the batch

@@ -253,6 +253,42 @@ def build_continuations(
     return out
 
 
+class _PolicyScorer:
+    """Probes -> their per-token log-probs from the policy: one packed forward row per trace
+    (one row per continuation with ``packing="unpacked"``, or after the packed pass failed in
+    ``auto``), counting the forward tokens (``forwarded``)."""
+
+    def __init__(
+        self, policy, batch: RolloutBatch, packing: str, max_batch_tokens: int, logits_mb: int
+    ) -> None:
+        self.policy, self.batch, self.packing = policy, batch, packing
+        self.budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
+        self.use_packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
+        self.forwarded = 0
+
+    def __call__(self, probes: list[Probe]) -> list[Tensor]:
+        logprobs, more = self._score(probes)
+        self.forwarded += more
+        return logprobs
+
+    def _score(self, probes: list[Probe]) -> tuple[list[Tensor], int]:
+        if not probes:
+            return [], 0
+        if self.use_packed:
+            try:
+                return packed_probe_logprobs(self.policy, self.batch, probes, **self.budget)
+            except (RuntimeError, ValueError, TypeError) as err:
+                if self.packing == "packed":
+                    raise
+                warnings.warn(
+                    f"continuation_likelihood: the packed pass failed ({type(err).__name__}: "
+                    f"{err}); falling back to one row per continuation",
+                    stacklevel=3,
+                )
+                self.use_packed = False
+        return unpacked_probe_logprobs(self.policy, self.batch, probes, **self.budget)
+
+
 @torch.no_grad()
 def continuation_values(
     policy,
@@ -281,35 +317,7 @@ def continuation_values(
     cheap = reuse_reference or window > 0 or stop_below > 0.0 or scope != "all"
     if packing not in ("auto", "packed", "unpacked"):
         raise ValueError(f"packing={packing!r}: use auto, packed or unpacked")
-    use_packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
-    budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
-
-    def score(probes: list[Probe]) -> tuple[list[Tensor], int]:
-        nonlocal use_packed
-        if not probes:
-            return [], 0
-        if use_packed:
-            try:
-                return packed_probe_logprobs(policy, batch, probes, **budget)
-            except (RuntimeError, ValueError, TypeError) as err:
-                if packing == "packed":
-                    raise
-                warnings.warn(
-                    f"continuation_likelihood: the packed pass failed ({type(err).__name__}: "
-                    f"{err}); falling back to one row per continuation",
-                    stacklevel=3,
-                )
-                use_packed = False
-        return unpacked_probe_logprobs(policy, batch, probes, **budget)
-
-    forwarded = 0
-
-    def counted(probes: list[Probe]) -> list[Tensor]:
-        nonlocal forwarded
-        logprobs, more = score(probes)
-        forwarded += more
-        return logprobs
-
+    scorer = _PolicyScorer(policy, batch, packing, max_batch_tokens, logits_mb)
     with eval_mode(policy):
         paths = (
             reference_paths(batch, tokenizer, task, segmenter)
@@ -320,15 +328,15 @@ def continuation_values(
         options = {"source": source, "estimator": estimator, "max_continuations": max_continuations}
         if cheap:
             values, mask, stats = cheap_values_from_scorer(
-                batch, paths, counted, window=window, stop_below=stop_below, scope=scope, **options
+                batch, paths, scorer, window=window, stop_below=stop_below, scope=scope, **options
             )
         else:
-            values, mask, stats = values_from_scorer(batch, references, counted, **options)
+            values, mask, stats = values_from_scorer(batch, references, scorer, **options)
     stats.update(
         {
-            "credit/extra_forward_tokens": float(forwarded),
+            "credit/extra_forward_tokens": float(scorer.forwarded),
             "credit/extra_generated_tokens": 0.0,
-            "credit/probe_packed": float(use_packed),
+            "credit/probe_packed": float(scorer.use_packed),
             "credit/reference_groups": float(len(references)),
         }
     )
@@ -404,6 +412,193 @@ def _reference_followed(responses, batch, paths, row: int) -> bool:
     return path is not None and (tuple(responses[row]), list(batch.boundaries[row])) == path
 
 
+@dataclass
+class _SourcePasses:
+    """Cheap scoring's first pass: each group's reference ``paths`` (ids, boundaries), with its
+    per-token log-probs from the prompt (``reference``, by group), and the proposals of the
+    correct samples off the reference (``own``, by row)."""
+
+    paths: dict[int, tuple[tuple[int, ...], list[int]]]
+    reference: dict[int, Tensor]
+    own: dict[int, Tensor]
+
+    def remainders(self) -> dict[int, list[tuple[int, ...]]]:
+        """Per group, the reference's remainder after each of its boundaries."""
+        return {g: [ids[b:] for b in bounds[:-1]] for g, (ids, bounds) in self.paths.items()}
+
+    def of(self, c: Continuation, batch: RolloutBatch) -> tuple[Tensor, list[int]]:
+        """The per-token log-probs of ``c``'s source from its own prefix, and its boundaries."""
+        if c.source < 0:
+            g = int(batch.group_ids[c.row])
+            return self.reference[g], self.paths[g][1]
+        return self.own[c.source], batch.boundaries[c.source]
+
+
+def _rows_in_scope(batch: RolloutBatch, scope: str) -> set[int]:
+    """The rows scored: every row (``all``), or those of groups with no correct sample
+    (``all_wrong``)."""
+    gids = batch.group_ids.tolist()
+    mixed = all_right_or_mixed_groups(batch.rewards, batch.group_ids)
+    return {r for r in range(batch.size) if scope == "all" or gids[r] not in mixed}
+
+
+def _source_passes(
+    batch: RolloutBatch,
+    responses: list[list[int]],
+    paths: dict[int, tuple[tuple[int, ...], list[int]]],
+    score: Callable[[list[Probe]], list[Tensor]],
+    in_scope: set[int],
+    source: str,
+) -> _SourcePasses:
+    """Step 1 of cheap scoring: one pass scores each in-scope group's reference from its
+    prompt, and the proposals of the correct samples that are not the reference."""
+    gids = batch.group_ids.tolist()
+    first_row: dict[int, int] = {}
+    for r in sorted(in_scope):
+        first_row.setdefault(gids[r], r)
+    ref_groups = [g for g in first_row if g in paths]
+    ref_probes = [Probe(first_row[g], 0, 0, paths[g][0]) for g in ref_groups]
+    own_probes = []
+    if source in ("group", "both"):
+        own_probes = [
+            Probe(j, 0, 0, tuple(responses[j]))
+            for j in sorted(in_scope)
+            if float(batch.rewards[j]) >= 1.0
+            and responses[j]
+            and not _reference_followed(responses, batch, paths, j)
+        ]
+    first = score(ref_probes + own_probes) if ref_probes or own_probes else []
+    return _SourcePasses(
+        paths=paths,
+        reference=dict(zip(ref_groups, first[: len(ref_probes)])),
+        own={p.row: lp for p, lp in zip(own_probes, first[len(ref_probes) :])},
+    )
+
+
+def _read_from_reference(
+    batch: RolloutBatch,
+    responses: list[list[int]],
+    conts: list[Continuation],
+    passes: _SourcePasses,
+) -> tuple[list[float | None], int]:
+    """Each continuation's log-prob where it needs no probe: known already, or a reference
+    remainder after a prefix that is the reference's own (read from its pass: exact). Returns
+    the log-probs (None: to probe) and how many were read from the reference."""
+    logp: list[float | None] = [c.known_logp for c in conts]
+    from_reference = 0
+    for i, c in enumerate(conts):
+        if logp[i] is None and c.source < 0:
+            g = int(batch.group_ids[c.row])
+            ids, bounds = passes.paths[g]
+            if tuple(responses[c.row][: batch.boundaries[c.row][c.k]]) == ids[: bounds[c.k]]:
+                logp[i] = float(passes.reference[g][bounds[c.k] :].sum())
+                from_reference += 1
+    return logp, from_reference
+
+
+def _probe_heads(
+    batch: RolloutBatch,
+    conts: list[Continuation],
+    logp: list[float | None],
+    passes: _SourcePasses,
+    window: int,
+) -> dict[int, tuple[int, float]]:
+    """Step 2 of cheap scoring, for each continuation still to probe: ``(tokens probed,
+    log-prob of the rest)``. With ``window > 0`` the probe covers the first ``window``
+    segments and the rest is read from the source's own pass; else the whole continuation."""
+    heads: dict[int, tuple[int, float]] = {}
+    for i, c in enumerate(conts):
+        if logp[i] is not None:
+            continue
+        head, tail = len(c.ids), 0.0
+        if window:
+            lps, bounds = passes.of(c, batch)
+            if c.k + window < len(bounds) - 1:
+                head = bounds[c.k + window] - bounds[c.k]
+                tail = float(lps[bounds[c.k] + head :].sum())
+        heads[i] = (head, tail)
+    return heads
+
+
+def _probe_continuations(
+    batch: RolloutBatch,
+    conts: list[Continuation],
+    heads: dict[int, tuple[int, float]],
+    logp: list[float | None],
+    score: Callable[[list[Probe]], list[Tensor]],
+    stop_below: float,
+) -> tuple[list[Probe], dict[int, tuple[int, float]]]:
+    """Step 3 of cheap scoring: probe the ``heads`` and fill ``logp`` in place. With
+    ``stop_below > 0`` each trace's first probed boundary goes first, and a trace whose value
+    there is below ``stop_below`` is not probed further. Returns the probes run and the stopped
+    traces, ``{row: (boundary, its value)}``."""
+    probes_run: list[Probe] = []
+
+    def probe(indices: list[int]) -> None:
+        probes = [
+            Probe(
+                conts[i].row,
+                conts[i].k,
+                batch.boundaries[conts[i].row][conts[i].k],
+                conts[i].ids[: heads[i][0]],
+            )
+            for i in indices
+        ]
+        for i, lp in zip(indices, score(probes) if probes else []):
+            logp[i] = float(lp.sum()) + heads[i][1]
+        probes_run.extend(probes)
+
+    stopped: dict[int, tuple[int, float]] = {}
+    if stop_below > 0.0:
+        by_row: dict[int, list[int]] = {}
+        for i in heads:
+            by_row.setdefault(conts[i].row, []).append(i)
+        firsts = {row: min(conts[i].k for i in idx) for row, idx in by_row.items()}
+        probe([i for row, idx in by_row.items() for i in idx if conts[i].k == firsts[row]])
+        for row, k in firsts.items():
+            at = [i for i, c in enumerate(conts) if c.row == row and c.k == k]
+            v = sum(math.exp(min(0.0, conts[i].log_weight + logp[i])) for i in at)
+            if v < stop_below:
+                stopped[row] = (k, min(v, 1.0))
+    probe([i for i in heads if logp[i] is None and conts[i].row not in stopped])
+    return probes_run, stopped
+
+
+def _cheap_values(
+    batch: RolloutBatch,
+    conts: list[Continuation],
+    logp: list[float],
+    stopped: dict[int, tuple[int, float]],
+    in_scope: set[int],
+    clip: bool,
+) -> tuple[Tensor, Tensor]:
+    """The estimate from the continuations' log-probs: a stopped trace's later boundaries take
+    its stop value, rows out of scope their group's mean reward, and ``values[b, n_b] = R_b``.
+    Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool)``."""
+    n = batch.num_segments.cpu()
+    S = int(n.max()) if len(n) else 0
+    extra = [(row, k2) for row, (k, _) in stopped.items() for k2 in range(k + 1, int(n[row]))]
+    slots = torch.tensor(
+        [c.row * (S + 1) + c.k for c in conts] + [row * (S + 1) + k2 for row, k2 in extra],
+        dtype=torch.long,
+    )
+    log_terms = torch.tensor(
+        logp + [math.log(max(stopped[row][1], 1e-300)) for row, _ in extra], dtype=torch.float64
+    )
+    log_weights = torch.tensor(
+        [c.log_weight for c in conts] + [0.0] * len(extra), dtype=torch.float64
+    )
+    flat = estimate_from_logprobs(log_terms, log_weights, slots, batch.size * (S + 1), clip)
+    values = flat.view(batch.size, S + 1).clone()
+    outside = [r for r in range(batch.size) if r not in in_scope]
+    if outside:
+        mean, _ = group_mean_std(batch.rewards.detach().float().cpu(), batch.group_ids.cpu())
+        values[outside] = mean[outside].unsqueeze(1).expand(-1, S + 1)
+    values[torch.arange(batch.size), n] = batch.rewards.detach().float().cpu()
+    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    return values, mask
+
+
 def cheap_values_from_scorer(
     batch: RolloutBatch,
     paths: dict[int, tuple[tuple[int, ...], list[int]]],
@@ -437,119 +632,26 @@ def cheap_values_from_scorer(
     if window < 0 or not 0.0 <= stop_below < 1.0:
         raise ValueError(f"window={window} must be >= 0 and stop_below={stop_below} in [0, 1)")
     responses = _response_tokens(batch)
-    gids = batch.group_ids.tolist()
-    mixed = all_right_or_mixed_groups(batch.rewards, batch.group_ids)
-    in_scope = {r for r in range(batch.size) if scope == "all" or gids[r] not in mixed}
-    use_reference = source in ("reference", "both")
-    paths = {g: p for g, p in paths.items() if use_reference}
-    first_row: dict[int, int] = {}
-    for r in sorted(in_scope):
-        first_row.setdefault(gids[r], r)
-    ref_groups = [g for g in first_row if g in paths]
-    ref_probes = [Probe(first_row[g], 0, 0, paths[g][0]) for g in ref_groups]
-    own_probes = []
-    if source in ("group", "both"):
-        own_probes = [
-            Probe(j, 0, 0, tuple(responses[j]))
-            for j in sorted(in_scope)
-            if float(batch.rewards[j]) >= 1.0
-            and responses[j]
-            and not _reference_followed(responses, batch, paths, j)
-        ]
-    first = score(ref_probes + own_probes) if ref_probes or own_probes else []
-    ref_logprobs = dict(zip(ref_groups, first[: len(ref_probes)]))
-    own_logprobs = {p.row: lp for p, lp in zip(own_probes, first[len(ref_probes) :])}
-    refs = {g: [ids[b:] for b in bounds[:-1]] for g, (ids, bounds) in paths.items()}
+    in_scope = _rows_in_scope(batch, scope)
+    paths = dict(paths) if source in ("reference", "both") else {}
+    passes = _source_passes(batch, responses, paths, score, in_scope, source)
     conts = build_continuations(
         batch,
-        refs,
-        own_logprobs,
+        passes.remainders(),
+        passes.own,
         source=source,
         estimator=estimator,
         max_continuations=max_continuations,
         rows=in_scope,
     )
-
-    def source_pass(c: Continuation) -> tuple[Tensor, list[int]]:
-        """The source's per-token log-probs from its own prefix, and its boundaries."""
-        if c.source < 0:
-            g = gids[c.row]
-            return ref_logprobs[g], paths[g][1]
-        return own_logprobs[c.source], batch.boundaries[c.source]
-
-    logp: list[float | None] = [c.known_logp for c in conts]
-    from_reference = 0
-    for i, c in enumerate(conts):
-        if logp[i] is None and c.source < 0:
-            ids, bounds = paths[gids[c.row]]
-            if tuple(responses[c.row][: batch.boundaries[c.row][c.k]]) == ids[: bounds[c.k]]:
-                logp[i] = float(ref_logprobs[gids[c.row]][bounds[c.k] :].sum())
-                from_reference += 1
-    heads: dict[int, tuple[int, float]] = {}  # cont -> (tokens probed, log-prob of the rest)
-    for i, c in enumerate(conts):
-        if logp[i] is not None:
-            continue
-        head, tail = len(c.ids), 0.0
-        if window:
-            lps, bounds = source_pass(c)
-            if c.k + window < len(bounds) - 1:
-                head = bounds[c.k + window] - bounds[c.k]
-                tail = float(lps[bounds[c.k] + head :].sum())
-        heads[i] = (head, tail)
-    by_row: dict[int, list[int]] = {}
-    for i in heads:
-        by_row.setdefault(conts[i].row, []).append(i)
-    probes_run: list[Probe] = []
-
-    def probe(indices: list[int]) -> None:
-        probes = [
-            Probe(
-                conts[i].row,
-                conts[i].k,
-                batch.boundaries[conts[i].row][conts[i].k],
-                conts[i].ids[: heads[i][0]],
-            )
-            for i in indices
-        ]
-        for i, lp in zip(indices, score(probes) if probes else []):
-            logp[i] = float(lp.sum()) + heads[i][1]
-        probes_run.extend(probes)
-
-    stopped: dict[int, tuple[int, float]] = {}  # row -> (boundary, its value)
-    if stop_below > 0.0:
-        firsts = {row: min(conts[i].k for i in idx) for row, idx in by_row.items()}
-        probe([i for row, idx in by_row.items() for i in idx if conts[i].k == firsts[row]])
-        for row, k in firsts.items():
-            at = [i for i, c in enumerate(conts) if c.row == row and c.k == k]
-            v = sum(math.exp(min(0.0, conts[i].log_weight + logp[i])) for i in at)
-            if v < stop_below:
-                stopped[row] = (k, min(v, 1.0))
-    later = [i for i in heads if logp[i] is None and conts[i].row not in stopped]
-    probe(later)
+    logp, from_reference = _read_from_reference(batch, responses, conts, passes)
+    heads = _probe_heads(batch, conts, logp, passes, window)
+    probes_run, stopped = _probe_continuations(batch, conts, heads, logp, score, stop_below)
     skipped = [i for i in heads if logp[i] is None]
     for i in skipped:
         logp[i] = -math.inf  # a stopped trace's later continuations: its stop value instead
-    n = batch.num_segments.cpu()
-    S = int(n.max()) if len(n) else 0
-    extra = [(row, k2) for row, (k, _) in stopped.items() for k2 in range(k + 1, int(n[row]))]
-    slots = torch.tensor(
-        [c.row * (S + 1) + c.k for c in conts] + [row * (S + 1) + k2 for row, k2 in extra],
-        dtype=torch.long,
-    )
-    log_terms = torch.tensor(
-        logp + [math.log(max(stopped[row][1], 1e-300)) for row, _ in extra], dtype=torch.float64
-    )
-    log_weights = torch.tensor(
-        [c.log_weight for c in conts] + [0.0] * len(extra), dtype=torch.float64
-    )
-    flat = estimate_from_logprobs(log_terms, log_weights, slots, batch.size * (S + 1), clip)
-    values = flat.view(batch.size, S + 1).clone()
-    outside = [r for r in range(batch.size) if r not in in_scope]
-    if outside:
-        mean, _ = group_mean_std(batch.rewards.detach().float().cpu(), batch.group_ids.cpu())
-        values[outside] = mean[outside].unsqueeze(1).expand(-1, S + 1)
-    values[torch.arange(batch.size), n] = batch.rewards.detach().float().cpu()
-    mask = torch.arange(S + 1).unsqueeze(0) <= n.unsqueeze(1)
+    values, mask = _cheap_values(batch, conts, logp, stopped, in_scope, clip)
+    n = batch.num_segments
     stats = {
         "credit/continuations": float(len(conts)),
         "credit/continuations_probed": float(len(probes_run)),
