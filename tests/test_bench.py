@@ -566,8 +566,10 @@ def test_a_compute_budget_stops_the_run_at_the_step_that_reaches_it(init_dir, tm
     from conftest import micro_config
     from rredcot.trainer import Trainer, step_compute
 
-    # the weights: a sampled token 1 forward, a scoring pass 1 more, training 3 per epoch
-    assert step_compute(10, 4, 1, 2, 5, 1, 3) == 10 * (1 + 1 + 6) + 5 + 2 + 3
+    # the weights: a sampled token 1 forward, a scored one 1 per pass, a trained one 3 (forward
+    # and backward), the credit's forwards 1, backwards 2, generated 1: 10 sampled tokens, 12
+    # scored twice (2 of them a luffy reference's, never sampled), 20 trained
+    assert step_compute(10, 4, 2, 12, 20, 5, 1, 3) == 10 + 2 * 12 + 3 * 20 + 5 + 2 * 1 + 3
     free = micro_config(init_dir, tmp_path / "free", steps=4)
     Trainer(free, **QUIET).train()
     steps = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]

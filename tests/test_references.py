@@ -289,6 +289,23 @@ def test_sft_charges_the_reference_tokens_to_the_budget(init_dir, tmp_path):
     trainer.release()
 
 
+def test_sft_bills_the_reference_rows_forward_and_backward(init_dir, tmp_path):
+    """compute/step of an sft step: the same step without references plus 3 for each real
+    token (prompt + reference) of the reference rows, forwarded and back-propagated once."""
+    compute = {}
+    for mode in ("off", "sft"):
+        cfg = micro_config(init_dir, tmp_path / mode, steps=1)
+        cfg.references.mode = mode
+        cfg.references.groups = "all"
+        trainer = Trainer(cfg, log=lambda *_: None)
+        trainer.step = 1
+        compute[mode] = trainer.train_step(1)["compute/step"]
+        refs = trainer._sft_rows
+        trainer.release()
+    assert refs.size == 2
+    assert compute["sft"] == pytest.approx(compute["off"] + 3 * float(refs.attention_mask.sum()))
+
+
 def test_a_run_records_its_references_section(init_dir, tmp_path):
     run = tmp_path / "run"
     cfg = micro_config(init_dir, run, steps=1)
@@ -372,8 +389,10 @@ def test_references_off_leaves_a_run_as_before(init_dir, tmp_path, monkeypatch):
                 assert now[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
             else:
                 assert now[key] == value, key
-        # keys logged since the fixture was made: the equal-time and compute budgets (issue 41)
-        assert set(now) - set(then) <= {"compute/step", "compute/used", "train_seconds"}, now
+        # keys logged since the fixture was made: the equal-time and compute budgets (issue 41),
+        # the share of tokens the loss forwarded (issue 49)
+        added = {"compute/step", "compute/used", "train_seconds", "update/tokens_forwarded"}
+        assert set(now) - set(then) <= added, now
 
 
 def test_a_learn_bench_variant_sets_the_references(tmp_path):
