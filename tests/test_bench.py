@@ -584,8 +584,11 @@ def test_per_second_scores_of_hand_made_curves():
     # the reference ends at 10 s; the method is evaluated at 0, 4, 12 s
     ref = {"seconds": [0.0, 5.0, 10.0], "accuracy": [0.5, 0.6, 0.7]}
     method = {"seconds": [0.0, 4.0, 12.0], "accuracy": [0.5, 0.8, 0.9]}
-    assert accuracy_at_second(method, 10.0) == 0.8  # its last evaluation at or before 10 s
-    assert accuracy_at_second(method, 3.9) == 0.5 and accuracy_at_second(method, 12.0) == 0.9
+    # read linearly between the evaluations that bracket the second: 10 s is 6/8 of [4, 12]
+    assert accuracy_at_second(method, 10.0) == pytest.approx(0.8 + 0.1 * 6 / 8)
+    assert accuracy_at_second(method, 2.0) == pytest.approx(0.65)
+    assert accuracy_at_second(method, 4.0) == 0.8 and accuracy_at_second(method, 12.0) == 0.9
+    assert accuracy_at_second(method, 0.0) == 0.5
     # area: 0.5 over [0, 4] and 0.8 over [4, 10], divided by 10
     assert time_averaged_accuracy(method, 10.0) == pytest.approx((0.5 * 4 + 0.8 * 6) / 10)
     assert time_averaged_accuracy(ref, 10.0) == pytest.approx((0.5 * 5 + 0.6 * 5) / 10)
