@@ -483,8 +483,8 @@ class Trainer:
     ) -> torch.Tensor:
         """``(len(rows),)``: how many response columns of each row the loss forward needs. All
         of them, unless ``skip_zero_advantage_rows`` holds and no KL term is formed; then a row
-        is forwarded up to its last token with a non-zero advantage, and a row with none
-        (0) is left out. Past that token the PG term is zero in both branches (``ratio * 0``;
+        is forwarded up to its last token with a non-zero advantage, and a row with none gets
+        0 (left out). Past that token the PG term is zero in both branches (``ratio * 0``;
         LUFFY's shaped term ``-0 * f``), and a causal model's earlier tokens never read the
         later ones, so the cut adds nothing to the loss or any gradient under every
         aggregation (their normalisers are the whole rows', passed on their own). Several
