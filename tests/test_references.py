@@ -203,6 +203,23 @@ def test_luffy_run_trains_the_reference_and_charges_it(init_dir, tmp_path):
     assert undocumented(set(record)) == []
 
 
+def test_luffy_bills_its_reference_rows_as_trained_not_sampled(init_dir, tmp_path):
+    """compute/step: the sampled rows' tokens once (sampling), every row's 3 (forward and
+    backward: nothing skipped here), the given references never as sampled."""
+    cfg = micro_config(init_dir, tmp_path / "run", steps=1, skip_zero_advantage_rows=False)
+    cfg.references.mode = "luffy"
+    trainer = Trainer(cfg, log=lambda *_: None)
+    seen = []
+    with_references = trainer._with_references
+    trainer._with_references = lambda *args: seen.append(with_references(*args)) or seen[-1]
+    record, _ = train_step_with_grads(trainer, 1)
+    trainer.release()
+    batch = seen[0]
+    sampled = float(batch.attention_mask[~batch.off_policy].sum())
+    assert int(batch.off_policy.sum()) == 2 and record["forward/scoring_pass"] == 0.0
+    assert record["compute/step"] == pytest.approx(sampled + 3 * float(batch.attention_mask.sum()))
+
+
 def test_luffy_step_where_no_group_takes_a_reference_trains_as_grpo(
     init_dir, tmp_path, monkeypatch
 ):
