@@ -4,6 +4,8 @@
 # variant specs are gather_lr.py's SPECS.
 #   [INIT=DIR] [TASK=default] [EVAL_SIZE=N] learn_at_lr.sh ROOT BUDGET EVAL_EVERY STEPS_MAX SEED:LR:VARIANT ...
 # TASK=default: the default task instead (4-step arithmetic from its shipped warm-start).
+# Per-second figures read a run between the two evaluations around the reference's last second
+# (bench/learn.py accuracy_at_second): on runs of ~15 steps EVAL_EVERY 2 keeps them close.
 # The runs of arith12_low16_tuning and arith12_low27_tuning: ROOT 170000 4 40;
 # arith12_low27_500k_tuning and arith12_low27_500k_report: ROOT 500000 5 80 (all four made when
 # the low preset was an accuracy band; it is now the shipped 450-step build); the build screen

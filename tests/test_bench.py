@@ -566,8 +566,10 @@ def test_a_compute_budget_stops_the_run_at_the_step_that_reaches_it(init_dir, tm
     from conftest import micro_config
     from rredcot.trainer import Trainer, step_compute
 
-    # the weights: a sampled token 1 forward, a scoring pass 1 more, training 3 per epoch
-    assert step_compute(10, 4, 1, 2, 5, 1, 3) == 10 * (1 + 1 + 6) + 5 + 2 + 3
+    # the weights: a sampled token 1 forward, a scored one 1 per pass, a trained one 3 (forward
+    # and backward), the credit's forwards 1, backwards 2, generated 1: 10 sampled tokens, 12
+    # scored twice (2 of them a luffy reference's, never sampled), 20 trained
+    assert step_compute(10, 4, 2, 12, 20, 5, 1, 3) == 10 + 2 * 12 + 3 * 20 + 5 + 2 * 1 + 3
     free = micro_config(init_dir, tmp_path / "free", steps=4)
     Trainer(free, **QUIET).train()
     steps = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
@@ -582,8 +584,11 @@ def test_per_second_scores_of_hand_made_curves():
     # the reference ends at 10 s; the method is evaluated at 0, 4, 12 s
     ref = {"seconds": [0.0, 5.0, 10.0], "accuracy": [0.5, 0.6, 0.7]}
     method = {"seconds": [0.0, 4.0, 12.0], "accuracy": [0.5, 0.8, 0.9]}
-    assert accuracy_at_second(method, 10.0) == 0.8  # its last evaluation at or before 10 s
-    assert accuracy_at_second(method, 3.9) == 0.5 and accuracy_at_second(method, 12.0) == 0.9
+    # read linearly between the evaluations that bracket the second: 10 s is 6/8 of [4, 12]
+    assert accuracy_at_second(method, 10.0) == pytest.approx(0.8 + 0.1 * 6 / 8)
+    assert accuracy_at_second(method, 2.0) == pytest.approx(0.65)
+    assert accuracy_at_second(method, 4.0) == 0.8 and accuracy_at_second(method, 12.0) == 0.9
+    assert accuracy_at_second(method, 0.0) == 0.5
     # area: 0.5 over [0, 4] and 0.8 over [4, 10], divided by 10
     assert time_averaged_accuracy(method, 10.0) == pytest.approx((0.5 * 4 + 0.8 * 6) / 10)
     assert time_averaged_accuracy(ref, 10.0) == pytest.approx((0.5 * 5 + 0.6 * 5) / 10)

@@ -389,3 +389,95 @@ def test_a_batch_with_no_gradient_still_takes_the_optimiser_step(init_dir, tmp_p
         assert not all(torch.equal(a, b) for a, b in zip(before, weights[skip]))  # momentum moved
     for a, b in zip(weights[True], weights[False]):
         assert torch.allclose(a, b, atol=1e-7)
+
+
+def _credit_ending_early(trainer) -> None:
+    """Hand-built credit: row i credited (alternating signs) on its first 2 + 2i response
+    tokens, every third row (i % 3 == 1) on none."""
+    credit_output = trainer.method.credit_output
+
+    def ends_early(*args):
+        out = credit_output(*args)
+        mask = args[-1].to(out.advantages.dtype)
+        B, T = mask.shape
+        column = torch.arange(T, dtype=mask.dtype)
+        ends = torch.tensor([0 if i % 3 == 1 else 2 + 2 * i for i in range(B)])
+        sign = torch.tensor([(-1.0) ** i for i in range(B)])
+        adv = sign[:, None] * (1 + 0.1 * column) * (column < ends[:, None]) * mask
+        return dataclasses.replace(out, advantages=adv.to(out.advantages.dtype))
+
+    trainer.method.credit_output = ends_early
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "dr_grpo"])
+@pytest.mark.parametrize("layout", ["one_forward", "micro_batches", "epochs_minibatches"])
+def test_rows_cut_after_their_last_credited_token_give_the_full_update(
+    init_dir, tmp_path, loss_agg, layout
+):
+    """Tokens after a row's last non-zero advantage add nothing to the loss or its gradient:
+    cutting them from the loss forward (and the rows with none) gives the full update's
+    gradient, with each aggregation's normaliser of the whole rows."""
+    from conftest import micro_config
+
+    grads, records = {}, {}
+    for skip in (True, False):
+        cfg = micro_config(init_dir, tmp_path / f"run{skip}", steps=1, loss_agg=loss_agg)
+        cfg.skip_zero_advantage_rows = skip
+        cfg.max_grad_norm = 0.0
+        if layout == "micro_batches":
+            cfg.micro_batch_tokens = 64
+        if layout == "epochs_minibatches":
+            cfg.epochs_per_batch, cfg.minibatches = 2, 2
+        trainer = Trainer(cfg, log=lambda *_: None)
+        _credit_ending_early(trainer)
+        records[skip], grads[skip] = train_step_with_grads(trainer)
+        trainer.release()
+    assert records[True]["update/tokens_forwarded"] < records[True]["update/rows_forwarded"] < 1
+    assert records[False]["update/tokens_forwarded"] == 1.0
+    assert records[True]["policy_loss"] == pytest.approx(records[False]["policy_loss"], abs=1e-6)
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().max() > 0 for g in grads[True])
+
+
+def test_with_a_kl_term_no_row_is_cut(init_dir, tmp_path):
+    """The KL term reads every token: nothing is cut or left out."""
+    from conftest import micro_config
+
+    cfg = micro_config(init_dir, tmp_path / "run", steps=1, kl_coef=0.05)
+    trainer = Trainer(cfg, log=lambda *_: None)
+    _credit_ending_early(trainer)
+    record, _ = train_step_with_grads(trainer)
+    trainer.release()
+    assert record["update/rows_forwarded"] == 1.0
+    assert record["update/tokens_forwarded"] == 1.0
+
+
+def test_a_step_bills_the_rows_and_tokens_it_trains_on(init_dir, tmp_path):
+    """compute/step: every sampled token once (no scoring pass: uniform credit, one pass), and
+    3 for each real token forwarded with grad: row i's prompt and its first 2 + 2i response
+    tokens (one row per micro-batch), nothing for the rows with no credit."""
+    from conftest import micro_config
+
+    cfg = micro_config(init_dir, tmp_path / "run", steps=1, micro_batch_tokens=1)
+    trainer = Trainer(cfg, log=lambda *_: None)
+    _credit_ending_early(trainer)
+    seen = []
+    with_references = trainer._with_references
+
+    def keep(batch, stats):
+        seen.append(with_references(batch, stats))
+        return seen[-1]
+
+    trainer._with_references = keep
+    record, _ = train_step_with_grads(trainer)
+    trainer.release()
+    batch = seen[0]
+    P, lengths = batch.prompt_len, batch.response_mask.sum(1)
+    trained = sum(
+        float(batch.attention_mask[i, :P].sum()) + min(2 + 2 * i, int(lengths[i]))
+        for i in range(batch.size)
+        if i % 3 != 1
+    )
+    assert record["forward/scoring_pass"] == 0.0
+    assert record["compute/step"] == pytest.approx(float(batch.attention_mask.sum()) + 3 * trained)

@@ -62,6 +62,23 @@ def test_micro_batches_split_by_tokens_and_keep_at_least_one_row():
     assert [len(m) for m in micro_batches(rows, 10, 5)] == [1] * 7  # a row over the budget
 
 
+def test_rows_cut_to_different_lengths_pack_by_their_longest_row():
+    rows = torch.arange(10, 17)
+    # budget 30, in order: [10, 4, 4] takes 3 x 10 = 30; [4, 4] and 12 would take 3 x 12 = 36;
+    # [12, 4] takes 2 x 12 = 24
+    lengths = torch.tensor([10, 4, 4, 4, 4, 12, 4])
+    assert [m.tolist() for m in micro_batches(rows, lengths, 30)] == [
+        [10, 11, 12],
+        [13, 14],
+        [15, 16],
+    ]
+    same = torch.full((7,), 10)  # equal lengths: as with one length for all
+    assert [m.tolist() for m in micro_batches(rows, same, 30)] == [
+        m.tolist() for m in micro_batches(rows, 10, 30)
+    ]
+    assert [len(m) for m in micro_batches(rows, lengths, 5)] == [1] * 7
+
+
 def test_auto_micro_batch_tokens_rule():
     smollm2 = ModelShape(
         vocab=49152, hidden=576, layers=30, kv_width=192, parameters=1, trainable=1, param_bytes=4

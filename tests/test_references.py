@@ -203,6 +203,23 @@ def test_luffy_run_trains_the_reference_and_charges_it(init_dir, tmp_path):
     assert undocumented(set(record)) == []
 
 
+def test_luffy_bills_its_reference_rows_as_trained_not_sampled(init_dir, tmp_path):
+    """compute/step: the sampled rows' tokens once (sampling), every row's 3 (forward and
+    backward: nothing skipped here), the given references never as sampled."""
+    cfg = micro_config(init_dir, tmp_path / "run", steps=1, skip_zero_advantage_rows=False)
+    cfg.references.mode = "luffy"
+    trainer = Trainer(cfg, log=lambda *_: None)
+    seen = []
+    with_references = trainer._with_references
+    trainer._with_references = lambda *args: seen.append(with_references(*args)) or seen[-1]
+    record, _ = train_step_with_grads(trainer, 1)
+    trainer.release()
+    batch = seen[0]
+    sampled = float(batch.attention_mask[~batch.off_policy].sum())
+    assert int(batch.off_policy.sum()) == 2 and record["forward/scoring_pass"] == 0.0
+    assert record["compute/step"] == pytest.approx(sampled + 3 * float(batch.attention_mask.sum()))
+
+
 def test_luffy_step_where_no_group_takes_a_reference_trains_as_grpo(
     init_dir, tmp_path, monkeypatch
 ):
@@ -289,6 +306,23 @@ def test_sft_charges_the_reference_tokens_to_the_budget(init_dir, tmp_path):
     trainer.release()
 
 
+def test_sft_bills_the_reference_rows_forward_and_backward(init_dir, tmp_path):
+    """compute/step of an sft step: the same step without references plus 3 for each real
+    token (prompt + reference) of the reference rows, forwarded and back-propagated once."""
+    compute = {}
+    for mode in ("off", "sft"):
+        cfg = micro_config(init_dir, tmp_path / mode, steps=1)
+        cfg.references.mode = mode
+        cfg.references.groups = "all"
+        trainer = Trainer(cfg, log=lambda *_: None)
+        trainer.step = 1
+        compute[mode] = trainer.train_step(1)["compute/step"]
+        refs = trainer._sft_rows
+        trainer.release()
+    assert refs.size == 2
+    assert compute["sft"] == pytest.approx(compute["off"] + 3 * float(refs.attention_mask.sum()))
+
+
 def test_a_run_records_its_references_section(init_dir, tmp_path):
     run = tmp_path / "run"
     cfg = micro_config(init_dir, run, steps=1)
@@ -372,8 +406,10 @@ def test_references_off_leaves_a_run_as_before(init_dir, tmp_path, monkeypatch):
                 assert now[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
             else:
                 assert now[key] == value, key
-        # keys logged since the fixture was made: the equal-time and compute budgets (issue 41)
-        assert set(now) - set(then) <= {"compute/step", "compute/used", "train_seconds"}, now
+        # keys logged since the fixture was made: the equal-time and compute budgets (issue 41),
+        # the share of tokens the loss forwarded (issue 49)
+        added = {"compute/step", "compute/used", "train_seconds", "update/tokens_forwarded"}
+        assert set(now) - set(then) <= added, now
 
 
 def test_a_learn_bench_variant_sets_the_references(tmp_path):

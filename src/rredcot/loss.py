@@ -72,18 +72,22 @@ def aggregate(
     num_rows: int,
     num_tokens: float,
     max_len: int,
+    row_tokens: Tensor | None = None,
 ) -> Tensor:
     """Reduce a ``(b, T)`` per-token loss to a scalar.
 
     ``num_rows`` / ``num_tokens`` are the rows and valid tokens of the whole minibatch, so that
     micro-batches accumulate to the minibatch's aggregate; ``max_len`` is Dr. GRPO's constant
-    ``T_max``.
+    ``T_max``; ``row_tokens`` ``(b,)``: each row's response tokens where the per-token loss
+    covers only its first columns (rows cut after their last credited token), so that
+    ``seq_mean`` divides by the whole row's length (default: counted from ``response_mask``).
     """
     masked = per_token * response_mask
     if loss_agg == "token_mean":
         return masked.sum() / max(num_tokens, 1.0)
     if loss_agg == "seq_mean":
-        lengths = response_mask.sum(-1).clamp_min(1.0)
+        lengths = response_mask.sum(-1) if row_tokens is None else row_tokens
+        lengths = lengths.to(masked.dtype).clamp_min(1.0)
         return (masked.sum(-1) / lengths).sum() / max(num_rows, 1)
     if loss_agg == "dr_grpo":
         return masked.sum() / (max(num_rows, 1) * max_len)
@@ -106,12 +110,13 @@ def policy_loss(
     kl_coef: float = 0.0,
     off_policy: Tensor | None = None,
     off_policy_gamma: float = 0.1,
+    row_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with an optional k3 KL penalty, aggregated by ``loss_agg``.
 
     Args:
         logprobs, old_logprobs, advantages, response_mask: ``(b, T)`` for a micro-batch.
-        num_rows, num_tokens, max_len: see :func:`aggregate`.
+        num_rows, num_tokens, max_len, row_tokens: see :func:`aggregate`.
         off_policy: ``(b,)`` bool, rows that are reference samples (``references.mode luffy``):
             their PG term is LUFFY's shaped, unclipped one
             (:func:`off_policy_pg`, ``off_policy_gamma``), not the clipped
@@ -140,6 +145,7 @@ def policy_loss(
         num_rows=num_rows,
         num_tokens=num_tokens,
         max_len=max_len,
+        row_tokens=row_tokens,
     )
     with torch.no_grad():
         n = response_mask.sum().clamp_min(1.0)

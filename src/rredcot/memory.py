@@ -129,13 +129,33 @@ def resolve_micro_batch_tokens(requested: int, policy, device, log=print) -> int
     return requested
 
 
-def micro_batches(rows: torch.Tensor, row_tokens: int, budget: int) -> list[torch.Tensor]:
+def micro_batches(
+    rows: torch.Tensor, row_tokens: int | torch.Tensor, budget: int
+) -> list[torch.Tensor]:
     """``rows`` (indices, in order) split into consecutive micro-batches of at most ``budget``
-    tokens, each row ``row_tokens`` long; at least one row each. One micro-batch when it fits."""
+    tokens, each row ``row_tokens`` long; at least one row each. One micro-batch when it fits.
+    With ``row_tokens`` per row (a tensor, rows cut to different lengths) a micro-batch is
+    padded to its longest row: rows join it while ``rows x longest`` fits."""
+    if isinstance(row_tokens, torch.Tensor):
+        return _packed_micro_batches(rows, row_tokens.tolist(), budget)
     per = max(1, budget // max(row_tokens, 1))
     if len(rows) <= per:
         return [rows]
     return list(rows.split(per))
+
+
+def _packed_micro_batches(rows: torch.Tensor, lengths: list[int], budget: int):
+    """:func:`micro_batches` of rows of different ``lengths``: consecutive, greedy."""
+    out, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        wider = max(longest, length)
+        if i > start and (i + 1 - start) * wider > budget:
+            out.append(rows[start:i])
+            start, wider = i, length
+        longest = wider
+    if len(rows):
+        out.append(rows[start:])
+    return out or [rows]
 
 
 def generation_row_bytes(shape: ModelShape, length: int) -> int:

@@ -114,6 +114,7 @@ class Trainer:
         self.train_seconds = 0.0  # the steps' step_seconds summed (max_train_seconds)
         self.compute_used = 0.0  # forward-token equivalents (max_compute; step_compute)
         self.reference_tokens_trained = 0  # also charged in extra_tokens_generated
+        self._trained_tokens = 0.0  # this step's, forwarded with grad: policy rows, sft rows
         self._sft_rows: references.ReferenceRows | None = None  # this step's, references.mode sft
         self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
         if cfg.references.mode != "off" and self.world > 1:
@@ -215,6 +216,7 @@ class Trainer:
         """One RL step, top to bottom: rollout -> forward -> credit -> loss and update -> the
         credit method's own update -> the step's record."""
         clock = _StepClock()
+        self._trained_tokens = 0.0
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
         batch, stats = self.rollout(problems, forward=False)  # sample, verify, segment
@@ -257,10 +259,11 @@ class Trainer:
             credit_out.advantages.detach(), batch, self.cfg.sampling.tree.shared_token_weight
         )
         if one_graph and loss_forward is None:
-            rows = self._rows_with_gradient(
-                batch, torch.arange(batch.size), advantages, ref_logprobs
+            rows = torch.arange(batch.size)
+            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
+            batch, loss_forward = self._loss_forward(
+                batch, rows[columns > 0], int(columns.max()) if len(rows) else 0
             )
-            batch, loss_forward = self._loss_forward(batch, rows)
         update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
         clock.lap("update")
 
@@ -381,6 +384,7 @@ class Trainer:
             temperature=cfg.sampling.temperature,
             shared_prompt=cfg.shared_prompt_forward,
         )
+        self._trained_tokens += float(refs.attention_mask.sum())
         nll = refs.nll(fwd.logprobs, cfg.loss_agg, cfg.sampling.max_new_tokens)
         self.accelerator.backward(cfg.references.sft_coef * nll)
         return {"references/sft_nll": float(nll.detach())}
@@ -414,11 +418,16 @@ class Trainer:
             shared_prompt=self.cfg.shared_prompt_forward,
         ).logprobs
 
-    def _micro_batches(self, batch: RolloutBatch, rows: torch.Tensor | None = None):
+    def _micro_batches(
+        self, batch: RolloutBatch, rows: torch.Tensor | None = None, columns=None
+    ) -> list[torch.Tensor]:
         """``rows`` (default: all) in consecutive micro-batches of at most
-        ``micro_batch_tokens`` tokens (``rredcot.memory.micro_batches``)."""
+        ``micro_batch_tokens`` tokens (``rredcot.memory.micro_batches``); ``columns``
+        ``(len(rows),)``: the response columns each row is forwarded with (default: all)."""
         rows = torch.arange(batch.size) if rows is None else rows
-        return micro_batches(rows, batch.input_ids.shape[1], self.micro_batch_tokens)
+        if columns is None:
+            return micro_batches(rows, batch.input_ids.shape[1], self.micro_batch_tokens)
+        return micro_batches(rows, batch.prompt_len + columns, self.micro_batch_tokens)
 
     def single_pass(self) -> bool:
         """Whether the loss forward is the step's only policy forward: an on-policy update (one
@@ -433,21 +442,26 @@ class Trainer:
         )
 
     def _loss_forward(
-        self, batch: RolloutBatch, rows: torch.Tensor | None = None
+        self, batch: RolloutBatch, rows: torch.Tensor | None = None, columns: int | None = None
     ) -> tuple[RolloutBatch, Any]:
         """The single pass: the loss forward (with grad) over the whole batch, or over ``rows``
-        once the credit is known (:meth:`_rows_with_gradient`). Returns the batch with its
-        detached log-probs (zero on rows left out), hidden states (and entropy segments) for the
-        credit method, and the forward itself, whose graph the loss uses."""
+        and their first ``columns`` response columns once the credit is known
+        (:meth:`_credited_columns`). Returns the batch with its detached log-probs (zero where
+        nothing was forwarded), hidden states (and entropy segments) for the credit method, and
+        the forward itself, whose graph the loss uses."""
         train_mode_without_dropout(self.model)
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        whole = rows is None or len(rows) == batch.size
-        if not whole and len(rows) == 0:  # no row has a gradient: nothing to forward
+        columns = batch.response_len if columns is None else columns
+        whole = (rows is None or len(rows) == batch.size) and columns == batch.response_len
+        if not whole and (len(rows) == 0 or columns == 0):  # no gradient: nothing to forward
             return batch.replace(old_logprobs=torch.zeros_like(batch.response_mask.float())), None
+        if rows is None:
+            rows = torch.arange(batch.size)
+        width = batch.prompt_len + columns
         fwd = policy_forward(
             self.model,
-            batch.input_ids if whole else batch.input_ids[rows],
-            batch.attention_mask if whole else batch.attention_mask[rows],
+            batch.input_ids if whole else batch.input_ids[rows, :width],
+            batch.attention_mask if whole else batch.attention_mask[rows, :width],
             batch.prompt_len,
             with_entropy=True,
             hidden_layers=layers,
@@ -456,7 +470,7 @@ class Trainer:
         )
         if not whole:
             old = torch.zeros_like(batch.response_mask, dtype=fwd.logprobs.dtype)
-            old[rows] = fwd.logprobs.detach()
+            old[rows, :columns] = fwd.logprobs.detach()
             return batch.replace(old_logprobs=old), fwd
         hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
         batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
@@ -464,21 +478,28 @@ class Trainer:
             batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
         return batch, fwd
 
-    def _rows_with_gradient(
+    def _credited_columns(
         self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, ref_logprobs
     ) -> torch.Tensor:
-        """The rows of ``rows`` the loss forward needs: all of them, unless
-        ``skip_zero_advantage_rows`` holds and no KL term is formed, in which case a row whose
-        advantages are zero on every response token is left out. Its clipped PG term is zero in
-        both branches (``ratio * 0``), so it adds nothing to the loss or any gradient under
-        every aggregation (their normalisers are the minibatch's, passed on their own). Several
-        processes must run the same backward passes, so they forward every row."""
+        """``(len(rows),)``: how many response columns of each row the loss forward needs. All
+        of them, unless ``skip_zero_advantage_rows`` holds and no KL term is formed; then a row
+        is forwarded up to its last token with a non-zero advantage, and a row with none gets
+        0 (left out). Past that token the PG term is zero in both branches (``ratio * 0``;
+        LUFFY's shaped term ``-0 * f``), and a causal model's earlier tokens never read the
+        later ones, so the cut adds nothing to the loss or any gradient under every
+        aggregation (their normalisers are the whole rows', passed on their own). Several
+        processes must run the same backward passes, so they forward everything."""
         cfg = self.cfg
+        T = batch.response_len
         kl_term = ref_logprobs is not None and cfg.kl_coef > 0
         if not cfg.skip_zero_advantage_rows or kl_term or self.world > 1:
-            return rows
-        mask = batch.response_mask[rows].bool()
-        return rows[((advantages[rows] != 0) & mask).any(dim=1)]
+            return torch.full((len(rows),), T, dtype=torch.long, device=rows.device)
+        rows_here = rows.to(advantages.device)
+        credited = (advantages[rows_here] != 0) & batch.response_mask[rows_here].bool()
+        if T == 0:
+            return torch.zeros(len(rows), dtype=torch.long, device=rows.device)
+        position = torch.arange(1, T + 1, device=credited.device)
+        return (credited * position).amax(dim=1).to(rows.device)
 
     def _optimise(
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
@@ -504,57 +525,67 @@ class Trainer:
         self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
-        (gradients are synchronised across processes on the last one only). Only the rows with
-        a gradient are forwarded (:meth:`_rows_with_gradient`); a ``loss_forward`` that covers
-        every row ran before the credit was known."""
+        (gradients are synchronised across processes on the last one only). Only the rows and
+        columns with a gradient are forwarded (:meth:`_credited_columns`); a ``loss_forward``
+        ran before (over every row, before the credit was known, or over the credited ones)."""
         cfg = self.cfg
         rows = rows.to(self.device)
         num_tokens = float(batch.response_mask[rows].sum())
         if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
             live = rows
+            columns = torch.full((len(rows),), loss_forward.logprobs.shape[1], device=self.device)
         else:
-            live = self._rows_with_gradient(batch, rows, advantages, ref_logprobs)
-        live_tokens = float(batch.response_mask[live].sum())
+            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
+            live, columns = rows[columns > 0], columns[columns > 0]
+        micros = []  # (rows, response columns): grad_accumulation chunks, in micro-batches
+        for chunk in torch.arange(len(live)).chunk(cfg.grad_accumulation) if len(live) else ():
+            chunk = chunk.to(self.device)
+            parts = [chunk] if loss_forward is not None else None
+            if parts is None:
+                parts = self._micro_batches(batch, chunk, columns[chunk])
+            micros += [(live[part], int(columns[part].max())) for part in parts]
+        live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c in micros)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {
             "policy_loss": 0.0,
             "entropy": 0.0,
             "update/rows_forwarded": len(live) / max(len(rows), 1),
+            "update/tokens_forwarded": live_tokens / max(num_tokens, 1.0),
         }
-        micros = []  # grad_accumulation chunks, each in micro-batches of micro_batch_tokens
-        for chunk in live.chunk(cfg.grad_accumulation) if len(live) else ():
-            micros += [chunk] if loss_forward is not None else self._micro_batches(batch, chunk)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not micros:  # every row's gradient is zero: the optimiser still takes its step
             for p in params:
                 p.grad = torch.zeros_like(p)
             totals.update({"clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 1.0})
-        for i, micro in enumerate(micros):
+        for i, (micro, cols) in enumerate(micros):
             last = i == len(micros) - 1
+            width = batch.prompt_len + cols
+            self._trained_tokens += float(batch.attention_mask[micro, :width].sum())
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
                 fwd = loss_forward
                 if fwd is None:
                     fwd = policy_forward(
                         self.model,
-                        batch.input_ids[micro],
-                        batch.attention_mask[micro],
+                        batch.input_ids[micro, :width],
+                        batch.attention_mask[micro, :width],
                         batch.prompt_len,
                         with_entropy=True,
                         temperature=cfg.sampling.temperature,
                         shared_prompt=cfg.shared_prompt_forward,
                     )
-                rmask = batch.response_mask[micro]
+                rmask = batch.response_mask[micro, :cols]
                 # no scoring pass ran (an on-policy update in micro-batches): old = new, detached
                 on_policy = batch.old_logprobs is None
                 loss, stats = policy_loss(
                     fwd.logprobs,
-                    fwd.logprobs.detach() if on_policy else batch.old_logprobs[micro],
-                    advantages[micro],
+                    fwd.logprobs.detach() if on_policy else batch.old_logprobs[micro, :cols],
+                    advantages[micro, :cols],
                     rmask,
                     num_rows=len(rows),
                     num_tokens=num_tokens,
+                    row_tokens=batch.response_mask[micro].sum(-1),
                     **cfg.loss_settings(),
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro],
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro, :cols],
                     kl_coef=cfg.kl_coef,
                     off_policy=None if batch.off_policy is None else batch.off_policy[micro],
                     off_policy_gamma=cfg.references.shaping_gamma,
@@ -584,11 +615,15 @@ class Trainer:
         self.tokens_generated += int(stats["rollout/tokens"])
         self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
         self.skipped_total += int(stats["rollout/skipped_samples"])
+        sampled = batch.attention_mask
+        if batch.off_policy is not None:  # luffy's reference rows were given, not sampled
+            sampled = sampled[~batch.off_policy.to(sampled.device)]
         compute = step_compute(
-            sampled_tokens=float(batch.attention_mask.sum()),
+            sampled_tokens=float(sampled.sum()),
             generated_tokens=float(stats["rollout/tokens"]),
             scoring_passes=int(scoring_pass) + int(self.reference is not None),
-            epochs=self.cfg.epochs_per_batch,
+            scored_tokens=float(batch.attention_mask.sum()),
+            trained_tokens=self._trained_tokens,
             credit_forward_tokens=float(credit_out.cost.extra_forward_tokens),
             credit_backward_tokens=float(credit_out.cost.extra_backward_tokens),
             credit_generated_tokens=float(credit_out.cost.extra_generated_tokens),
@@ -721,21 +756,26 @@ def step_compute(
     sampled_tokens: float,
     generated_tokens: float,
     scoring_passes: int,
-    epochs: int,
+    scored_tokens: float,
+    trained_tokens: float,
     credit_forward_tokens: float,
     credit_backward_tokens: float,
     credit_generated_tokens: float,
 ) -> float:
     """One step's compute in forward-token equivalents (FLOPs / 2N, N the policy's parameters;
-    attention's quadratic term ignored): sampling forwards every real token of the batch once
-    (``sampled_tokens``: prompt + response; ``generated_tokens`` of them sampled one by one, each
-    a forward), a no-grad scoring pass (the loss's old log-probs, the KL reference) forwards them
-    once more each, training forwards and backwards them every epoch (2N + 4N = 3 forwards), and
-    the credit method's extra forward and generated tokens are a forward each (its backward
-    tokens, a value head's, 2 more)."""
+    attention's quadratic term ignored), billing what the step forwards: sampling forwards
+    every real token of the sampled rows once (``sampled_tokens``: prompt + response;
+    ``generated_tokens`` of them sampled one by one, each a forward), each no-grad scoring pass
+    (the loss's old log-probs, the KL reference) forwards the batch's ``scored_tokens`` once,
+    the update forwards and back-propagates ``trained_tokens`` (2N + 4N = 3 forwards each:
+    the real tokens of the rows and columns forwarded with grad, summed over epochs and
+    minibatches, and the sft references'), and the credit method's extra forward and generated
+    tokens are a forward each (its backward tokens, a value head's, 2 more)."""
     del generated_tokens  # inside sampled_tokens: named so the caller says what it counts
     return (
-        sampled_tokens * (1 + scoring_passes + 3 * epochs)
+        sampled_tokens
+        + scoring_passes * scored_tokens
+        + 3 * trained_tokens
         + credit_forward_tokens
         + 2 * credit_backward_tokens
         + credit_generated_tokens

@@ -154,8 +154,10 @@ class LearnBenchConfig:
     budget_compute: float = help_field(
         "Compute per run in forward-token equivalents (FLOPs / 2N, N the policy's parameters): a "
         "token sampled or scored (the loss's no-grad pass, the KL reference, the credit method's "
-        "extra forwards and generations) counts 1 (forward 2N FLOPs), a token trained on 3 per "
-        "epoch (forward 2N + backward 4N); 0: none. With --budget-tokens 0 it is the only budget.",
+        "extra forwards and generations) counts 1 (forward 2N FLOPs), a token the update forwards "
+        "and back-propagates 3 per epoch (forward 2N + backward 4N; rows and tails with no credit "
+        "are not, sft references are: the train config's max_compute); 0: none. With "
+        "--budget-tokens 0 it is the only budget.",
         default=0.0,
     )
 

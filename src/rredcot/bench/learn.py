@@ -365,16 +365,23 @@ def _tokens_to_target(cfg: LearnBenchConfig, curve: dict[str, list]) -> float:
 
 
 def accuracy_at_second(curve: dict[str, list], second: float) -> float:
-    """The run's accuracy at training second ``second``: its last evaluation at or before it
-    (what a user stopping then would have; held at the last evaluation after the run ends)."""
-    acc = [a for t, a in zip(curve["seconds"], curve["accuracy"]) if t <= second]
-    return acc[-1] if acc else curve["accuracy"][0]
+    """The run's accuracy at training second ``second``, read between the two evaluations that
+    bracket it (linear in seconds), so that a run evaluated every few steps is not read at an
+    evaluation made long before; the warm start before the first evaluation, the last
+    evaluation after the run ends (never extrapolated)."""
+    times, accs = curve["seconds"], curve["accuracy"]
+    if second <= times[0]:
+        return accs[0]
+    for t0, a0, t1, a1 in zip(times, accs, times[1:], accs[1:]):
+        if t0 <= second <= t1:
+            return a1 if t1 == t0 else a0 + (a1 - a0) * (second - t0) / (t1 - t0)
+    return accs[-1]
 
 
 def time_averaged_accuracy(curve: dict[str, list], horizon: float) -> float:
     """Area under accuracy against training seconds over ``[0, horizon]``, divided by
-    ``horizon``, with :func:`accuracy_at_second`'s rule (each evaluation's accuracy holds until
-    the next one; the warm start from second 0; the last evaluation after the run ends)."""
+    ``horizon``: each evaluation's accuracy holds until the next one (the warm start from
+    second 0; the last evaluation after the run ends)."""
     if not horizon > 0:
         return float("nan")
     area, times, accs = 0.0, curve["seconds"], curve["accuracy"]
@@ -781,13 +788,13 @@ def _learn_notes(ref: str, variance_minibatch) -> list[str]:
         "the start and the end of the budget (see `bench/learn.py`).",
         f"- per second (equal wall-clock): training seconds are the sum of the steps' "
         "`step_seconds` (rollout, scoring, credit, update; evaluation, checkpoints and start-up "
-        f"excluded). acc @ {ref}'s last s: the run's accuracy at its last evaluation at or "
-        f"before the second at which `{ref}`'s run of the same seed ended (held at its last "
-        "evaluation if it ended sooner); time-avg acc: the area under accuracy against training "
-        f"seconds over [0, {ref}'s last second] divided by it, each evaluation's accuracy "
-        "holding until the next (the warm start from 0); s to target paired: unreached counts "
-        "the run's own last second (a lower bound). Seconds are the machine's own: a loaded "
-        "machine inflates them.",
+        f"excluded). acc @ {ref}'s last s: the run's accuracy at the second at which `{ref}`'s "
+        "run of the same seed ended, linear between the two evaluations around it (held at its "
+        "last evaluation if it ended sooner); time-avg acc (the primary per-second figure): the "
+        f"area under accuracy against training seconds over [0, {ref}'s last second] divided by "
+        "it, each evaluation's accuracy holding until the next (the warm start from 0); s to "
+        "target paired: unreached counts the run's own last second (a lower bound). Seconds are "
+        "the machine's own: a loaded machine inflates them.",
     ]
 
 
