@@ -1175,6 +1175,18 @@ class SFTConfig:
             raise ValueError("max_seconds and threads must be >= 0")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        if min(self.hidden_size, self.num_layers, self.num_heads) < 1:
+            raise ValueError(
+                f"hidden_size={self.hidden_size}, num_layers={self.num_layers} and "
+                f"num_heads={self.num_heads} must be >= 1"
+            )
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of 2 x num_heads="
+                f"{self.num_heads} (each head's width is even, for rotary positions)"
+            )
+        if self.eval_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("eval_size and max_new_tokens must be >= 1")
         if not 0 <= self.stop_at_step <= self.max_steps:
             raise ValueError(
                 f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "

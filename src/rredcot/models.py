@@ -328,7 +328,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike, log=None) -> str:
     return name
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     return (
         name.startswith(("/", "./", "../", "~", "\\"))
         or os.path.isabs(name)
@@ -364,7 +364,7 @@ def load_policy(
     torch_dtype = _as_dtype(dtype)  # bad names fail before any loading
     name = resolve_model_dir(name_or_path)
     expanded = os.path.expanduser(name)
-    if _looks_like_path(name) and not os.path.exists(expanded):
+    if looks_like_path(name) and not os.path.exists(expanded):
         raise FileNotFoundError(
             f"no model directory at {name!r}; pass a directory written by save_pretrained "
             "(e.g. the output of `rredcot sft`), a .gguf file, a hub model id or a shipped model "

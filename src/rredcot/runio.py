@@ -355,20 +355,20 @@ def is_rredcot_run(run_dir: str | Path) -> bool:
 
 def remove_run_files(run_dir: Path, names: list[str]) -> None:
     """Delete what a run wrote under ``names`` (of ``RUN_FILES``) and nothing else: in
-    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there, so a folder linked
-    there (``checkpoints`` on another disk) stays, emptied of the run; a link is removed, never
-    followed."""
+    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there; a link (a
+    ``checkpoints`` linked to a folder elsewhere too) is removed, never followed, so nothing
+    outside the run directory is deleted."""
     own_entries = {
         CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
         PLOTS: tuple(plot_file_name(key) for key, _ in CURVES) + (".*.png.tmp",),
     }
     for name in names:
         path = run_dir / name
-        if name in own_entries and path.is_dir():
+        if name in own_entries and path.is_dir() and not path.is_symlink():
             for pattern in own_entries[name]:
                 for entry in path.glob(pattern):
                     _remove(entry)
-            if not path.is_symlink() and not any(path.iterdir()):
+            if not any(path.iterdir()):
                 path.rmdir()
         else:
             _remove(path)

@@ -15,6 +15,7 @@ import os
 import platform
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,10 +199,26 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     )
     done = _train_to_band(cfg, model, tokenizer, task, log)
     out = Path(cfg.out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh folder of our own beside --out: never one that is there already (``ws.tmp`` may be
+    # the user's), so nothing but --out itself is replaced
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        _save_warmstart(cfg, model, tokenizer, done, tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info = json.loads((out / "warmstart.json").read_text())
+    log(
+        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {done.step} steps, "
+        f"{info['seconds']:.0f}s, greedy accuracy {done.accuracy:.1%} -> {out}"
+    )
+    return info
+
+
+def _save_warmstart(cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path) -> None:
+    """Write the warm-start into ``tmp``, then put it at ``out`` (an earlier warm-start there,
+    which ``_check_out`` allowed, is replaced)."""
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     info = {
@@ -218,14 +235,12 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     }
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     save_yaml(cfg, tmp / "sft_config.yaml")
-    if out.exists():
+    _check_out(out)  # still a warm-start (or nothing) after the minutes of training
+    if out.is_symlink():
+        out.unlink()  # a link is replaced, its target never emptied
+    elif out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    log(
-        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {done.step} steps, "
-        f"{info['seconds']:.0f}s, greedy accuracy {done.accuracy:.1%} -> {out}"
-    )
-    return info
 
 
 def build_environment() -> dict[str, str]:

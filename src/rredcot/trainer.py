@@ -308,12 +308,12 @@ class Trainer:
     def _apply_saved_choice(self) -> None:
         """A resumed ``--credit auto`` run continues with what it chose at step 1."""
         saved = self.run_dir / runio.CREDIT_CHOICE
-        if not saved.exists():
+        if not saved.is_file():
             raise ValueError(
                 f"{self.run_dir} has no {runio.CREDIT_CHOICE}: a --credit auto run writes it at "
                 "step 1; resume it with its own config (rredcot train --resume RUN_DIR)"
             )
-        choice = CreditChoice.read(saved)
+        choice = CreditChoice.read(saved)  # checked: a method and plain settings, no code
         apply_choice(self.cfg, choice)
         self.log(f"credit auto: {choice.method}, as chosen at step 1 ({saved})")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rredcot.config_io import create_file, write_text_atomic
 from rredcot.diagnose.figures import KINDS
 
 # ---------------------------------------------------------------------------------------------
@@ -61,9 +63,9 @@ class DiagnoseReport:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    """The run directory's writer: a link planted at the temporary or the file is replaced,
+    never written through."""
+    write_text_atomic(path, text)
 
 
 def _jsonable(x: Any) -> Any:
@@ -304,7 +306,10 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=100, format="png")
-    tmp.replace(path)
-    plt.close(fig)
+    try:
+        with os.fdopen(create_file(tmp), "wb") as fh:  # a link planted there: not followed
+            fig.savefig(fh, dpi=100, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
     return path

@@ -88,6 +88,7 @@ from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.integrations.saved import (
     CREDIT_STATE_FILE,
+    SETTINGS_FILE,
     read_settings,
     settings_dict,
     write_settings,
@@ -1376,7 +1377,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             saved = read_settings(checkpoint_dir)
             if saved is None or not saved.credit_choice:
                 return False  # nothing chosen there: the first generation batch chooses
-            self._use_choice(CreditChoice(**saved.credit_choice), saved.credit)
+            where = f"{Path(checkpoint_dir) / SETTINGS_FILE} (credit_choice)"
+            choice = CreditChoice.read_dict(saved.credit_choice, where)  # names no code
+            self._check_saved_code(saved.credit, Path(checkpoint_dir) / SETTINGS_FILE)
+            self._use_choice(choice, saved.credit)
         path = Path(checkpoint_dir) / CREDIT_STATE_FILE
         if not path.exists():
             return False
@@ -1390,6 +1394,20 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         self.credit_method.load_state_dict(saved["state"])
         return True
+
+    def _check_saved_code(self, saved: CreditConfig, path: Path) -> None:
+        """A checkpoint's saved credit config may name a process-reward function or model only
+        where this trainer's own ``credit`` names the same: reading a checkpoint never imports
+        code or loads a model that the checkpoint alone names."""
+        mine = self.args.credit_config.process_reward
+        for name in ("function", "model"):
+            theirs = getattr(saved.process_reward, name)
+            if theirs and theirs != getattr(mine, name):
+                raise UserError(
+                    f"{path} names credit.process_reward.{name}={theirs[:120]!r}, which resuming "
+                    "would load; rredcot never loads code or a model a checkpoint names: read "
+                    f"that file, then give it yourself (credit.process_reward.{name}) to allow it"
+                )
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
