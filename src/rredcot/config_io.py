@@ -82,9 +82,12 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            return None
         hint = next(a for a in args if a is not type(None))
+        # '' is no value only where the field is not text: `--resume ''` stays '' (and is refused
+        # as naming no directory), never None (a fresh run in the default directory)
+        blank = ("none", "null") if hint is str else ("none", "null", "")
+        if value is None or (isinstance(value, str) and value.lower() in blank):
+            return None
         origin = typing.get_origin(hint)
     try:
         if hint is bool:

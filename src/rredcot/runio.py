@@ -161,7 +161,7 @@ class MetricsLog:
                 continue
             try:
                 record = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):  # nested past the stack
                 cut = not raw.endswith(b"\n")
                 unreadable.append((number, text, "cut short" if cut else "not JSON"))
                 continue
@@ -501,8 +501,11 @@ def save_checkpoint(
     tmp = root / f".tmp_step_{step:06d}"
     tmp.mkdir()
     try:  # a failed write (a full disk) leaves no half checkpoint behind
-        model.save_pretrained(tmp / "policy")
-        tokenizer.save_pretrained(tmp / "policy")
+        try:
+            model.save_pretrained(tmp / "policy")
+            tokenizer.save_pretrained(tmp / "policy")
+        except Exception as err:
+            raise _write_failed(err, final / "policy") from None
         atomic_torch_save(state, tmp / "trainer_state.pt")
         write_manifest(tmp, step)
     except BaseException:
@@ -518,6 +521,19 @@ def save_checkpoint(
         with contextlib.suppress(OSError):
             _remove(old)
     return final
+
+
+def _write_failed(err: Exception, where: Path) -> Exception:
+    """A failed write of a checkpoint's policy as one line: safetensors reports a full disk or
+    a file-size limit as ``SafetensorError`` (its own type), transformers as ``OSError``;
+    anything else is a bug and keeps its traceback."""
+    text = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+    if isinstance(err, OSError) or type(err).__name__ == "SafetensorError":
+        return UserError(
+            f"{where}: could not be written ({text}); the run's last checkpoint is kept. Free "
+            "space (or raise the file-size limit), then resume with `rredcot train --resume`"
+        )
+    return err
 
 
 def verify_checkpoint(ckpt: str | Path) -> str | None:

@@ -26,7 +26,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from rredcot.config import SFTConfig, cache_root
-from rredcot.config_io import save_yaml, to_dict
+from rredcot.config_io import brief, save_yaml, to_dict
 from rredcot.errors import UserError
 from rredcot.evaluation import greedy_accuracy
 from rredcot.models import (
@@ -182,6 +182,24 @@ def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Traine
     return done
 
 
+def _check_fits(cfg: SFTConfig, task: Task, tokenizer, positions: int) -> None:
+    """Refuse, before any training, a task whose prompts and gold traces (or prompts and
+    ``max_new_tokens``) are longer than the tiny model's ``positions``: a few problems tell."""
+    problems = task.train_problems(4, seed=cfg.seed)
+    longest = 0
+    for problem in problems:
+        prompt = len(tokenizer(render_prompt(problem, tokenizer))["input_ids"])
+        gold = task.gold_completion(problem) or ""
+        longest = max(longest, prompt + max(len(tokenizer(gold)["input_ids"]), cfg.max_new_tokens))
+    if longest > positions:
+        raise UserError(
+            f"task {cfg.task!r} with {brief(cfg.task_args, 80) if cfg.task_args else 'its defaults'}: a prompt and its trace "
+            f"take {longest} tokens, more than the tiny model's {positions} positions; lower the "
+            "task's size (e.g. --task.num_steps) or give a model that fits (--init / "
+            "--model.name_or_path)"
+        )
+
+
 def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
     _check_out(Path(cfg.out))  # before minutes of training, not after
@@ -197,6 +215,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         num_heads=cfg.num_heads,
         seed=cfg.seed,
     )
+    _check_fits(cfg, task, tokenizer, model.config.max_position_embeddings)
     done = _train_to_band(cfg, model, tokenizer, task, log)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -168,7 +168,8 @@ class Trainer:
             )
             self.sink.log({"eval_accuracy": acc0}, 0)
         records = self.metrics.read()
-        start_acc = next((r["eval_accuracy"] for r in records if r.get("step") == 0), None)
+        # a step-0 record may lack the accuracy (its metrics lost: a deleted or garbled log)
+        start_acc = next((r.get("eval_accuracy") for r in records if r.get("step") == 0), None)
         last_acc = next(
             (r["eval_accuracy"] for r in reversed(records) if r.get("eval_accuracy") is not None),
             start_acc,
