@@ -212,3 +212,64 @@ def test_a_failed_policy_write_is_one_line(init_dir, tmp_path):
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "policy" in errors[0] and "--resume" in errors[0], errors[0]
     assert list((out / "checkpoints").glob(".tmp_step_*")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# explain a TRL run offline: the run records the problem it shows
+
+
+def test_explain_of_a_trl_run_needs_none_of_its_tasks_data(init_dir, tmp_path, monkeypatch, capsys):
+    """The README's TRL example trains ``task="gsm8k"`` on a local file; explain then showed the
+    task's first evaluation problem, read from the dataset hub (offline: a failure after
+    retries). The run's saved training row is shown instead."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "trl_out"
+    shutil.copytree(init_dir, out)
+    settings = {
+        "credit_method": "uniform",
+        "credit": {},
+        "task": "gsm8k",
+        "task_args": {},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8},
+        "example": {"prompt": "Question: 2 + 2?\n", "answer": "4"},
+    }
+    (out / "rredcot_credit.json").write_text(json.dumps(settings))
+    argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "Question: 2 + 2?" in capsys.readouterr().out
+
+
+def test_the_trl_trainer_records_its_first_training_row(init_dir, tmp_path):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from rredcot.integrations.saved import read_settings
+    from rredcot.integrations.trl import RREDCoTGRPOConfig, RREDCoTGRPOTrainer, task_reward
+    from rredcot.models import build_char_tokenizer
+    from rredcot.tasks import get_task
+
+    problems = get_task("arithmetic", num_steps=2).train_problems(4, seed=0)
+    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    args = RREDCoTGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        credit_method="uniform",
+        task="arithmetic",
+        task_args={"num_steps": 2},
+        disable_tqdm=True,
+    )
+    trainer = RREDCoTGRPOTrainer(
+        model=str(init_dir),
+        reward_funcs=[task_reward("arithmetic", num_steps=2)],
+        args=args,
+        train_dataset=dataset,
+        processing_class=build_char_tokenizer(),
+    )
+    trainer.save_credit_state(tmp_path / "out")
+    saved = read_settings(tmp_path / "out")
+    assert saved.example == {"prompt": problems[0].prompt, "answer": str(problems[0].answer)}

@@ -1357,6 +1357,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 args.top_p,
                 args.max_completion_length,
                 credit_choice=None if self.credit_choice is None else self.credit_choice.to_json(),
+                example=self._example(),
             ),
         )
         state = method.state_dict()
@@ -1368,6 +1369,20 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             torch.save({"credit_method": method.name, "state": state}, f)
         tmp.replace(path)
         return path
+
+    def _example(self) -> dict | None:
+        """The first training row's prompt and answer as text (``rredcot explain --run`` shows
+        it, and so needs none of the task's data); None where the prompt is not plain text."""
+        if self.task is None:
+            return None
+        try:
+            row = self.train_dataset[0]
+            problem = self._problem(dict(row))
+        except Exception:  # noqa: BLE001 - an iterable or empty dataset: nothing recorded
+            return None
+        if not isinstance(problem.prompt, str) or not problem.prompt or not problem.answer:
+            return None
+        return {"prompt": problem.prompt, "answer": str(problem.answer)}
 
     def load_credit_state(self, checkpoint_dir: str | Path) -> bool:
         """Read ``value_head.pt`` from a checkpoint or model directory; False if it has none.
