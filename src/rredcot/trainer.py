@@ -117,10 +117,7 @@ class Trainer:
         self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
         if cfg.references.mode != "off" and self.world > 1:
             self.release()
-            raise ValueError(
-                "references.mode runs in a single process for now (processes would run "
-                "different backward passes); launch one process or set references.mode off"
-            )
+            references.check_processes(self.world)
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""

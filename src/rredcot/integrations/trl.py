@@ -724,11 +724,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         mode = self.args.references_config.mode
         if mode == "off":
             return
-        if self.collective.world > 1:
-            raise ValueError(
-                "references.mode runs in a single process for now (processes would run "
-                "different backward passes); launch one process or set references.mode off"
-            )
+        references.check_processes(self.collective.world)
         data, column = self.train_dataset, self.args.answer_column
         if data is None:
             return
