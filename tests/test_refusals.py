@@ -286,3 +286,23 @@ def test_references_in_several_processes_are_refused_saying_what_works():
         check_processes(2)
     scaling = (Path(__file__).parents[1] / "docs" / "scaling.md").read_text()
     assert "`references.mode`" in scaling and "runs in **one process** only" in scaling
+
+
+def test_trl_settings_nested_past_the_stack_are_one_line(init_dir, tmp_path, capsys):
+    out = tmp_path / "trl_out"
+    shutil.copytree(init_dir, out)
+    (out / "rredcot_credit.json").write_text(
+        '{"credit_method": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    )
+    err = _one_line_error(["explain", "--run", str(out), "--samples", "2"], capsys)
+    assert "rredcot_credit.json" in err and "nests JSON deeper" in err
+
+
+def test_resume_with_the_metrics_log_linked_to_an_outside_file(run_copy, tmp_path):
+    outside = tmp_path / "other.jsonl"
+    outside.write_text('{"step": 0}\n{"step": 1, "note": "not this run"}\n')
+    (run_copy / "metrics.jsonl").unlink()
+    (run_copy / "metrics.jsonl").symlink_to(outside)
+    assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
+    assert outside.read_text() == '{"step": 0}\n{"step": 1, "note": "not this run"}\n'
+    assert not (run_copy / "metrics.jsonl").is_symlink()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import load_yaml
+from rredcot.config_io import load_yaml, read_json_file
 from rredcot.credit_choice import check_method_name
 from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
@@ -124,8 +123,8 @@ def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
         return cfg.task, dict(cfg.task_args)
     info = resolved.policy_dir / "warmstart.json"
     if info.exists():
-        data = json.loads(info.read_text())
-        if data.get("task"):
+        data = read_json_file(info, "warm-start record")  # size and nesting within limits
+        if isinstance(data, dict) and data.get("task"):
             return data["task"], dict(data.get("task_args") or {})
     return None
 

@@ -547,7 +547,7 @@ def verify_checkpoint(ckpt: str | Path) -> str | None:
     try:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
         entries = [(rel, int(info["size"]), str(info["sha256"])) for rel, info in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return f"{MANIFEST} is unreadable"
     if "trainer_state.pt" not in files:
         return "trainer_state.pt is not in the manifest"

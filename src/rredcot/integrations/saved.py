@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import create_file, from_dict, to_dict
+from rredcot.config_io import create_file, from_dict, read_json_file, to_dict
 from rredcot.errors import UserError
 
 __all__ = [
@@ -113,7 +113,7 @@ def read_settings(directory: str | Path) -> RunSettings | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json_file(path, "TRL run settings")  # size and nesting within limits
         if not isinstance(data, dict) or not isinstance(data.get("credit_method"), str):
             raise ValueError("no credit_method: not the settings RREDCoTGRPOTrainer writes")
         sampling = data.get("sampling") or {}
