@@ -256,23 +256,26 @@ def test_diagnose_does_not_write_through_planted_temporaries(init_dir, tmp_path)
     assert (out / "diagnose.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_overwrite_removes_a_linked_checkpoints_folder_not_its_contents(run_copy, tmp_path):
+def test_overwrite_keeps_a_users_step_files_in_a_linked_checkpoints_folder(run_copy, tmp_path):
+    """``checkpoints/`` linked to a user's folder: --overwrite removes the run's checkpoints
+    there and nothing of the user's, though named ``step_*``."""
     from rredcot import runio
 
     mine = tmp_path / "my_folder"
-    shutil.move(run_copy / "checkpoints", mine)  # the user's folder, with step_* entries
+    shutil.move(run_copy / "checkpoints", mine)
     (run_copy / "checkpoints").symlink_to(mine, target_is_directory=True)
-    before = sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*"))
+    (mine / "step_notes.txt").write_text("mine")
+    (mine / "step_000009").mkdir()  # a folder of the user's, no trainer state in it
+    (mine / "step_000009" / "data.csv").write_text("1,2")
+    (mine / "step_000010").symlink_to(tmp_path, target_is_directory=True)
     runio.claim_run_dir(run_copy, resume=False, overwrite=True).release()
-    assert not os_lexists(run_copy / "checkpoints")
-    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == before
-    assert any(name.startswith("step_") for name in before)
-
-
-def os_lexists(path: Path) -> bool:
-    import os
-
-    return os.path.lexists(path)
+    assert (run_copy / "checkpoints").is_symlink()
+    assert sorted(p.name for p in mine.iterdir()) == [
+        "step_000009",
+        "step_000010",
+        "step_notes.txt",
+    ]
+    assert (mine / "step_000009" / "data.csv").read_text() == "1,2"
 
 
 def test_sft_never_deletes_a_sibling_tmp_folder(tmp_path):

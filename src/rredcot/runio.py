@@ -355,23 +355,41 @@ def is_rredcot_run(run_dir: str | Path) -> bool:
 
 def remove_run_files(run_dir: Path, names: list[str]) -> None:
     """Delete what a run wrote under ``names`` (of ``RUN_FILES``) and nothing else: in
-    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there; a link (a
-    ``checkpoints`` linked to a folder elsewhere too) is removed, never followed, so nothing
-    outside the run directory is deleted."""
+    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there. A ``checkpoints``
+    linked to a folder elsewhere (another disk) keeps the link and loses only the run's own
+    checkpoints there (``step_N`` folders holding ``trainer_state.pt``, ``.tmp_step_N``
+    folders, ``latest``): a user's other ``step_*`` files or folders there stay. Any other
+    link is removed, never followed."""
     own_entries = {
         CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
         PLOTS: tuple(plot_file_name(key) for key, _ in CURVES) + (".*.png.tmp",),
     }
     for name in names:
         path = run_dir / name
-        if name in own_entries and path.is_dir() and not path.is_symlink():
+        if name in own_entries and path.is_dir():
+            linked = path.is_symlink()
             for pattern in own_entries[name]:
                 for entry in path.glob(pattern):
-                    _remove(entry)
-            if not any(path.iterdir()):
+                    if not linked or _own_checkpoint_entry(entry):
+                        _remove(entry)
+            if not linked and not any(path.iterdir()):
                 path.rmdir()
         else:
             _remove(path)
+
+
+def _own_checkpoint_entry(entry: Path) -> bool:
+    """Whether ``entry`` of a linked ``checkpoints/`` is one rredcot writes: a ``step_N`` or
+    ``.tmp_step_N`` folder (``N`` digits; a ``step_N`` with its ``trainer_state.pt``), or the
+    ``latest`` file naming one."""
+    if entry.is_symlink():
+        return False
+    if entry.name == LATEST:
+        return entry.is_file() and entry.stat().st_size < 64
+    stem = entry.name.removeprefix(".tmp_").removeprefix("step_")
+    if not (entry.is_dir() and stem.isdigit()):
+        return False
+    return entry.name.startswith(".tmp_") or (entry / "trainer_state.pt").is_file()
 
 
 def _remove(path: Path) -> None:
