@@ -306,3 +306,12 @@ def test_resume_with_the_metrics_log_linked_to_an_outside_file(run_copy, tmp_pat
     assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
     assert outside.read_text() == '{"step": 0}\n{"step": 1, "note": "not this run"}\n'
     assert not (run_copy / "metrics.jsonl").is_symlink()
+
+
+def test_a_tiny_model_with_odd_head_width_is_refused_in_one_line(tmp_path, capsys):
+    argv = ["sft", "--hidden_size", "6", "--num_heads", "2", "--out", str(tmp_path / "ws")]
+    assert "even" in _one_line_error(argv, capsys)
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    with pytest.raises(ValueError, match="even width"):
+        build_tiny_llama(build_char_tokenizer(), hidden_size=6, num_heads=2)

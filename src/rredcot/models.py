@@ -104,9 +104,15 @@ def build_tiny_llama(
     weights (used by the attention-attribution baseline) and costs nothing at this size.
     Initialisation uses its own RNG (`seed`) and leaves the global torch RNG untouched.
     """
-    if hidden_size % num_heads != 0:
+    if min(hidden_size, num_layers, num_heads) < 1:
         raise ValueError(
-            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
+            f"hidden_size ({hidden_size}), num_layers ({num_layers}) and num_heads ({num_heads}) "
+            "must be >= 1"
+        )
+    if hidden_size % num_heads != 0 or (hidden_size // num_heads) % 2:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) into "
+            "heads of even width (rotary positions rotate pairs of dimensions)"
         )
     ids = {k: getattr(tokenizer, f"{k}_token_id") for k in ("pad", "bos", "eos")}
     missing = [k for k, v in ids.items() if v is None]
