@@ -315,3 +315,16 @@ def test_a_tiny_model_with_odd_head_width_is_refused_in_one_line(tmp_path, capsy
 
     with pytest.raises(ValueError, match="even width"):
         build_tiny_llama(build_char_tokenizer(), hidden_size=6, num_heads=2)
+
+
+def test_a_task_sized_past_the_models_context_is_refused_before_its_pool(init_dir, tmp_path):
+    """--init given (no warm-start): 100,000-step chains took minutes to build the training
+    pool before the context check; the answer length alone is over the context."""
+    import time
+
+    cfg = micro_config(init_dir, tmp_path / "run", task_args={"num_steps": 100_000})
+    cfg.sampling.max_new_tokens = 0  # the task's: 10 x 100,000 + 16 characters
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="leaves no room for a prompt in the policy's 256"):
+        Trainer(cfg, **QUIET)
+    assert time.perf_counter() - start < 30
