@@ -302,3 +302,23 @@ def test_sft_never_deletes_a_sibling_tmp_folder(tmp_path):
     assert (sibling / "notes.txt").read_text() == "mine"
     assert (tmp_path / "ws" / "warmstart.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ws", "ws.tmp"]
+
+
+def test_bench_plots_are_not_written_through_planted_links(tmp_path):
+    """bench's curves (plot_mean_std) go through the same safe writer as a run's plots."""
+    import numpy as np
+
+    from rredcot.bench.report import plot_mean_std
+
+    out = tmp_path / "bench"
+    out.mkdir()
+    targets = {}
+    for name in ("curve.png", ".curve.png.tmp"):
+        targets[name] = _outside(tmp_path, name)
+        (out / name).symlink_to(targets[name])
+    x = np.arange(3.0)
+    plot_mean_std({"a": (x, x, 0 * x)}, out / "curve.png", xlabel="x", ylabel="y")
+    for name, target in targets.items():
+        assert target.read_text() == f"{name}: not rredcot's", f"{name} was followed"
+    assert (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "curve.png").is_symlink()

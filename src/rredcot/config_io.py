@@ -346,6 +346,22 @@ def open_for_append(path: str | Path) -> int:
         ) from None
 
 
+def save_figure_atomic(fig: Any, path: str | Path, **savefig: Any) -> Path:
+    """``fig.savefig`` (PNG) through a temporary file (:func:`create_file`: a link planted there
+    is never followed) and a rename (a reader never sees half a picture); returns ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with os.fdopen(create_file(tmp), "wb") as fh:
+            fig.savefig(fh, format="png", **savefig)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    return path
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` through a temporary file (:func:`create_file`), fsync and a rename (which
     replaces a link at ``path`` itself, never its target)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rredcot.config_io import create_file, write_text_atomic
+from rredcot.config_io import save_figure_atomic, write_text_atomic
 from rredcot.diagnose.figures import KINDS
 
 # ---------------------------------------------------------------------------------------------
@@ -305,11 +304,8 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
     fig.suptitle(f"rredcot diagnose: {report.verdict}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with os.fdopen(create_file(tmp), "wb") as fh:  # a link planted there: not followed
-            fig.savefig(fh, dpi=100, format="png")
-        os.replace(tmp, path)
+        save_figure_atomic(fig, path, dpi=100)  # a link planted there: not followed
     finally:
         plt.close(fig)
     return path
