@@ -328,3 +328,22 @@ def test_a_task_sized_past_the_models_context_is_refused_before_its_pool(init_di
     with pytest.raises(ValueError, match="leaves no room for a prompt in the policy's 256"):
         Trainer(cfg, **QUIET)
     assert time.perf_counter() - start < 30
+
+
+def test_json_of_an_output_folder_is_read_within_limits(tmp_path):
+    """One reader for JSON that a run or output folder holds (bench learn's results, a
+    diagnose report): nesting past the stack is one UserError naming the file; brackets inside
+    strings are text, not nesting."""
+    from rredcot.config_io import loads_json, read_json_file
+    from rredcot.diagnose.report import DiagnoseReport
+    from rredcot.errors import UserError
+
+    deep = tmp_path / "result.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match="result.json nests JSON deeper"):
+        read_json_file(deep, "a finished run's result")
+    with pytest.raises(UserError, match="result.json nests JSON deeper"):
+        DiagnoseReport.from_json(deep)
+    assert loads_json(json.dumps({"text": "[" * 1000}), "line 1") == {"text": "[" * 1000}
+    with pytest.raises(UserError, match="line 2 is not valid JSON"):
+        loads_json("{cut", "line 2")

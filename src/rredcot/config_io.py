@@ -282,6 +282,19 @@ def check_json_depth(text: str | bytes, where: str, limit: int = MAX_NESTING) ->
             depth -= 1
 
 
+def loads_json(text: str | bytes, where: str) -> Any:
+    """``json.loads`` of text read from a file someone else may have written (a line of a
+    JSONL log): nesting past :data:`MAX_NESTING` and malformed JSON are a one-line
+    ``UserError`` naming ``where``."""
+    check_json_depth(text, where)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise UserError(
+            f"{where} is not valid JSON ({str(err).splitlines()[0][:120]}); fix or delete it"
+        ) from None
+
+
 def read_json_file(path: str | Path, what: str = "file") -> Any:
     """The parsed content of a JSON file a run directory holds, within limits (size, nesting);
     a missing, unreadable, oversized or malformed file is a one-line ``UserError`` naming it."""

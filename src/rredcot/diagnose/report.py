@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rredcot.config_io import save_figure_atomic, write_text_atomic
+from rredcot.config_io import read_json_file, save_figure_atomic, write_text_atomic
 from rredcot.diagnose.figures import KINDS
 
 # ---------------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ class DiagnoseReport:
     @classmethod
     def from_json(cls, path: str | Path) -> DiagnoseReport:
         """A report read back from its ``diagnose.json`` (to redraw or compare it)."""
-        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+        return cls(**read_json_file(path, "diagnose report"))
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
