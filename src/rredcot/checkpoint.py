@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rredcot import runio
+from rredcot.errors import UserError
 from rredcot.models import load_policy
 
 COUNTERS = (
@@ -61,6 +62,31 @@ def save_training_checkpoint(
     return runio.save_checkpoint(run_dir, counters["step"], policy, tokenizer, state, keep=keep)
 
 
+_STATE_PARTS = {"optimizer": dict, "scheduler": dict, "credit_method": dict, "rng": dict}
+
+
+def check_trainer_state(state: dict[str, Any], ckpt: Path) -> None:
+    """Refuse, in one line naming the file, a ``trainer_state.pt`` that lacks a part a resume
+    restores, or whose counters are not non-negative numbers (its ``step`` the checkpoint's
+    own, ``step_N``)."""
+    path = ckpt / "trainer_state.pt"
+    fix = "resume from another checkpoint (delete this one) or start again with --overwrite"
+    missing = [name for name, kind in _STATE_PARTS.items() if not isinstance(state.get(name), kind)]
+    missing += [n for n in COUNTERS if n not in _ADDED_LATER and n not in state]
+    if missing:
+        raise UserError(
+            f"{path} lacks {', '.join(missing)} (not a trainer state rredcot wrote); {fix}"
+        )
+    for name in COUNTERS:
+        value = state.get(name, _ADDED_LATER.get(name, 0))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise UserError(f"{path}: {name}={str(value)[:40]} must be a number >= 0; {fix}")
+    step = state["step"]
+    expected = int(ckpt.name.removeprefix("step_")) if ckpt.name.startswith("step_") else step
+    if not isinstance(step, int) or step != expected:
+        raise UserError(f"{path}: step={step} but the checkpoint is {ckpt.name}; {fix}")
+
+
 def restore_training_checkpoint(
     ckpt: str | Path,
     policy: Any,
@@ -73,6 +99,7 @@ def restore_training_checkpoint(
     restore the RNG states; returns the counters (:data:`COUNTERS`) it was saved with."""
     ckpt = Path(ckpt)
     state = runio.load_trainer_state(ckpt / "trainer_state.pt")
+    check_trainer_state(state, ckpt)  # before the policy loads
     saved, _ = load_policy(str(ckpt / "policy"), dtype=dtype)
     policy.load_state_dict(saved.state_dict())
     optimizer.load_state_dict(state["optimizer"])

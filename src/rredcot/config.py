@@ -30,6 +30,32 @@ def refuse_blank_path(path: str | None, name: str = "out", what: str = "director
         )
 
 
+BYTES_PER_TOKEN = 12  # the least a sampled token costs: its int64 id and float32 log-prob
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_beyond_memory(what: str, rows: int, tokens: int, fix: str) -> None:
+    """Refuse, before anything is loaded or sampled, a size whose token ids and log-probs alone
+    (``rows`` x ``tokens`` x :data:`BYTES_PER_TOKEN`, a lower bound of what it needs) exceed
+    this machine's physical memory, with the estimate: such a run would fail in an allocator
+    or swap for hours."""
+    memory = physical_memory()
+    need = rows * max(tokens, 1) * BYTES_PER_TOKEN
+    if memory and need > memory:
+        raise ValueError(
+            f"{what}: {rows:,} rows of at least {max(tokens, 1)} tokens need at least "
+            f"{need / 2**30:,.0f} GiB for their token ids and log-probs alone, more than this "
+            f"machine's {memory / 2**30:,.0f} GiB; {fix}"
+        )
+
+
 def refuse_non_finite(cfg: Any, prefix: str = "") -> None:
     """Refuse a float field of the config dataclass ``cfg`` (or of a config nested in it) that
     is nan or infinite (``--lr inf``, ``--lr 1e400``, ``--kl_coef nan``), naming it."""
@@ -1116,6 +1142,24 @@ class TrainConfig:
                 "starts inside the reference, where other methods' per-step values are not "
                 f"defined), not {self.credit_method!r}: set --credit uniform"
             )
+        tokens = self.sampling.max_new_tokens  # 0: the task's, at least one
+        group = self.sampling.num_generations
+        branches = self.references.branch_rollouts or group
+        rows = self.prompts_per_step * (
+            group + (branches if self.references.mode == "bread" else 0)
+        )
+        refuse_beyond_memory(
+            f"prompts_per_step={self.prompts_per_step} x (sampling.num_generations={group}"
+            + (
+                f" + references.branch_rollouts={branches})"
+                if self.references.mode == "bread"
+                else ")"
+            ),
+            rows,
+            tokens,
+            "lower them",
+        )
+        refuse_beyond_memory(f"eval_size={self.eval_size}", self.eval_size, tokens, "lower it")
 
 
 RESUMABLE_FIELDS = (
@@ -1195,6 +1239,18 @@ class SFTConfig:
             raise ValueError("max_seconds and threads must be >= 0")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
+        if min(self.hidden_size, self.num_layers, self.num_heads) < 1:
+            raise ValueError(
+                f"hidden_size={self.hidden_size}, num_layers={self.num_layers} and "
+                f"num_heads={self.num_heads} must be >= 1"
+            )
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of 2 x num_heads="
+                f"{self.num_heads} (each head's width is even, for rotary positions)"
+            )
+        if self.eval_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("eval_size and max_new_tokens must be >= 1")
         if not 0 <= self.stop_at_step <= self.max_steps:
             raise ValueError(
                 f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "

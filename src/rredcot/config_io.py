@@ -82,9 +82,12 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            return None
         hint = next(a for a in args if a is not type(None))
+        # '' is no value only where the field is not text: `--resume ''` stays '' (and is refused
+        # as naming no directory), never None (a fresh run in the default directory)
+        blank = ("none", "null") if hint is str else ("none", "null", "")
+        if value is None or (isinstance(value, str) and value.lower() in blank):
+            return None
         origin = typing.get_origin(hint)
     try:
         if hint is bool:
@@ -171,7 +174,13 @@ def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
         raise UserError(f"{what} {path} is a directory; pass a YAML file")
     try:
         with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
+            text = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise UserError(
+                f"{what} {path} is over {MAX_CONFIG_BYTES >> 20} MiB; a config is a few kB: "
+                "pass the right file"
+            )
+        return load_yaml_text(text, f"{what} {path}")
     except UnicodeDecodeError as err:
         raise UserError(
             f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})"
@@ -185,6 +194,127 @@ def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
         ) from err
     except OSError as err:
         raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from err
+
+
+MAX_CONFIG_BYTES = 16 << 20  # a config or a run's settings file: a few kB in practice
+MAX_NESTING = 64  # sections within sections of a YAML or JSON document (a config has 3-4)
+MAX_YAML_NODES = 100_000  # values of a YAML document with every alias expanded
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """``yaml.safe_load`` of ``text`` within limits: nesting deeper than :data:`MAX_NESTING`
+    (which would exhaust the interpreter's stack) and aliases that expand to more than
+    :data:`MAX_YAML_NODES` values (the "billion laughs", which would exhaust memory) are a
+    one-line ``UserError`` naming ``where``, refused before anything is built."""
+    import yaml
+
+    class _Limited(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):  # type: ignore[override]
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                mark = self.peek_event().start_mark
+                raise UserError(
+                    f"{where} nests deeper than {MAX_NESTING} levels (at line {mark.line + 1}); "
+                    "a config is a few sections deep: fix the file"
+                )
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    loader = _Limited(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expanded_size(node, where)
+            return loader.construct_document(node)
+        return None
+    finally:
+        loader.dispose()
+
+
+def _check_expanded_size(root: Any, where: str) -> None:
+    """Count the values of a composed YAML document as a reader that expands every alias sees
+    them; refuse past :data:`MAX_YAML_NODES` (counting stops there, so this is quick)."""
+    import yaml
+
+    count, stack = 0, [root]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_YAML_NODES:
+            raise UserError(
+                f"{where} expands to more than {MAX_YAML_NODES} values through its aliases (*name)"
+                " (a YAML 'billion laughs'); write the values out, or fix the file"
+            )
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                stack.extend((key, value))
+
+
+def check_json_depth(text: str | bytes, where: str, limit: int = MAX_NESTING) -> None:
+    """Refuse JSON nested deeper than ``limit`` (``json.loads`` would exhaust the stack: a
+    ``RecursionError``) with a one-line ``UserError`` naming ``where``. A scan of brackets
+    outside strings, linear in the text."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return
+    depth, in_string, escaped = 0, False, False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                raise UserError(f"{where} nests JSON deeper than {limit} levels; fix the file")
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+
+
+def loads_json(text: str | bytes, where: str) -> Any:
+    """``json.loads`` of text read from a file someone else may have written (a line of a
+    JSONL log): nesting past :data:`MAX_NESTING` and malformed JSON are a one-line
+    ``UserError`` naming ``where``."""
+    check_json_depth(text, where)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise UserError(
+            f"{where} is not valid JSON ({str(err).splitlines()[0][:120]}); fix or delete it"
+        ) from None
+
+
+def read_json_file(path: str | Path, what: str = "file") -> Any:
+    """The parsed content of a JSON file a run directory holds, within limits (size, nesting);
+    a missing, unreadable, oversized or malformed file is a one-line ``UserError`` naming it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise UserError(
+            f"{what} {path} is over {MAX_CONFIG_BYTES >> 20} MiB; not a file rredcot wrote"
+        )
+    check_json_depth(data, f"{what} {path}")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise UserError(
+            f"{what} {path} is not valid JSON ({str(err).splitlines()[0][:120]}); fix or delete it"
+        ) from None
 
 
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
@@ -227,6 +357,22 @@ def open_for_append(path: str | Path) -> int:
             f"{path} is a symbolic link; rredcot does not write through a link in a run "
             "directory: remove it (or replace it with the file itself)"
         ) from None
+
+
+def save_figure_atomic(fig: Any, path: str | Path, **savefig: Any) -> Path:
+    """``fig.savefig`` (PNG) through a temporary file (:func:`create_file`: a link planted there
+    is never followed) and a rename (a reader never sees half a picture); returns ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with os.fdopen(create_file(tmp), "wb") as fh:
+            fig.savefig(fh, format="png", **savefig)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    return path
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -240,6 +240,9 @@ def preset_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else _flag_value(value)
 
 
+CHOICE_FILE = "credit_choice.json"  # where a run saves what auto chose (runio.CREDIT_CHOICE)
+
+
 @dataclass(frozen=True)
 class CreditChoice:
     """What ``--credit auto`` chose and why (written to the run directory as
@@ -252,20 +255,92 @@ class CreditChoice:
     decided_by: str | None = None  # the measurement's source (MEASUREMENTS) that decided
 
     @classmethod
-    def read_dict(cls, data: dict[str, Any]) -> CreditChoice:
-        """A choice from its JSON (one written before ``decided_by`` existed too)."""
-        return cls(**{k: v for k, v in data.items() if k in _CHOICE_FIELDS})
+    def read_dict(cls, data: Any, where: str = CHOICE_FILE) -> CreditChoice:
+        """A saved choice (one written before ``decided_by`` existed too), checked as data from
+        a file someone else may have written: a mapping of the choice's own fields, a ``method``
+        that ``auto`` can choose, and ``settings`` that are plain values of credit fields, none
+        of which names code or a model to load (``process_reward.function``/``model``: only
+        ever given on the command line). Anything else is a one-line ``UserError`` naming
+        ``where``; nothing named in it is imported."""
+        return cls(**validate_saved_choice(data, where))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def read(cls, path: str | Path) -> CreditChoice:
-        """The choice a run wrote (``credit_choice.json``)."""
-        return cls.read_dict(json.loads(Path(path).read_text()))
+        """The choice a run wrote (``credit_choice.json``), checked by :meth:`read_dict`."""
+        from rredcot.config_io import read_json_file  # torch-free, but keep imports light
+
+        return cls.read_dict(read_json_file(path, "saved credit choice"), str(path))
 
 
 _CHOICE_FIELDS = ("method", "settings", "reason", "figures", "decided_by")
+_CODE_SETTINGS = ("process_reward.",)  # settings that name code or a model: never from a file
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def choosable_methods() -> list[str]:
+    """The methods ``auto`` can choose: GRPO and every measured row's method."""
+    return sorted({FALLBACK_METHOD, *(m.method for m in MEASUREMENTS)})
+
+
+def validate_saved_choice(data: Any, where: str = CHOICE_FILE) -> dict[str, Any]:
+    """The fields of a saved choice (see :meth:`CreditChoice.read_dict`), or a ``UserError``."""
+    from rredcot.config import CreditConfig  # lazy: the config module is heavier than this one
+    from rredcot.config_io import flatten, to_dict
+    from rredcot.errors import UserError
+
+    fix = "delete the file to choose again from a fresh run, or name --credit yourself"
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{where} holds a {type(data).__name__}, not a saved credit choice (a mapping of "
+            f"{', '.join(_CHOICE_FIELDS)}); {fix}"
+        )
+    unknown = sorted(str(k) for k in data if k not in _CHOICE_FIELDS)
+    if unknown:
+        raise UserError(
+            f"{where}: unknown field(s) {', '.join(unknown)[:200]}; a saved credit choice has "
+            f"{', '.join(_CHOICE_FIELDS)}; {fix}"
+        )
+    method = data.get("method")
+    allowed = choosable_methods()
+    if not isinstance(method, str) or method not in allowed:
+        raise UserError(
+            f"{where}: method {str(method)[:80]!r} is not one --credit auto chooses "
+            f"({', '.join(allowed)}); {fix}"
+        )
+    settings = data.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise UserError(f"{where}: settings must be a mapping of credit.<field> values; {fix}")
+    known = set(flatten(to_dict(CreditConfig())))
+    for key, value in settings.items():
+        key = str(key)
+        if key.startswith(_CODE_SETTINGS):
+            raise UserError(
+                f"{where}: settings name credit.{key[:80]}, which would load code or a model; "
+                "a saved choice never does: name it on the command line yourself "
+                f"(--credit.{key[:80]}) after reading that file, or delete the file"
+            )
+        if key not in known:
+            raise UserError(f"{where}: credit.{key[:80]} is not a credit setting; {fix}")
+        if not isinstance(value, _PLAIN):
+            raise UserError(
+                f"{where}: credit.{key} must be a plain value, got a {type(value).__name__}; {fix}"
+            )
+    figures = data.get("figures") or {}
+    if not isinstance(figures, dict):
+        raise UserError(f"{where}: figures must be a mapping; {fix}")
+    reason, decided = data.get("reason", ""), data.get("decided_by")
+    if not isinstance(reason, str) or not isinstance(decided, (str, type(None))):
+        raise UserError(f"{where}: reason and decided_by must be text; {fix}")
+    return {
+        "method": method,
+        "settings": dict(settings),
+        "reason": reason,
+        "figures": dict(figures),
+        "decided_by": decided,
+    }
 
 
 def group_outcomes(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
@@ -395,5 +470,7 @@ def apply_choice(cfg: Any, choice: CreditChoice) -> None:
         for part in path:
             target = getattr(target, part)
         if not hasattr(target, name):
-            raise AttributeError(f"credit.{dotted} is not a credit setting")
+            from rredcot.errors import UserError
+
+            raise UserError(f"credit.{dotted} is not a credit setting")
         setattr(target, name, value)

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rredcot.config import help_field, refuse_blank_path, refuse_non_finite
+from rredcot.config import (
+    help_field,
+    refuse_beyond_memory,
+    refuse_blank_path,
+    refuse_non_finite,
+)
 
 DEFAULT_UNCERTAIN_P = 0.5
 """A sampled token with ``p(y_t) < 0.5`` is an uncertain decision: the policy gave the token it
@@ -133,6 +138,18 @@ class DiagnoseConfig:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         self.group_size_list()  # a bad list is refused before any model loads
+        refuse_beyond_memory(
+            f"--prompts {self.prompts} x --samples {self.samples}",
+            self.prompts * self.samples,
+            self.max_new_tokens or 1,
+            "lower them",
+        )
+        refuse_beyond_memory(
+            f"--mc-traces {self.mc_traces} x --mc-k {self.mc_k}",
+            self.mc_traces * self.mc_k,
+            self.max_new_tokens or 1,
+            "lower them",
+        )
         if self.segmenter:  # and a misspelt strategy
             from rredcot.segment import get_segmenter  # lazy: as CreditConfig's check
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import load_yaml
+from rredcot.config_io import load_yaml, read_json_file
 from rredcot.credit_choice import check_method_name
 from rredcot.errors import UserError
 from rredcot.explain import SegmentCredit
@@ -124,8 +123,8 @@ def checkpoint_task(resolved: ResolvedCheckpoint) -> tuple[str, dict] | None:
         return cfg.task, dict(cfg.task_args)
     info = resolved.policy_dir / "warmstart.json"
     if info.exists():
-        data = json.loads(info.read_text())
-        if data.get("task"):
+        data = read_json_file(info, "warm-start record")  # size and nesting within limits
+        if isinstance(data, dict) and data.get("task"):
             return data["task"], dict(data.get("task_args") or {})
     return None
 
@@ -319,7 +318,9 @@ def explain_checkpoint(
     if getattr(args, "method", None) is None:  # the run's own method, else the value head
         args.method = saved[0] if saved is not None else "value_head"
     check_method_name(args.method, allow_auto=False)  # names and data before the model loads
-    read_task_data(task)
+    example = None if args.prompt else _saved_example(run_dir)
+    if example is None:  # a TRL run's saved example needs none of the task's data (the hub)
+        read_task_data(task)
     own_run = saved is not None and saved[0] == args.method
     credit_cfg, sampling = CreditConfig(), SamplingConfig()
     if own_run:
@@ -346,7 +347,7 @@ def explain_checkpoint(
             note = f" (head from {ckpt})"
         else:
             note = _untrained_note(args.method, run_dir, saved)
-    problem = _explain_problem(args, task)
+    problem = _explain_problem(args, task, example)
     torch.manual_seed(args.seed)
     batch, _ = build_rollout_batch(
         policy,
@@ -437,9 +438,17 @@ def _untrained_note(method_name: str, run_dir: Path | None, saved) -> str:
     return " (no hand-over yet)" if method_name == "answer_likelihood" else " (untrained head)"
 
 
-def _explain_problem(args: argparse.Namespace, task) -> Problem:
-    """``--prompt`` (with ``--answer``, else the answer the task works out, else a warning), or
-    the task's first evaluation problem for ``--seed``."""
+def _saved_example(run_dir) -> dict | None:
+    """The training row a TRL run saved (``rredcot_credit.json``'s ``example``), if any."""
+    trl = trl_settings_dir(run_dir) if run_dir is not None else None
+    settings = read_settings(trl) if trl is not None else None
+    return settings.example if settings is not None else None
+
+
+def _explain_problem(args: argparse.Namespace, task, example: dict | None = None) -> Problem:
+    """``--prompt`` (with ``--answer``, else the answer the task works out, else a warning),
+    the TRL run's saved training row (``example``), or the task's first evaluation problem for
+    ``--seed``."""
     answer = getattr(args, "answer", None)
     if args.prompt:
         text, guess = _reference_answer(task, args.prompt)
@@ -451,7 +460,10 @@ def _explain_problem(args: argparse.Namespace, task) -> Problem:
                 file=sys.stderr,
             )
         return problem
-    problem = task.eval_problems(1, seed=args.seed)[0]
+    if example is not None:
+        problem = Problem(example["prompt"], example["answer"])
+    else:
+        problem = task.eval_problems(1, seed=args.seed)[0]
     if answer is not None:
         problem = Problem(problem.prompt, answer, problem.meta)
     return problem

@@ -104,9 +104,15 @@ def build_tiny_llama(
     weights (used by the attention-attribution baseline) and costs nothing at this size.
     Initialisation uses its own RNG (`seed`) and leaves the global torch RNG untouched.
     """
-    if hidden_size % num_heads != 0:
+    if min(hidden_size, num_layers, num_heads) < 1:
         raise ValueError(
-            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
+            f"hidden_size ({hidden_size}), num_layers ({num_layers}) and num_heads ({num_heads}) "
+            "must be >= 1"
+        )
+    if hidden_size % num_heads != 0 or (hidden_size // num_heads) % 2:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) into "
+            "heads of even width (rotary positions rotate pairs of dimensions)"
         )
     ids = {k: getattr(tokenizer, f"{k}_token_id") for k in ("pad", "bos", "eos")}
     missing = [k for k, v in ids.items() if v is None]
@@ -328,7 +334,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike, log=None) -> str:
     return name
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     return (
         name.startswith(("/", "./", "../", "~", "\\"))
         or os.path.isabs(name)
@@ -364,7 +370,7 @@ def load_policy(
     torch_dtype = _as_dtype(dtype)  # bad names fail before any loading
     name = resolve_model_dir(name_or_path)
     expanded = os.path.expanduser(name)
-    if _looks_like_path(name) and not os.path.exists(expanded):
+    if looks_like_path(name) and not os.path.exists(expanded):
         raise FileNotFoundError(
             f"no model directory at {name!r}; pass a directory written by save_pretrained "
             "(e.g. the output of `rredcot sft`), a .gguf file, a hub model id or a shipped model "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from rredcot.config_io import create_file
+from rredcot.config_io import save_figure_atomic
 from rredcot.runio import CURVES, METRICS, PLOTS, MetricsLog, plot_file_name
 
 
@@ -32,11 +31,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out_dir / plot_file_name(key)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with os.fdopen(create_file(tmp), "wb") as fh:  # a link planted there: not followed
-            fig.savefig(fh, dpi=100, format="png")
-        os.replace(tmp, path)  # a reader never sees half a picture
-        plt.close(fig)
+        try:
+            path = save_figure_atomic(fig, out_dir / plot_file_name(key), dpi=100)
+        finally:
+            plt.close(fig)
         written.append(path)
     return written

@@ -161,7 +161,7 @@ class MetricsLog:
                 continue
             try:
                 record = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):  # nested past the stack
                 cut = not raw.endswith(b"\n")
                 unreadable.append((number, text, "cut short" if cut else "not JSON"))
                 continue
@@ -355,9 +355,11 @@ def is_rredcot_run(run_dir: str | Path) -> bool:
 
 def remove_run_files(run_dir: Path, names: list[str]) -> None:
     """Delete what a run wrote under ``names`` (of ``RUN_FILES``) and nothing else: in
-    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there, so a folder linked
-    there (``checkpoints`` on another disk) stays, emptied of the run; a link is removed, never
-    followed."""
+    ``checkpoints/`` and ``plots/`` only the entries rredcot writes there. A ``checkpoints``
+    linked to a folder elsewhere (another disk) keeps the link and loses only the run's own
+    checkpoints there (``step_N`` folders holding ``trainer_state.pt``, ``.tmp_step_N``
+    folders, ``latest``): a user's other ``step_*`` files or folders there stay. Any other
+    link is removed, never followed."""
     own_entries = {
         CHECKPOINTS: ("step_*", ".tmp_step_*", LATEST),
         PLOTS: tuple(plot_file_name(key) for key, _ in CURVES) + (".*.png.tmp",),
@@ -365,13 +367,29 @@ def remove_run_files(run_dir: Path, names: list[str]) -> None:
     for name in names:
         path = run_dir / name
         if name in own_entries and path.is_dir():
+            linked = path.is_symlink()
             for pattern in own_entries[name]:
                 for entry in path.glob(pattern):
-                    _remove(entry)
-            if not path.is_symlink() and not any(path.iterdir()):
+                    if not linked or _own_checkpoint_entry(entry):
+                        _remove(entry)
+            if not linked and not any(path.iterdir()):
                 path.rmdir()
         else:
             _remove(path)
+
+
+def _own_checkpoint_entry(entry: Path) -> bool:
+    """Whether ``entry`` of a linked ``checkpoints/`` is one rredcot writes: a ``step_N`` or
+    ``.tmp_step_N`` folder (``N`` digits; a ``step_N`` with its ``trainer_state.pt``), or the
+    ``latest`` file naming one."""
+    if entry.is_symlink():
+        return False
+    if entry.name == LATEST:
+        return entry.is_file() and entry.stat().st_size < 64
+    stem = entry.name.removeprefix(".tmp_").removeprefix("step_")
+    if not (entry.is_dir() and stem.isdigit()):
+        return False
+    return entry.name.startswith(".tmp_") or (entry / "trainer_state.pt").is_file()
 
 
 def _remove(path: Path) -> None:
@@ -501,8 +519,11 @@ def save_checkpoint(
     tmp = root / f".tmp_step_{step:06d}"
     tmp.mkdir()
     try:  # a failed write (a full disk) leaves no half checkpoint behind
-        model.save_pretrained(tmp / "policy")
-        tokenizer.save_pretrained(tmp / "policy")
+        try:
+            model.save_pretrained(tmp / "policy")
+            tokenizer.save_pretrained(tmp / "policy")
+        except Exception as err:
+            raise _write_failed(err, final / "policy") from None
         atomic_torch_save(state, tmp / "trainer_state.pt")
         write_manifest(tmp, step)
     except BaseException:
@@ -520,6 +541,19 @@ def save_checkpoint(
     return final
 
 
+def _write_failed(err: Exception, where: Path) -> Exception:
+    """A failed write of a checkpoint's policy as one line: safetensors reports a full disk or
+    a file-size limit as ``SafetensorError`` (its own type), transformers as ``OSError``;
+    anything else is a bug and keeps its traceback."""
+    text = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+    if isinstance(err, OSError) or type(err).__name__ == "SafetensorError":
+        return UserError(
+            f"{where}: could not be written ({text}); the run's last checkpoint is kept. Free "
+            "space (or raise the file-size limit), then resume with `rredcot train --resume`"
+        )
+    return err
+
+
 def verify_checkpoint(ckpt: str | Path) -> str | None:
     """Why checkpoint ``ckpt`` cannot be resumed from (``None`` if it can): a file missing, cut
     or changed against ``manifest.json``; without a manifest (older checkpoints), a file that
@@ -531,7 +565,7 @@ def verify_checkpoint(ckpt: str | Path) -> str | None:
     try:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
         entries = [(rel, int(info["size"]), str(info["sha256"])) for rel, info in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return f"{MANIFEST} is unreadable"
     if "trainer_state.pt" not in files:
         return "trainer_state.pt is not in the manifest"

@@ -15,6 +15,7 @@ import os
 import platform
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from rredcot.config import SFTConfig, cache_root
-from rredcot.config_io import save_yaml, to_dict
+from rredcot.config_io import brief, save_yaml, to_dict
 from rredcot.errors import UserError
 from rredcot.evaluation import greedy_accuracy
 from rredcot.models import (
@@ -181,6 +182,24 @@ def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Traine
     return done
 
 
+def _check_fits(cfg: SFTConfig, task: Task, tokenizer, positions: int) -> None:
+    """Refuse, before any training, a task whose prompts and gold traces (or prompts and
+    ``max_new_tokens``) are longer than the tiny model's ``positions``: a few problems tell."""
+    problems = task.train_problems(4, seed=cfg.seed)
+    longest = 0
+    for problem in problems:
+        prompt = len(tokenizer(render_prompt(problem, tokenizer))["input_ids"])
+        gold = task.gold_completion(problem) or ""
+        longest = max(longest, prompt + max(len(tokenizer(gold)["input_ids"]), cfg.max_new_tokens))
+    if longest > positions:
+        raise UserError(
+            f"task {cfg.task!r} with {brief(cfg.task_args, 80) if cfg.task_args else 'its defaults'}: a prompt and its trace "
+            f"take {longest} tokens, more than the tiny model's {positions} positions; lower the "
+            "task's size (e.g. --task.num_steps) or give a model that fits (--init / "
+            "--model.name_or_path)"
+        )
+
+
 def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     """Train, stop at the edge of competence, save model + tokenizer + ``warmstart.json``."""
     _check_out(Path(cfg.out))  # before minutes of training, not after
@@ -196,12 +215,29 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         num_heads=cfg.num_heads,
         seed=cfg.seed,
     )
+    _check_fits(cfg, task, tokenizer, model.config.max_position_embeddings)
     done = _train_to_band(cfg, model, tokenizer, task, log)
     out = Path(cfg.out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh folder of our own beside --out: never one that is there already (``ws.tmp`` may be
+    # the user's), so nothing but --out itself is replaced
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        _save_warmstart(cfg, model, tokenizer, done, tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info = json.loads((out / "warmstart.json").read_text())
+    log(
+        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {done.step} steps, "
+        f"{info['seconds']:.0f}s, greedy accuracy {done.accuracy:.1%} -> {out}"
+    )
+    return info
+
+
+def _save_warmstart(cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path) -> None:
+    """Write the warm-start into ``tmp``, then put it at ``out`` (an earlier warm-start there,
+    which ``_check_out`` allowed, is replaced)."""
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     info = {
@@ -218,14 +254,12 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     }
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     save_yaml(cfg, tmp / "sft_config.yaml")
-    if out.exists():
+    _check_out(out)  # still a warm-start (or nothing) after the minutes of training
+    if out.is_symlink():
+        out.unlink()  # a link is replaced, its target never emptied
+    elif out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    log(
-        f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {done.step} steps, "
-        f"{info['seconds']:.0f}s, greedy accuracy {done.accuracy:.1%} -> {out}"
-    )
-    return info
 
 
 def build_environment() -> dict[str, str]:

@@ -391,7 +391,17 @@ def _prompt_sets(
     cfg: TrainConfig, task: Task, policy, tokenizer, log
 ) -> tuple[list[Problem], list[Problem]]:
     """``(train_pool, eval_set)``: the task's problems for ``cfg.seed``, those that fit the
-    context with ``sampling.max_new_tokens`` new tokens."""
+    context with ``sampling.max_new_tokens`` new tokens. A context that cannot hold
+    ``max_new_tokens`` at all is refused before any problem is made (a task sized past the
+    model, ``--task.num_steps 100000``, took minutes to build its pool first)."""
+    limit = context_limit(policy)
+    if limit is not None and cfg.sampling.max_new_tokens >= limit:
+        raise ValueError(
+            f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} (the task's answer length "
+            f"where not given) leaves no room for a prompt in the policy's {limit} positions; "
+            "lower it, size the task down (e.g. --task.num_steps) or use a model with a longer "
+            "context"
+        )
     train_pool = task.train_problems(max(4096, cfg.prompts_per_step * 8), seed=cfg.seed)
     eval_set = task.eval_problems(cfg.eval_size, seed=cfg.seed)
     if not train_pool:

@@ -119,10 +119,7 @@ class Trainer:
         self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
         if cfg.references.mode != "off" and self.world > 1:
             self.release()
-            raise ValueError(
-                "references.mode runs in a single process for now (processes would run "
-                "different backward passes); launch one process or set references.mode off"
-            )
+            references.check_processes(self.world)
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""
@@ -170,7 +167,8 @@ class Trainer:
             )
             self.sink.log({"eval_accuracy": acc0}, 0)
         records = self.metrics.read()
-        start_acc = next((r["eval_accuracy"] for r in records if r.get("step") == 0), None)
+        # a step-0 record may lack the accuracy (its metrics lost: a deleted or garbled log)
+        start_acc = next((r.get("eval_accuracy") for r in records if r.get("step") == 0), None)
         last_acc = next(
             (r["eval_accuracy"] for r in reversed(records) if r.get("eval_accuracy") is not None),
             start_acc,
@@ -313,12 +311,12 @@ class Trainer:
     def _apply_saved_choice(self) -> None:
         """A resumed ``--credit auto`` run continues with what it chose at step 1."""
         saved = self.run_dir / runio.CREDIT_CHOICE
-        if not saved.exists():
+        if not saved.is_file():
             raise ValueError(
                 f"{self.run_dir} has no {runio.CREDIT_CHOICE}: a --credit auto run writes it at "
                 "step 1; resume it with its own config (rredcot train --resume RUN_DIR)"
             )
-        choice = CreditChoice.read(saved)
+        choice = CreditChoice.read(saved)  # checked: a method and plain settings, no code
         apply_choice(self.cfg, choice)
         self.log(f"credit auto: {choice.method}, as chosen at step 1 ({saved})")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,6 +307,15 @@ class MemoryBenchConfig:
                 "--steps and --prompts-per-step must be >= 1, --threads and "
                 "--micro-batch-tokens >= 0"
             )
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(
+                f"--timeout {self.timeout}: give the seconds each measurement may run (> 0)"
+            )
+        if not [m for m in self.methods.split(",") if m.strip()]:
+            raise ValueError("--methods names no credit method; give e.g. uniform,value_head")
+        if not [m for m in self.models.split(",") if m.strip()]:
+            raise ValueError("--models names no model; give e.g. tiny")
+        refuse_blank_path(self.out)
 
 
 def parse_trl_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -65,6 +65,7 @@ from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import SamplingConfig
+from rredcot.config_io import write_text_atomic
 from rredcot.credit_scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.explain import render_html
 from rredcot.explain_model import (
@@ -434,7 +435,7 @@ def _score_segmentation(
     if not examples:
         return results, summary, None
     page = out_dir / f"examples_{dir_name(seg_name)}.html"
-    page.write_text(render_html(_example_sections(traces, pages)), encoding="utf-8")
+    write_text_atomic(page, render_html(_example_sections(traces, pages)))  # no link followed
     return results, summary, page.name
 
 

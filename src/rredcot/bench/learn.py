@@ -56,7 +56,7 @@ from rredcot.bench.report import (
 from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
-from rredcot.config_io import load_yaml, resolve_config, to_dict
+from rredcot.config_io import load_yaml, loads_json, read_json_file, resolve_config, to_dict
 from rredcot.credit_choice import AUTO, CreditChoice, apply_choice
 from rredcot.loss import policy_loss
 from rredcot.rollout import policy_forward
@@ -155,7 +155,12 @@ class VarianceProbe:
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = self.path.read_text().splitlines()
+        return [
+            loads_json(line, f"{self.path} line {i}")
+            for i, line in enumerate(lines, 1)
+            if line.strip()
+        ]
 
     def maybe_measure(self, trainer: Trainer, final: bool = False) -> None:
         if trainer.method is None:  # --credit auto chooses at step 1: measured after it
@@ -293,7 +298,7 @@ def run_one(
     done = run_dir / RESULT
     if done.exists():
         log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
-        return json.loads(done.read_text())
+        return read_json_file(done, "a finished run's result")
     if (run_dir / "config.yaml").exists():  # an earlier call left this run unfinished
         if runio.latest_checkpoint(run_dir) is not None:
             tcfg.resume = str(run_dir)
@@ -430,7 +435,7 @@ def _grad_variance_summary(run_dirs: dict[int, Path]) -> dict[str, dict[str, flo
         if path.exists():
             for line in path.read_text().splitlines():
                 if line.strip():
-                    rec = json.loads(line)
+                    rec = loads_json(line, str(path))
                     variance.setdefault(f"{rec['fraction']:.3f}", {})[str(s)] = rec
     var_summary = {}
     for frac, by_seed in sorted(variance.items()):

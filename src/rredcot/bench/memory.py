@@ -30,6 +30,10 @@ import torch
 from rredcot.bench.configs import MemoryBenchConfig
 from rredcot.bench.report import markdown_table
 from rredcot.config import TrainConfig
+from rredcot.config_io import write_text_atomic
+from rredcot.credit_choice import check_method_name
+from rredcot.errors import UserError
+from rredcot.models import looks_like_path, shipped_model
 from rredcot.trainer import Trainer
 
 GIB = 1 << 30
@@ -161,7 +165,26 @@ def _cells(cfg: MemoryBenchConfig) -> list[tuple[str, str, int]]:
     return cells
 
 
+def check_cells(cfg: MemoryBenchConfig) -> None:
+    """Refuse, before any measurement, a method that is not a credit method and a model that
+    is a path with nothing there (a run would only write the error into the table)."""
+    for method in [m.strip() for m in cfg.methods.split(",") if m.strip()]:
+        try:
+            check_method_name(method, allow_auto=False)
+        except ValueError as err:
+            raise UserError(f"--methods {method}: {err}") from None
+    for model in [m.strip() for m in cfg.models.split(",") if m.strip()]:
+        if model == "tiny" or shipped_model(model) is not None:
+            continue
+        if looks_like_path(model) and not Path(os.path.expanduser(model)).exists():
+            raise UserError(
+                f"--models {model}: no such file or directory; give 'tiny', a shipped model "
+                "(e.g. smollm2-135m-instruct), a model directory or a hub id"
+            )
+
+
 def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict[str, Any]:
+    check_cells(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
@@ -241,17 +264,18 @@ def _write(out: Path, cfg: MemoryBenchConfig, results: list[dict[str, Any]]) -> 
         "peak / x1",
         "s/step",
     ]
-    (out / "memory.json").write_text(
-        json.dumps({"config": vars(cfg), "results": results}, indent=2) + "\n"
+    write_text_atomic(  # a link planted at either file is replaced, never written through
+        out / "memory.json", json.dumps({"config": vars(cfg), "results": results}, indent=2) + "\n"
     )
-    (out / "memory.md").write_text(
+    write_text_atomic(
+        out / "memory.md",
         "# Peak resident memory of RL steps (rredcot bench memory)\n\n"
         f"{cfg.steps} step(s) per process, prompts x {cfg.prompts_per_step} per scale, the "
         "defaults of rredcot train otherwise. setup: resident once the trainer is built; step "
         "peak: highest resident memory during the steps; process peak: ru_maxrss (loading "
         "included); peak / x1: step peak over the same method's at the default batch.\n\n"
         + markdown_table(header, rows)
-        + "\n"
+        + "\n",
     )
 
 

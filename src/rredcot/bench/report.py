@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rredcot.config_io import write_text_atomic
+from rredcot.config_io import save_figure_atomic, write_text_atomic
 
 
 def clean(value: Any) -> Any:
@@ -134,6 +134,8 @@ def plot_mean_std(
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=110)  # a link planted there: not followed
+    finally:
+        plt.close(fig)
     return path

@@ -103,8 +103,9 @@ def parse_variant(spec: str, allow_auto: bool = False) -> Variant:
         last = dotted
         overrides[dotted] = value.strip()
     name = name or (spec if overrides else method)
-    if not _NAME_RE.match(name.replace(":", "+").replace("=", "-")):
-        raise ValueError(f"variant name {name!r}: use letters, digits, _ . + -")
+    if not _NAME_RE.match(name.replace(":", "+").replace("=", "-")) or set(name) <= {"."}:
+        # '.' and '..' would name the runs folder itself or its parent
+        raise ValueError(f"variant name {name!r}: use letters, digits, _ . + - (and not only dots)")
     variant = Variant(name, method, overrides)
     variant.credit_config()  # fail now on bad credit values
     return variant
@@ -128,8 +129,9 @@ def parse_variants(specs: str | list[str], allow_auto: bool = False) -> list[Var
 
 
 def dir_name(name: str) -> str:
-    """A directory-safe form of a variant name."""
-    return re.sub(r"[^A-Za-z0-9_.+-]", "-", name.replace(":", "+"))
+    """A directory-safe form of a variant name (never ``.`` or ``..``)."""
+    safe = re.sub(r"[^A-Za-z0-9_.+-]", "-", name.replace(":", "+"))
+    return safe if set(safe) - {"."} else safe.replace(".", "-")
 
 
 def parse_set(pairs: list[str] | None) -> dict[str, str]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rredcot.config_io import read_json_file, save_figure_atomic, write_text_atomic
 from rredcot.diagnose.figures import KINDS
 
 # ---------------------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ class DiagnoseReport:
     @classmethod
     def from_json(cls, path: str | Path) -> DiagnoseReport:
         """A report read back from its ``diagnose.json`` (to redraw or compare it)."""
-        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+        return cls(**read_json_file(path, "diagnose report"))
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -61,9 +62,9 @@ class DiagnoseReport:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    """The run directory's writer: a link planted at the temporary or the file is replaced,
+    never written through."""
+    write_text_atomic(path, text)
 
 
 def _jsonable(x: Any) -> Any:
@@ -303,8 +304,8 @@ def plot_report(report: DiagnoseReport, path: str | Path) -> Path | None:
     fig.suptitle(f"rredcot diagnose: {report.verdict}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=100, format="png")
-    tmp.replace(path)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=100)  # a link planted there: not followed
+    finally:
+        plt.close(fig)
     return path

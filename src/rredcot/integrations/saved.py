@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import create_file, from_dict, to_dict
+from rredcot.config_io import create_file, from_dict, read_json_file, to_dict
 from rredcot.errors import UserError
 
 __all__ = [
@@ -38,8 +38,9 @@ class RunSettings:
     """The rredcot settings of a TRL run: ``credit_method``, ``credit`` (a
     :class:`CreditConfig`), ``task`` (name or None), ``task_args``, ``answer_column`` and
     ``sampling`` (a :class:`SamplingConfig` with TRL's temperature, top_p and
-    max_completion_length) and ``credit_choice`` (what ``auto`` chose, as
-    ``CreditChoice.to_json``; None for a named method)."""
+    max_completion_length), ``credit_choice`` (what ``auto`` chose, as
+    ``CreditChoice.to_json``; None for a named method) and ``example`` (a training row's prompt
+    and answer, the problem ``explain`` shows; None in runs saved before it)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class RunSettings:
         answer_column: str,
         sampling: SamplingConfig,
         credit_choice: dict | None = None,
+        example: dict | None = None,
     ) -> None:
         self.credit_method = credit_method
         self.credit = credit
@@ -58,6 +60,7 @@ class RunSettings:
         self.answer_column = answer_column
         self.sampling = sampling
         self.credit_choice = credit_choice
+        self.example = example
 
 
 def write_settings(directory: str | Path, settings: dict[str, Any]) -> Path:
@@ -82,8 +85,11 @@ def settings_dict(
     top_p: float,
     max_new_tokens: int,
     credit_choice: dict | None = None,
+    example: dict | None = None,
 ) -> dict[str, Any]:
-    """The JSON object :func:`write_settings` stores."""
+    """The JSON object :func:`write_settings` stores. ``example``: one training row's
+    ``{"prompt", "answer"}`` (text), the problem ``rredcot explain --run`` shows, so that
+    explaining a run never needs its task's data (a hub dataset offline)."""
     return {
         "credit_method": credit_method,
         "credit": to_dict(credit),
@@ -96,6 +102,7 @@ def settings_dict(
             "max_new_tokens": int(max_new_tokens),
         },
         "credit_choice": credit_choice,
+        "example": example,
     }
 
 
@@ -106,7 +113,7 @@ def read_settings(directory: str | Path) -> RunSettings | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json_file(path, "TRL run settings")  # size and nesting within limits
         if not isinstance(data, dict) or not isinstance(data.get("credit_method"), str):
             raise ValueError("no credit_method: not the settings RREDCoTGRPOTrainer writes")
         sampling = data.get("sampling") or {}
@@ -122,10 +129,18 @@ def read_settings(directory: str | Path) -> RunSettings | None:
                 max_new_tokens=int(sampling.get("max_new_tokens", 0)),
             ),
             credit_choice=data.get("credit_choice"),
+            example=_example(data.get("example")),
         )
     except (ValueError, TypeError, AttributeError, UnicodeDecodeError, UserError) as err:
         why = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         raise ValueError(f"{path} cannot be read as a TRL run's rredcot settings: {why}") from None
+
+
+def _example(value: Any) -> dict | None:
+    """A saved example: ``{"prompt": str, "answer": str}``, or None (absent or malformed)."""
+    if isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("prompt", "answer")):
+        return {"prompt": value["prompt"], "answer": value["answer"]}
+    return None
 
 
 def latest_trl_checkpoint(output_dir: str | Path) -> Path | None:

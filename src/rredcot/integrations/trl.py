@@ -95,6 +95,7 @@ from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.integrations.saved import (
     CREDIT_STATE_FILE,
+    SETTINGS_FILE,
     read_settings,
     settings_dict,
     write_settings,
@@ -731,11 +732,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         mode = self.args.references_config.mode
         if mode == "off":
             return
-        if self.collective.world > 1:
-            raise ValueError(
-                "references.mode runs in a single process for now (processes would run "
-                "different backward passes); launch one process or set references.mode off"
-            )
+        references.check_processes(self.collective.world)
         data, column = self.train_dataset, self.args.answer_column
         if data is None:
             return
@@ -1362,6 +1359,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 args.top_p,
                 args.max_completion_length,
                 credit_choice=None if self.credit_choice is None else self.credit_choice.to_json(),
+                example=self._example(),
             ),
         )
         state = method.state_dict()
@@ -1374,6 +1372,20 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         tmp.replace(path)
         return path
 
+    def _example(self) -> dict | None:
+        """The first training row's prompt and answer as text (``rredcot explain --run`` shows
+        it, and so needs none of the task's data); None where the prompt is not plain text."""
+        if self.task is None:
+            return None
+        try:
+            row = self.train_dataset[0]
+            problem = self._problem(dict(row))
+        except Exception:  # noqa: BLE001 - an iterable or empty dataset: nothing recorded
+            return None
+        if not isinstance(problem.prompt, str) or not problem.prompt or not problem.answer:
+            return None
+        return {"prompt": problem.prompt, "answer": str(problem.answer)}
+
     def load_credit_state(self, checkpoint_dir: str | Path) -> bool:
         """Read ``value_head.pt`` from a checkpoint or model directory; False if it has none.
         With ``auto`` not yet chosen, the checkpoint's choice (``rredcot_credit.json``) is used,
@@ -1382,7 +1394,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             saved = read_settings(checkpoint_dir)
             if saved is None or not saved.credit_choice:
                 return False  # nothing chosen there: the first generation batch chooses
-            self._use_choice(CreditChoice(**saved.credit_choice), saved.credit)
+            where = f"{Path(checkpoint_dir) / SETTINGS_FILE} (credit_choice)"
+            choice = CreditChoice.read_dict(saved.credit_choice, where)  # names no code
+            self._check_saved_code(saved.credit, Path(checkpoint_dir) / SETTINGS_FILE)
+            self._use_choice(choice, saved.credit)
         path = Path(checkpoint_dir) / CREDIT_STATE_FILE
         if not path.exists():
             return False
@@ -1396,6 +1411,20 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             )
         self.credit_method.load_state_dict(saved["state"])
         return True
+
+    def _check_saved_code(self, saved: CreditConfig, path: Path) -> None:
+        """A checkpoint's saved credit config may name a process-reward function or model only
+        where this trainer's own ``credit`` names the same: reading a checkpoint never imports
+        code or loads a model that the checkpoint alone names."""
+        mine = self.args.credit_config.process_reward
+        for name in ("function", "model"):
+            theirs = getattr(saved.process_reward, name)
+            if theirs and theirs != getattr(mine, name):
+                raise UserError(
+                    f"{path} names credit.process_reward.{name}={theirs[:120]!r}, which resuming "
+                    "would load; rredcot never loads code or a model a checkpoint names: read "
+                    f"that file, then give it yourself (credit.process_reward.{name}) to allow it"
+                )
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)

@@ -210,6 +210,8 @@ def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
                 continue
             try:
                 obj = json.loads(line)
+            except RecursionError:
+                raise DataError(f"{where} nests JSON too deeply to read; fix the file") from None
             except json.JSONDecodeError as e:
                 raise DataError(
                     f"{where} is not valid JSON ({e.msg} at column {e.colno}); each line must be "
@@ -234,6 +236,8 @@ def _read_json(path: Path, limit: int | None) -> list[Row]:
         ) from None
     try:
         obj = json.loads(text)
+    except RecursionError:
+        raise DataError(f"{path} nests JSON too deeply to read; fix the file") from None
     except json.JSONDecodeError:
         return _read_jsonl(path, limit)  # JSON lines saved as .json
     if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), list):
@@ -406,10 +410,22 @@ def _field_text(where: str, row: dict, name: str, param: str) -> str:
         raise DataError(
             f"{where}: field {name!r} is {json.dumps(value)[:60]}, expected text or a number"
         )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DataError(f"{where}: field {name!r} is {value}, not a number a trace can reach")
     text = str(value)
     if not text.strip():
         raise DataError(f"{where}: field {name!r} is empty")
+    if len(text) > MAX_FIELD_CHARS:
+        raise DataError(
+            f"{where}: field {name!r} has {len(text):,} characters, more than any model's context "
+            f"({MAX_FIELD_CHARS:,} at most); fix or drop that row"
+        )
     return text
+
+
+MAX_FIELD_CHARS = 200_000
+"""Longest question or answer read (a long-context model's window is ~128k tokens); a longer one
+is refused as it is read, not after minutes of tokenising."""
 
 
 def _clip(text: str, n: int = 60) -> str:
