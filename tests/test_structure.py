@@ -154,3 +154,102 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert unmarked_lazy_imports(pkg / "b.py", pkg) == [
         "rredcot/b.py:2 in _own(): from rredcot.b import _own"
     ]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(package: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions (methods too) longer than ``limit`` lines, decorators included."""
+    found = []
+    for path in _modules(package):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = node.end_lineno - start + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(package.parent)}:{start} {node.name} {lines}")
+    return found
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the rredcot modules it imports (at any level, function bodies included)."""
+    paths = _modules(package)
+    names = {_module_name(p, package) for p in paths}
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        module = _module_name(path, package)
+        edges = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for target in _imported(node, module, path.name == "__init__.py"):
+                if isinstance(node, ast.ImportFrom):  # `from pkg import module` names a module
+                    subs = {f"{target}.{a.name}" for a in node.names} & names
+                    edges |= subs or ({target} & names)
+                elif target in names:
+                    edges.add(target)
+        edges.discard(module)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph`` (one path per strongly connected set of two or more modules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                top = stack.pop()
+                members.append(top)
+                if top == node:
+                    break
+            if len(members) > 1:
+                cycles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def _is_package_face(module: str, package: Path = PACKAGE) -> bool:
+    """A package's ``__init__`` re-exports its modules: the package and its modules import each
+    other only through it (``rredcot.methods`` and ``rredcot.methods.base``)."""
+    path = package.parent.joinpath(*module.split("."), "__init__.py")
+    return path.exists()
+
+
+def test_no_function_is_longer_than_80_lines():
+    assert long_functions() == []
+
+
+def test_no_import_loop_between_modules():
+    graph = {
+        m: {t for t in targets if not _is_package_face(t)}
+        for m, targets in import_graph().items()
+        if not _is_package_face(m)
+    }
+    assert import_cycles(graph) == []
+
+
+def test_the_length_and_loop_checks_find_what_they_look_for(tmp_path):
+    pkg = tmp_path / "rredcot"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from rredcot.b import g\n" + "    x = 1\n" * 80)
+    (pkg / "b.py").write_text("from rredcot import a\n\ndef g():\n    pass\n")
+    assert [line.split()[1:] for line in long_functions(pkg)] == [["f", "82"]]
+    assert import_cycles(import_graph(pkg)) == [["rredcot.a", "rredcot.b"]]

@@ -933,7 +933,8 @@ class TrainConfig:
         "Credit method: auto, uniform, value_head, answer_likelihood, continuation_likelihood, "
         "process_reward, monte_carlo, gradient, attention, first_last. auto chooses "
         "from step 1's own batch (nothing sampled extra): a method measured ahead of GRPO per "
-        "second on a testbed like the run's (rredcot.credit_choice.MEASUREMENTS), else uniform "
+        "second on a testbed and a model like the run's (rredcot/measurements/credit_auto.json), "
+        "else uniform "
         "(no method is yet: auto runs uniform on the measured testbeds); the choice and its "
         "figures are logged and written to the run's credit_choice.json, and config.yaml holds "
         "the chosen method (docs/diagnose.md).",

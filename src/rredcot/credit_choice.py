@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rredcot.config_io import read_json_file
+from rredcot.errors import UserError
+
 if TYPE_CHECKING:  # torch-free at import: the CLI's flags and the bench's specs read this module
     import torch
 
@@ -270,7 +273,6 @@ class CreditChoice:
     @classmethod
     def read(cls, path: str | Path) -> CreditChoice:
         """The choice a run wrote (``credit_choice.json``), checked by :meth:`read_dict`."""
-        from rredcot.config_io import read_json_file  # torch-free, but keep imports light
 
         return cls.read_dict(read_json_file(path, "saved credit choice"), str(path))
 
@@ -289,7 +291,6 @@ def validate_saved_choice(data: Any, where: str = CHOICE_FILE) -> dict[str, Any]
     """The fields of a saved choice (see :meth:`CreditChoice.read_dict`), or a ``UserError``."""
     from rredcot.config import CreditConfig  # lazy: the config module is heavier than this one
     from rredcot.config_io import flatten, to_dict
-    from rredcot.errors import UserError
 
     fix = "delete the file to choose again from a fresh run, or name --credit yourself"
     if not isinstance(data, dict):
@@ -470,7 +471,5 @@ def apply_choice(cfg: Any, choice: CreditChoice) -> None:
         for part in path:
             target = getattr(target, part)
         if not hasattr(target, name):
-            from rredcot.errors import UserError
-
             raise UserError(f"credit.{dotted} is not a credit setting")
         setattr(target, name, value)

@@ -519,6 +519,26 @@ class Trainer:
                 )
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
+    def _plan_micros(self, batch: RolloutBatch, rows, advantages, ref_logprobs, loss_forward):
+        """``(live rows, micro-batches)``: the rows with a gradient and, per micro-batch, its rows
+        and the response columns it forwards (``grad_accumulation`` chunks, each split to fit
+        ``micro_batch_tokens``; one chunk per ``loss_forward`` already run)."""
+        if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
+            live = rows
+            columns = torch.full((len(rows),), loss_forward.logprobs.shape[1], device=self.device)
+        else:
+            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
+            live, columns = rows[columns > 0], columns[columns > 0]
+        micros = []  # (rows, response columns)
+        chunks = torch.arange(len(live)).chunk(self.cfg.grad_accumulation) if len(live) else ()
+        for chunk in chunks:
+            chunk = chunk.to(self.device)
+            parts = [chunk] if loss_forward is not None else None
+            if parts is None:
+                parts = self._micro_batches(batch, chunk, columns[chunk])
+            micros += [(live[part], int(columns[part].max())) for part in parts]
+        return live, micros
+
     def _minibatch_step(
         self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
     ) -> dict[str, float]:
@@ -529,19 +549,7 @@ class Trainer:
         cfg = self.cfg
         rows = rows.to(self.device)
         num_tokens = float(batch.response_mask[rows].sum())
-        if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
-            live = rows
-            columns = torch.full((len(rows),), loss_forward.logprobs.shape[1], device=self.device)
-        else:
-            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
-            live, columns = rows[columns > 0], columns[columns > 0]
-        micros = []  # (rows, response columns): grad_accumulation chunks, in micro-batches
-        for chunk in torch.arange(len(live)).chunk(cfg.grad_accumulation) if len(live) else ():
-            chunk = chunk.to(self.device)
-            parts = [chunk] if loss_forward is not None else None
-            if parts is None:
-                parts = self._micro_batches(batch, chunk, columns[chunk])
-            micros += [(live[part], int(columns[part].max())) for part in parts]
+        live, micros = self._plan_micros(batch, rows, advantages, ref_logprobs, loss_forward)
         live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c in micros)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {

@@ -459,11 +459,7 @@ def diagnose(
         f"{s['temperature']:g}, {s['max_new_tokens']} new tokens, segmenter {segmenter.strategy}"
     )
     m = _measure(policy, tokenizer, task, problems, segmenter, wanted, sizes, cfg, s, log)
-    # what the verdict's recommendations were measured on: the task, the policy's kind
-    # (credit_choice.policy_figures: a character model or a language model), reference solutions
-    headline = {**_headline(m, cfg.uncertain_p), **policy_figures(policy, tokenizer)}
-    headline["task"] = task.name
-    headline["has_references"] = all(task.gold_completion(p) is not None for p in problems)
+    headline = _run_headline(m, cfg, policy, tokenizer, task, problems)
     head, reasons = verdict(headline)
     settings = {
         "policy": source or getattr(getattr(policy, "config", None), "_name_or_path", ""),
@@ -499,6 +495,15 @@ def diagnose(
         reasons=reasons,
         headline=headline,
     )
+
+
+def _run_headline(m, cfg: DiagnoseConfig, policy, tokenizer, task: Task, problems) -> dict:
+    """The verdict's figures, and what its recommendations were measured on: the task, the
+    policy's kind (``credit_choice.policy_figures``) and whether it has reference solutions."""
+    headline = {**_headline(m, cfg.uncertain_p), **policy_figures(policy, tokenizer)}
+    headline["task"] = task.name
+    headline["has_references"] = all(task.gold_completion(p) is not None for p in problems)
+    return headline
 
 
 @dataclass
