@@ -278,3 +278,23 @@ def test_bench_memory_keeps_the_peak_so_far_of_a_step_that_runs_out_of_time(tmp_
     assert result["error"].startswith("timed out after 40 s after "), result
     assert "step peak so far" in result["error"]
     assert 0 < result["setup_rss"] <= result["partial_step_peak_rss"] < 8 * GIB
+
+
+def test_bench_memory_fails_when_a_measurement_fails(tmp_path, monkeypatch):
+    # a measurement that fails at run time (not a timeout, which is a measured lower bound)
+    # is written to the table and the command fails, naming it
+    import rredcot.bench.memory as memory
+    from rredcot.bench.configs import MemoryBenchConfig
+    from rredcot.errors import UserError
+
+    outcomes = iter([{"error": "exit 1: OSError: no model"}, {"error": "timed out after 5 s"}])
+    monkeypatch.setattr(memory, "_run_child", lambda spec, timeout: next(outcomes))
+    cfg = MemoryBenchConfig(
+        methods="uniform,value_head", models="tiny", scales="1", out=str(tmp_path / "m")
+    )
+    with pytest.raises(UserError, match="1 of 2 measurements failed.*uniform: exit 1: OSError"):
+        memory.run_memory_bench(cfg, log=lambda *_: None)
+    table = (tmp_path / "m" / "memory.md").read_text()
+    assert "exit 1: OSError: no model" in table and "timed out after 5 s" in table
+    outcomes = iter([{"error": "timed out after 5 s"}] * 2)  # timeouts alone: no failure
+    memory.run_memory_bench(cfg, log=lambda *_: None)

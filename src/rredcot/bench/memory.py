@@ -212,6 +212,13 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict[str, Any]:
             results.append(result)
             log(_line(result))
             _write(out, cfg, results)
+    failed = [r for r in results if "error" in r and not r["error"].startswith("timed out")]
+    if failed:  # written to the table, and the command fails (a timeout is a measured bound)
+        first = failed[0]
+        raise UserError(
+            f"bench memory: {len(failed)} of {len(results)} measurements failed (the errors are "
+            f"in {out / 'memory.md'}); first: {first['model']} {first['method']}: {first['error']}"
+        )
     return {"results": results}
 
 
