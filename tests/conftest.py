@@ -190,3 +190,37 @@ def reset_accelerator_state():
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def one_line_error(argv, capsys) -> str:
+    """Run the CLI on ``argv``: it must exit 2 with exactly one ``rredcot: error:`` line and no
+    traceback (transformers' own progress bars may come first); returns that line."""
+    from rredcot.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+@pytest.fixture(scope="session")
+def uniform_micro_run(init_dir, tmp_path_factory):
+    """A finished 2-step uniform micro run, checkpointed every step (copy it with run_copy)."""
+    from rredcot.trainer import Trainer
+
+    run = tmp_path_factory.mktemp("uniform_micro") / "run"
+    cfg = micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0)
+    Trainer(cfg, log=lambda *_: None).train()
+    return run
+
+
+@pytest.fixture
+def run_copy(uniform_micro_run, tmp_path):
+    """A copy of the uniform micro run that a test may change."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(uniform_micro_run, copy)
+    return copy

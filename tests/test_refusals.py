@@ -14,35 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import micro_config
+from conftest import micro_config, one_line_error
 from rredcot import runio
 from rredcot.cli import main
 from rredcot.trainer import Trainer
 
 QUIET = {"log": lambda *_: None}
-
-
-@pytest.fixture(scope="module")
-def micro_run(init_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("refusals") / "run"
-    Trainer(micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0), **QUIET).train()
-    return run
-
-
-@pytest.fixture
-def run_copy(micro_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(micro_run, copy)
-    return copy
-
-
-def _one_line_error(argv, capsys) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,14 +32,14 @@ def test_a_yaml_billion_laughs_is_refused_in_one_line(tmp_path, capsys):
         lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
     config = tmp_path / "lol.yaml"
     config.write_text("\n".join(lines) + "\n")
-    err = _one_line_error(["train", "--config", str(config)], capsys)
+    err = one_line_error(["train", "--config", str(config)], capsys)
     assert "lol.yaml" in err and "aliases" in err
 
 
 def test_yaml_nested_deeper_than_the_stack_is_refused_in_one_line(tmp_path, capsys):
     config = tmp_path / "deep.yaml"
     config.write_text("steps: " + "[" * 10_000 + "]" * 10_000 + "\n")
-    err = _one_line_error(["train", "--config", str(config)], capsys)
+    err = one_line_error(["train", "--config", str(config)], capsys)
     assert "deep.yaml" in err and "nests deeper" in err
 
 
@@ -91,7 +68,7 @@ def test_yaml_aliases_within_the_limit_still_load():
     ],
 )
 def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path, capsys, argv, flag):
-    err = _one_line_error([*argv, "--out", str(tmp_path / "out")], capsys)
+    err = one_line_error([*argv, "--out", str(tmp_path / "out")], capsys)
     assert flag in err and "GiB" in err, err
     assert not (tmp_path / "out").exists()
 
@@ -99,18 +76,18 @@ def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path, capsys, arg
 def test_an_eval_size_beyond_memory_in_a_config_file_is_refused(tmp_path, capsys):
     config = tmp_path / "big.yaml"
     config.write_text("eval_size: 1000000000000\n")
-    err = _one_line_error(["train", "--config", str(config), "--out", str(tmp_path / "o")], capsys)
+    err = one_line_error(["train", "--config", str(config), "--out", str(tmp_path / "o")], capsys)
     assert "eval_size=1000000000000" in err and "GiB" in err
 
 
 def test_sft_refuses_a_zero_width_model(tmp_path, capsys):
-    err = _one_line_error(["sft", "--hidden_size", "0", "--out", str(tmp_path / "ws")], capsys)
+    err = one_line_error(["sft", "--hidden_size", "0", "--out", str(tmp_path / "ws")], capsys)
     assert "hidden_size=0" in err
 
 
 def test_a_task_longer_than_the_tiny_model_is_refused_before_the_warm_start(tmp_path, capsys):
     argv = ["sft", "--task.num_steps", "1000", "--out", str(tmp_path / "ws"), "--progress", "0"]
-    err = _one_line_error(argv, capsys)
+    err = one_line_error(argv, capsys)
     assert "256 positions" in err and "num_steps" in err
     assert not (tmp_path / "ws").exists()
 
@@ -132,7 +109,7 @@ def test_bad_data_rows_are_refused_in_one_line(tmp_path, capsys, line, expected)
     data = tmp_path / "train.jsonl"
     data.write_text(line + "\n")
     argv = ["train", "--task", "dataset", "--task.data", str(data), "--task.answer_format", "raw"]
-    err = _one_line_error([*argv, "--out", str(tmp_path / "run")], capsys)
+    err = one_line_error([*argv, "--out", str(tmp_path / "run")], capsys)
     assert "train.jsonl line 1" in err and expected in err, err
 
 
@@ -164,13 +141,13 @@ def test_a_trainer_state_that_cannot_be_resumed_is_one_line(run_copy, capsys, st
         state["step"] = -5
     torch.save(state, ckpt / "trainer_state.pt")
     runio.write_manifest(ckpt, 2)  # a consistent manifest: the checkpoint verifies
-    err = _one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    err = one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
     assert "trainer_state.pt" in err and expected in err, err
 
 
 def test_resume_given_an_empty_path_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    err = _one_line_error(["train", "--resume", ""], capsys)
+    err = one_line_error(["train", "--resume", ""], capsys)
     assert "resume=''" in err
     assert list(tmp_path.iterdir()) == []
 
@@ -300,7 +277,7 @@ def test_trl_settings_nested_past_the_stack_are_one_line(init_dir, tmp_path, cap
     (out / "rredcot_credit.json").write_text(
         '{"credit_method": ' + "[" * 100_000 + "]" * 100_000 + "}"
     )
-    err = _one_line_error(["explain", "--run", str(out), "--samples", "2"], capsys)
+    err = one_line_error(["explain", "--run", str(out), "--samples", "2"], capsys)
     assert "rredcot_credit.json" in err and "nests JSON deeper" in err
 
 
@@ -316,7 +293,7 @@ def test_resume_with_the_metrics_log_linked_to_an_outside_file(run_copy, tmp_pat
 
 def test_a_tiny_model_with_odd_head_width_is_refused_in_one_line(tmp_path, capsys):
     argv = ["sft", "--hidden_size", "6", "--num_heads", "2", "--out", str(tmp_path / "ws")]
-    assert "even" in _one_line_error(argv, capsys)
+    assert "even" in one_line_error(argv, capsys)
     from rredcot.models import build_char_tokenizer, build_tiny_llama
 
     with pytest.raises(ValueError, match="even width"):

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import micro_config
+from conftest import micro_config, one_line_error
 from rredcot import runio
-from rredcot.cli import main
 from rredcot.trainer import Trainer
 
 QUIET = {"log": lambda *_: None}
@@ -60,16 +59,6 @@ def _plant_payload(ckpt: Path, marker: Path, *, manifest: bool = True) -> None:
     assert not marker.exists()
 
 
-def _one_line_error(argv, capsys) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    # transformers' own "Loading weights" bar may come first; the error is one line, no traceback
-    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
-
-
 def test_trainer_state_is_plain_data(value_run):
     path = value_run / "checkpoints" / "step_000002" / "trainer_state.pt"
     assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []
@@ -96,7 +85,7 @@ def test_a_payload_does_not_run_on_explain_or_resume(
         "train --resume": ["train", "--resume", str(run_copy)],
     }
     for name, argv in commands.items():
-        err = _one_line_error([*argv, "--no-color"] if argv[0] == "explain" else argv, capsys)
+        err = one_line_error([*argv, "--no-color"] if argv[0] == "explain" else argv, capsys)
         assert not marker.exists(), f"{name}: the payload ran"
         assert "could run code" in err, (name, err)
         if manifest:  # with its checksums in order, the loader itself names the refused object

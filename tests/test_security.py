@@ -14,28 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import micro_config
+from conftest import one_line_error
 from rredcot.cli import main
 from rredcot.config import TrainConfig
 from rredcot.config_io import resume_config
 from rredcot.errors import UserError
-from rredcot.trainer import Trainer
 
 QUIET = {"log": lambda *_: None}
-
-
-@pytest.fixture(scope="module")
-def uniform_run(init_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("security") / "run"
-    Trainer(micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0), **QUIET).train()
-    return run
-
-
-@pytest.fixture
-def run_copy(uniform_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(uniform_run, copy)
-    return copy
 
 
 def _payload(tmp_path: Path) -> tuple[str, Path]:
@@ -58,15 +43,6 @@ def _name_function(run: Path, spec: str) -> None:
     (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _one_line_error(argv, capsys) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # a function a run names is not imported by reading or resuming it
 
@@ -81,7 +57,7 @@ def test_explain_and_resume_do_not_import_a_function_the_run_names(run_copy, tmp
         "train --resume": ["train", "--resume", str(run_copy), "--steps", "3"],
     }
     for name, argv in commands.items():
-        err = _one_line_error(argv, capsys)
+        err = one_line_error(argv, capsys)
         assert not marker.exists(), f"{name}: the run's function was imported"
         assert spec in err and "--credit.process_reward.function" in err, (name, err)
 
@@ -119,7 +95,7 @@ def test_explain_does_not_import_a_function_a_trl_run_names(init_dir, tmp_path, 
         "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16},
     }
     (out / "rredcot_credit.json").write_text(json.dumps(settings))
-    err = _one_line_error(["explain", "--run", str(out), "--samples", "2", "--no-color"], capsys)
+    err = one_line_error(["explain", "--run", str(out), "--samples", "2", "--no-color"], capsys)
     assert not marker.exists(), "the TRL run's function was imported"
     assert "rredcot_credit.json" in err and spec in err
 
@@ -235,7 +211,7 @@ def test_a_link_a_run_would_write_through_is_refused(run_copy, tmp_path, capsys,
     (run_copy / name).symlink_to(target)
     with open(run_copy / "metrics.jsonl", "a") as fh:
         fh.write("{garbled\n")
-    err = _one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    err = one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
     assert "symbolic link" in err and name in err, err
     assert target.read_text() == "precious: not rredcot's"
 
@@ -326,7 +302,7 @@ def test_a_policy_whose_weights_would_run_code_is_refused_in_one_line(init_dir, 
     (policy / "model.safetensors").unlink()
     torch.save({**weights, "evil": _Payload(marker)}, policy / "pytorch_model.bin")
     argv = ["explain", "--checkpoint", str(policy), "--samples", "2", "--no-color"]
-    err = _one_line_error(argv, capsys)
+    err = one_line_error(argv, capsys)
     assert not marker.exists()
     assert "could run code" in err and "builtins.exec" in err and str(policy) in err, err
 
@@ -339,7 +315,7 @@ def test_a_trl_value_head_that_would_run_code_is_refused_in_one_line(init_dir, t
     record = {"credit_method": "value_head", "state": {"note": _Payload(marker)}}
     torch.save(record, out / "value_head.pt")
     argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
-    err = _one_line_error(argv, capsys)
+    err = one_line_error(argv, capsys)
     assert not marker.exists()
     assert "value_head.pt" in err and "could run code" in err, err
 
@@ -352,11 +328,11 @@ def test_a_cut_trl_value_head_is_refused_in_one_line(init_dir, tmp_path, capsys)
     data = (out / "v.pt").read_bytes()
     (out / "value_head.pt").write_bytes(data[: len(data) // 2])
     argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
-    err = _one_line_error(argv, capsys)
+    err = one_line_error(argv, capsys)
     assert "value_head.pt" in err and "cannot be read" in err, err
     bench = ["bench", "credit", "--checkpoint", str(out), "--run", str(out)]
     bench += ["--methods", "value_head", "--out", str(tmp_path / "bench")]
-    err = _one_line_error(bench, capsys)  # before sampling and the ground truth
+    err = one_line_error(bench, capsys)  # before sampling and the ground truth
     assert "value_head.pt" in err and "cannot be read" in err, err
     assert not (tmp_path / "bench" / "credit.json").exists()
 
@@ -368,7 +344,7 @@ def test_malformed_trl_settings_are_refused_naming_the_file(init_dir, tmp_path, 
     out = _trl_output(init_dir, tmp_path / "trl_out")
     (out / "rredcot_credit.json").write_text(text)
     argv = ["explain", "--run", str(out), "--samples", "2", "--no-color"]
-    err = _one_line_error(argv, capsys)
+    err = one_line_error(argv, capsys)
     assert str(out / "rredcot_credit.json") in err, err
 
 
@@ -379,6 +355,6 @@ def test_an_error_quoting_a_linked_config_yaml_does_not_dump_its_target(tmp_path
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").symlink_to(secret)
-    err = _one_line_error(["train", "--resume", str(run)], capsys)
+    err = one_line_error(["train", "--resume", str(run)], capsys)
     assert len(err) < 300 and err.count("secret line") < 10, err
     assert str(run / "config.yaml") in err, err

@@ -12,27 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import micro_config
+from conftest import one_line_error
 from rredcot.cli import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
-from rredcot.trainer import Trainer
 
 QUIET = {"log": lambda *_: None}
-
-
-@pytest.fixture(scope="module")
-def uniform_run(init_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("untrusted") / "run"
-    Trainer(micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0), **QUIET).train()
-    return run
-
-
-@pytest.fixture
-def run_copy(uniform_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(uniform_run, copy)
-    return copy
 
 
 def _payload(tmp_path: Path) -> tuple[str, Path]:
@@ -45,15 +30,6 @@ def _payload(tmp_path: Path) -> tuple[str, Path]:
         "    return [0.5] * len(ends)\n"
     )
     return f"{evil}:score", marker
-
-
-def _one_line_error(argv, capsys) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("rredcot: error: ")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
 
 
 def _make_auto(run: Path, choice) -> None:
@@ -106,7 +82,7 @@ def test_resume_refuses_a_saved_choice_that_names_code_or_is_malformed(
     spec, marker = _payload(tmp_path)
     choice, expected = _choices(spec, str(init_dir))[case]
     _make_auto(run_copy, choice)
-    err = _one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    err = one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
     assert not marker.exists(), "the saved choice's function was imported"
     assert "credit_choice.json" in err and expected in err, err
 
@@ -237,7 +213,7 @@ def test_bench_memory_does_not_write_through_a_planted_link(tmp_path):
 def test_bench_memory_refuses_what_cannot_run_before_measuring(tmp_path, capsys, argv, expected):
     base = ["bench", "memory", "--models", "tiny", "--methods", "uniform", "--scales", "1"]
     out = ["--out", str(tmp_path / "mem")] if "--out" not in argv else []
-    err = _one_line_error([*base, *out, *argv], capsys)
+    err = one_line_error([*base, *out, *argv], capsys)
     assert expected in err, err
     assert not (tmp_path / "mem").exists()
 
