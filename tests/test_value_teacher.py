@@ -4,6 +4,7 @@ use the head alone and cost no extra forward."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -157,3 +158,18 @@ def test_the_step_count_survives_a_resume(policy, char_tokenizer, task, batch):
     again = _teacher_head(policy, char_tokenizer, task, every=3)
     again.load_state_dict(head.state_dict())
     assert again.steps == 1 and not again.teacher_due
+
+
+def test_a_training_run_bills_the_teacher_on_its_steps_only(init_dir, tmp_path):
+    from conftest import micro_config
+    from rredcot.trainer import Trainer
+
+    cfg = micro_config(init_dir, tmp_path / "run", credit_method="value_head", steps=3)
+    cfg.credit.value_head.teacher = "continuation_likelihood"
+    cfg.credit.value_head.teacher_every = 2
+    Trainer(cfg, log=lambda *_: None).train()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    recs = [r for r in map(json.loads, lines) if "value/teacher_ran" in r]
+    assert [r["value/teacher_ran"] for r in recs] == [1.0, 0.0, 1.0]
+    assert [r["credit/extra_forward_tokens"] > 0 for r in recs] == [True, False, True]
+    assert all(undocumented(set(r)) == [] for r in recs)
