@@ -173,3 +173,21 @@ def test_a_training_run_bills_the_teacher_on_its_steps_only(init_dir, tmp_path):
     assert [r["value/teacher_ran"] for r in recs] == [1.0, 0.0, 1.0]
     assert [r["credit/extra_forward_tokens"] > 0 for r in recs] == [True, False, True]
     assert all(undocumented(set(r)) == [] for r in recs)
+
+
+def test_bench_credit_scores_the_distilled_head(init_dir, tmp_path, capsys):
+    from rredcot.cli import main
+
+    out = tmp_path / "credit"
+    methods = "uniform,vh_t=value_head:value_head.teacher=continuation_likelihood:lam=0"
+    argv = ["bench", "credit", "--checkpoint", str(init_dir), "--task", "arithmetic"]
+    argv += ["--task.num_steps", "2", "--methods", methods, "--segmenter", "newline"]
+    argv += ["--prompts", "2", "--samples", "4", "--mc-k", "4", "--value-fit-batches", "2"]
+    argv += ["--value-fit-prompts", "2", "--max-new-tokens", "16", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "credit.json").read_text())
+    row = next(r for r in report["results"] if r["method"] == "vh_t")
+    assert row["fit"]["value_pretrain/teacher_steps"] == 2.0
+    assert row["fit"]["value_pretrain/teacher_mse_last"] >= 0.0
+    assert row["extra_forward_tokens_per_trace"] == 0.0  # the head's values, not the teacher's
+    assert row["value_mse"] is not None

@@ -41,9 +41,11 @@ that tests and benchmarks can check them against plain loops.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -308,6 +310,7 @@ class ValueHeadCredit(CreditMethod):
         if self.teacher is not None:  # one guard for whichever values set the credit
             self.guard = self.teacher.guard
         self.steps = 0  # updates done: the teacher runs on steps 0, k, 2k, ...
+        self._paused = False  # teacher_paused(): the head's values on every batch
         input_size = self._input_size_from_policy()
         if input_size is not None:
             self._build(input_size, self._hidden_size_for(input_size))
@@ -328,7 +331,19 @@ class ValueHeadCredit(CreditMethod):
     @property
     def teacher_due(self) -> bool:
         """Whether the next batch's rows run the teacher."""
-        return self.teacher is not None and self.steps % self.options.teacher_every == 0
+        if self.teacher is None or self._paused:
+            return False
+        return self.steps % self.options.teacher_every == 0
+
+    @contextlib.contextmanager
+    def teacher_paused(self) -> Iterator[None]:
+        """Inside, every batch gets the head's own values (the credit benchmark scores the
+        distilled head, not its teacher)."""
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     # -- building the head --------------------------------------------------------------------
     def _input_size_from_policy(self) -> int | None:
@@ -584,12 +599,18 @@ class ValueHeadCredit(CreditMethod):
         """The first and last fresh losses, the last calibration error, the reliability."""
         fresh = [m.get("value/loss_fresh", float("nan")) for m in history]
         last = history[-1] if history else {}
-        return {
+        summary = {
             "value_pretrain/loss_first": fresh[0] if fresh else float("nan"),
             "value_pretrain/loss_last": fresh[-1] if fresh else float("nan"),
             "value_pretrain/calibration_error": last.get("value/calibration_error", float("nan")),
             "value_pretrain/reliability": float(self.guard.reliability),
         }
+        if self.teacher is not None:  # the head's distance to the teacher where it ran
+            taught = [m["value/teacher_mse"] for m in history if m.get("value/teacher_ran")]
+            summary["value_pretrain/teacher_steps"] = float(len(taught))
+            summary["value_pretrain/teacher_mse_first"] = taught[0] if taught else float("nan")
+            summary["value_pretrain/teacher_mse_last"] = taught[-1] if taught else float("nan")
+        return summary
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
