@@ -35,6 +35,12 @@ its errors about a prompt's difficulty cancel. With ``lam = 1`` and anchoring th
 advantage minus ``w`` times the head's value gain before each segment: unbiased for any head,
 GRPO itself while ``w = 0`` (docs/method.md, the guards).
 
+With ``credit.value_head.teacher=continuation_likelihood`` the head distils that estimator
+(built through the registry with the same credit settings) instead of learning by TD: on every
+``teacher_every``-th step the rows carry the teacher's values, the credit is the teacher's own
+estimate and the head regresses each boundary ``k < n`` on those values; on the steps between the
+credit uses the head's values and the head does not train. One guard (the teacher's) serves both.
+
 The pure tensor helpers (``gather_boundary_features``, ``td_lambda_targets``, ...) are public so
 that tests and benchmarks can check them against plain loops.
 """
@@ -478,12 +484,17 @@ class ValueHeadCredit(CreditMethod):
         if not self.teacher_due:
             return CreditRows.of(batch).replace(features=feats, value_mask=mask, cost=cost)
         taught = self.teacher.rows(batch)
-        if tuple(taught.value_mask.shape) != tuple(mask.shape):
+        if not torch.equal(taught.value_mask.to(mask.device), mask):
             raise ValueError(
                 f"the teacher's values have {tuple(taught.value_mask.shape)} boundaries, the "
-                f"head's {tuple(mask.shape)}"
+                f"head's {tuple(mask.shape)}, or other rows' lengths"
             )
-        return taught.replace(features=feats, cost=_added(cost, taught.cost))
+        return taught.replace(
+            features=feats,
+            value_mask=mask,  # on the head's device, as on every other step
+            values=taught.values.to(mask.device),
+            cost=_added(cost, taught.cost),
+        )
 
     def estimate(self, rows: CreditRows) -> Estimate:
         """The head's values anchored by the guard and handed over from uniform credit by the
