@@ -84,18 +84,14 @@ def test_config_validates_the_teacher_options(policy, char_tokenizer, task):
         from_dict(CreditConfig, {"value_head": {"teacher": "monte_carlo"}})
     with pytest.raises(ValueError, match="teacher_every=0"):
         from_dict(CreditConfig, {"value_head": {"teacher_every": 0}})
-    cfg = from_dict(
-        CreditConfig,
-        {
-            "value_head": {"teacher": "continuation_likelihood"},
-            "continuation_likelihood": {"scope": "all_wrong"},
-        },
-    )
-    ctx = CreditContext(
-        policy=policy, tokenizer=char_tokenizer, task=task, segmenter=get_segmenter("newline")
-    )
     with pytest.raises(ValueError, match="scope=all"):
-        build_credit("value_head", cfg, ctx)
+        from_dict(
+            CreditConfig,
+            {
+                "value_head": {"teacher": "continuation_likelihood"},
+                "continuation_likelihood": {"scope": "all_wrong"},
+            },
+        )
     assert _method("value_head", policy, char_tokenizer, task).teacher is None  # default: none
 
 

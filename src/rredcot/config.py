@@ -865,6 +865,11 @@ class CreditConfig:
             raise ValueError(f"credit.segmenter: {err}") from None
         if self.form not in ("redistribute", "reweight"):
             raise ValueError(f"credit.form={self.form!r} must be redistribute or reweight")
+        if self.value_head.teacher != "none" and self.continuation_likelihood.scope != "all":
+            raise ValueError(
+                "credit.value_head.teacher=continuation_likelihood needs "
+                "credit.continuation_likelihood.scope=all (the head learns every row's values)"
+            )
 
     def section(self, cls: type) -> Any:
         """This config's instance of the options dataclass ``cls`` (``ValueHeadConfig`` ->

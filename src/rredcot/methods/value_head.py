@@ -324,15 +324,8 @@ class ValueHeadCredit(CreditMethod):
     def _build_teacher(self) -> CreditMethod | None:
         """The method the head distils (``credit.value_head.teacher``), built through the
         registry with this method's credit settings, or None."""
-        name = self.options.teacher
-        if name == "none":
-            return None
-        if self.config.continuation_likelihood.scope != "all":
-            raise ValueError(
-                "credit.value_head.teacher=continuation_likelihood needs "
-                "credit.continuation_likelihood.scope=all (the head learns every row's values)"
-            )
-        return build_credit(name, self.config, self.context)
+        name = self.options.teacher  # CreditConfig checked it with the teacher's options
+        return None if name == "none" else build_credit(name, self.config, self.context)
 
     @property
     def teacher_due(self) -> bool:
