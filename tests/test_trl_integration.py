@@ -439,6 +439,8 @@ def test_credit_dict_takes_sections(tmp_path):
     assert off.value_head.logprob_features is False
     with pytest.raises(ValueError, match="alik_feature is not supported in TRL"):
         credit_config({"value_head": {"alik_feature": True}})
+    with pytest.raises(ValueError, match="teacher is not supported in TRL"):
+        credit_config({"value_head": {"teacher": "continuation_likelihood"}})
     with pytest.raises(
         ValueError, match="unknown config key credit.value_lr; valid keys in credit"
     ):

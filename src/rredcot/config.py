@@ -282,6 +282,10 @@ class SamplingConfig:
 # every flag without importing a method.
 
 
+VALUE_TEACHERS = ("none", "continuation_likelihood")
+"""What the value head may learn from: outcomes by TD (``none``) or a credit method's values."""
+
+
 @dataclass
 class ValueHeadConfig:
     """Options of the value_head method (--credit_method value_head): the head's inputs, its
@@ -337,8 +341,30 @@ class ValueHeadConfig:
         "their tokens count as the method's generated tokens against max_tokens_generated).",
         default=0,
     )
+    teacher: str = help_field(
+        "What the head learns from: 'none' (TD(lambda) on outcomes, td_lambda) or "
+        "'continuation_likelihood' (distil that estimator, built with this run's credit "
+        "settings: on the steps it runs, the step's credit is the estimator's own and the head "
+        "regresses every boundary k < n on its values, instead of TD targets, so that the head "
+        "learns the values that move credit rather than the outcome, which leaves it level with "
+        "GRPO; on the other steps the credit uses the head's values and nothing is trained).",
+        default="none",
+    )
+    teacher_every: int = help_field(
+        "With a teacher: run it on every k-th step (the head's own steps counted from 0: steps "
+        "0, k, 2k, ...; 1 = every step); the steps between cost the head's values only.",
+        default=1,
+    )
 
     def __post_init__(self) -> None:
+        if self.teacher not in VALUE_TEACHERS:
+            raise ValueError(
+                f"credit.value_head.teacher={self.teacher!r}: use {' or '.join(VALUE_TEACHERS)}"
+            )
+        if self.teacher_every < 1:
+            raise ValueError(
+                f"credit.value_head.teacher_every={self.teacher_every} must be >= 1 (1: every step)"
+            )
         if not 0.0 <= self.td_lambda <= 1.0:
             raise ValueError(f"credit.value_head.td_lambda={self.td_lambda} must be in [0, 1]")
         if self.shared_min_count < 1:
@@ -839,6 +865,11 @@ class CreditConfig:
             raise ValueError(f"credit.segmenter: {err}") from None
         if self.form not in ("redistribute", "reweight"):
             raise ValueError(f"credit.form={self.form!r} must be redistribute or reweight")
+        if self.value_head.teacher != "none" and self.continuation_likelihood.scope != "all":
+            raise ValueError(
+                "credit.value_head.teacher=continuation_likelihood needs "
+                "credit.continuation_likelihood.scope=all (the head learns every row's values)"
+            )
 
     def section(self, cls: type) -> Any:
         """This config's instance of the options dataclass ``cls`` (``ValueHeadConfig`` ->

@@ -20,7 +20,10 @@ Read top to bottom:
 4. Learned methods (the value head) are first fitted on ``--value-fit-batches`` *separate* batches
    sampled from the same frozen policy on training problems (fresh traces, never the evaluated
    ones), each batch scored before the head trains on it, as in RL (``ValueHeadCredit.pretrain``);
-   or their state is loaded from a training run (``--run``).
+   or their state is loaded from a training run (``--run``). A value head with a teacher
+   (``value_head.teacher``) learns from the teacher on its fit batches and is scored on its own
+   values (teacher paused): the head's agreement as it trains is this row at several
+   ``--value-fit-batches``; the teacher's own is its method's row (``cl_cheap``).
 
 Metrics per (method, segmenter):
 
@@ -129,6 +132,14 @@ def _attention_for(policy, method: str):
 
 # ---------------------------------------------------------------------------------------------
 # the benchmark
+
+
+def _head_only(method):
+    """A value head with a teacher is scored on its own values (the teacher is a variant of its
+    own: ``cl_cheap``); anything else as it is."""
+    if getattr(method, "teacher", None) is None:
+        return contextlib.nullcontext()
+    return method.teacher_paused()
 
 
 def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, device):
@@ -362,7 +373,7 @@ def _method_row(
         segmenter,
         bench.log,
     )
-    with _attention_for(policy, variant.method):
+    with _attention_for(policy, variant.method), _head_only(method):
         col = evaluate_method(
             method,
             policy,

@@ -278,6 +278,11 @@ class RREDCoTGRPOConfig(GRPOConfig):
                 "credit.value_head.alik_feature is not supported in TRL (the adapter does not run "
                 "its probe forwards); leave it unset"
             )
+        if self.credit_config.value_head.teacher != "none":
+            raise ValueError(
+                "credit.value_head.teacher is not supported in TRL yet (the adapter's rows are "
+                "gathered before the teacher's values were tried there); leave it 'none'"
+            )
         if self.credit_config.value_head.pretrain_steps:
             raise ValueError(
                 "credit.value_head.pretrain_steps is not supported in TRL (the head trains on "

@@ -117,24 +117,35 @@ class ValueFit:
         return self.activation(net(feats))
 
     def loss(self, entry: dict[str, Tensor]) -> Tensor:
-        """The TD(lambda_v) loss of one entry (``features``, ``mask``, ``rewards``)."""
+        """The loss of one entry (``features``, ``mask``, ``rewards``): against its own
+        ``targets`` at ``target_mask`` where it has them (a teacher's values), else TD(lambda_v)."""
         feats, mask, rewards = entry["features"], entry["mask"], entry["rewards"]
         logits = self.head(feats)
-        lam_v = self.config.td_lambda
-        if lam_v < 1.0:
-            with torch.no_grad():
-                vbar = self.predict(self.target if self.target is not None else self.head, feats)
+        if "targets" in entry:
+            targets, target_mask = entry["targets"], entry["target_mask"]
         else:
-            vbar = torch.zeros_like(logits)  # lam_v = 1: targets are R, V̄ is not used
-        targets, target_mask = td_lambda_targets(vbar, mask, rewards, lam_v)
+            targets, target_mask = self._td_targets(feats, mask, rewards, logits)
         if self.config.loss == "bce":
             per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
         else:
             per = (self.activation(logits) - targets) ** 2
         return masked_mean(per, target_mask)
 
+    def _td_targets(
+        self, feats: Tensor, mask: Tensor, rewards: Tensor, logits: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        lam_v = self.config.td_lambda
+        if lam_v < 1.0:
+            with torch.no_grad():
+                vbar = self.predict(self.target if self.target is not None else self.head, feats)
+        else:
+            vbar = torch.zeros_like(logits)  # lam_v = 1: targets are R, V̄ is not used
+        return td_lambda_targets(vbar, mask, rewards, lam_v)
+
     @staticmethod
     def has_targets(entry: dict[str, Tensor]) -> bool:
+        if "target_mask" in entry:
+            return bool(entry["target_mask"].any())
         return bool((entry["mask"].sum(dim=1) > 1).any())
 
     def fit(self, entry: dict[str, Tensor]) -> dict[str, float]:

@@ -35,14 +35,23 @@ its errors about a prompt's difficulty cancel. With ``lam = 1`` and anchoring th
 advantage minus ``w`` times the head's value gain before each segment: unbiased for any head,
 GRPO itself while ``w = 0`` (docs/method.md, the guards).
 
+With ``credit.value_head.teacher=continuation_likelihood`` the head distils that estimator
+(built through the registry with the same credit settings) instead of learning by TD: on every
+``teacher_every``-th step the rows carry the teacher's values, the credit is the teacher's own
+estimate and the head regresses each boundary ``k < n`` on those values; on the steps between the
+credit uses the head's values and the head does not train. One guard (the teacher's) serves both.
+
 The pure tensor helpers (``gather_boundary_features``, ``td_lambda_targets``, ...) are public so
 that tests and benchmarks can check them against plain loops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,6 +67,7 @@ from rredcot.methods.base import (
     CreditMethod,
     CreditRows,
     Estimate,
+    build_credit,
     register_credit,
 )
 from rredcot.methods.guard import Guard, bounded_skill, explained_variance, prediction_slope
@@ -257,6 +267,15 @@ def brier_skill(values: Tensor, baseline: Tensor, target_mask: Tensor, rewards: 
     return float(1.0 - mse / ref)
 
 
+def _added(a: Cost, b: Cost) -> Cost:
+    """The cost of two passes."""
+    return Cost(
+        extra_forward_tokens=a.extra_forward_tokens + b.extra_forward_tokens,
+        extra_backward_tokens=a.extra_backward_tokens + b.extra_backward_tokens,
+        extra_generated_tokens=a.extra_generated_tokens + b.extra_generated_tokens,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # the credit method
 
@@ -293,9 +312,37 @@ class ValueHeadCredit(CreditMethod):
                 "credit.value_head.alik_feature needs the task (its answer line writes the "
                 "probes); pass CreditContext(task=...) or turn the feature off"
             )
+        self.teacher = self._build_teacher()
+        if self.teacher is not None:  # one guard for whichever values set the credit
+            self.guard = self.teacher.guard
+        self.steps = 0  # updates done: the teacher runs on steps 0, k, 2k, ...
+        self._paused = False  # teacher_paused(): the head's values on every batch
         input_size = self._input_size_from_policy()
         if input_size is not None:
             self._build(input_size, self._hidden_size_for(input_size))
+
+    def _build_teacher(self) -> CreditMethod | None:
+        """The method the head distils (``credit.value_head.teacher``), built through the
+        registry with this method's credit settings, or None."""
+        name = self.options.teacher  # CreditConfig checked it with the teacher's options
+        return None if name == "none" else build_credit(name, self.config, self.context)
+
+    @property
+    def teacher_due(self) -> bool:
+        """Whether the next batch's rows run the teacher."""
+        if self.teacher is None or self._paused:
+            return False
+        return self.steps % self.options.teacher_every == 0
+
+    @contextlib.contextmanager
+    def teacher_paused(self) -> Iterator[None]:
+        """Inside, every batch gets the head's own values (the credit benchmark scores the
+        distilled head, not its teacher)."""
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     # -- building the head --------------------------------------------------------------------
     def _input_size_from_policy(self) -> int | None:
@@ -424,24 +471,70 @@ class ValueHeadCredit(CreditMethod):
 
     # -- the contract -----------------------------------------------------------------------------
     def rows(self, batch: RolloutBatch) -> CreditRows:
-        """The batch's rows with their boundary features (:meth:`boundary_features`)."""
+        """The batch's rows with their boundary features (:meth:`boundary_features`); on a
+        teacher step also the teacher's values (``rows.values``), its cost and its stats."""
         feats, mask, cost = self.boundary_features(batch)
-        return CreditRows.of(batch).replace(features=feats, value_mask=mask, cost=cost)
+        if not self.teacher_due:
+            return CreditRows.of(batch).replace(features=feats, value_mask=mask, cost=cost)
+        taught = self.teacher.rows(batch)
+        if not torch.equal(taught.value_mask.to(mask.device), mask):
+            raise ValueError(
+                f"the teacher's values have {tuple(taught.value_mask.shape)} boundaries, the "
+                f"head's {tuple(mask.shape)}, or other rows' lengths"
+            )
+        return taught.replace(
+            features=feats,
+            value_mask=mask,  # on the head's device, as on every other step
+            values=taught.values.to(mask.device),
+            cost=_added(cost, taught.cost),
+        )
 
     def estimate(self, rows: CreditRows) -> Estimate:
         """The head's values anchored by the guard and handed over from uniform credit by the
         weight it has earned, with the method's lambda; the group's shared prefixes come in at
-        the segment stage (:meth:`node_values`, ``credit.value_head.shared_prefixes``)."""
+        the segment stage (:meth:`node_values`, ``credit.value_head.shared_prefixes``). Rows
+        that carry the teacher's values get the teacher's own estimate."""
         mask = rows.value_mask
         raw = self.head_values(rows.features, mask)
+        metrics = self._fresh_diagnostics(raw, mask, rows.rewards, rows.group_ids, rows.live)
+        if self.teacher is not None:
+            metrics.update(self._teacher_metrics(raw, rows))
+        if rows.values is not None and self.teacher is not None:
+            est = self.teacher.estimate(rows)
+            return dataclasses.replace(est, metrics={**est.metrics, **metrics})
         group_mean, _ = group_mean_std(rows.rewards, rows.group_ids)
         values = self.guard.anchor(raw, mask, group_mean)
-        metrics = {
-            **self._fresh_diagnostics(raw, mask, rows.rewards, rows.group_ids, rows.live),
-            **self.guard.metrics(),
-        }
+        metrics.update(self.guard.metrics())
         w = metrics["credit/handover_weight"]
         return Estimate(Values(values, mask, lam=self.lam, handover_weight=w), rows.cost, metrics)
+
+    def _teacher_metrics(self, raw: Tensor, rows: CreditRows) -> dict[str, float]:
+        """Whether the teacher ran on these rows and, where it did, the head's mean squared
+        distance to its values (before the head learns from them)."""
+        if rows.values is None:
+            return {"value/teacher_ran": 0.0, "value/teacher_mse": float("nan")}
+        targets, target_mask = self._teacher_targets(rows)
+        diff = (raw - targets) ** 2
+        mse = float(masked_mean(diff, target_mask)) if target_mask.any() else float("nan")
+        return {"value/teacher_ran": 1.0, "value/teacher_mse": mse}
+
+    def _teacher_targets(self, rows: CreditRows) -> tuple[Tensor, Tensor]:
+        """``(targets, target_mask)`` on the head's device: the teacher's values at boundaries
+        ``k < n`` of the live rows (clipped to [0, 1] for a sigmoid head)."""
+        values = rows.values.to(self.device, torch.float32)
+        mask = rows.value_mask.to(self.device)
+        _, target_mask = td_lambda_targets(values, mask, rows.rewards.to(self.device), 1.0)
+        target_mask = target_mask & rows.live.to(self.device).unsqueeze(1)
+        if self.options.output == "sigmoid":
+            values = values.clamp(0.0, 1.0)
+        return torch.where(target_mask, values, torch.zeros_like(values)), target_mask
+
+    def with_node_values(self, est: Estimate, rows: CreditRows) -> Estimate:
+        """The teacher's shared-prefix rule on rows with the teacher's values (its credit as it
+        is), else the head's own (:meth:`CreditMethod.with_node_values`)."""
+        if rows.values is not None and self.teacher is not None:
+            return self.teacher.with_node_values(est, rows)
+        return super().with_node_values(est, rows)
 
     def _fresh_diagnostics(
         self, values: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor, live: Tensor
@@ -486,8 +579,17 @@ class ValueHeadCredit(CreditMethod):
     def update(self, rows: CreditRows, est: Estimate) -> dict[str, float]:
         """Score the values the estimate gave credit on the fresh rows (the guard's one scoring,
         :meth:`Guard.fold_estimate`, as every value source), then train the head on them
-        (TD(lambda_v), replay)."""
+        (TD(lambda_v), replay); with a teacher, on its values, on the steps it ran only."""
+        self.steps += 1
         entry = self._entry(rows.features, rows.value_mask, rows.rewards, rows.live)
+        if self.teacher is not None:
+            if rows.values is None:  # nothing to learn from: the credit was the head's
+                metrics = self.guard.fold_estimate(rows, est)
+                metrics["credit/handover_reliability_after"] = float(self.guard.reliability)
+                return metrics
+            targets, target_mask = self._teacher_targets(rows)
+            live = rows.live.to(self.device)
+            entry.update(targets=targets[live], target_mask=target_mask[live])
         metrics: dict[str, float] = {}
         if self.fit.has_targets(entry):
             with torch.no_grad():
@@ -501,12 +603,18 @@ class ValueHeadCredit(CreditMethod):
         """The first and last fresh losses, the last calibration error, the reliability."""
         fresh = [m.get("value/loss_fresh", float("nan")) for m in history]
         last = history[-1] if history else {}
-        return {
+        summary = {
             "value_pretrain/loss_first": fresh[0] if fresh else float("nan"),
             "value_pretrain/loss_last": fresh[-1] if fresh else float("nan"),
             "value_pretrain/calibration_error": last.get("value/calibration_error", float("nan")),
             "value_pretrain/reliability": float(self.guard.reliability),
         }
+        if self.teacher is not None:  # the head's distance to the teacher where it ran
+            taught = [m["value/teacher_mse"] for m in history if m.get("value/teacher_ran")]
+            summary["value_pretrain/teacher_steps"] = float(len(taught))
+            summary["value_pretrain/teacher_mse_first"] = taught[0] if taught else float("nan")
+            summary["value_pretrain/teacher_mse_last"] = taught[-1] if taught else float("nan")
+        return summary
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -516,6 +624,7 @@ class ValueHeadCredit(CreditMethod):
             "version": 1,
             **self.fit.state_dict(),
             **self.guard.state_dict(),
+            "steps": self.steps,
         }
         return copy.deepcopy(state)
 
@@ -534,3 +643,4 @@ class ValueHeadCredit(CreditMethod):
             )
         self.fit.load_state_dict(state)
         self.guard.load_state_dict(state)
+        self.steps = int(state.get("steps", 0))  # saved before the teacher existed: 0
