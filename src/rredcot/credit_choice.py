@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rredcot.config_io import read_json_file
+from rredcot.config_io import read_json_file, write_text_atomic
 from rredcot.errors import UserError
 
 if TYPE_CHECKING:  # torch-free at import: the CLI's flags and the bench's specs read this module
@@ -191,13 +191,12 @@ def load_measurements(path: str | Path = MEASUREMENTS_FILE) -> tuple[Measurement
 
 
 def write_measurements(rows: tuple[Measurement, ...] | list[Measurement], path: str | Path) -> None:
-    """Write ``rows`` to a measurements file, keeping its ``about`` text (atomic replace)."""
+    """Write ``rows`` to a measurements file, keeping its ``about`` text (atomically, through
+    no planted link: ``config_io.write_text_atomic``)."""
     path = Path(path)
     about = json.loads(path.read_text()).get("about", "") if path.exists() else ""
     text = json.dumps({"about": about, "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, text)
 
 
 MEASUREMENTS: tuple[Measurement, ...] = load_measurements()
