@@ -224,3 +224,37 @@ def run_copy(uniform_micro_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(uniform_micro_run, copy)
     return copy
+
+
+def tiny_trl_trainer(init_dir, out, **settings):
+    """``(trainer, problems)``: an ``RREDCoTGRPOTrainer`` of the tiny policy on four 2-step
+    arithmetic problems (4 samples each, 8 tokens, on the CPU); ``settings`` override the
+    config's. Use it with the ``reset_accelerator_state`` fixture."""
+    from datasets import Dataset
+
+    from rredcot.integrations.trl import RREDCoTGRPOConfig, RREDCoTGRPOTrainer, task_reward
+    from rredcot.models import build_char_tokenizer
+    from rredcot.tasks import get_task
+
+    problems = get_task("arithmetic", num_steps=2).train_problems(4, seed=0)
+    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    config = {
+        "output_dir": str(out),
+        "use_cpu": True,
+        "report_to": "none",
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "task": "arithmetic",
+        "task_args": {"num_steps": 2},
+        "disable_tqdm": True,
+        **settings,
+    }
+    trainer = RREDCoTGRPOTrainer(
+        model=str(init_dir),
+        reward_funcs=[task_reward("arithmetic", num_steps=2)],
+        args=RREDCoTGRPOConfig(**config),
+        train_dataset=dataset,
+        processing_class=build_char_tokenizer(),
+    )
+    return trainer, problems

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import micro_config, one_line_error
+from conftest import micro_config, one_line_error, tiny_trl_trainer
 from rredcot import runio
 from rredcot.cli import main
 from rredcot.trainer import Trainer
@@ -224,34 +224,9 @@ def test_explain_of_a_trl_run_needs_none_of_its_tasks_data(init_dir, tmp_path, m
 @pytest.mark.usefixtures("reset_accelerator_state")
 def test_the_trl_trainer_records_its_first_training_row(init_dir, tmp_path):
     pytest.importorskip("trl")
-    from datasets import Dataset
-
     from rredcot.integrations.saved import read_settings
-    from rredcot.integrations.trl import RREDCoTGRPOConfig, RREDCoTGRPOTrainer, task_reward
-    from rredcot.models import build_char_tokenizer
-    from rredcot.tasks import get_task
 
-    problems = get_task("arithmetic", num_steps=2).train_problems(4, seed=0)
-    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
-    args = RREDCoTGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        credit_method="uniform",
-        task="arithmetic",
-        task_args={"num_steps": 2},
-        disable_tqdm=True,
-    )
-    trainer = RREDCoTGRPOTrainer(
-        model=str(init_dir),
-        reward_funcs=[task_reward("arithmetic", num_steps=2)],
-        args=args,
-        train_dataset=dataset,
-        processing_class=build_char_tokenizer(),
-    )
+    trainer, problems = tiny_trl_trainer(init_dir, tmp_path / "out", credit_method="uniform")
     trainer.save_credit_state(tmp_path / "out")
     saved = read_settings(tmp_path / "out")
     assert saved.example == {"prompt": problems[0].prompt, "answer": str(problems[0].answer)}

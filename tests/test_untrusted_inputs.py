@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import one_line_error
+from conftest import one_line_error, tiny_trl_trainer
 from rredcot.cli import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
@@ -110,35 +110,13 @@ def test_bench_learn_does_not_import_what_a_reused_runs_choice_names(run_copy, t
 @pytest.mark.usefixtures("reset_accelerator_state")
 def test_trl_resume_refuses_a_checkpoint_choice_that_names_code(init_dir, tmp_path):
     pytest.importorskip("trl")
-    from datasets import Dataset
-
-    from rredcot.integrations.trl import RREDCoTGRPOConfig, RREDCoTGRPOTrainer, task_reward
-    from rredcot.models import build_char_tokenizer
-    from rredcot.tasks import get_task
-
     spec, marker = _payload(tmp_path)
-    problems = get_task("arithmetic", num_steps=2).train_problems(4, seed=0)
-    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
-    args = RREDCoTGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
+    trainer, _ = tiny_trl_trainer(
+        init_dir,
+        tmp_path / "out",
         max_steps=1,
         save_strategy="no",
         credit_method="auto",
-        task="arithmetic",
-        task_args={"num_steps": 2},
-        disable_tqdm=True,
-    )
-    trainer = RREDCoTGRPOTrainer(
-        model=str(init_dir),
-        reward_funcs=[task_reward("arithmetic", num_steps=2)],
-        args=args,
-        train_dataset=dataset,
-        processing_class=build_char_tokenizer(),
     )
     ckpt = tmp_path / "checkpoint-1"
     ckpt.mkdir()
