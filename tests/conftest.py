@@ -3,6 +3,8 @@ rollout batches sampled from them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import settings
@@ -258,3 +260,33 @@ def tiny_trl_trainer(init_dir, out, **settings):
         processing_class=build_char_tokenizer(),
     )
     return trainer, problems
+
+
+def train_error_under_file_limit(init_dir, out, limit_bytes: int) -> str:
+    """Run a 1-step ``rredcot train`` that checkpoints, in a child process whose writes past
+    ``limit_bytes`` fail at the OS (as on a full disk); it must exit 2 with one error line, no
+    traceback and no temporary checkpoint left. Returns the error line."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    argv = [
+        *(sys.executable, "-m", "rredcot", "train", "--init", str(init_dir), "--out", str(out)),
+        *("--credit", "uniform", "--steps", "1", "--prompts_per_step", "2", "--eval_size", "2"),
+        *("--sampling.num_generations", "2", "--sampling.max_new_tokens", "8"),
+        *("--checkpoint_every", "1", "--progress", "false", "--task.num_steps", "2"),
+    ]
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        argv, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=600
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rredcot: error: ")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert list((Path(out) / "checkpoints").glob(".tmp_step_*")) == []
+    return errors[0]

@@ -5,16 +5,13 @@ silently before."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import micro_config, one_line_error, tiny_trl_trainer
+from conftest import micro_config, one_line_error, tiny_trl_trainer, train_error_under_file_limit
 from rredcot import runio
 from rredcot.cli import main
 from rredcot.trainer import Trainer
@@ -168,28 +165,8 @@ def test_a_bench_variant_named_dots_is_refused():
 def test_a_failed_policy_write_is_one_line(init_dir, tmp_path):
     """A file-size limit of 50 kB: the policy's safetensors file (~150 kB) fails to write, which
     safetensors reports as its own ``SafetensorError``."""
-    import resource
-
-    out = tmp_path / "run"
-    argv = [
-        *(sys.executable, "-m", "rredcot", "train", "--init", str(init_dir), "--out", str(out)),
-        *("--credit", "uniform", "--steps", "1", "--prompts_per_step", "2", "--eval_size", "2"),
-        *("--sampling.num_generations", "2", "--sampling.max_new_tokens", "8"),
-        *("--checkpoint_every", "1", "--progress", "false", "--task.num_steps", "2"),
-    ]
-
-    def limit_file_size():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        argv, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=600
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("rredcot: error: ")]
-    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "policy" in errors[0] and "--resume" in errors[0], errors[0]
-    assert list((out / "checkpoints").glob(".tmp_step_*")) == []
+    error = train_error_under_file_limit(init_dir, tmp_path / "run", 50_000)
+    assert "policy" in error and "--resume" in error, error
 
 
 # ---------------------------------------------------------------------------------------------

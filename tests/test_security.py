@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import one_line_error
+from conftest import one_line_error, train_error_under_file_limit
 from rredcot.cli import main
 from rredcot.config import TrainConfig
 from rredcot.config_io import resume_config
@@ -237,31 +237,8 @@ def test_overwrite_keeps_sink_folders_the_run_did_not_write(run_copy):
 def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_temporary(init_dir, tmp_path):
     """The file-size limit makes every write past 200 kB fail at the OS (as a full disk does):
     the policy (~150 kB) is written, ``trainer_state.pt`` (~320 kB with the optimiser) is not."""
-    import os
-    import resource
-    import subprocess
-    import sys
-
-    out = tmp_path / "run"
-    argv = [
-        *(sys.executable, "-m", "rredcot", "train", "--init", str(init_dir), "--out", str(out)),
-        *("--credit", "uniform", "--steps", "1", "--prompts_per_step", "2", "--eval_size", "2"),
-        *("--sampling.num_generations", "2", "--sampling.max_new_tokens", "8"),
-        *("--checkpoint_every", "1", "--progress", "false", "--task.num_steps", "2"),
-    ]
-
-    def limit_file_size():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        argv, env=env, capture_output=True, text=True, preexec_fn=limit_file_size, timeout=600
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("rredcot: error: ")]
-    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "trainer_state.pt" in errors[0], errors[0]
-    assert list((out / "checkpoints").glob(".tmp_step_*")) == []
+    error = train_error_under_file_limit(init_dir, tmp_path / "run", 200_000)
+    assert "trainer_state.pt" in error, error
 
 
 # ---------------------------------------------------------------------------------------------
