@@ -1,5 +1,5 @@
 """Defaults that depend on the policy's kind: the learning rate left empty is 1e-4 for the
-built-in character model and 1e-5 for a language model (1e-4 halves SmolLM2-135M's accuracy in
+built-in character model and 3e-5 for a language model (1e-4 halves SmolLM2-135M's accuracy in
 three steps); a given rate is kept; the run logs and saves the value it used."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class _Vocab:
     ("vocab", "given", "expected"),
     [
         (100, None, 1e-4),  # the character tokenizer
-        (49_152, None, 1e-5),  # SmolLM2's byte-level BPE
-        (49_152, 3e-5, 3e-5),  # a rate the user gave is kept
+        (49_152, None, 3e-5),  # SmolLM2's byte-level BPE
+        (49_152, 1e-5, 1e-5),  # a rate the user gave is kept
         (100, 0.0, 0.0),
     ],
 )
@@ -42,7 +42,7 @@ def test_an_empty_rate_defaults_by_the_policys_kind(vocab, given, expected):
 
 def test_the_table_and_the_help_agree():
     assert MODEL_DEFAULTS["character"]["lr"] == 1e-4
-    assert MODEL_DEFAULTS["language_model"]["lr"] == 1e-5
+    assert MODEL_DEFAULTS["language_model"]["lr"] == 3e-5
     with pytest.raises(ValueError, match="lr=-1"):
         TrainConfig(lr=-1.0)
 

@@ -84,7 +84,7 @@ TINY_WARMSTARTS = ("edge", "low")
 
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "character": {"lr": 1e-4},
-    "language_model": {"lr": 1e-5},
+    "language_model": {"lr": 3e-5},
 }
 """``TrainConfig`` fields left empty that default by the policy's kind
 (``rredcot.credit_choice.MODEL_KINDS``: the built-in character model, or a language model with a
@@ -999,10 +999,10 @@ class TrainConfig:
     lr: float | None = help_field(
         "Policy learning rate. Empty (the default): by the policy's kind (MODEL_DEFAULTS), "
         "1e-4 for the built-in character model (tuned on the default task: "
-        "benchmarks/results/headroom/arith4_default_tuning), 1e-5 for a language model with a "
-        "subword vocabulary, such as SmolLM2-135M-Instruct (tuned on word_problems: "
-        "benchmarks/results/smollm2/word_problems_tuning; 1e-4 there halves its accuracy in "
-        "three steps). The run logs the value it used and config.yaml holds it.",
+        "benchmarks/results/headroom/arith4_default_tuning), 3e-5 for a language model with a "
+        "subword vocabulary, such as SmolLM2-135M-Instruct (GRPO's rate of 1e-5 and 3e-5 on "
+        "word_problems: benchmarks/results/smollm2/word_problems_tuning; 1e-4 there halves its "
+        "accuracy in three steps). The run logs the value it used and config.yaml holds it.",
         default=None,
     )
     lr_schedule: str = help_field("constant, linear or cosine (after warm-up).", default="constant")
