@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import micro_config, train_step_with_grads
 from rredcot.batch import RolloutBatch
 from rredcot.methods.probe_logprobs import (
     Probe,
@@ -15,6 +16,9 @@ from rredcot.methods.probe_logprobs import (
     probe_logprobs_from_cache,
 )
 from rredcot.rollout import sample_keeping_cache
+from rredcot.tasks import Verdict, register_task
+from rredcot.tasks.arithmetic import ArithmeticTask
+from rredcot.trainer import Trainer
 from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n", "(3+4)*5-6=?\n"]  # different lengths: left padding
@@ -123,3 +127,66 @@ def _common_token(model, tok) -> int:
     P = batch.prompt_len
     counts = torch.bincount(batch.input_ids[:, P + 1 :].flatten(), minlength=len(tok))
     return int(counts.argmax())
+
+
+@register_task("test_probe_cache_digit_first")
+class _DigitFirstTask(ArithmeticTask):
+    """Reward 1 when the completion starts with a digit: a random policy's groups mix rewards,
+    so the advantages are not zero."""
+
+    def verify(self, problem, completion):
+        return Verdict(float(completion[:1].isdigit()), None, None, "digit first")
+
+
+def _trainer(init_dir, out, method: str, probe_from_cache: bool):
+    cfg = micro_config(
+        init_dir,
+        out,
+        credit_method=method,
+        steps=2,
+        task="test_probe_cache_digit_first",
+        prompts_per_step=4,
+        probe_from_cache=probe_from_cache,
+    )
+    cfg.credit.segmenter = "tokens:3"  # boundaries inside every row: probes after real prefixes
+    cfg.credit.handover.mode = "off"  # the method's credit itself, not GRPO's, from step 1
+    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer.generation_rows = 0  # the batch sampled at once: its cache is kept
+    values = []
+    own = trainer.method.boundary_values
+
+    def recorded(batch):
+        out = own(batch)
+        values.append(out[0].detach().clone())
+        return out
+
+    trainer.method.boundary_values = recorded
+    return trainer, values
+
+
+@pytest.mark.parametrize("method", ["continuation_likelihood", "answer_likelihood"])
+def test_train_step_credit_from_the_cache_equals_the_reforward(init_dir, tmp_path, method):
+    """A two-step run with the cache on and off: the same first update (probe values, credit,
+    advantages, gradients to float rounding), fewer extra forward tokens, and the cache read on
+    both steps (the second samples after an update, with a fresh cache)."""
+    records, grads, values = {}, {}, {}
+    for on in (True, False):
+        trainer, values[on] = _trainer(init_dir, tmp_path / f"run{on}", method, on)
+        records[on], grads[on] = train_step_with_grads(trainer, 1)
+        trainer.step = 2
+        second = trainer.train_step(2)
+        assert second["credit/probe_from_cache"] == float(on)
+        assert trainer.cfg.probe_from_cache == on
+        trainer.release()
+    on, off = records[True], records[False]
+    assert (on["credit/probe_from_cache"], off["credit/probe_from_cache"]) == (1.0, 0.0)
+    assert on["reward_mean"] == off["reward_mean"]
+    assert 0 < on["reward_mean"] < 1 and on["advantage_abs_mean"] > 1e-3
+    probed = values[True][0][:, :-1]
+    assert (probed > 0).any()
+    torch.testing.assert_close(values[True][0], values[False][0], rtol=1e-3, atol=1e-9)
+    for key in ("advantage_abs_mean", "policy_loss", "credit/mean_abs_segment_reward"):
+        assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+    assert 0 < on["credit/extra_forward_tokens"] < off["credit/extra_forward_tokens"]
