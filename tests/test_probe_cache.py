@@ -9,7 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import micro_config, train_step_with_grads
+from rredcot import decode
 from rredcot.batch import RolloutBatch
+from rredcot.config import RESUMABLE_FIELDS, TrainConfig
 from rredcot.methods.probe_logprobs import (
     Probe,
     packed_probe_logprobs,
@@ -129,6 +131,92 @@ def _common_token(model, tok) -> int:
     return int(counts.argmax())
 
 
+def _scored(model, batch, probes, **budget):
+    """``(log-probs, forwarded, from the cache, re-forwarded probes)`` of
+    :func:`probe_logprobs_from_cache`, the rest scored packed."""
+    rest = []
+
+    def packed(some):
+        rest.extend(some)
+        return packed_probe_logprobs(model, batch, some)
+
+    logprobs, forwarded, from_cache = probe_logprobs_from_cache(
+        model, batch, probes, packed, **budget
+    )
+    return logprobs, forwarded, from_cache, rest
+
+
+def test_rows_reordered_dropped_or_changed_map_to_their_cache_rows(char_tokenizer, tiny_policy):
+    """A batch whose rows were selected (reordered, some dropped) reads each row's own cache
+    row; a row whose tokens are not the sampled ones (or that was added after sampling) is
+    re-forwarded, the others still read the cache."""
+    model = _model("llama_gqa", char_tokenizer, tiny_policy)
+    batch = sampled_batch(model, char_tokenizer, samples=2)
+    picked = batch.select([6, 1, 3, 0])
+    changed = picked.input_ids.clone()
+    changed[2, picked.prompt_len + 1] = (changed[2, picked.prompt_len + 1] + 1) % 40 + 3
+    picked = picked.replace(input_ids=changed, attention_mask=picked.attention_mask)
+    probes = some_probes(picked, len(char_tokenizer))
+    want, _ = packed_probe_logprobs(model, picked, probes)
+    got, _, from_cache, rest = _scored(model, picked, probes)
+    assert {p.row for p in rest} == {2}  # its prefix beyond b = 1 is not the sampled one
+    assert from_cache == sum(p.row != 2 for p in probes)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    extra = picked.replace(probe_cache=picked.probe_cache.appended(0).select([0, 1, 2, 3]))
+    assert extra.probe_cache.rows.tolist() == picked.probe_cache.rows.tolist()
+    unsampled = picked.probe_cache.appended(1).select([4, 0])
+    assert unsampled.rows.tolist() == [-1, int(picked.probe_cache.rows[0])]
+
+
+def test_a_changed_policy_or_a_freed_cache_reforwards(char_tokenizer, tiny_policy):
+    model = _model("llama", char_tokenizer, tiny_policy)
+    batch = sampled_batch(model, char_tokenizer)
+    probes = some_probes(batch, len(char_tokenizer))
+    assert _scored(model, batch, probes)[2] == len(probes)
+    version = decode.parameter_version(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(batch.input_ids).logits.float().mean().backward()
+    optimizer.step()
+    assert decode.parameter_version(model) != version
+    assert "parameters changed" in batch.probe_cache.unusable_reason(model)
+    want, _ = packed_probe_logprobs(model, batch, probes)
+    got, forwarded, from_cache, rest = _scored(model, batch, probes)
+    assert from_cache == 0 and len(rest) == len(probes)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    fresh = sampled_batch(model, char_tokenizer)
+    fresh.probe_cache.free()
+    assert _scored(model, fresh, some_probes(fresh, len(char_tokenizer)))[2] == 0
+
+
+def test_chunked_cached_pass_gives_the_same_logprobs(char_tokenizer, tiny_policy, monkeypatch):
+    model = _model("qwen2", char_tokenizer, tiny_policy)
+    batch = sampled_batch(
+        model, char_tokenizer, samples=3, eos=_common_token(model, char_tokenizer)
+    )
+    lengths = batch.response_mask.sum(-1)
+    assert lengths.min() < lengths.max()  # rows reading different numbers of decoded columns
+    probes = sorted(some_probes(batch, len(char_tokenizer)), key=lambda p: int(lengths[p.row]))
+    forwards = []
+    own = decode._forward_queries
+    monkeypatch.setattr(decode, "_forward_queries", lambda *a: forwards.append(1) or own(*a))
+    whole, forwarded, _, _ = _scored(model, batch, probes)
+    assert len(forwards) == 1
+    small, forwarded_small, _, _ = _scored(model, batch, probes, max_batch_tokens=30, logits_mb=1)
+    assert len(forwards) > 3  # one forward per row or two
+    assert forwarded == forwarded_small
+    for a, b in zip(whole, small):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_probe_from_cache_is_a_validated_switch():
+    assert TrainConfig().probe_from_cache is True
+    with pytest.raises(ValueError, match="probe_from_cache"):
+        TrainConfig(probe_from_cache="yes")
+    assert "probe_from_cache" in RESUMABLE_FIELDS
+
+
 @register_task("test_probe_cache_digit_first")
 class _DigitFirstTask(ArithmeticTask):
     """Reward 1 when the completion starts with a digit: a random policy's groups mix rewards,
@@ -190,3 +278,7 @@ def test_train_step_credit_from_the_cache_equals_the_reforward(init_dir, tmp_pat
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
     assert 0 < on["credit/extra_forward_tokens"] < off["credit/extra_forward_tokens"]
+    if method == "answer_likelihood":  # the probe tokens, and a row's last token where probed
+        rows = 4 * 4
+        probe_tokens = on["credit/probe_tokens"]
+        assert probe_tokens <= on["credit/extra_forward_tokens"] <= probe_tokens + rows
