@@ -362,7 +362,6 @@ def sample_keeping_cache(
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
     fast = resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast"
-
     per = len(prompts) if max_rows <= 0 else max(1, max_rows // num_generations)
     keep = keep_cache and fast and per >= len(prompts)
     kept: list[decode.SampledCache | None] = [None]
@@ -401,20 +400,27 @@ def sample_keeping_cache(
         generate(prompt_ids[s : s + per], prompt_mask[s : s + per])
         for s in range(0, len(prompts), per)
     ]
-    width = max(part.shape[1] for part in parts)  # a part whose rows all ended stops early
-    fill = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    response_ids = torch.cat(
-        [F.pad(part, (0, width - part.shape[1]), value=fill) for part in parts]
+    input_ids, attention_mask, response_mask = _joined_rows(
+        parts, repeated_ids, repeated_mask, tokenizer
     )
+    return input_ids, attention_mask, repeated_ids.shape[1], response_mask, kept[0]
+
+
+def _joined_rows(parts: list[torch.Tensor], prompt_ids, prompt_mask, tokenizer):
+    """The rows ``[prompt | response]`` of the generated ``parts`` (each ``(rows, T_i)``, in
+    order) after their prompts ``prompt_ids, prompt_mask (B, P)``: ``(input_ids (B, P+T),
+    attention_mask (B, P+T), response_mask (B, T))``, the pad id after each row's EOS."""
+    width = max(part.shape[1] for part in parts)  # a part whose rows all ended stops early
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.cat([F.pad(part, (0, width - part.shape[1]), value=pad) for part in parts])
     response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
     # Padding after EOS is replaced by the pad id so that the sequence is well formed.
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     response_ids = torch.where(
         response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
     )
-    input_ids = torch.cat([repeated_ids, response_ids], dim=1)
-    attention_mask = torch.cat([repeated_mask, response_mask.long()], dim=1)
-    return input_ids, attention_mask, repeated_ids.shape[1], response_mask, kept[0]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, response_mask
 
 
 @torch.no_grad()
