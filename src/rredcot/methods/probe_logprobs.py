@@ -364,14 +364,10 @@ def cached_rows(policy, batch: RolloutBatch, probes: list[Probe]) -> dict[int, i
     longest: dict[int, int] = {}
     for p in probes:
         longest[p.row] = max(longest.get(p.row, 0), p.b)
+    ids, mask = batch.input_ids.cpu(), batch.attention_mask.cpu()
     found = {}
     for row, c in longest.items():
-        sampled = cache.sampled_row(
-            row,
-            batch.input_ids[row, :P],
-            batch.attention_mask[row, :P],
-            batch.input_ids[row, P : P + c],
-        )
+        sampled = cache.sampled_row(row, ids[row, :P], mask[row, :P], ids[row, P : P + c])
         if sampled >= 0:
             found[row] = sampled
     return found
