@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F_nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 """``config.model_type`` values whose layers this loop knows: pre-norm blocks of rotary
@@ -672,18 +673,19 @@ def _forward_queries(decoder: Decoder, cache: SampledCache, chunk: list[_RowQuer
     bias = _query_bias(cache, chunk, Q, F, like)
     rows = torch.tensor([lay.row for lay in chunk], device=like.device)
     prompts = torch.tensor([lay.prompt for lay in chunk], device=like.device)
-    kv, D = decoder.kv_heads, decoder.head_dim
     x = decoder.inner.embed_tokens(ids.to(like.device))
     cos, sin = decoder._rotary(x, positions.to(like.device))
     for i, layer in enumerate(decoder.inner.layers):
         attn = layer.self_attn
         q, k, v = decoder._qkv(attn, layer.input_layernorm(x), cos, sin)
         keys, values = _row_keys(decoder, i, k, v, prompts, rows, F)
-        q = q.reshape(R, kv, decoder.groups, Q, D)
-        scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)) * decoder.scaling
-        probs = torch.softmax(scores + bias.unsqueeze(1), dim=-1, dtype=torch.float32)
-        out = torch.matmul(probs.to(q.dtype), values.unsqueeze(2))  # (R, H_kv, G, Q, D)
-        out = out.view(R, decoder.heads, Q, D).transpose(1, 2).reshape(R, Q, -1)
+        # query head h reads key/value head h // groups, as the model's own sdpa attention
+        keys = keys.repeat_interleave(decoder.groups, dim=1)  # (R, H, P + F + Q, D)
+        values = values.repeat_interleave(decoder.groups, dim=1)
+        out = F_nn.scaled_dot_product_attention(
+            q, keys, values, attn_mask=bias, scale=decoder.scaling
+        )  # (R, H, Q, D)
+        out = out.transpose(1, 2).reshape(R, Q, -1)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return decoder.inner.norm(x)

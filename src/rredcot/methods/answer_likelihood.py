@@ -299,7 +299,9 @@ class AnswerLikelihoodCredit(ValueSourceCredit):
     def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)``: the probed values, not anchored, with
         ``values[:, n] = R``, and the probe pass's statistics."""
-        if not self._checked:
+        # packing is checked on the first batch that re-forwards its probes (one that carries
+        # the sampling's cache reads them from it)
+        if not self._checked and batch.probe_cache is None:
             self._check_packing(batch)
         ctx = self.context
         return answer_values(

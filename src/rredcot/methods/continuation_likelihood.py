@@ -762,7 +762,9 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
 
     def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values, mask, stats)`` of :func:`continuation_values`, not anchored."""
-        if not self._checked:
+        # packing is checked on the first batch that re-forwards its probes (one that carries
+        # the sampling's cache reads them from it)
+        if not self._checked and batch.probe_cache is None:
             self._check_packing(batch)
         ctx = self.context
         return continuation_values(
