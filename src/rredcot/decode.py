@@ -508,7 +508,7 @@ class _CacheStore:
         self.decoder = self.model = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SampledCache:
     """The fast decoder's cache of one sampled batch (:func:`generate_keeping_cache`), kept so
     that probes written after a prefix of a sampled row are scored against it
@@ -751,11 +751,15 @@ def score_probes(
     by_row: dict[int, list[int]] = {}
     for i, (row, _, _) in enumerate(probes):
         by_row.setdefault(row, []).append(i)
-    rows = list(by_row)
+    out: list[torch.Tensor | None] = [None] * len(probes)
+    for i, (_, _, ids) in enumerate(probes):
+        if not ids:  # nothing to score
+            out[i] = torch.zeros(0, dtype=torch.float32)
+    by_row = {r: [i for i in items if out[i] is None] for r, items in by_row.items()}
+    rows = [r for r, items in by_row.items() if items]
     layouts = [_row_queries(cache, r, [probes[i][1:] for i in by_row[r]]) for r in rows]
     P = cache.prompt_ids.shape[1]
     lengths = [P + lay.context + len(lay.ids) for lay in layouts]
-    out: list[torch.Tensor | None] = [None] * len(probes)
     forwarded = 0
     for group in token_chunks(lengths, max_batch_tokens):
         chunk = [layouts[g] for g in group]
