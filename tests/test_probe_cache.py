@@ -282,3 +282,21 @@ def test_train_step_credit_from_the_cache_equals_the_reforward(init_dir, tmp_pat
         rows = 4 * 4
         probe_tokens = on["credit/probe_tokens"]
         assert probe_tokens <= on["credit/extra_forward_tokens"] <= probe_tokens + rows
+
+
+@pytest.mark.parametrize("setting", ["hf_decoder", "tree"])
+def test_runs_without_the_fast_decoders_cache_reforward(init_dir, tmp_path, setting):
+    """Hugging Face generate and tree sampling keep no cache: the probes re-forward."""
+    cfg = micro_config(
+        init_dir, tmp_path / "run", credit_method="answer_likelihood", steps=1, prompts_per_step=2
+    )
+    if setting == "hf_decoder":
+        cfg.sampling.decoder = "hf"
+    else:
+        cfg.sampling.tree.enabled = True
+    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer.step = 1
+    record = trainer.train_step(1)
+    assert record["credit/probe_from_cache"] == 0.0
+    assert record["credit/extra_forward_tokens"] > record["credit/probe_tokens"]
+    trainer.release()
