@@ -53,6 +53,9 @@ class RolloutBatch:
     # (B,) bool, references.mode luffy only: True on a reference row (an off-policy sample whose
     # behaviour probability is taken as 1, rredcot.references); None: every row was sampled
     off_policy: torch.Tensor | None = None
+    # rredcot.decode.SampledCache or None: the fast decoder's keys and values of the sampled
+    # rows, kept for the credit's probes (train's probe_from_cache) until the credit is computed
+    probe_cache: Any = None
 
     def replace(self, **changes: Any) -> RolloutBatch:
         """A copy with the given fields changed (tensors are shared, not copied)."""
@@ -113,4 +116,5 @@ class RolloutBatch:
             prefix_ids=pick(self.prefix_ids),
             token_share_counts=pick(self.token_share_counts),
             off_policy=pick(self.off_policy),
+            probe_cache=None if self.probe_cache is None else self.probe_cache.select(keep),
         )

@@ -985,8 +985,8 @@ class TrainConfig:
         "Resume the run in this directory from its newest valid checkpoint. Only steps, "
         "max_tokens_generated, max_train_seconds, max_compute, eval_every, eval_size, "
         "checkpoint_every, keep_checkpoints, report_to, progress, threads, device, "
-        "sampling.decoder, shared_prompt_forward, skip_zero_advantage_rows and "
-        "micro_batch_tokens may change.",
+        "sampling.decoder, shared_prompt_forward, skip_zero_advantage_rows, "
+        "micro_batch_tokens and probe_from_cache may change.",
         default=None,
     )
     overwrite: bool = help_field(
@@ -1045,6 +1045,18 @@ class TrainConfig:
         "loss and gradients to float rounding for G-fold less work on the prompt tokens. Falls "
         "back to the model's own forward elsewhere (other models, gradient checkpointing, "
         "distributed wrappers). False: always the model's own forward.",
+        default=True,
+    )
+    probe_from_cache: bool = help_field(
+        "The probe credit methods (answer_likelihood, continuation_likelihood, the value head's "
+        "alik_feature and continuation teacher) score their probes against the fast decoder's "
+        "KV cache of the step's own sampling: only the probe tokens are forwarded, not each "
+        "trace's prompt and prefix again (the same log-probs to float rounding; the cache stays "
+        "in memory from sampling until the credit is computed). Where the cache cannot serve "
+        "(Hugging Face generate, models the fast decoder does not support, tree sampling, "
+        "generation in several parts under a memory limit, rows added after sampling) the "
+        "probes re-forward their prefixes; metric credit/probe_from_cache says what share "
+        "came from the cache. False: always re-forward.",
         default=True,
     )
     max_grad_norm: float = help_field("Gradient clipping norm (0: off).", default=1.0)
@@ -1150,6 +1162,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every must be >= 1")
         if self.threads < 0:
             raise ValueError("threads must be >= 0 (0: auto)")
+        if not isinstance(self.probe_from_cache, bool):
+            raise ValueError(f"probe_from_cache={self.probe_from_cache!r}: give true or false")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: auto)")
         if self.max_tokens_generated < 0:
@@ -1211,6 +1225,7 @@ RESUMABLE_FIELDS = (
     "shared_prompt_forward",
     "skip_zero_advantage_rows",
     "micro_batch_tokens",
+    "probe_from_cache",
 )
 """Fields of a ``TrainConfig`` that ``--resume`` may change: how long the run goes on and how it
 is evaluated, checkpointed, logged and placed, never what it trains."""

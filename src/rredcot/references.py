@@ -301,6 +301,7 @@ def append_reference_samples(
                 torch.ones(refs.size, dtype=torch.bool, device=device),
             ]
         ),
+        probe_cache=None if batch.probe_cache is None else batch.probe_cache.appended(refs.size),
     )
     # each reference right after its group's last sampled row
     refs_of: dict[int, list[int]] = {}

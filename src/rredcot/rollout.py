@@ -318,6 +318,15 @@ def resolve_decoder(
 
 @torch.no_grad()
 def sample(
+    policy, tokenizer, prompts: list[str], **options
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """:func:`sample_keeping_cache` without the cache (``options``: its keyword arguments but
+    ``keep_cache``): ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``."""
+    return sample_keeping_cache(policy, tokenizer, prompts, **options)[:4]
+
+
+@torch.no_grad()
+def sample_keeping_cache(
     policy,
     tokenizer,
     prompts: list[str],
@@ -331,7 +340,8 @@ def sample(
     use_model_generation_config: bool = False,
     decoder: str = "auto",
     max_rows: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    keep_cache: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, decode.SampledCache | None]:
     """Sample ``num_generations`` completions per prompt (rows grouped by prompt).
 
     Sampling is plain temperature / top-p sampling, the distribution the loss scores: a hub
@@ -342,17 +352,24 @@ def sample(
     (``rredcot.memory.generation_rows``), so the KV cache grows with it, not the batch; a batch
     within it is generated at once, as with 0.
 
-    Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T))``.
+    ``keep_cache``: also keep the fast decoder's filled cache (:func:`decode.generate_keeping_cache`)
+    where the fast loop runs and the batch is generated at once; else the cache is None.
+
+    Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, response_mask (B, T), cache)``.
     """
     device = device or next(policy.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
     fast = resolve_decoder(policy, decoder, use_model_generation_config)[0] == "fast"
+    per = len(prompts) if max_rows <= 0 else max(1, max_rows // num_generations)
+    keep = keep_cache and fast and per >= len(prompts)
+    kept: list[decode.SampledCache | None] = [None]
 
     def generate(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if fast:
-            return decode.generate(  # takes each prompt once, for its G samples
+            run = decode.generate_keeping_cache if keep else decode.generate
+            out = run(  # takes each prompt once, for its G samples
                 policy,
                 ids,
                 mask,
@@ -364,6 +381,9 @@ def sample(
                 temperature=temperature,
                 top_p=top_p,
             )
+            if keep:
+                out, kept[0] = out
+            return out
         return _hf_generate(
             policy,
             tokenizer,
@@ -376,25 +396,31 @@ def sample(
             use_model_generation_config=use_model_generation_config,
         )
 
-    per = len(prompts) if max_rows <= 0 else max(1, max_rows // num_generations)
     parts = [
         generate(prompt_ids[s : s + per], prompt_mask[s : s + per])
         for s in range(0, len(prompts), per)
     ]
-    width = max(part.shape[1] for part in parts)  # a part whose rows all ended stops early
-    fill = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    response_ids = torch.cat(
-        [F.pad(part, (0, width - part.shape[1]), value=fill) for part in parts]
+    input_ids, attention_mask, response_mask = _joined_rows(
+        parts, repeated_ids, repeated_mask, tokenizer
     )
+    return input_ids, attention_mask, repeated_ids.shape[1], response_mask, kept[0]
+
+
+def _joined_rows(parts: list[torch.Tensor], prompt_ids, prompt_mask, tokenizer):
+    """The rows ``[prompt | response]`` of the generated ``parts`` (each ``(rows, T_i)``, in
+    order) after their prompts ``prompt_ids, prompt_mask (B, P)``: ``(input_ids (B, P+T),
+    attention_mask (B, P+T), response_mask (B, T))``, the pad id after each row's EOS."""
+    width = max(part.shape[1] for part in parts)  # a part whose rows all ended stops early
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    response_ids = torch.cat([F.pad(part, (0, width - part.shape[1]), value=pad) for part in parts])
     response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
     # Padding after EOS is replaced by the pad id so that the sequence is well formed.
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     response_ids = torch.where(
         response_mask.bool(), response_ids, torch.full_like(response_ids, pad)
     )
-    input_ids = torch.cat([repeated_ids, response_ids], dim=1)
-    attention_mask = torch.cat([repeated_mask, response_mask.long()], dim=1)
-    return input_ids, attention_mask, repeated_ids.shape[1], response_mask
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return input_ids, attention_mask, response_mask
 
 
 @torch.no_grad()
@@ -578,10 +604,11 @@ def sample_groups(
     *,
     tree: bool = True,
     max_rows: int = 0,
+    keep_cache: bool = False,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """:func:`build_rollout_batch` at a run's sampling settings (``sampling``: its
     ``SamplingConfig``), as tree groups where ``sampling.tree.enabled`` and ``tree``;
-    ``max_rows``: :func:`sample`'s."""
+    ``max_rows``, ``keep_cache``: :func:`sample_keeping_cache`'s."""
     return build_rollout_batch(
         policy,
         tokenizer,
@@ -596,6 +623,7 @@ def sample_groups(
         decoder=decoder,
         tree=sampling.tree if tree and sampling.tree.enabled else None,
         max_rows=max_rows,
+        keep_cache=keep_cache,
     )
 
 
@@ -614,8 +642,13 @@ def build_rollout_batch(
     decoder: str = "auto",
     tree=None,
     max_rows: int = 0,
+    keep_cache: bool = False,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, decode, verify and segment. Returns the batch and rollout statistics.
+
+    ``keep_cache``: the batch carries the fast decoder's cache (``batch.probe_cache``, a
+    :class:`decode.SampledCache` whose rows follow the batch's, dropped rows included) where
+    :func:`sample_keeping_cache` keeps one (never for tree groups); free it once read.
 
     ``tree`` (``sampling.tree`` with ``enabled``) grows each prompt's group as a tree
     (:func:`sample_tree_group`): ``rollout/tokens`` then counts each generated token once, and the
@@ -637,21 +670,21 @@ def build_rollout_batch(
         use_model_generation_config=use_model_generation_config,
         decoder=decoder,
     )
-    grown = None
+    grown = cache = None
     if tree is not None and tree.enabled:
         input_ids, attention_mask, P, response_mask, grown = sample_tree_group(
             policy, tokenizer, prompts, segmenter, tree, **options
         )
     else:
-        input_ids, attention_mask, P, response_mask = sample(
-            policy, tokenizer, prompts, **options, max_rows=max_rows
+        input_ids, attention_mask, P, response_mask, cache = sample_keeping_cache(
+            policy, tokenizer, prompts, **options, max_rows=max_rows, keep_cache=keep_cache
         )
     rows_problems = [p for p in problems for _ in range(num_generations)]
     group_ids = torch.arange(len(problems)).repeat_interleave(num_generations)
     checked = _verify_rows(tokenizer, task, rows_problems, input_ids[:, P:], response_mask)
     batch = _unsegmented_batch(
         input_ids, attention_mask, P, response_mask, group_ids, rows_problems, checked, grown
-    )
+    ).replace(probe_cache=cache)
     if checked.skipped:
         batch = batch.select([row for row, ok in enumerate(checked.valid) if ok])
     if not segmenter.uses_entropy:

@@ -217,7 +217,8 @@ class Trainer:
         self._trained_tokens = 0.0
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
-        batch, stats = self.rollout(problems, forward=False)  # sample, verify, segment
+        # sample, verify, segment; keep the decoder's cache where the credit probes prefixes
+        batch, stats = self.rollout(problems, forward=False, keep_cache=self.probes_from_cache())
         if batch.size == 0:
             raise RuntimeError(
                 f"step {step}: the verifier rejected every sample (errors or non-finite rewards); "
@@ -247,6 +248,7 @@ class Trainer:
             clock.lap("update")
 
         credit_rows = self.method.rows(batch)
+        batch = _without_probe_cache(batch)  # read by the credit's probes only, before the update
         estimate = self.method.estimate(credit_rows)
         credit_out = self.method.credit_output(
             credit_rows, estimate, batch.segment_ids, batch.response_mask
@@ -328,9 +330,19 @@ class Trainer:
             for _ in range(self.cfg.prompts_per_step)
         ]
 
-    def rollout(self, problems, forward: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+    def probes_from_cache(self) -> bool:
+        """Whether a step's rollout keeps the fast decoder's cache for the credit's probes
+        (``probe_from_cache`` and a method that probes prefixes; the rollout keeps one only where
+        the fast loop samples the batch at once, :func:`rredcot.rollout.sample_keeping_cache`).
+        The credit reads it before the step's update, the policy it sampled with."""
+        return self.cfg.probe_from_cache and bool(getattr(self.method, "probes_prefixes", False))
+
+    def rollout(
+        self, problems, forward: bool = True, keep_cache: bool = False
+    ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample, verify and segment G completions per problem with the current policy (the
-        caller seeds); with ``forward`` also fill the old log-probs and hidden states."""
+        caller seeds); with ``forward`` also fill the old log-probs and hidden states;
+        ``keep_cache``: the batch carries the decoder's cache (``batch.probe_cache``)."""
         self.policy.eval()
         batch, stats = sample_groups(
             self.policy,
@@ -341,6 +353,7 @@ class Trainer:
             self.cfg.sampling,
             self.decoder,
             max_rows=self.generation_rows,
+            keep_cache=keep_cache,
         )
         if forward:
             batch = self._fill_forward(batch)
@@ -805,6 +818,14 @@ class _StepClock:
     @property
     def total(self) -> float:
         return self.last - self.start
+
+
+def _without_probe_cache(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with the decoder's cache it carried (if any) freed and dropped."""
+    if batch.probe_cache is None:
+        return batch
+    batch.probe_cache.free()
+    return batch.replace(probe_cache=None)
 
 
 def shared_token_weighted(advantages: torch.Tensor, batch: RolloutBatch, rule: str) -> torch.Tensor:

@@ -53,6 +53,7 @@ from rredcot.methods.probe_logprobs import (
     model_device_dtype,
     packed_probe_logprobs,
     packing_supported,
+    probe_logprobs_from_cache,
     probe_pass_tokens,
     unpacked_probe_logprobs,
 )
@@ -110,7 +111,9 @@ def answer_values(
     answers = probe_answers(batch, task, answer_source, probe.renderings)
     probes, _ = build_probes(batch, tokenizer, task, answers, probe)
     budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
-    logprobs, forwarded, use_packed = _probe_logprobs(policy, batch, probes, packing, budget)
+    logprobs, forwarded, use_packed, from_cache = _probe_logprobs(
+        policy, batch, probes, packing, budget
+    )
     values, mask = _values_from_probes(batch, probes, logprobs)
     device = batch.rewards.device
     probed_rows = [a for a in answers if a]
@@ -120,6 +123,7 @@ def answer_values(
         "credit/probe_tokens": float(sum(len(p.ids) for p in probes)),
         "credit/probes": float(len(probes)),
         "credit/probe_packed": float(use_packed),
+        "credit/probe_from_cache": from_cache / max(len(probes), 1),
         "credit/probe_think_cue": float(resolve_cue(probe.cue, tokenizer) != "task"),
         "credit/answers_per_row": sum(len(a) for a in probed_rows) / max(len(probed_rows), 1),
         "credit/empty_answer_sets": float(sum(1 for a in answers if not a)),
@@ -128,6 +132,26 @@ def answer_values(
 
 
 def _probe_logprobs(
+    policy, batch: RolloutBatch, probes: list, packing: str, budget: dict
+) -> tuple[list[Tensor], int, bool, int]:
+    """``(log-probs of each probe's tokens, tokens forwarded, packed or not, probes read from
+    the cache)``: against the sampling's cache where the batch carries one
+    (:func:`probe_logprobs_from_cache`), the other probes re-forwarded
+    (:func:`_reforwarded_logprobs`)."""
+    packed = [packing == "packed" or (packing == "auto" and packing_supported(policy))]
+
+    def reforward(rest: list) -> tuple[list[Tensor], int]:
+        logprobs, forwarded, packed[0] = _reforwarded_logprobs(policy, batch, rest, packing, budget)
+        return logprobs, forwarded
+
+    with eval_mode(policy):
+        logprobs, forwarded, from_cache = probe_logprobs_from_cache(
+            policy, batch, probes, reforward, **budget
+        )
+    return logprobs, forwarded, packed[0], from_cache
+
+
+def _reforwarded_logprobs(
     policy, batch: RolloutBatch, probes: list, packing: str, budget: dict
 ) -> tuple[list[Tensor], int, bool]:
     """``(log-probs of each probe's tokens, tokens forwarded, packed or not)``: packed where
@@ -220,6 +244,8 @@ class AnswerLikelihoodCredit(ValueSourceCredit):
     probing with a warning.
     """
 
+    probes_prefixes = True
+
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
         if context.task is None:
@@ -273,7 +299,9 @@ class AnswerLikelihoodCredit(ValueSourceCredit):
     def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)``: the probed values, not anchored, with
         ``values[:, n] = R``, and the probe pass's statistics."""
-        if not self._checked:
+        # packing is checked on the first batch that re-forwards its probes (one that carries
+        # the sampling's cache reads them from it)
+        if not self._checked and batch.probe_cache is None:
             self._check_packing(batch)
         ctx = self.context
         return answer_values(

@@ -198,6 +198,9 @@ class CreditMethod:
     reweights: ClassVar[bool] = True
     # whether update() learns anything (pretraining before RL needs it)
     learns: ClassVar[bool] = False
+    # whether rows() scores probes after prefixes of the batch's rows: the trainer then keeps
+    # the sampling's KV cache for them (train's probe_from_cache)
+    probes_prefixes: bool = False
 
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config

@@ -85,6 +85,7 @@ from rredcot.methods.probe_logprobs import (
     Probe,
     packed_probe_logprobs,
     packing_supported,
+    probe_logprobs_from_cache,
     unpacked_probe_logprobs,
 )
 from rredcot.methods.value_source import ValueSourceCredit
@@ -254,9 +255,11 @@ def build_continuations(
 
 
 class _PolicyScorer:
-    """Probes -> their per-token log-probs from the policy: one packed forward row per trace
-    (one row per continuation with ``packing="unpacked"``, or after the packed pass failed in
-    ``auto``), counting the forward tokens (``forwarded``)."""
+    """Probes -> their per-token log-probs from the policy: read against the sampling's cache
+    where the batch carries one (:func:`probe_logprobs_from_cache`), else one packed forward row
+    per trace (one row per continuation with ``packing="unpacked"``, or after the packed pass
+    failed in ``auto``), counting the forward tokens (``forwarded``), the probes scored
+    (``probes``) and those read from the cache (``from_cache``)."""
 
     def __init__(
         self, policy, batch: RolloutBatch, packing: str, max_batch_tokens: int, logits_mb: int
@@ -264,11 +267,15 @@ class _PolicyScorer:
         self.policy, self.batch, self.packing = policy, batch, packing
         self.budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
         self.use_packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
-        self.forwarded = 0
+        self.forwarded = self.probes = self.from_cache = 0
 
     def __call__(self, probes: list[Probe]) -> list[Tensor]:
-        logprobs, more = self._score(probes)
+        logprobs, more, cached = probe_logprobs_from_cache(
+            self.policy, self.batch, probes, self._score, **self.budget
+        )
         self.forwarded += more
+        self.probes += len(probes)
+        self.from_cache += cached
         return logprobs
 
     def _score(self, probes: list[Probe]) -> tuple[list[Tensor], int]:
@@ -337,6 +344,7 @@ def continuation_values(
             "credit/extra_forward_tokens": float(scorer.forwarded),
             "credit/extra_generated_tokens": 0.0,
             "credit/probe_packed": float(scorer.use_packed),
+            "credit/probe_from_cache": scorer.from_cache / max(scorer.probes, 1),
             "credit/reference_groups": float(len(references)),
         }
     )
@@ -682,6 +690,8 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
     docstring). The first batch in ``auto`` packing is also scored unpacked once; a mismatch (a
     model that ignores the custom 4D mask) switches to unpacked scoring with a warning."""
 
+    probes_prefixes = True
+
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)
         if context.segmenter is None:
@@ -752,7 +762,9 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
 
     def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values, mask, stats)`` of :func:`continuation_values`, not anchored."""
-        if not self._checked:
+        # packing is checked on the first batch that re-forwards its probes (one that carries
+        # the sampling's cache reads them from it)
+        if not self._checked and batch.probe_cache is None:
             self._check_packing(batch)
         ctx = self.context
         return continuation_values(

@@ -9,6 +9,10 @@ every probe under the policy, with no generation.
 ``[prompt | response up to b_{n-1} | probe_0 | probe_1 | ...]`` with a 4D float attention mask (0
 allowed, dtype-min elsewhere) under which each probe sees the prompt, the response up to its
 boundary and its own earlier tokens, and position ids that continue from its prefix.
+**From the cache** (:func:`probe_logprobs_from_cache`): where the batch carries the fast
+decoder's cache of its sampling (``batch.probe_cache``, train's ``probe_from_cache``) and the
+policy is unchanged since, only the probe tokens are forwarded, against the cached keys and values
+of the prompt and prefix (:func:`rredcot.decode.score_probes`); other rows fall back to packing.
 **Unpacked** (:func:`unpacked_probe_logprobs`): one left-padded row per probe, the reference, and
 the fallback for models whose attention does not take a custom 4D mask
 (:func:`packing_supported`); :func:`probe_pass_tokens` says what falling back costs.
@@ -32,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from rredcot.batch import RolloutBatch
+from rredcot.decode import score_probes, token_chunks
 from rredcot.rollout import eval_mode, position_ids_from_mask
 
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
@@ -53,23 +58,6 @@ def prompt_token_ids(batch: RolloutBatch, row: int) -> list[int]:
     P = batch.prompt_len
     keep = batch.attention_mask[row, :P].bool()
     return batch.input_ids[row, :P][keep].tolist()
-
-
-def _chunks(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
-    """Group item indices so that ``rows * longest`` stays under ``max_batch_tokens``."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, length in enumerate(lengths):
-        new_longest = max(longest, length)
-        if current and (len(current) + 1) * new_longest > max_batch_tokens:
-            groups.append(current)
-            current, new_longest = [], length
-        current.append(i)
-        longest = new_longest
-    if current:
-        groups.append(current)
-    return groups
 
 
 def model_device_dtype(policy) -> tuple[torch.device, torch.dtype]:
@@ -250,7 +238,7 @@ def packed_probe_logprobs(
     pad = _pad_id(policy)
     out: list[Tensor | None] = [None] * len(probes)
     forwarded = 0
-    for group in _chunks(lengths, max_batch_tokens):
+    for group in token_chunks(lengths, max_batch_tokens):
         L = max(lengths[g] for g in group)
         R = len(group)
         ids = torch.full((R, L), pad, dtype=torch.long)
@@ -316,7 +304,7 @@ def unpacked_probe_logprobs(
     pad = _pad_id(policy)
     out: list[Tensor | None] = [None] * len(probes)
     forwarded = sum(len(s) for s in seqs)
-    for group in _chunks([len(s) for s in seqs], max_batch_tokens):
+    for group in token_chunks([len(s) for s in seqs], max_batch_tokens):
         L = max(len(seqs[i]) for i in group)
         ids = torch.full((len(group), L), pad, dtype=torch.long)
         attn = torch.zeros(len(group), L, dtype=torch.long)
@@ -361,3 +349,62 @@ def packing_supported(policy) -> bool:
     """Whether the policy's attention implementation adds a custom 4D float mask as given."""
     impl = getattr(getattr(policy, "config", None), "_attn_implementation", None)
     return impl in _PACKED_ATTENTION
+
+
+def cached_rows(policy, batch: RolloutBatch, probes: list[Probe]) -> dict[int, int]:
+    """``{batch row: sampled row of batch.probe_cache}`` for every probed row whose prompt and
+    longest probed prefix the cache holds token for token, for the current ``policy``; empty
+    where there is no cache, another model or parameters changed since sampling."""
+    cache = batch.probe_cache
+    if cache is None or not probes or cache.unusable_reason(_unwrap(policy)) is not None:
+        return {}
+    if batch.prompt_len != cache.prompt_ids.shape[1]:
+        return {}
+    P = batch.prompt_len
+    longest: dict[int, int] = {}
+    for p in probes:
+        longest[p.row] = max(longest.get(p.row, 0), p.b)
+    ids, mask = batch.input_ids.cpu(), batch.attention_mask.cpu()
+    found = {}
+    for row, c in longest.items():
+        sampled = cache.sampled_row(row, ids[row, :P], mask[row, :P], ids[row, P : P + c])
+        if sampled >= 0:
+            found[row] = sampled
+    return found
+
+
+@torch.no_grad()
+def probe_logprobs_from_cache(
+    policy,
+    batch: RolloutBatch,
+    probes: list[Probe],
+    score_rest,
+    max_batch_tokens: int = 16384,
+    logits_mb: int = 256,
+) -> tuple[list[Tensor], int, int]:
+    """Per-token log-probs of every probe (as :func:`packed_probe_logprobs`), the probes of rows
+    that ``batch.probe_cache`` holds (:func:`cached_rows`) read against it
+    (:func:`rredcot.decode.score_probes`: only their tokens are forwarded), the others scored by
+    ``score_rest(probes) -> (log-probs, tokens forwarded)``.
+
+    Returns (one ``(len(probe.ids),)`` float tensor per probe, in order; tokens forwarded;
+    probes read from the cache)."""
+    rows = cached_rows(policy, batch, probes)
+    from_cache = [i for i, p in enumerate(probes) if p.row in rows]
+    rest = [i for i, p in enumerate(probes) if p.row not in rows]
+    out: list[Tensor | None] = [None] * len(probes)
+    forwarded = 0
+    if from_cache:
+        queries = [(rows[probes[i].row], probes[i].b, probes[i].ids) for i in from_cache]
+        with _no_autocast(model_device_dtype(policy)[0]):
+            scored, forwarded = score_probes(
+                batch.probe_cache, queries, max_batch_tokens, logits_mb
+            )
+        for i, lp in zip(from_cache, scored):
+            out[i] = lp
+    if rest:
+        scored, more = score_rest([probes[i] for i in rest])
+        forwarded += more
+        for i, lp in zip(rest, scored):
+            out[i] = lp
+    return out, forwarded, len(from_cache)  # type: ignore[return-value]

@@ -315,6 +315,7 @@ class ValueHeadCredit(CreditMethod):
         self.teacher = self._build_teacher()
         if self.teacher is not None:  # one guard for whichever values set the credit
             self.guard = self.teacher.guard
+        self.probes_prefixes = bool(self.options.alik_feature or self.teacher is not None)
         self.steps = 0  # updates done: the teacher runs on steps 0, k, 2k, ...
         self._paused = False  # teacher_paused(): the head's values on every batch
         input_size = self._input_size_from_policy()
