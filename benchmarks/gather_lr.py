@@ -40,6 +40,12 @@ SPECS = {
     "ref_sft_c1": "uniform:references.mode=sft:references.sft_coef=1.0",
     "ref_luffy": "uniform:references.mode=luffy",
     "ref_bread": "uniform:references.mode=bread",
+    # issue 49: cl_cheap with its probes re-forwarded (the rollout's KV cache off), and the
+    # value head taught by cl_cheap's values on one step in four
+    "cl_cheap_reforward": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1:probe_from_cache=false",
+    "vh_teacher4": "value_head:value_head.teacher=continuation_likelihood:lam=0:anchor=none"
+    ":handover.smoothing=0.5:continuation_likelihood.window=1:value_head.teacher_every=4",
     # the combination: cl_cheap's credit on top of the best reference baseline (ref_sft_c1)
     "cl_cheap_ref_sft_c1": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
     ":continuation_likelihood.window=1:references.mode=sft:references.sft_coef=1.0",
