@@ -82,6 +82,7 @@ def _row(**changes) -> Measurement:
         (0.30, 0.40, False, _row(), "uniform"),  # nothing for it to score
         (0.30, 0.40, True, _row(time_averaged=(0.025, 0.013)), "uniform"),  # within 2 s.e.
         (0.30, 0.40, True, _row(at_grpo_last_second=(-0.01, 0.001)), "uniform"),  # behind
+        (0.30, 0.40, True, _row(seeds=2), "uniform"),  # ahead, but on a partial block
         (0.30, 0.40, False, _row(needs_references=False, method="value_head"), "value_head"),
     ],
 )

@@ -61,6 +61,7 @@ MODEL_KINDS = ("character", "language_model")
 or a language model with a subword vocabulary (a pretrained Hugging Face causal LM)."""
 CHARACTER_VOCAB_MAX = 512  # a vocabulary this small is a character tokenizer's (ours has 100)
 PARAMETER_FACTOR = 10.0  # two language models are alike within this factor of parameters
+MIN_SEEDS = 5  # a row decides a run only when measured on at least this many paired seeds
 
 
 def model_kind(vocab_size: int) -> str:
@@ -96,8 +97,10 @@ class Measurement:
     model_parameters: int | None = None  # the policy's parameters (language models)
 
     def ahead_per_second(self) -> bool:
-        """Both per-second figures more than two standard errors above GRPO."""
-        return all(m - 2 * se > 0 for m, se in (self.at_grpo_last_second, self.time_averaged))
+        """Both per-second figures more than two standard errors above GRPO, on at least
+        :data:`MIN_SEEDS` seeds (a partial block's rows are kept, and cited, but decide nothing)."""
+        pairs = (self.at_grpo_last_second, self.time_averaged)
+        return self.seeds >= MIN_SEEDS and all(m - 2 * se > 0 for m, se in pairs)
 
     def like_model(self, figures: dict[str, Any]) -> bool:
         """Whether the run's policy (``figures["model_kind"]``, ``figures["model_parameters"]``,
