@@ -430,9 +430,14 @@ def choose_credit(
                 -m.at_grpo_last_second[0],
             ),
         )
+        partial = (
+            f" (on fewer than {MIN_SEEDS} seeds a row decides nothing)"
+            if nearest.seeds < MIN_SEEDS
+            else ""
+        )
         reason = (
             f"{seen}; on the testbed most like it no credit method was measured ahead of GRPO "
-            f"per second: {nearest.words()}; so {FALLBACK_METHOD} (GRPO)"
+            f"per second{partial}: {nearest.words()}; so {FALLBACK_METHOD} (GRPO)"
         )
         return CreditChoice(FALLBACK_METHOD, {}, reason, figures, nearest.source)
     if not any(m.like_model(figures) for m in measurements):
