@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F_nn
 
+from rredcot.memory import token_chunks
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 """``config.model_type`` values whose layers this loop knows: pre-norm blocks of rotary
 multi-head (or grouped-query) self-attention and a gated MLP."""
@@ -469,24 +471,6 @@ def _decode(
 
 # ---------------------------------------------------------------------------------------------
 # Probes scored against the cache of a sampled batch
-
-
-def token_chunks(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
-    """Group item indices (in order) so that ``items * longest`` stays under
-    ``max_batch_tokens`` (an item alone may exceed it)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, length in enumerate(lengths):
-        new_longest = max(longest, length)
-        if current and (len(current) + 1) * new_longest > max_batch_tokens:
-            groups.append(current)
-            current, new_longest = [], length
-        current.append(i)
-        longest = new_longest
-    if current:
-        groups.append(current)
-    return groups
 
 
 def parameter_version(model) -> int:

@@ -145,17 +145,27 @@ def micro_batches(
 
 
 def _packed_micro_batches(rows: torch.Tensor, lengths: list[int], budget: int):
-    """:func:`micro_batches` of rows of different ``lengths``: consecutive, greedy."""
-    out, start, longest = [], 0, 0
+    """:func:`micro_batches` of rows of different ``lengths``: consecutive, greedy
+    (:func:`token_chunks`)."""
+    return [rows[group[0] : group[-1] + 1] for group in token_chunks(lengths, budget)] or [rows]
+
+
+def token_chunks(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Group item indices (in order) so that ``items * longest`` stays under
+    ``max_batch_tokens`` (an item alone may exceed it)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
     for i, length in enumerate(lengths):
-        wider = max(longest, length)
-        if i > start and (i + 1 - start) * wider > budget:
-            out.append(rows[start:i])
-            start, wider = i, length
-        longest = wider
-    if len(rows):
-        out.append(rows[start:])
-    return out or [rows]
+        new_longest = max(longest, length)
+        if current and (len(current) + 1) * new_longest > max_batch_tokens:
+            groups.append(current)
+            current, new_longest = [], length
+        current.append(i)
+        longest = new_longest
+    if current:
+        groups.append(current)
+    return groups
 
 
 def generation_row_bytes(shape: ModelShape, length: int) -> int:

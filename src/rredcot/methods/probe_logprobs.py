@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from rredcot.batch import RolloutBatch
-from rredcot.decode import score_probes, token_chunks
+from rredcot.decode import score_probes
+from rredcot.memory import token_chunks
 from rredcot.rollout import eval_mode, position_ids_from_mask
 
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask

@@ -66,6 +66,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rredcot.batch import RolloutBatch
 from rredcot.config import ProcessRewardConfig
+from rredcot.memory import token_chunks
 from rredcot.methods.base import CreditContext, register_credit
 from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.normalization import group_mean_std
@@ -312,15 +313,7 @@ class PRMScorer:
     def _chunks(self, lengths: list[int]) -> list[list[int]]:
         if self.pad_id is None:
             return [[i] for i in range(len(lengths))]
-        chunks, current, longest = [], [], 0
-        for i, n in enumerate(lengths):
-            wider = max(longest, n)
-            if current and wider * (len(current) + 1) > self.options.chunk_tokens:
-                chunks.append(current)
-                current, wider = [], n
-            current.append(i)
-            longest = wider
-        return chunks + ([current] if current else [])
+        return token_chunks(lengths, self.options.chunk_tokens)
 
     # -- scoring ------------------------------------------------------------------------------
     @torch.no_grad()
