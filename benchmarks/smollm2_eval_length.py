@@ -1,0 +1,72 @@
+"""How much of SmolLM2's starting accuracy on word_problems the evaluation's token cap decides.
+
+Greedy accuracy of SmolLM2-135M-Instruct on a run's held-out problems (``eval_problems(N,
+seed)``, as ``rredcot train`` builds them) at several ``max_new_tokens``, with the share of
+completions that hit the cap (no EOS). The learning protocol (``smollm2_learn.sh``) trains and
+evaluates at 72, the task's suggestion.
+
+    python benchmarks/smollm2_eval_length.py OUT.json --seed 200 --caps 72,144,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from rredcot.models import load_policy
+from rredcot.rollout import checked_verify, render_prompt, sample
+from rredcot.tasks import get_task
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=200)
+    ap.add_argument("--eval-size", type=int, default=128)
+    ap.add_argument("--caps", default="72,144,256")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    policy, tokenizer = load_policy("smollm2-135m-instruct", dtype="float32")
+    policy.eval()
+    task = get_task("word_problems")
+    problems = task.eval_problems(args.eval_size, seed=args.seed)
+    prompts = [render_prompt(p, tokenizer) for p in problems]
+    rows = []
+    for cap in (int(c) for c in args.caps.split(",")):
+        t0 = time.perf_counter()
+        correct = capped = 0
+        lengths = []
+        for start in range(0, len(problems), 64):
+            chunk = slice(start, start + 64)
+            with torch.no_grad():
+                ids, _, P, mask = sample(
+                    policy, tokenizer, prompts[chunk], num_generations=1,
+                    max_new_tokens=cap, greedy=True,
+                )
+            for row, problem in enumerate(problems[chunk]):
+                n = int(mask[row].sum())
+                text = tokenizer.decode(ids[row, P : P + n], skip_special_tokens=True)
+                verdict, ok = checked_verify(task, problem, text)
+                correct += float(verdict.reward) if ok else 0.0
+                capped += int(n >= cap and int(ids[row, P + n - 1]) != tokenizer.eos_token_id)
+                lengths.append(n)
+        row = {
+            "max_new_tokens": cap,
+            "accuracy": correct / len(problems),
+            "hit_cap": capped / len(problems),
+            "mean_length": sum(lengths) / len(lengths),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    meta = {"model": "smollm2-135m-instruct", "task": "word_problems", "seed": args.seed,
+            "eval_size": len(problems), "greedy": True}
+    with open(args.out, "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
