@@ -6,6 +6,8 @@ completions that hit the cap (no EOS). The learning protocol (``smollm2_learn.sh
 evaluates at 72, the task's suggestion.
 
     python benchmarks/smollm2_eval_length.py OUT.json --seed 200 --caps 72,144,256
+    python benchmarks/smollm2_eval_length.py OUT.json --task gsm8k \
+        --task-arg data=../shared/data/gsm8k --caps 256   (headroom of another testbed)
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=200)
     ap.add_argument("--eval-size", type=int, default=128)
     ap.add_argument("--caps", default="72,144,256")
+    ap.add_argument("--task", default="word_problems")
+    ap.add_argument("--task-arg", action="append", default=[], help="KEY=VALUE, repeatable")
     args = ap.parse_args()
     torch.set_num_threads(1)
     policy, tokenizer = load_policy("smollm2-135m-instruct", dtype="float32")
     policy.eval()
-    task = get_task("word_problems")
+    task_args = dict(kv.split("=", 1) for kv in args.task_arg)
+    task = get_task(args.task, **task_args)
     problems = task.eval_problems(args.eval_size, seed=args.seed)
     prompts = [render_prompt(p, tokenizer) for p in problems]
     rows = []
@@ -43,8 +48,12 @@ def main() -> None:
             chunk = slice(start, start + 64)
             with torch.no_grad():
                 ids, _, P, mask = sample(
-                    policy, tokenizer, prompts[chunk], num_generations=1,
-                    max_new_tokens=cap, greedy=True,
+                    policy,
+                    tokenizer,
+                    prompts[chunk],
+                    num_generations=1,
+                    max_new_tokens=cap,
+                    greedy=True,
                 )
             for row, problem in enumerate(problems[chunk]):
                 n = int(mask[row].sum())
@@ -62,8 +71,13 @@ def main() -> None:
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
-    meta = {"model": "smollm2-135m-instruct", "task": "word_problems", "seed": args.seed,
-            "eval_size": len(problems), "greedy": True}
+    meta = {
+        "model": "smollm2-135m-instruct",
+        "task": args.task,
+        "seed": args.seed,
+        "eval_size": len(problems),
+        "greedy": True,
+    }
     with open(args.out, "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
 
