@@ -39,8 +39,6 @@ with a warning. ``V(s_n)`` is not probed: the credit algebra sets it to the outc
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
@@ -49,29 +47,12 @@ from rredcot.config import AnswerLikelihoodConfig
 from rredcot.methods.answer_probes import ProbeFormat, build_probes, probe_answers, resolve_cue
 from rredcot.methods.base import CreditContext, register_credit
 from rredcot.methods.probe_logprobs import (
-    Probe,
-    model_device_dtype,
-    packed_probe_logprobs,
-    packing_supported,
-    probe_logprobs_from_cache,
-    probe_pass_tokens,
-    unpacked_probe_logprobs,
+    ProbeScorer,
+    packing_disagrees,
 )
 from rredcot.methods.value_source import ValueSourceCredit
-from rredcot.rollout import eval_mode
 
-PACKING_MODES = ("auto", "packed", "unpacked")
 NUM_FEATURES = 2  # value-head features: V and its squashed log
-
-
-def _fallback_cost(batch: RolloutBatch, probes: list[Probe]) -> str:
-    packed, unpacked = probe_pass_tokens(batch, probes)
-    ratio = unpacked / max(packed, 1)
-    return (
-        f"one row per probe re-runs each probe's prompt and prefix: {ratio:.1f}x the forward "
-        f"tokens of packing on this batch ({unpacked} against {packed}), so expect the probe pass "
-        f"to take about {ratio:.1f}x as long"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,8 +81,6 @@ def answer_values(
     a custom 4D mask, else unpacked with a warning; a packed pass that raises also falls back
     with a warning).
     """
-    if packing not in PACKING_MODES:
-        raise ValueError(f"packing={packing!r}: use {', '.join(PACKING_MODES)}")
     if task is None:
         raise ValueError(
             "answer_likelihood needs the task (its render_answer writes the probes); "
@@ -110,81 +89,29 @@ def answer_values(
     probe = probe or ProbeFormat()
     answers = probe_answers(batch, task, answer_source, probe.renderings)
     probes, _ = build_probes(batch, tokenizer, task, answers, probe)
-    budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
-    logprobs, forwarded, use_packed, from_cache = _probe_logprobs(
-        policy, batch, probes, packing, budget
+    scorer = ProbeScorer(
+        policy,
+        batch,
+        packing,
+        name="answer_likelihood",
+        max_batch_tokens=max_batch_tokens,
+        logits_mb=logits_mb,
     )
-    values, mask = _values_from_probes(batch, probes, logprobs)
+    values, mask = _values_from_probes(batch, probes, scorer(probes))
     device = batch.rewards.device
     probed_rows = [a for a in answers if a]
     stats = {
-        "credit/extra_forward_tokens": float(forwarded),
+        "credit/extra_forward_tokens": float(scorer.forwarded),
         "credit/extra_generated_tokens": 0.0,
         "credit/probe_tokens": float(sum(len(p.ids) for p in probes)),
         "credit/probes": float(len(probes)),
-        "credit/probe_packed": float(use_packed),
-        "credit/probe_from_cache": from_cache / max(len(probes), 1),
+        "credit/probe_packed": float(scorer.packed),
+        "credit/probe_from_cache": scorer.from_cache / max(len(probes), 1),
         "credit/probe_think_cue": float(resolve_cue(probe.cue, tokenizer) != "task"),
         "credit/answers_per_row": sum(len(a) for a in probed_rows) / max(len(probed_rows), 1),
         "credit/empty_answer_sets": float(sum(1 for a in answers if not a)),
     }
     return values.to(device), mask.to(device), stats
-
-
-def _probe_logprobs(
-    policy, batch: RolloutBatch, probes: list, packing: str, budget: dict
-) -> tuple[list[Tensor], int, bool, int]:
-    """``(log-probs of each probe's tokens, tokens forwarded, packed or not, probes read from
-    the cache)``: against the sampling's cache where the batch carries one
-    (:func:`probe_logprobs_from_cache`), the other probes re-forwarded
-    (:func:`_reforwarded_logprobs`)."""
-    packed = [packing == "packed" or (packing == "auto" and packing_supported(policy))]
-
-    def reforward(rest: list) -> tuple[list[Tensor], int]:
-        logprobs, forwarded, packed[0] = _reforwarded_logprobs(policy, batch, rest, packing, budget)
-        return logprobs, forwarded
-
-    with eval_mode(policy):
-        logprobs, forwarded, from_cache = probe_logprobs_from_cache(
-            policy, batch, probes, reforward, **budget
-        )
-    return logprobs, forwarded, packed[0], from_cache
-
-
-def _reforwarded_logprobs(
-    policy, batch: RolloutBatch, probes: list, packing: str, budget: dict
-) -> tuple[list[Tensor], int, bool]:
-    """``(log-probs of each probe's tokens, tokens forwarded, packed or not)``: packed where
-    ``packing`` asks for it or ``auto`` finds the attention takes a custom 4D mask, else (or
-    where an ``auto`` packed pass raises) one row per probe, with a warning."""
-    use_packed = packing == "packed"
-    if packing == "auto":
-        use_packed = packing_supported(policy)
-        if not use_packed:
-            impl = getattr(policy.config, "_attn_implementation", None)
-            warnings.warn(
-                f"answer_likelihood: attention implementation {impl!r} may not take a custom 4D "
-                f"mask; probing with one row per probe: {_fallback_cost(batch, probes)}. Load the "
-                "policy with attn_implementation='sdpa' or 'eager' to pack the probes.",
-                stacklevel=3,
-            )
-    with eval_mode(policy):
-        logprobs, forwarded = None, 0
-        if use_packed and probes:
-            try:
-                logprobs, forwarded = packed_probe_logprobs(policy, batch, probes, **budget)
-            except (RuntimeError, ValueError, TypeError) as err:
-                if packing == "packed":
-                    raise
-                warnings.warn(
-                    f"answer_likelihood: the packed probe pass failed ({type(err).__name__}: "
-                    f"{err}); falling back to one row per probe: {_fallback_cost(batch, probes)}",
-                    stacklevel=3,
-                )
-                use_packed = False
-        if logprobs is None:
-            logprobs, forwarded = unpacked_probe_logprobs(policy, batch, probes, **budget)
-    return logprobs, forwarded, use_packed
 
 
 def _values_from_probes(
@@ -265,34 +192,14 @@ class AnswerLikelihoodCredit(ValueSourceCredit):
         """Compare packed and unpacked log-probs on the first row that has probes."""
         self._checked = True
         ctx = self.context
-        if not packing_supported(ctx.policy):
-            return
         answers = probe_answers(batch, ctx.task, self.options.source, self.probe.renderings)
         probes, _ = build_probes(batch, ctx.tokenizer, ctx.task, answers, self.probe)
         if not probes:
             self._checked = False  # nothing to compare yet
             return
         first = [p for p in probes if p.row == probes[0].row]
-        budget = {
-            "max_batch_tokens": self.max_batch_tokens,
-            "logits_mb": self.options.logits_mb,
-        }
-        with torch.no_grad(), eval_mode(ctx.policy):
-            try:
-                packed, _ = packed_probe_logprobs(ctx.policy, batch, first, **budget)
-            except (RuntimeError, ValueError, TypeError):
-                return  # answer_values falls back (and warns) on its own
-            plain, _ = unpacked_probe_logprobs(ctx.policy, batch, first, **budget)
-        _, dtype = model_device_dtype(ctx.policy)
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        worst = max(float((a - b).abs().max()) for a, b in zip(packed, plain))
-        if worst > tol:
-            warnings.warn(
-                f"answer_likelihood: packed probe log-probs differ from unpacked ones by {worst:.3g} "
-                "(the model does not honour a custom 4D attention mask with per-probe position "
-                f"ids); probing with one row per probe from now on: {_fallback_cost(batch, probes)}",
-                stacklevel=3,
-            )
+        budget = {"max_batch_tokens": self.max_batch_tokens, "logits_mb": self.options.logits_mb}
+        if packing_disagrees(ctx.policy, batch, first, name="answer_likelihood", **budget):
             self._packing = "unpacked"
 
     # -- values ---------------------------------------------------------------------------------

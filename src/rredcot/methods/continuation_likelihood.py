@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,10 +82,9 @@ from rredcot.config import ContinuationLikelihoodConfig
 from rredcot.methods.base import CreditContext, CreditRows, Estimate, register_credit
 from rredcot.methods.probe_logprobs import (
     Probe,
-    packed_probe_logprobs,
+    ProbeScorer,
+    packing_disagrees,
     packing_supported,
-    probe_logprobs_from_cache,
-    unpacked_probe_logprobs,
 )
 from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.normalization import group_mean_std
@@ -254,48 +252,6 @@ def build_continuations(
     return out
 
 
-class _PolicyScorer:
-    """Probes -> their per-token log-probs from the policy: read against the sampling's cache
-    where the batch carries one (:func:`probe_logprobs_from_cache`), else one packed forward row
-    per trace (one row per continuation with ``packing="unpacked"``, or after the packed pass
-    failed in ``auto``), counting the forward tokens (``forwarded``), the probes scored
-    (``probes``) and those read from the cache (``from_cache``)."""
-
-    def __init__(
-        self, policy, batch: RolloutBatch, packing: str, max_batch_tokens: int, logits_mb: int
-    ) -> None:
-        self.policy, self.batch, self.packing = policy, batch, packing
-        self.budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
-        self.use_packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
-        self.forwarded = self.probes = self.from_cache = 0
-
-    def __call__(self, probes: list[Probe]) -> list[Tensor]:
-        logprobs, more, cached = probe_logprobs_from_cache(
-            self.policy, self.batch, probes, self._score, **self.budget
-        )
-        self.forwarded += more
-        self.probes += len(probes)
-        self.from_cache += cached
-        return logprobs
-
-    def _score(self, probes: list[Probe]) -> tuple[list[Tensor], int]:
-        if not probes:
-            return [], 0
-        if self.use_packed:
-            try:
-                return packed_probe_logprobs(self.policy, self.batch, probes, **self.budget)
-            except (RuntimeError, ValueError, TypeError) as err:
-                if self.packing == "packed":
-                    raise
-                warnings.warn(
-                    f"continuation_likelihood: the packed pass failed ({type(err).__name__}: "
-                    f"{err}); falling back to one row per continuation",
-                    stacklevel=3,
-                )
-                self.use_packed = False
-        return unpacked_probe_logprobs(self.policy, self.batch, probes, **self.budget)
-
-
 @torch.no_grad()
 def continuation_values(
     policy,
@@ -322,9 +278,14 @@ def continuation_values(
     ``stop_below``, ``scope``: :func:`cheap_values_from_scorer` (any of them set runs it).
     """
     cheap = reuse_reference or window > 0 or stop_below > 0.0 or scope != "all"
-    if packing not in ("auto", "packed", "unpacked"):
-        raise ValueError(f"packing={packing!r}: use auto, packed or unpacked")
-    scorer = _PolicyScorer(policy, batch, packing, max_batch_tokens, logits_mb)
+    scorer = ProbeScorer(
+        policy,
+        batch,
+        packing,
+        name="continuation_likelihood",
+        max_batch_tokens=max_batch_tokens,
+        logits_mb=logits_mb,
+    )
     with eval_mode(policy):
         paths = (
             reference_paths(batch, tokenizer, task, segmenter)
@@ -343,7 +304,7 @@ def continuation_values(
         {
             "credit/extra_forward_tokens": float(scorer.forwarded),
             "credit/extra_generated_tokens": 0.0,
-            "credit/probe_packed": float(scorer.use_packed),
+            "credit/probe_packed": float(scorer.packed),
             "credit/probe_from_cache": scorer.from_cache / max(scorer.probes, 1),
             "credit/reference_groups": float(len(references)),
         }
@@ -729,22 +690,7 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
         probes = [Probe(row, 0, 0, tuple(tokens))]
         if len(bounds) > 2:
             probes.append(Probe(row, 1, bounds[1], tuple(tokens[bounds[1] :])))
-        with torch.no_grad(), eval_mode(ctx.policy):
-            try:
-                packed, _ = packed_probe_logprobs(ctx.policy, batch, probes)
-            except (RuntimeError, ValueError, TypeError):
-                return  # continuation_values falls back (and warns) on its own
-            plain, _ = unpacked_probe_logprobs(ctx.policy, batch, probes)
-        dtype = next(ctx.policy.parameters()).dtype
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        worst = max(float((a - b).abs().max()) for a, b in zip(packed, plain))
-        if worst > tol:
-            warnings.warn(
-                f"continuation_likelihood: packed log-probs differ from unpacked ones by "
-                f"{worst:.3g} (the model does not honour a custom 4D attention mask); scoring "
-                "one row per continuation from now on",
-                stacklevel=3,
-            )
+        if packing_disagrees(ctx.policy, batch, probes, name="continuation_likelihood"):
             self._packing = "unpacked"
 
     def estimate(self, rows: CreditRows) -> Estimate:

@@ -16,6 +16,9 @@ of the prompt and prefix (:func:`rredcot.decode.score_probes`); other rows fall 
 **Unpacked** (:func:`unpacked_probe_logprobs`): one left-padded row per probe, the reference, and
 the fallback for models whose attention does not take a custom 4D mask
 (:func:`packing_supported`); :func:`probe_pass_tokens` says what falling back costs.
+:class:`ProbeScorer` is what the credit methods call: the cache first, then packed, then
+unpacked, with the warnings and counts they report; :func:`packing_disagrees` is their first-batch
+check that a model honours the packed mask.
 
 Rows are grouped into forwards of at most ``max_batch_tokens`` tokens. The forward runs the
 model's trunk only (``get_decoder()``); the output head is applied to the hidden states of the
@@ -41,6 +44,7 @@ from rredcot.memory import token_chunks
 from rredcot.rollout import eval_mode, position_ids_from_mask
 
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
+PACKING_MODES = ("auto", "packed", "unpacked")
 
 
 @dataclass(frozen=True)
@@ -140,12 +144,12 @@ def _trunk_and_head(policy) -> tuple[nn.Module, nn.Module] | None:
     if split is None:
         why = "do not reproduce its logits" if separable else "are not separable"
         warnings.warn(
-            f"answer_likelihood: {type(model).__name__}'s trunk and output head "
+            f"probe scoring: {type(model).__name__}'s trunk and output head "
             f"(get_decoder(), get_output_embeddings()) {why}; probes are scored from the full "
             f"logits: {4 * (getattr(model.config, 'vocab_size', 0) or 0) / 2**20:.2f} MiB of fp32 "
             "per forwarded token "
-            "(rows x length x vocabulary) instead of per probe token only (lower "
-            "credit.answer_likelihood.chunk_tokens if it runs out)",
+            "(rows x length x vocabulary) instead of per probe token only (lower the method's "
+            "chunk_tokens, e.g. credit.answer_likelihood.chunk_tokens, if it runs out)",
             stacklevel=3,
         )
     _SPLIT_CHECKED[model] = split
@@ -409,3 +413,108 @@ def probe_logprobs_from_cache(
         for i, lp in zip(rest, scored):
             out[i] = lp
     return out, forwarded, len(from_cache)  # type: ignore[return-value]
+
+
+def _fallback_cost(batch: RolloutBatch, probes: list[Probe]) -> str:
+    packed, unpacked = probe_pass_tokens(batch, probes)
+    ratio = unpacked / max(packed, 1)
+    return (
+        f"one row per probe re-runs each probe's prompt and prefix: {ratio:.1f}x the forward "
+        f"tokens of packing on this batch ({unpacked} against {packed}), so expect the probe pass "
+        f"to take about {ratio:.1f}x as long"
+    )
+
+
+class ProbeScorer:
+    """Probes -> their per-token log-probs under the policy, for one credit call of the method
+    ``name``: read against the sampling's cache where the batch carries one
+    (:func:`probe_logprobs_from_cache`), the other probes re-forwarded packed (one row per trace)
+    or unpacked (one row per probe: ``packing="unpacked"``, or ``auto`` where the attention does
+    not take a custom 4D mask or the packed pass raises, each with a warning saying what it costs).
+
+    Counts what it did: ``forwarded`` tokens, ``probes`` scored, ``from_cache`` of them read from
+    the cache; ``packed``: whether the re-forward packs."""
+
+    def __init__(
+        self,
+        policy,
+        batch: RolloutBatch,
+        packing: str = "auto",
+        *,
+        name: str,
+        max_batch_tokens: int = 16384,
+        logits_mb: int = 256,
+    ) -> None:
+        if packing not in PACKING_MODES:
+            raise ValueError(f"packing={packing!r}: use {', '.join(PACKING_MODES)}")
+        self.policy, self.batch, self.packing, self.name = policy, batch, packing, name
+        self.budget = {"max_batch_tokens": max_batch_tokens, "logits_mb": logits_mb}
+        self.packed = packing == "packed" or (packing == "auto" and packing_supported(policy))
+        self._warned_unsupported = False
+        self.forwarded = self.probes = self.from_cache = 0
+
+    def __call__(self, probes: list[Probe]) -> list[Tensor]:
+        with eval_mode(self.policy):
+            logprobs, forwarded, cached = probe_logprobs_from_cache(
+                self.policy, self.batch, probes, self._reforward, **self.budget
+            )
+        self.forwarded += forwarded
+        self.probes += len(probes)
+        self.from_cache += cached
+        return logprobs
+
+    def _reforward(self, probes: list[Probe]) -> tuple[list[Tensor], int]:
+        if not probes:
+            return [], 0
+        if not self.packed and self.packing == "auto" and not self._warned_unsupported:
+            self._warned_unsupported = True
+            impl = getattr(self.policy.config, "_attn_implementation", None)
+            warnings.warn(
+                f"{self.name}: attention implementation {impl!r} may not take a custom 4D mask; "
+                f"probing with one row per probe: {_fallback_cost(self.batch, probes)}. Load the "
+                "policy with attn_implementation='sdpa' or 'eager' to pack the probes.",
+                stacklevel=4,
+            )
+        if self.packed:
+            try:
+                return packed_probe_logprobs(self.policy, self.batch, probes, **self.budget)
+            except (RuntimeError, ValueError, TypeError) as err:
+                if self.packing == "packed":
+                    raise
+                warnings.warn(
+                    f"{self.name}: the packed probe pass failed ({type(err).__name__}: {err}); "
+                    f"falling back to one row per probe: {_fallback_cost(self.batch, probes)}",
+                    stacklevel=4,
+                )
+                self.packed = False
+        return unpacked_probe_logprobs(self.policy, self.batch, probes, **self.budget)
+
+
+@torch.no_grad()
+def packing_disagrees(
+    policy, batch: RolloutBatch, probes: list[Probe], *, name: str, **budget
+) -> bool:
+    """Score ``probes`` packed and unpacked once (a method's first re-forwarding batch, packing
+    ``auto``): True, with a warning, where they differ beyond float rounding (a model that does
+    not honour a custom 4D mask with per-probe position ids); False where they agree, where the
+    attention cannot pack, or where the packed pass raises (the scorer falls back on its own)."""
+    if not probes or not packing_supported(policy):
+        return False
+    with eval_mode(policy):
+        try:
+            packed, _ = packed_probe_logprobs(policy, batch, probes, **budget)
+        except (RuntimeError, ValueError, TypeError):
+            return False
+        plain, _ = unpacked_probe_logprobs(policy, batch, probes, **budget)
+    _, dtype = model_device_dtype(policy)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    worst = max(float((a - b).abs().max()) for a, b in zip(packed, plain))
+    if worst <= tol:
+        return False
+    warnings.warn(
+        f"{name}: packed probe log-probs differ from unpacked ones by {worst:.3g} (the model "
+        "does not honour a custom 4D attention mask with per-probe position ids); probing with "
+        f"one row per probe from now on: {_fallback_cost(batch, probes)}",
+        stacklevel=3,
+    )
+    return True
