@@ -324,9 +324,14 @@ def test_monte_carlo_blames_the_first_wrong_step(warm_checkpoint, arithmetic_tas
     assert gap > 0.04, gap
 
 
-def test_continuations_are_generated_within_the_micro_batch(warm, arithmetic_task, monkeypatch):
+@pytest.mark.parametrize("method", ["monte_carlo", "oracle"])
+def test_continuations_are_generated_within_the_micro_batch(
+    warm, arithmetic_task, monkeypatch, method
+):
     # a real model's continuations (K per prefix) must not all be generated at once: each
-    # generate call holds at most the rows micro_batch_tokens gives (rredcot.memory)
+    # generate call holds at most the rows micro_batch_tokens gives (rredcot.memory); the
+    # Monte Carlo oracle (its still-right prefixes) too
+    from rredcot.config import OracleConfig
     from rredcot.memory import ModelShape, generation_rows
 
     policy, tokenizer = warm
@@ -342,7 +347,11 @@ def test_continuations_are_generated_within_the_micro_batch(warm, arithmetic_tas
         return real(policy, tokenizer, ids, num_samples=num_samples, **kw)
 
     monkeypatch.setattr(monte_carlo, "generate_from_ids", counting)
-    options = CreditConfig(lam=0.0, monte_carlo=MonteCarloConfig(rollouts=4))
+    options = CreditConfig(
+        lam=0.0,
+        monte_carlo=MonteCarloConfig(rollouts=4),
+        oracle=OracleConfig(values="monte_carlo", rollouts=4),
+    )
     length = batch.prompt_len + 24
     budget = 100
     rows = generation_rows(ModelShape.of(policy), budget, length)
@@ -352,6 +361,6 @@ def test_continuations_are_generated_within_the_micro_batch(warm, arithmetic_tas
         calls.clear()
         torch.manual_seed(0)
         ctx = dataclasses.replace(ctx, micro_batch_tokens=tokens)
-        get_credit("monte_carlo")(options, ctx).compute(batch)
+        get_credit(method)(options, ctx).compute(batch)
         assert calls and max(calls) <= most, (tokens, calls)
     assert len(calls) > 1  # the micro-batch split the continuations

@@ -321,22 +321,36 @@ class MonteCarloCredit(CreditMethod):
         self, batch: RolloutBatch
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)`` of :func:`mc_values`."""
-        ctx = self.context
-        s = ctx.sampling or SamplingConfig()
-        rows = self.batch_size
-        if ctx.micro_batch_tokens:  # a prefix and its continuation: at most prompt + budget
-            length = batch.prompt_len + s.max_new_tokens
-            shape = ModelShape.of(ctx.policy)
-            rows = min(rows, generation_rows(shape, ctx.micro_batch_tokens, length))
-        return mc_values(
-            ctx.policy,
-            ctx.tokenizer,
-            ctx.task,
+        return context_mc_values(
+            self.context,
             batch,
             self.options.rollouts,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            max_new_tokens=s.max_new_tokens,
+            self.batch_size,
             max_boundaries=self.options.max_boundaries,
-            batch_size=rows,
         )
+
+
+def context_mc_values(
+    ctx: CreditContext, batch: RolloutBatch, rollouts: int, batch_size: int, **options
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """:func:`mc_values` with a credit method's context: its policy, tokenizer, task and sampling
+    settings, and at most ``batch_size`` continuation rows per generate call, fewer where the
+    micro-batch's memory says (``ctx.micro_batch_tokens``; a prefix and its continuation are at
+    most prompt + ``max_new_tokens`` long). ``options``: :func:`mc_values`'s boundary choice."""
+    s = ctx.sampling or SamplingConfig()
+    if ctx.micro_batch_tokens:
+        length = batch.prompt_len + s.max_new_tokens
+        shape = ModelShape.of(ctx.policy)
+        batch_size = min(batch_size, generation_rows(shape, ctx.micro_batch_tokens, length))
+    return mc_values(
+        ctx.policy,
+        ctx.tokenizer,
+        ctx.task,
+        batch,
+        rollouts,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=batch_size,
+        **options,
+    )

@@ -41,9 +41,9 @@ import math
 import torch
 
 from rredcot.batch import RolloutBatch
-from rredcot.config import OracleConfig, SamplingConfig
+from rredcot.config import OracleConfig
 from rredcot.methods.base import CreditMethod, CreditRows, register_credit
-from rredcot.methods.monte_carlo import mc_values
+from rredcot.methods.monte_carlo import context_mc_values
 from rredcot.normalization import group_mean_std
 
 __all__ = [
@@ -196,19 +196,8 @@ class OracleCredit(CreditMethod):
             list(range(int(n[row]) if first is None else min(first, int(n[row])))) or [0]
             for row, first in enumerate(error_segment)
         ]
-        ctx = self.context
-        s = ctx.sampling or SamplingConfig()
-        mc, mask, stats = mc_values(
-            ctx.policy,
-            ctx.tokenizer,
-            ctx.task,
-            batch,
-            self.options.rollouts,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            max_new_tokens=s.max_new_tokens,
-            batch_size=self.batch_size,
-            row_boundaries=still_right,
+        mc, mask, stats = context_mc_values(
+            self.context, batch, self.options.rollouts, self.batch_size, row_boundaries=still_right
         )
         values = oracle_mc_values(mc.cpu(), n, error_segment)
         metrics = {  # reported, not charged: the Estimate's Cost stays zero
