@@ -25,12 +25,11 @@ ground truth for first-error localisation in the credit benchmark.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass, field
 
-from rredcot.tasks.base import Problem, Task, Verdict, register_task
+from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task
 
 VALID_OPERATORS = "+-*/"
 _MAX_DIGITS = 30  # longer numbers in model output are malformed (and never reach int())
@@ -181,79 +180,34 @@ def _step_lines(operands: list[int], ops: list[str]) -> list[str]:
     return lines
 
 
-def _mix(*parts: object) -> int:
-    """A stable 64-bit seed from `parts` (independent of PYTHONHASHSEED)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
-
-
 # ---------------------------------------------------------------------------------------------
 # The task
 # ---------------------------------------------------------------------------------------------
 
 
 @register_task("arithmetic")
-class ArithmeticTask(Task):
+class ArithmeticTask(GeneratedTask):
     """Left-to-right integer chains such as `7+3*2-5`, solved one operation per line."""
 
     Params = ArithmeticParams
     answer_cue = "A:"
     tiny_model_default = True
+    widen_hint = "the problem space (num_steps, operands)"
     params: ArithmeticParams
 
     # -- problems -----------------------------------------------------------------------------
-    def is_eval_prompt(self, prompt: str) -> bool:
-        """Whether `prompt` belongs to the held-out split (a fixed hash of prompt and seed)."""
-        u = _mix("split", self.params.seed, prompt) / 2.0**64
-        return u < self.params.eval_fraction
-
     def suggested_max_new_tokens(self) -> int:
         """Character tokens: a step line is at most ``len("99*99=99\n")``; 64 at 4 steps or fewer."""
         return max(64, 10 * self.params.num_steps + 16)
 
-    def _problem(self, operands: list[int], ops: list[str], split: str) -> Problem:
+    def draw(self, rng: random.Random, split: str) -> Problem:
+        operands, ops = sample_chain(rng, self.params)
         results = chain_results(operands, ops)
         return Problem(
             prompt=format_prompt(operands, ops),
             answer=str(results[-1]),
             meta={"operands": operands, "operators": ops, "results": results, "split": split},
         )
-
-    def train_problems(self, n: int, seed: int) -> list[Problem]:
-        """`n` i.i.d. problems (repeats possible) from the training split: never an eval prompt."""
-        rng = random.Random(_mix("train", self.params.seed, seed))
-        out: list[Problem] = []
-        misses = 0
-        while len(out) < n:
-            operands, ops = sample_chain(rng, self.params)
-            if self.is_eval_prompt(format_prompt(operands, ops)):
-                misses += 1
-                if misses > 100 * (n + 100):
-                    raise ValueError("the training split is (nearly) empty; lower eval_fraction")
-                continue
-            out.append(self._problem(operands, ops, "train"))
-        return out
-
-    def eval_problems(self, n: int, seed: int) -> list[Problem]:
-        """`n` distinct held-out problems; a prefix of `eval_problems(m, seed)` for `m > n`."""
-        rng = random.Random(_mix("eval", self.params.seed, seed))
-        out: list[Problem] = []
-        seen: set[str] = set()
-        stale = 0
-        while len(out) < n:
-            operands, ops = sample_chain(rng, self.params)
-            prompt = format_prompt(operands, ops)
-            if prompt in seen or not self.is_eval_prompt(prompt):
-                stale += 1
-                if stale > 20_000:
-                    raise ValueError(
-                        f"found only {len(out)} distinct held-out problems of {n} requested; "
-                        "raise eval_fraction or widen the problem space (num_steps, operands)"
-                    )
-                continue
-            stale = 0
-            seen.add(prompt)
-            out.append(self._problem(operands, ops, "eval"))
-        return out
 
     # -- gold text ----------------------------------------------------------------------------
     def gold_steps(self, problem: Problem) -> list[str] | None:

@@ -19,14 +19,19 @@ Adding a task::
         def eval_problems(self, n, seed): ...
         def verify(self, problem, completion): ...
 
-and, for a built-in task whose module should load only when asked for (optional extras), one
+A synthetic task that draws its problems from a seeded generator subclasses `GeneratedTask` and
+writes `draw(rng, split)` only: the train/held-out split by a hash of the prompt comes with it.
+
+And, for a built-in task whose module should load only when asked for (optional extras), one
 line in `rredcot/tasks/__init__.py`: `register_lazy_task("my_task", "rredcot.tasks.my_module")`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import random
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -158,6 +163,71 @@ class Task:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.params})"
+
+
+def stable_seed(*parts: object) -> int:
+    """A stable 64-bit seed from `parts` (independent of PYTHONHASHSEED)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
+
+
+class GeneratedTask(Task):
+    """A task whose problems a seeded generator draws: subclasses write `draw(rng, split)`.
+
+    A prompt is held out when a fixed hash of it and `params.seed` falls below
+    `params.eval_fraction` (both fields of the subclass's `Params`), so no training problem is
+    ever an evaluation prompt whatever the seeds. Training problems are i.i.d. (repeats
+    possible); evaluation problems are distinct, and `eval_problems(n, seed)` is a prefix of
+    `eval_problems(m, seed)` for `m > n`."""
+
+    max_stale_draws: ClassVar[int] = 20_000
+    """Draws in a row that add no new held-out problem before `eval_problems` gives up."""
+    widen_hint: ClassVar[str] = "the problem space"
+    """What to widen when the held-out split runs out (named in the error)."""
+
+    def draw(self, rng: random.Random, split: str) -> Problem:
+        """One problem from `rng` (`split`, "train" or "eval", may go into its `meta`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement draw")
+
+    def is_eval_prompt(self, prompt: str) -> bool:
+        """Whether `prompt` belongs to the held-out split (a fixed hash of prompt and seed)."""
+        u = stable_seed("split", self.params.seed, prompt) / 2.0**64
+        return u < self.params.eval_fraction
+
+    def train_problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` i.i.d. problems (repeats possible) from the training split: never an eval prompt."""
+        rng = random.Random(stable_seed("train", self.params.seed, seed))
+        out: list[Problem] = []
+        misses = 0
+        while len(out) < n:
+            problem = self.draw(rng, "train")
+            if self.is_eval_prompt(problem.prompt):
+                misses += 1
+                if misses > 100 * (n + 100):
+                    raise ValueError("the training split is (nearly) empty; lower eval_fraction")
+                continue
+            out.append(problem)
+        return out
+
+    def eval_problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` distinct held-out problems; a prefix of `eval_problems(m, seed)` for `m > n`."""
+        rng = random.Random(stable_seed("eval", self.params.seed, seed))
+        out: list[Problem] = []
+        seen: set[str] = set()
+        stale = 0
+        while len(out) < n:
+            problem = self.draw(rng, "eval")
+            if problem.prompt in seen or not self.is_eval_prompt(problem.prompt):
+                stale += 1
+                if stale > self.max_stale_draws:
+                    raise ValueError(
+                        f"found only {len(out)} distinct held-out problems of {n} requested; "
+                        f"raise eval_fraction or widen {self.widen_hint}"
+                    )
+                continue
+            stale = 0
+            seen.add(problem.prompt)
+            out.append(problem)
+        return out
 
 
 def safe_verify(task: Task, problem: Problem, completion: str) -> Verdict:

@@ -34,13 +34,12 @@ Gold traces pick, at every step, uniformly among the successors that can still r
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 import string
 from dataclasses import dataclass, field
 
-from rredcot.tasks.base import Problem, Task, Verdict, register_task
+from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task, stable_seed
 
 _MOVE_RE = re.compile(r"([a-z])>([a-z])")
 _ANSWER_RE = re.compile(r"A:([a-z])")
@@ -180,18 +179,13 @@ def parse_prompt(prompt: str) -> tuple[dict[str, str], str, str] | None:
     return edges, start, target
 
 
-def _mix(*parts: object) -> int:
-    """A stable 64-bit seed from `parts` (independent of PYTHONHASHSEED)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
-
-
 # ---------------------------------------------------------------------------------------------
 # The task
 # ---------------------------------------------------------------------------------------------
 
 
 @register_task("graph_paths")
-class GraphPathsTask(Task):
+class GraphPathsTask(GeneratedTask):
     """Walk from the start to the target of a layered graph, one edge per line."""
 
     Params = GraphPathsParams
@@ -201,40 +195,14 @@ class GraphPathsTask(Task):
     warmstart_settings = {"target_accuracy": 0.3, "max_accuracy": 0.6}
     params: GraphPathsParams
 
-    def is_eval_prompt(self, prompt: str) -> bool:
-        """Whether `prompt` belongs to the held-out split (a fixed hash of prompt and seed)."""
-        return _mix("split", self.params.seed, prompt) / 2.0**64 < self.params.eval_fraction
-
     def suggested_max_new_tokens(self) -> int:
         """Character tokens: ``"x>y\\n"`` per step, the answer line and room to spare."""
         return 4 * self.params.num_steps + 12
 
-    def _problem(self, rng: random.Random, split: str) -> Problem:
+    def draw(self, rng: random.Random, split: str) -> Problem:
         edges, start, target = sample_graph(rng, self.params)
         prompt = format_prompt(edges, start, target, rng)
         return Problem(prompt=prompt, answer=target, meta={"start": start, "split": split})
-
-    def train_problems(self, n: int, seed: int) -> list[Problem]:
-        """`n` i.i.d. problems from the training split (never an eval prompt)."""
-        rng = random.Random(_mix("train", self.params.seed, seed))
-        out: list[Problem] = []
-        while len(out) < n:
-            problem = self._problem(rng, "train")
-            if not self.is_eval_prompt(problem.prompt):
-                out.append(problem)
-        return out
-
-    def eval_problems(self, n: int, seed: int) -> list[Problem]:
-        """`n` distinct held-out problems; a prefix of `eval_problems(m, seed)` for `m > n`."""
-        rng = random.Random(_mix("eval", self.params.seed, seed))
-        out: list[Problem] = []
-        seen: set[str] = set()
-        while len(out) < n:
-            problem = self._problem(rng, "eval")
-            if problem.prompt not in seen and self.is_eval_prompt(problem.prompt):
-                seen.add(problem.prompt)
-                out.append(problem)
-        return out
 
     # -- gold text ----------------------------------------------------------------------------
     def gold_steps(self, problem: Problem) -> list[str] | None:
@@ -245,7 +213,7 @@ class GraphPathsTask(Task):
             return None
         edges, node, target = graph
         live = live_nodes(edges, target)
-        rng = random.Random(_mix("gold", problem.prompt))
+        rng = random.Random(stable_seed("gold", problem.prompt))
         lines = []
         while node != target:
             options = [s for s in edges[node] if s in live]

@@ -36,13 +36,12 @@ no ``meta``, score the same way):
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass, field
 
 from rredcot.segment import DEFAULT_ANSWER_PATTERN
-from rredcot.tasks.base import Problem, Task, Verdict, register_task
+from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task
 from rredcot.tasks.gsm8k_steps import UnparseableExpression, evaluate
 
 NAMES = (
@@ -145,10 +144,6 @@ SYSTEM_PROMPT = (
 )
 
 
-def _mix(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
-
-
 def _verb(op: str, b: int, food: bool, rng: random.Random) -> str:
     if op == "+":
         return f"{rng.choice(ADD_VERBS)} {b} more"
@@ -248,12 +243,13 @@ def _normalise(number: str) -> str:
 
 
 @register_task("word_problems")
-class WordProblemTask(Task):
+class WordProblemTask(GeneratedTask):
     """One- and two-step word problems ('Tom has 8 apples. He buys 5 more, then eats 2. ...')."""
 
     Params = WordProblemParams
     answer_cue = "The answer is "
     answer_line_pattern = DEFAULT_ANSWER_PATTERN + r"|\banswer is\b"  # the model's closing line
+    max_stale_draws = 50_000
     params: WordProblemParams
 
     def render_answer(self, answer: str) -> str:
@@ -264,10 +260,7 @@ class WordProblemTask(Task):
         return 24 * self.params.max_steps + 24
 
     # -- problems -----------------------------------------------------------------------------
-    def is_eval_prompt(self, prompt: str) -> bool:
-        return _mix("split", self.params.seed, prompt) / 2.0**64 < self.params.eval_fraction
-
-    def _draw(self, rng: random.Random) -> Problem:
+    def draw(self, rng: random.Random, split: str) -> Problem:
         p = self.params
         for _ in range(1000):
             n = rng.randint(p.min_steps, p.max_steps)
@@ -313,40 +306,6 @@ class WordProblemTask(Task):
             f"no {p.max_steps}-step problem with operands {p.min_operand}..{p.max_operand} keeps "
             f"amounts in [0, {p.max_value}]; widen the bounds"
         )
-
-    def train_problems(self, n: int, seed: int) -> list[Problem]:
-        rng = random.Random(_mix("train", self.params.seed, seed))
-        out: list[Problem] = []
-        misses = 0
-        while len(out) < n:
-            problem = self._draw(rng)
-            if self.is_eval_prompt(problem.prompt):
-                misses += 1
-                if misses > 100 * (n + 100):
-                    raise ValueError("the training split is (nearly) empty; lower eval_fraction")
-                continue
-            out.append(problem)
-        return out
-
-    def eval_problems(self, n: int, seed: int) -> list[Problem]:
-        rng = random.Random(_mix("eval", self.params.seed, seed))
-        out: list[Problem] = []
-        seen: set[str] = set()
-        stale = 0
-        while len(out) < n:
-            problem = self._draw(rng)
-            if problem.prompt in seen or not self.is_eval_prompt(problem.prompt):
-                stale += 1
-                if stale > 50_000:
-                    raise ValueError(
-                        f"found only {len(out)} distinct held-out problems of {n} requested; "
-                        "raise eval_fraction or widen the problem space"
-                    )
-                continue
-            stale = 0
-            seen.add(problem.prompt)
-            out.append(problem)
-        return out
 
     # -- gold text ----------------------------------------------------------------------------
     def gold_steps(self, problem: Problem) -> list[str] | None:
