@@ -46,6 +46,10 @@ SPECS = {
     ":continuation_likelihood.window=1:probe_from_cache=false",
     "vh_teacher4": "value_head:value_head.teacher=continuation_likelihood:lam=0:anchor=none"
     ":handover.smoothing=0.5:continuation_likelihood.window=1:value_head.teacher_every=4",
+    # cl_cheap with the tail of each row's credit below 0.01 dropped, so that its update stops
+    # at the row's last large advantage (advantage_tail_floor)
+    "cl_cheap_cut": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1:advantage_tail_floor=0.01",
     # the combination: cl_cheap's credit on top of the best reference baseline (ref_sft_c1)
     "cl_cheap_ref_sft_c1": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
     ":continuation_likelihood.window=1:references.mode=sft:references.sft_coef=1.0",

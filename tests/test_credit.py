@@ -14,6 +14,7 @@ from credit_reference import grpo_advantages, token_advantages_from_values
 from rredcot import credit, normalization, shared_prefixes
 from rredcot.credit import (
     boundaries_to_segment_ids,
+    drop_small_tails,
     redistribute,
     segment_advantages_from_values,
     segment_gae,
@@ -779,3 +780,23 @@ def test_clear_errors():
         group_mean_std(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
     with pytest.raises(TypeError, match="group_ids must be an integer"):
         group_mean_std(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]))
+
+
+def test_small_tails_are_dropped_and_nothing_before_the_last_large_advantage():
+    """Each row keeps every advantage up to its last |A| >= floor (small ones before it
+    included), 0 after it and on padding; a row with none is all 0; floor 0 changes nothing."""
+    adv = torch.tensor(
+        [
+            [0.5, 0.001, -0.2, 0.002, 0.7],
+            [0.001, -0.002, 0.003, 0.0, 0.0],
+            [-0.3, 0.0, 0.0, 0.0, 0.0],
+        ]
+    )
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    out = drop_small_tails(adv, mask, 0.01)
+    expected = torch.tensor(
+        [[0.5, 0.001, -0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0], [-0.3, 0.0, 0.0, 0.0, 0.0]]
+    )
+    assert torch.equal(out, expected)  # the padded 0.7 does not keep row 0's tail
+    assert drop_small_tails(adv, mask, 0.0) is adv
+    assert drop_small_tails(adv, mask, 0.2)[0].tolist() == pytest.approx([0.5, 0.001, -0.2, 0, 0])

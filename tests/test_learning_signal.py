@@ -440,6 +440,43 @@ def test_rows_cut_after_their_last_credited_token_give_the_full_update(
     assert any(g.abs().max() > 0 for g in grads[True])
 
 
+def test_a_tail_floor_cuts_rows_at_their_last_large_advantage(init_dir, tmp_path):
+    """Credit with small non-zero tails (as value credit after a wrong trace's error): with
+    advantage_tail_floor the update is that of the credit with its tails zeroed, and forwards
+    fewer tokens than the exact update (floor 0), which forwards every credited row whole."""
+    from conftest import micro_config
+
+    def with_tails(trainer, tail: float) -> None:
+        _credit_ending_early(trainer)
+        ends_early = trainer.method.credit_output
+
+        def tails(*args):
+            out = ends_early(*args)
+            mask = args[-1].to(out.advantages.dtype)
+            small = tail * (out.advantages == 0) * mask
+            return dataclasses.replace(out, advantages=out.advantages + small)
+
+        trainer.method.credit_output = tails
+
+    grads, records = {}, {}
+    for name, tail, floor in (("floored", 1e-4, 0.01), ("exact", 1e-4, 0.0), ("zero", 0.0, 0.0)):
+        cfg = micro_config(init_dir, tmp_path / name, steps=1, max_grad_norm=0.0)
+        cfg.advantage_tail_floor = floor
+        trainer = Trainer(cfg, log=lambda *_: None)
+        with_tails(trainer, tail)
+        records[name], grads[name] = train_step_with_grads(trainer)
+        trainer.release()
+    assert records["exact"]["update/tokens_forwarded"] == 1.0  # tails keep every row whole
+    cut = records["floored"]["update/tokens_forwarded"]
+    assert cut == records["zero"]["update/tokens_forwarded"] < 1.0
+    for a, b in zip(grads["floored"], grads["zero"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(
+        not torch.allclose(a, b, rtol=1e-5, atol=1e-9)
+        for a, b in zip(grads["exact"], grads["zero"])
+    )
+
+
 def test_with_a_kl_term_no_row_is_cut(init_dir, tmp_path):
     """The KL term reads every token: nothing is cut or left out."""
     from conftest import micro_config

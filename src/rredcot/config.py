@@ -1039,6 +1039,16 @@ class TrainConfig:
         "update/tokens_forwarded say what share). False: forward every row whole.",
         default=True,
     )
+    advantage_tail_floor: float = help_field(
+        "Drop the tail of each row's credit where it is smaller than this: token advantages "
+        "after a row's last token with |advantage| >= advantage_tail_floor are set to 0, so "
+        "with skip_zero_advantage_rows the update stops at that token (a row with none is "
+        "skipped). Value credit is rarely exactly zero (a wrong trace's values after its "
+        "error are small, not 0), so 0 (the exact gradient) forwards nearly every row whole; "
+        "0.01 drops a tiny share of the advantages' mass for a much shorter update "
+        "(docs/results.md). GRPO's advantages are never that small: it is unchanged.",
+        default=0.0,
+    )
     shared_prompt_forward: bool = help_field(
         "Policy forwards (loss, scoring, KL reference) compute each distinct prompt once for "
         "all of its samples, on the Llama-family models the fast decoder supports: the same "
@@ -1137,7 +1147,7 @@ class TrainConfig:
         refuse_non_finite(self)
         if self.lr is not None and self.lr < 0:
             raise ValueError(f"lr={self.lr} must be >= 0 (empty: the model's default)")
-        for name in ("weight_decay", "max_grad_norm", "kl_coef"):
+        for name in ("weight_decay", "max_grad_norm", "kl_coef", "advantage_tail_floor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("warmup_steps", "eval_every", "keep_checkpoints"):

@@ -660,3 +660,24 @@ def token_advantages(
         )
         out = torch.where(scale.floored.to(out.device)[:, None], split, out)
     return out
+
+
+def drop_small_tails(advantages: Tensor, response_mask: Tensor, floor: float) -> Tensor:
+    """Zero each row's advantages after its last token with ``|A| >= floor`` (all of a row's,
+    where none is): the update can stop there (``skip_zero_advantage_rows``). ``floor`` 0
+    returns ``advantages`` unchanged.
+
+    Args:
+        advantages: ``(B, T)`` token advantages; response_mask: ``(B, T)``.
+
+    Returns:
+        ``(B, T)``, equal to ``advantages`` up to each row's last kept token, 0 after it.
+    """
+    check_ndim(advantages, 2, "advantages", "(B, T)")
+    check_shape(response_mask, tuple(advantages.shape), "response_mask", "(B, T)")
+    if floor <= 0:
+        return advantages
+    big = (advantages.abs() >= floor) & as_bool(response_mask).to(advantages.device)
+    position = torch.arange(1, advantages.shape[1] + 1, device=advantages.device)
+    last = (big * position).amax(dim=1, keepdim=True) if advantages.shape[1] else position[None]
+    return torch.where(position[None] <= last, advantages, torch.zeros((), dtype=advantages.dtype))

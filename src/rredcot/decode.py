@@ -645,23 +645,31 @@ def _row_keys(decoder: Decoder, layer: int, k, v, prompts, rows, F: int):
 def _forward_queries(decoder: Decoder, cache: SampledCache, chunk: list[_RowQueries]):
     """The normed last hidden states ``(R, Q, H)`` of a chunk's query tokens, attending over
     their rows' cached prompt and decoded keys and values and their own (:func:`_query_bias`),
-    with the decoder's layer parts."""
+    with the decoder's layer parts. Only the attention sees the rows padded to ``Q``; the
+    projections and MLPs run on the real query tokens alone (rows' probe counts differ)."""
     like = decoder.cache.keys
     R, Q = len(chunk), max(len(lay.ids) for lay in chunk)
     F = max(lay.context for lay in chunk)
-    ids = torch.zeros(R, Q, dtype=torch.long)
-    positions = torch.zeros(R, Q, dtype=torch.long)
+    real = torch.zeros(R, Q, dtype=torch.bool)
     for r, lay in enumerate(chunk):
-        ids[r, : len(lay.ids)] = torch.tensor(lay.ids, dtype=torch.long)
-        positions[r, : len(lay.ids)] = torch.tensor(lay.positions, dtype=torch.long)
+        real[r, : len(lay.ids)] = True
+    real = real.to(like.device)
+    ids = torch.tensor([t for lay in chunk for t in lay.ids], dtype=torch.long)
+    positions = torch.tensor([p for lay in chunk for p in lay.positions], dtype=torch.long)
     bias = _query_bias(cache, chunk, Q, F, like)
     rows = torch.tensor([lay.row for lay in chunk], device=like.device)
     prompts = torch.tensor([lay.prompt for lay in chunk], device=like.device)
-    x = decoder.inner.embed_tokens(ids.to(like.device))
-    cos, sin = decoder._rotary(x, positions.to(like.device))
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # (1, heads, N, D) -> (R, heads, Q, D)
+        out = t.new_zeros(R, Q, t.shape[1], t.shape[-1])
+        out[real] = t[0].transpose(0, 1)
+        return out.transpose(1, 2)
+
+    x = decoder.inner.embed_tokens(ids.to(like.device))[None]  # (1, N, H)
+    cos, sin = decoder._rotary(x, positions.to(like.device)[None])
     for i, layer in enumerate(decoder.inner.layers):
         attn = layer.self_attn
-        q, k, v = decoder._qkv(attn, layer.input_layernorm(x), cos, sin)
+        q, k, v = (padded(t) for t in decoder._qkv(attn, layer.input_layernorm(x), cos, sin))
         keys, values = _row_keys(decoder, i, k, v, prompts, rows, F)
         # query head h reads key/value head h // groups, as the model's own sdpa attention
         keys = keys.repeat_interleave(decoder.groups, dim=1)  # (R, H, P + F + Q, D)
@@ -669,10 +677,13 @@ def _forward_queries(decoder: Decoder, cache: SampledCache, chunk: list[_RowQuer
         out = F_nn.scaled_dot_product_attention(
             q, keys, values, attn_mask=bias, scale=decoder.scaling
         )  # (R, H, Q, D)
-        out = out.transpose(1, 2).reshape(R, Q, -1)
+        out = out.transpose(1, 2).reshape(R, Q, -1)[real][None]  # (1, N, H * D)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return decoder.inner.norm(x)
+    hidden = decoder.inner.norm(x)[0]
+    out = hidden.new_zeros(R, Q, hidden.shape[-1])
+    out[real] = hidden
+    return out
 
 
 def _picked_hidden(decoder: Decoder, chunk: list[_RowQueries], hidden: torch.Tensor):
@@ -742,6 +753,9 @@ def score_probes(
     by_row = {r: [i for i in items if out[i] is None] for r, items in by_row.items()}
     rows = [r for r, items in by_row.items() if items]
     layouts = [_row_queries(cache, r, [probes[i][1:] for i in by_row[r]]) for r in rows]
+    # rows of similar query counts share a forward: less padding in its attention
+    by_length = sorted(range(len(rows)), key=lambda g: -len(layouts[g].ids))
+    rows, layouts = [rows[g] for g in by_length], [layouts[g] for g in by_length]
     P = cache.prompt_ids.shape[1]
     lengths = [P + lay.context + len(lay.ids) for lay in layouts]
     forwarded = 0

@@ -29,6 +29,7 @@ from rredcot.batch import RolloutBatch
 from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_training_checkpoint
 from rredcot.config import TrainConfig
 from rredcot.config_io import resume_config, write_text_atomic
+from rredcot.credit import drop_small_tails
 from rredcot.credit_choice import (
     AUTO,
     CreditChoice,
@@ -257,6 +258,9 @@ class Trainer:
 
         advantages = shared_token_weighted(
             credit_out.advantages.detach(), batch, self.cfg.sampling.tree.shared_token_weight
+        )
+        advantages = drop_small_tails(
+            advantages, batch.response_mask, self.cfg.advantage_tail_floor
         )
         if one_graph and loss_forward is None:
             rows = torch.arange(batch.size)
