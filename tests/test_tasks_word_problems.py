@@ -118,3 +118,55 @@ def test_render_answer_and_render_prompt(task, char_tokenizer):
     p = get_task("word_problems", example=True).train_problems(1, seed=0)[0]
     text = render_prompt(p, char_tokenizer)  # no chat template: system text, blank line, prompt
     assert text == f"{SYSTEM_PROMPT}\n\n{p.prompt}"
+
+
+def test_a_long_line_of_operators_is_verified_at_once():
+    """A degenerate greedy output ("5 - 5 - 5 ..." with no "=") hung the verifier in
+    exponential regex backtracking (14 terms: 45 s; a SmolLM2 evaluation stalled on one). Run in
+    a child process, so that a regression fails here instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    code = (
+        "from rredcot.tasks import Problem, get_task\n"
+        f"p = Problem({TWO!r}, '11')\n"
+        "v = get_task('word_problems').verify(p, ' - '.join(['5'] * 400) + '\\n9 + 8 = 17')\n"
+        "print(v.reward, v.first_error_step)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0.0", "1"]  # wrong answer; the answer line is the error
+
+
+def test_the_equation_pattern_matches_as_its_backtracking_form_did():
+    """The atomic, possessive equation pattern finds the same equations (spans, sides) as the
+    plain pattern it replaced, on lines short enough for the plain one."""
+    import random
+    import re
+
+    from rredcot.tasks.word_problems import _EQUATION_RE
+
+    number = r"-?\d+(?:\.\d+)?"
+    term = rf"\(?\s*{number}(?:\s+[A-Za-z]+)?\s*\)?"
+    plain = re.compile(rf"(?P<left>{term}(?:\s*[-+*/×÷]\s*{term})+)\s*=\s*(?P<right>{number})")
+    rng = random.Random(1)
+
+    def space() -> str:
+        return rng.choice(["", " ", "  ", "\t"])
+
+    def a_term() -> str:
+        text = rng.choice(["", "(", "-"]) + space() + rng.choice(["1", "12", "3.5", "-2"])
+        text += rng.choice(["", "", " apples", "x", " a b"])
+        return text + space() + rng.choice(["", ")", "))"])
+
+    matched = 0
+    for _ in range(5000):
+        line = a_term() + "".join(
+            space() + rng.choice("-+*/×÷=.") + space() + a_term() for _ in range(rng.randint(0, 4))
+        )
+        if rng.random() < 0.7:
+            line += space() + "=" + space() + rng.choice(["5", "-3", "2.5", "x", ""])
+        found = [(m.span(), m["left"], m["right"]) for m in _EQUATION_RE.finditer(line)]
+        assert found == [(m.span(), m["left"], m["right"]) for m in plain.finditer(line)], line
+        matched += bool(found)
+    assert matched > 100  # the corpus holds equations, not only non-matches

@@ -74,10 +74,13 @@ _STEP_RE = re.compile(rf"(?:(?P<add>{_ADD}) (?P<b_add>\d+) more|(?P<sub>{_SUB}) 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 _NUMBER_RE = re.compile(_NUMBER)
 # an equation: numbers (each optionally followed by one unit word: "9 apples - 8 apples = 1")
-# joined by operators, "=", a number
-_TERM = rf"\(?\s*{_NUMBER}(?:\s+[A-Za-z]+)?\s*\)?"
+# joined by operators, "=", a number. Each term and each "operator term" is atomic and their
+# repetition possessive: whitespace between a term and an operator could otherwise be split in
+# two ways at every operator, and a long "1 - 1 - 1 ..." line with no "=" took exponential time
+# (14 terms: 45 s). No match changes: what follows a term or operator is never "=".
+_TERM = rf"(?>\(?\s*{_NUMBER}(?:\s+[A-Za-z]+)?\s*\)?)"
 _EQUATION_RE = re.compile(
-    rf"(?P<left>{_TERM}(?:\s*[-+*/×÷]\s*{_TERM})+)\s*=\s*(?P<right>{_NUMBER})"
+    rf"(?P<left>{_TERM}(?>\s*[-+*/×÷]\s*{_TERM})++)\s*=\s*(?P<right>{_NUMBER})"
 )
 _ANSWER_RE = re.compile(rf"(?:answer is\s*:?|####)\s*\$?\s*(?P<n>{_NUMBER})", re.I)
 
