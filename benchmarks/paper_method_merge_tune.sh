@@ -16,6 +16,6 @@ for job in "$@"; do
     *) echo "unknown variant $m (uniform, value_head, vh_merge, cl_rw_merge)" >&2; exit 1;;
   esac
   echo "$(date +%T) start $seed $lr $m" >> tune.log
-  python -m rredcot bench learn $common "${extra[@]}" --seeds 1 --first-seed $seed --lr $lr --out "$out" >> run_$$.log 2>&1
-  echo "$(date +%T) done $seed $lr $m rc=$?" >> tune.log
+  python -m rredcot bench learn $common "${extra[@]}" --seeds 1 --first-seed $seed --lr $lr --out "$out" >> run_$$.log 2>&1; rc=$?
+  echo "$(date +%T) done $seed $lr $m rc=$rc" >> tune.log
 done

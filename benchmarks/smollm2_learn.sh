@@ -19,6 +19,6 @@ for job in "$@"; do
   seed=${job%%:*}; rest=${job#*:}; lr=${rest%%:*}; name=${rest#*:}
   spec=$(python "$here/gather_lr.py" spec "$name") || exit 1
   echo "$(date +%T) start $seed $lr $name" >> tune.log
-  rredcot bench learn $common --methods "$spec" --seeds 1 --first-seed "$seed" --lr "$lr" --out "$root/lr$lr" >> "run_$$.log" 2>&1
-  echo "$(date +%T) done $seed $lr $name rc=$?" >> tune.log
+  rredcot bench learn $common --methods "$spec" --seeds 1 --first-seed "$seed" --lr "$lr" --out "$root/lr$lr" >> "run_$$.log" 2>&1; rc=$?
+  echo "$(date +%T) done $seed $lr $name rc=$rc" >> tune.log
 done
