@@ -115,6 +115,11 @@ REFERENCE_TESTBEDS = "arithmetic chains with the tiny character model"
 """Where the reference baseline was measured (benchmarks/results/references/): the 4-step and
 12-step arithmetic testbeds, whose warm-starts are supervised training on the same gold traces
 the references are, cut short."""
+REFERENCE_LANGUAGE_MODEL = (
+    "SmolLM2-135M-Instruct on word problems, whose references it never trained on"
+)
+"""The pretrained model the reference baseline was measured on
+(benchmarks/results/smollm2/word_problems_report/): a language-model run is like it."""
 _REFERENCE_CONDITION = (
     "measured only on arithmetic chains with the tiny character model, whose warm-start is "
     "supervised training on those same reference traces, cut short"
@@ -129,9 +134,10 @@ def like_reference_testbeds(figures: dict[str, Any]) -> bool:
 
 
 def _reference_baseline_reason(figures: dict[str, Any]) -> _Reason:
-    """The reference baseline (--references.mode sft): recommended only on a run like the
-    testbeds it was measured on, with the measurement's condition; elsewhere a note that it was
-    not measured on a model like this one."""
+    """The reference baseline (--references.mode sft): recommended only on a run like a testbed
+    it was measured on (the character model's arithmetic chains, with their warm-start's
+    condition; a pretrained language model, as SmolLM2); elsewhere a note that it was not
+    measured on a model like this one."""
     if like_reference_testbeds(figures):
         return (
             "+",
@@ -139,6 +145,14 @@ def _reference_baseline_reason(figures: dict[str, Any]) -> _Reason:
             "--references.sft_coef 1 (the references of all-wrong groups as targets) was further "
             "ahead of GRPO, per sampled token and per second, than any credit method that reads "
             f"them; {_REFERENCE_CONDITION} (docs/references.md)",
+        )
+    if figures.get("model_kind") == "language_model":
+        return (
+            "+",
+            "with reference solutions, training on them first: --references.mode sft "
+            "--references.sft_coef 1 (the references of all-wrong groups as targets) was far "
+            "ahead of GRPO and of every credit method, per sampled token and per second, on the "
+            f"one pretrained model measured: {REFERENCE_LANGUAGE_MODEL} (docs/references.md)",
         )
     return (
         " ",
