@@ -50,6 +50,13 @@ SPECS = {
     # at the row's last large advantage (advantage_tail_floor)
     "cl_cheap_cut": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
     ":continuation_likelihood.window=1:advantage_tail_floor=0.01",
+    # cl_cheap_cut scoring only the groups GRPO credits (mixed: the update forwards what GRPO's
+    # does) or every group with a wrong sample (any_wrong: all-correct groups left at zero)
+    "cl_cheap_cut_mixed": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1:advantage_tail_floor=0.01:continuation_likelihood.scope=mixed",
+    "cl_cheap_cut_anywrong": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1:advantage_tail_floor=0.01"
+    ":continuation_likelihood.scope=any_wrong",
     # the combination: cl_cheap's credit on top of the best reference baseline (ref_sft_c1)
     "cl_cheap_ref_sft_c1": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
     ":continuation_likelihood.window=1:references.mode=sft:references.sft_coef=1.0",

@@ -15,6 +15,7 @@ from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.continuation_likelihood import (
     cheap_values_from_scorer,
     continuation_values,
+    groups_in_scope,
     reference_paths,
 )
 from rredcot.methods.probe_logprobs import packed_probe_logprobs, probe_pass_tokens
@@ -153,6 +154,46 @@ def test_all_wrong_scope_scores_only_all_wrong_groups(char_tokenizer, task, batc
     full = get_credit("continuation_likelihood")(from_dict(CreditConfig, cfg), ctx).compute(batch)
     assert torch.allclose(out.segment_advantages[3:], full.segment_advantages[3:], atol=1e-6)
     assert not torch.allclose(out.segment_advantages[:3], full.segment_advantages[:3], atol=1e-6)
+
+
+def test_groups_in_scope_picks_each_kind_of_group():
+    # groups: 0 mixed, 1 all wrong, 2 all right (R >= 1 is correct)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.2, 1.0, 1.5])
+    gids = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert groups_in_scope(rewards, gids, "all") == {0, 1, 2}
+    assert groups_in_scope(rewards, gids, "all_wrong") == {1}
+    assert groups_in_scope(rewards, gids, "mixed") == {0}
+    assert groups_in_scope(rewards, gids, "any_wrong") == {0, 1}
+    with pytest.raises(ValueError, match="all, all_wrong, mixed, any_wrong"):
+        groups_in_scope(rewards, gids, "some")
+
+
+def test_mixed_scope_scores_the_groups_grpo_credits_and_leaves_the_rest_at_zero(
+    char_tokenizer, task, batch, policy
+):
+    exact, mask, _ = _values(policy, char_tokenizer, task, batch)
+    scoped, _, stats = _values(policy, char_tokenizer, task, batch, scope="mixed")
+    assert stats["credit/continuation_rows"] == 3
+    assert torch.allclose(scoped[:3][mask[:3]], exact[:3][mask[:3]], rtol=1e-4, atol=1e-7)
+    assert scoped[3:][mask[3:]].eq(0.0).all()  # the all-wrong group: its mean reward, 0
+    ctx = CreditContext(
+        policy=policy, tokenizer=char_tokenizer, task=task, segmenter=get_segmenter("newline")
+    )
+    cfg = {"lam": 0.0, "anchor": "none", "handover": {"mode": "off"}}
+    method = get_credit("continuation_likelihood")(
+        from_dict(CreditConfig, {**cfg, "continuation_likelihood": {"scope": "mixed"}}), ctx
+    )
+    out = method.compute(batch)
+    # no gradient where GRPO has none: the update forwards no more rows than GRPO's
+    assert out.advantages[3:].eq(0.0).all()
+    full = get_credit("continuation_likelihood")(from_dict(CreditConfig, cfg), ctx).compute(batch)
+    assert torch.allclose(out.segment_advantages[:3], full.segment_advantages[:3], atol=1e-6)
+    assert not full.advantages[3:].eq(0.0).all()
+
+
+def test_scope_names_the_valid_choices():
+    with pytest.raises(ValueError, match="all, all_wrong, mixed, any_wrong"):
+        from_dict(CreditConfig, {"continuation_likelihood": {"scope": "wrong_only"}})
 
 
 def test_forward_token_counter_is_what_the_packed_passes_forward(

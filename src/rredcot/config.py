@@ -518,6 +518,10 @@ class MonteCarloConfig:
             )
 
 
+# The groups continuation_likelihood scores (ContinuationLikelihoodConfig.scope).
+CONTINUATION_SCOPES = ("all", "all_wrong", "mixed", "any_wrong")
+
+
 @dataclass
 class ContinuationLikelihoodConfig:
     """Options of the continuation_likelihood method (--credit_method continuation_likelihood):
@@ -569,16 +573,19 @@ class ContinuationLikelihoodConfig:
         default=0.0,
     )
     scope: str = help_field(
-        "all: score every group; all_wrong: only groups with no correct sample, where GRPO "
-        "gives no credit; the other groups get GRPO's credit (their mean reward as every "
-        "value, lambda 1) and cost nothing.",
+        "Which groups are scored: all; all_wrong (no correct sample: where GRPO gives no "
+        "credit); mixed (a correct and a wrong sample: where GRPO gives credit, so the update "
+        "forwards what GRPO's does); any_wrong (a wrong sample: all but the all-correct "
+        "groups). The other groups get GRPO's credit (their mean reward as every value, "
+        "lambda 1) and cost nothing.",
         default="all",
     )
 
     def __post_init__(self) -> None:
-        if self.scope not in ("all", "all_wrong"):
+        if self.scope not in CONTINUATION_SCOPES:
             raise ValueError(
-                f"credit.continuation_likelihood.scope={self.scope!r} must be all or all_wrong"
+                f"credit.continuation_likelihood.scope={self.scope!r} must be one of "
+                f"{', '.join(CONTINUATION_SCOPES)}"
             )
         if self.window < 0:
             raise ValueError(f"credit.continuation_likelihood.window={self.window} must be >= 0")

@@ -59,8 +59,9 @@ every ``k`` (exact). Off that path a probe can score only the continuation's nex
 lines and read the rest from the source's own pass (an approximation: the lines after the
 window are scored as if the prefix were the source's). A prefix that has left every known-good
 path only loses value, so with ``stop_below`` a trace's first boundary off the path goes first
-and a value below the threshold is given to the trace's later boundaries unprobed. ``scope=
-all_wrong`` scores only groups whose samples are all wrong, where GRPO gives no credit.
+and a value below the threshold is given to the trace's later boundaries unprobed. ``scope``
+scores some groups only (``all_wrong``: where GRPO gives no credit; ``mixed``: where it does, so
+the update forwards what GRPO's does; ``any_wrong``); the others get GRPO's credit.
 Costs and credit quality of each: ``benchmarks/results/cheap_continuation/``.
 
 **Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.value_source`): the
@@ -78,7 +79,7 @@ import torch
 from torch import Tensor
 
 from rredcot.batch import RolloutBatch
-from rredcot.config import ContinuationLikelihoodConfig
+from rredcot.config import CONTINUATION_SCOPES, ContinuationLikelihoodConfig
 from rredcot.methods.base import CreditContext, CreditRows, Estimate, register_credit
 from rredcot.methods.probe_logprobs import (
     Probe,
@@ -93,7 +94,6 @@ from rredcot.segment import Segmenter, segment_completion
 
 ESTIMATORS = ("importance", "sum")
 SOURCES = ("group", "reference", "both")
-SCOPES = ("all", "all_wrong")
 
 
 @dataclass(frozen=True)
@@ -404,11 +404,9 @@ class _SourcePasses:
 
 
 def _rows_in_scope(batch: RolloutBatch, scope: str) -> set[int]:
-    """The rows scored: every row (``all``), or those of groups with no correct sample
-    (``all_wrong``)."""
-    gids = batch.group_ids.tolist()
-    mixed = all_right_or_mixed_groups(batch.rewards, batch.group_ids)
-    return {r for r in range(batch.size) if scope == "all" or gids[r] not in mixed}
+    """The rows scored: those of :func:`groups_in_scope`."""
+    scored = groups_in_scope(batch.rewards, batch.group_ids, scope)
+    return {r for r, g in enumerate(batch.group_ids.tolist()) if g in scored}
 
 
 def _source_passes(
@@ -591,13 +589,14 @@ def cheap_values_from_scorer(
        the rest is read from its source's own pass (the reference's, or the sample's proposal).
     3. ``stop_below > 0``: each trace's first probed boundary goes first; a trace whose value
        there is below ``stop_below`` gives that value to its later boundaries unprobed.
-    4. ``scope="all_wrong"``: only groups with no correct sample are scored; the others get the
-       group's mean reward at every boundary (GRPO's values; the method gives them lambda 1).
+    4. ``scope`` other than ``all``: only the groups of :func:`groups_in_scope` are scored; the
+       others get the group's mean reward at every boundary (GRPO's values; the method gives
+       them lambda 1).
 
     Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool, stats)``.
     """
-    if scope not in SCOPES:
-        raise ValueError(f"continuation scope={scope!r}: use {', '.join(SCOPES)}")
+    if scope not in CONTINUATION_SCOPES:
+        raise ValueError(f"continuation scope={scope!r}: use {', '.join(CONTINUATION_SCOPES)}")
     if window < 0 or not 0.0 <= stop_below < 1.0:
         raise ValueError(f"window={window} must be >= 0 and stop_below={stop_below} in [0, 1)")
     responses = _response_tokens(batch)
@@ -633,15 +632,27 @@ def cheap_values_from_scorer(
     return values, mask, stats
 
 
-def all_right_or_mixed_groups(rewards: Tensor, group_ids: Tensor) -> set[int]:
-    """The ids of groups with at least one correct sample (``R >= 1``): GRPO already gives them
-    credit.
+def groups_in_scope(rewards: Tensor, group_ids: Tensor, scope: str) -> set[int]:
+    """The ids of the groups ``scope`` scores (a sample is correct when ``R >= 1``): every
+    group (``all``), those with no correct sample (``all_wrong``), with a correct and a wrong
+    one (``mixed``), with a wrong one (``any_wrong``).
 
     Args:
         rewards: ``(B,)``; group_ids: ``(B,)`` long.
     """
-    right = rewards.detach().cpu() >= 1.0
-    return {int(g) for g in group_ids.cpu()[right].tolist()}
+    right = (rewards.detach().cpu() >= 1.0).tolist()
+    gids = group_ids.cpu().tolist()
+    with_right = {g for g, r in zip(gids, right) if r}
+    with_wrong = {g for g, r in zip(gids, right) if not r}
+    chosen = {
+        "all": set(gids),
+        "all_wrong": set(gids) - with_right,
+        "mixed": with_right & with_wrong,
+        "any_wrong": with_wrong,
+    }
+    if scope not in chosen:
+        raise ValueError(f"continuation scope={scope!r}: use {', '.join(CONTINUATION_SCOPES)}")
+    return chosen[scope]
 
 
 @register_credit("continuation_likelihood", options=ContinuationLikelihoodConfig)
@@ -694,13 +705,13 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
             self._packing = "unpacked"
 
     def estimate(self, rows: CreditRows) -> Estimate:
-        """The guarded estimate; with ``scope=all_wrong`` the rows of groups with a correct
-        sample (valued at their group's mean reward, unscored) get lambda 1: GRPO's credit."""
+        """The guarded estimate; with a ``scope`` other than ``all`` the rows of the groups not
+        scored (valued at their group's mean reward) get lambda 1: GRPO's credit."""
         est = super().estimate(rows)
-        if self.options.scope != "all_wrong":
+        if self.options.scope == "all":
             return est
-        mixed = all_right_or_mixed_groups(rows.rewards, rows.group_ids)
-        grpo_rows = torch.tensor([int(g) in mixed for g in rows.group_ids.tolist()])
+        scored = groups_in_scope(rows.rewards, rows.group_ids, self.options.scope)
+        grpo_rows = torch.tensor([int(g) not in scored for g in rows.group_ids.tolist()])
         mask = est.credit.mask
         lam = torch.full(mask[:, 1:].shape, float(est.credit.lam), device=mask.device)
         lam[grpo_rows.to(mask.device)] = 1.0
