@@ -97,15 +97,15 @@ def test_the_rule_chooses_a_method_only_where_it_was_measured_ahead_per_second(
 
 
 def test_todays_table_runs_uniform_on_both_arithmetic_testbeds_and_says_which_row_decided():
-    # the testbeds' own first-batch figures (auto_probe.txt): cl_flow and cl_cheap are behind
-    # GRPO per second; the reason cites the one closest to GRPO (cl_cheap)
+    # the testbeds' own first-batch figures (auto_probe.txt): no row is ahead of GRPO per
+    # second by two standard errors; the reason cites the one closest to GRPO (cl_cheap)
     default = choose_credit({"mean_reward": 0.40, "all_wrong": 0.28}, has_references=True)
     low = choose_credit({"mean_reward": 0.11, "all_wrong": 0.58}, has_references=True)
     assert default.method == low.method == "uniform" and default.settings == {}
-    assert default.decided_by == "per_second/arith4_default/learn.json"
-    assert low.decided_by == "per_second/arith12_low450/learn.json"
-    assert "-1.4 ± 0.6 at GRPO's last second" in default.reason
-    assert "-4.4 ± 1.5 at GRPO's last second" in low.reason
+    assert default.decided_by == "credit_price/block_arith4_default/learn.json"
+    assert low.decided_by == "credit_price/block_arith12_low/learn.json"
+    assert "-0.7 ± 0.7 at GRPO's last second" in default.reason
+    assert "+0.5 ± 1.0 at GRPO's last second" in low.reason
     # adding a row measured ahead per second there (the cheap estimator, once measured)
     # changes the choice
     cheap = _row(all_wrong=0.28, mean_reward=0.40, settings={"lam": 0.0})
@@ -120,7 +120,7 @@ def test_todays_table_runs_uniform_on_both_arithmetic_testbeds_and_says_which_ro
     first = {"mean_reward": 0.55, "all_wrong": 0.12}
     assert choose_credit(first, True).decided_by is None  # no batch size: the bare bands
     sized = choose_credit({**first, "groups": 16.0}, True)
-    assert sized.decided_by == "per_second/arith4_default/learn.json"
+    assert sized.decided_by == "credit_price/block_arith4_default/learn.json"
     # where nothing was measured: uniform, and it says so
     easy = choose_credit({"mean_reward": 0.9, "all_wrong": 0.0}, True)
     assert easy.method == "uniform" and easy.decided_by is None
@@ -168,7 +168,7 @@ def test_diagnose_verdict_says_what_auto_runs_by_the_same_rule():
     assert any(flow_flags() in r and r.startswith("+") for r in reasons)  # per token
     said = [r for r in reasons if "--credit auto would run" in r]
     assert len(said) == 1 and "would run uniform" in said[0]
-    assert "per_second/arith12_low450" in said[0]
+    assert "credit_price/block_arith12_low" in said[0]
     # with references, on a run like its testbeds (arithmetic, the tiny character model), the
     # reference baseline measured ahead of both is recommended; elsewhere only noted; without, not
     tiny = {"mean_reward": 0.11, "all_wrong": 0.58, "task": "arithmetic", "model_kind": "character"}
@@ -307,7 +307,7 @@ def test_auto_reads_its_rows_from_the_data_file_the_bench_writes(tmp_path):
 
     assert credit_choice.load_measurements() == MEASUREMENTS  # the table is the file's rows
     shipped = {(m.source, m.variant): m for m in MEASUREMENTS}
-    row = shipped["per_second/arith4_default/learn.json", "cl_cheap"]
+    row = shipped["credit_price/block_arith4_default/learn.json", "cl_cheap"]
     out = tmp_path / "rows.json"
     cfg = RecordAutoConfig(
         learn=str(RESULTS / row.source),
@@ -362,7 +362,7 @@ def test_a_bad_measurements_file_is_one_clear_error(tmp_path):
 def test_a_language_model_is_not_decided_by_the_character_models_rows():
     figures = {"mean_reward": 0.40, "all_wrong": 0.28}  # the default task's own figures
     char = choose_credit({**figures, "model_kind": "character"}, True)
-    assert char.decided_by == "per_second/arith4_default/learn.json"
+    assert char.decided_by == "credit_price/block_arith4_default/learn.json"
     lm = {**figures, "model_kind": "language_model", "model_parameters": 134_515_008}
     chosen = choose_credit(lm, True, tuple(m for m in MEASUREMENTS if m.model_kind == "character"))
     assert chosen.method == "uniform" and chosen.decided_by is None
