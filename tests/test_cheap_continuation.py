@@ -129,6 +129,18 @@ def test_stop_below_probes_the_departure_only_where_its_value_is_small(
     assert stats["credit/continuations_probed"] < exact_stats["credit/continuations_probed"]
 
 
+def _credit_scoped_and_full(tok, task, batch, policy, scope: str):
+    """The method's credit (lambda 0, no anchor, no hand-over) with ``scope``, and with every
+    group scored."""
+    ctx = CreditContext(policy=policy, tokenizer=tok, task=task, segmenter=get_segmenter("newline"))
+    cfg = {"lam": 0.0, "anchor": "none", "handover": {"mode": "off"}}
+    method = get_credit("continuation_likelihood")
+    scoped = method(
+        from_dict(CreditConfig, {**cfg, "continuation_likelihood": {"scope": scope}}), ctx
+    )
+    return scoped.compute(batch), method(from_dict(CreditConfig, cfg), ctx).compute(batch)
+
+
 def test_all_wrong_scope_scores_only_all_wrong_groups(char_tokenizer, task, batch, policy):
     exact, mask, _ = _values(policy, char_tokenizer, task, batch)
     scoped, _, stats = _values(policy, char_tokenizer, task, batch, scope="all_wrong")
@@ -139,19 +151,11 @@ def test_all_wrong_scope_scores_only_all_wrong_groups(char_tokenizer, task, batc
         assert scoped[row, : int(n[row])].eq(2 / 3).all()
         assert float(scoped[row, int(n[row])]) == float(batch.rewards[row])
     # through the method: GRPO's credit on the mixed group's rows, the values' elsewhere
-    ctx = CreditContext(
-        policy=policy, tokenizer=char_tokenizer, task=task, segmenter=get_segmenter("newline")
-    )
-    cfg = {"lam": 0.0, "anchor": "none", "handover": {"mode": "off"}}
-    method = get_credit("continuation_likelihood")(
-        from_dict(CreditConfig, {**cfg, "continuation_likelihood": {"scope": "all_wrong"}}), ctx
-    )
-    out = method.compute(batch)
+    out, full = _credit_scoped_and_full(char_tokenizer, task, batch, policy, "all_wrong")
     seg_mask = out.segment_mask
     grpo = batch.rewards - torch.tensor([2 / 3] * 3 + [0.0] * 3)
     for row in range(3):
         assert torch.allclose(out.segment_advantages[row][seg_mask[row]], grpo[row].expand(4))
-    full = get_credit("continuation_likelihood")(from_dict(CreditConfig, cfg), ctx).compute(batch)
     assert torch.allclose(out.segment_advantages[3:], full.segment_advantages[3:], atol=1e-6)
     assert not torch.allclose(out.segment_advantages[:3], full.segment_advantages[:3], atol=1e-6)
 
@@ -176,17 +180,9 @@ def test_mixed_scope_scores_the_groups_grpo_credits_and_leaves_the_rest_at_zero(
     assert stats["credit/continuation_rows"] == 3
     assert torch.allclose(scoped[:3][mask[:3]], exact[:3][mask[:3]], rtol=1e-4, atol=1e-7)
     assert scoped[3:][mask[3:]].eq(0.0).all()  # the all-wrong group: its mean reward, 0
-    ctx = CreditContext(
-        policy=policy, tokenizer=char_tokenizer, task=task, segmenter=get_segmenter("newline")
-    )
-    cfg = {"lam": 0.0, "anchor": "none", "handover": {"mode": "off"}}
-    method = get_credit("continuation_likelihood")(
-        from_dict(CreditConfig, {**cfg, "continuation_likelihood": {"scope": "mixed"}}), ctx
-    )
-    out = method.compute(batch)
+    out, full = _credit_scoped_and_full(char_tokenizer, task, batch, policy, "mixed")
     # no gradient where GRPO has none: the update forwards no more rows than GRPO's
     assert out.advantages[3:].eq(0.0).all()
-    full = get_credit("continuation_likelihood")(from_dict(CreditConfig, cfg), ctx).compute(batch)
     assert torch.allclose(out.segment_advantages[:3], full.segment_advantages[:3], atol=1e-6)
     assert not full.advantages[3:].eq(0.0).all()
 
