@@ -595,8 +595,6 @@ def cheap_values_from_scorer(
 
     Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool, stats)``.
     """
-    if scope not in CONTINUATION_SCOPES:
-        raise ValueError(f"continuation scope={scope!r}: use {', '.join(CONTINUATION_SCOPES)}")
     if window < 0 or not 0.0 <= stop_below < 1.0:
         raise ValueError(f"window={window} must be >= 0 and stop_below={stop_below} in [0, 1)")
     responses = _response_tokens(batch)
