@@ -25,8 +25,16 @@ clone_base() {  # clone_base DIR: a new virtualenv holding exactly what the base
     new_venv "$1"
     local site
     site=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    cp -a "$WORK/base/${site#"$1"/}/." "$site/"
+    # hard links (both under $WORK, one file system), not copies: a copy of torch per extra
+    # filled a CI disk. pip replaces files rather than writing into them: the base stays as is.
+    cp -al --remove-destination "$WORK/base/${site#"$1"/}/." "$site/"
 }
+
+free_gib=$(df -Pk "$WORK" | awk 'NR==2 {print int($4 / 1048576)}')
+if [ "$free_gib" -lt 6 ]; then
+    echo "fresh installs need about 6 GiB free under ${TMPDIR:-/tmp}; $free_gib GiB there. Free some, or set TMPDIR to a larger disk." >&2
+    exit 1
+fi
 
 t0=$SECONDS
 echo "== base install: the main job in a new virtualenv"
