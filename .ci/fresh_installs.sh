@@ -31,8 +31,8 @@ clone_base() {  # clone_base DIR: a new virtualenv holding exactly what the base
 }
 
 free_gib=$(df -Pk "$WORK" | awk 'NR==2 {print int($4 / 1048576)}')
-if [ "$free_gib" -lt 6 ]; then
-    echo "fresh installs need about 6 GiB free under ${TMPDIR:-/tmp}; $free_gib GiB there. Free some, or set TMPDIR to a larger disk." >&2
+if [ "$free_gib" -lt 4 ]; then
+    echo "fresh installs need about 4 GiB free (3 GiB at peak) under ${TMPDIR:-/tmp}; $free_gib GiB there. Free some, or set TMPDIR to a larger disk." >&2
     exit 1
 fi
 
