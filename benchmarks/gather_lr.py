@@ -57,6 +57,10 @@ SPECS = {
     "cl_cheap_cut_anywrong": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
     ":continuation_likelihood.window=1:advantage_tail_floor=0.01"
     ":continuation_likelihood.scope=any_wrong",
+    # cl_cheap_cut updating on an expected quarter of the agreeing groups' credited tokens,
+    # drawn by credit norm and reweighted (agreeing_update_fraction: the same expected gradient)
+    "cl_cheap_cut_budget25": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
+    ":continuation_likelihood.window=1:advantage_tail_floor=0.01:agreeing_update_fraction=0.25",
     # the combination: cl_cheap's credit on top of the best reference baseline (ref_sft_c1)
     "cl_cheap_ref_sft_c1": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
     ":continuation_likelihood.window=1:references.mode=sft:references.sft_coef=1.0",

@@ -13,9 +13,11 @@ import credit_reference
 from credit_reference import grpo_advantages, token_advantages_from_values
 from rredcot import credit, normalization, shared_prefixes
 from rredcot.credit import (
+    agreeing_rows,
     boundaries_to_segment_ids,
     drop_small_tails,
     redistribute,
+    sample_rows_to_budget,
     segment_advantages_from_values,
     segment_gae,
     segments_to_tokens,
@@ -800,3 +802,71 @@ def test_small_tails_are_dropped_and_nothing_before_the_last_large_advantage():
     assert torch.equal(out, expected)  # the padded 0.7 does not keep row 0's tail
     assert drop_small_tails(adv, mask, 0.0) is adv
     assert drop_small_tails(adv, mask, 0.2)[0].tolist() == pytest.approx([0.5, 0.001, -0.2, 0, 0])
+
+
+def test_agreeing_rows_are_those_of_groups_with_one_reward():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5])
+    groups = torch.tensor([7, 7, 3, 3, 5, 5, 9])
+    assert agreeing_rows(rewards, groups).tolist() == [True, True, False, False, True, True, True]
+
+
+def _budget_case():
+    """Five rows: 0-3 eligible (3 credits nothing), 4 not; row lengths 4, 2, 4, 3, 4."""
+    adv = torch.tensor(
+        [
+            [0.4, -0.2, 0.1, 0.3, 0.0],
+            [2.0, 1.0, 0.0, 0.0, 0.0],
+            [0.05, 0.0, -0.05, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0],
+            [0.7, 0.7, 0.7, 0.7, 0.0],
+        ]
+    )
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]] + [[1] * 4 + [0]]
+    )
+    return adv, mask, torch.tensor([True, True, True, True, False])
+
+
+def test_budgeted_rows_cost_the_budget_and_keep_the_gradient_unbiased():
+    """Keep probabilities spend exactly the budget in expectation (credited tokens up to each
+    row's last non-zero advantage), follow norm / sqrt(length) below the cap, and the draws
+    average to the advantages; ineligible rows pass through untouched."""
+    adv, mask, eligible = _budget_case()
+    tokens = torch.tensor([4.0, 2.0, 3.0, 0.0])  # row 2's last credited token is its third
+    norms = adv[:4].double().norm(dim=1)
+    for fraction in (0.2, 0.5, 0.9):
+        out, keep = sample_rows_to_budget(
+            adv, mask, eligible, fraction, torch.Generator().manual_seed(0)
+        )
+        spent = float((keep[:4] * tokens.double()).sum())
+        assert spent == pytest.approx(fraction * float(tokens.sum()), rel=1e-9)
+        assert keep[4] == 1 and torch.equal(out[4], adv[4])
+        assert keep[3] == 0 and not out[3].any()
+        free = (keep[:3] < 1).nonzero().flatten().tolist()
+        ratios = [float(keep[i] / (norms[i] / tokens[i].double().sqrt())) for i in free]
+        assert ratios == pytest.approx([ratios[0]] * len(ratios), rel=1e-9)
+    _, keep = sample_rows_to_budget(adv, mask, eligible, 0.9, torch.Generator().manual_seed(0))
+    assert keep[1] == 1  # the largest credit is capped at certainty
+    gen = torch.Generator().manual_seed(1)
+    draws = torch.stack(
+        [sample_rows_to_budget(adv, mask, eligible, 0.5, gen)[0] for _ in range(20000)]
+    )
+    torch.testing.assert_close(draws.mean(0), adv, atol=0.02, rtol=0.03)
+    kept_rows = (draws[:, :3] != 0).any(-1).float().mean(0)
+    torch.testing.assert_close(
+        kept_rows.double(),
+        sample_rows_to_budget(adv, mask, eligible, 0.5)[1][:3],
+        atol=0.02,
+        rtol=0,
+    )
+
+
+def test_a_full_budget_changes_nothing_and_a_bad_fraction_is_refused():
+    adv, mask, eligible = _budget_case()
+    out, keep = sample_rows_to_budget(adv, mask, eligible, 1.0)
+    assert out is adv and bool((keep == 1).all())
+    out, keep = sample_rows_to_budget(adv, mask, torch.zeros(5, dtype=torch.bool), 0.3)
+    assert torch.equal(out, adv) and bool((keep == 1).all())
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"fraction=.* must be in \(0, 1\]"):
+            sample_rows_to_budget(adv, mask, eligible, bad)

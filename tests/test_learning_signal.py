@@ -518,3 +518,40 @@ def test_a_step_bills_the_rows_and_tokens_it_trains_on(init_dir, tmp_path):
     )
     assert record["forward/scoring_pass"] == 0.0
     assert record["compute/step"] == pytest.approx(float(batch.attention_mask.sum()) + 3 * trained)
+
+
+def test_agreeing_rows_drawn_to_a_budget_are_reweighted_or_skipped(init_dir, tmp_path):
+    """agreeing_update_fraction < 1: each agreeing group's credited row reaches the update
+    either scaled by 1 / (its keep probability) or not at all (left out of the forward); the
+    others as they were. The step records the share kept and forwards fewer tokens."""
+    from conftest import micro_config
+    from rredcot.credit import agreeing_rows, sample_rows_to_budget
+
+    seen, records = {}, {}
+    for fraction in (1.0, 0.4):
+        cfg = micro_config(init_dir, tmp_path / f"run{fraction}", steps=1, max_grad_norm=0.0)
+        cfg.agreeing_update_fraction = fraction
+        trainer = Trainer(cfg, log=lambda *_: None)
+        _credit_ending_early(trainer)
+        optimise = trainer._optimise
+
+        def spy(batch, advantages, *rest, _f=fraction, _o=optimise):
+            seen[_f] = (batch, advantages.clone())
+            return _o(batch, advantages, *rest)
+
+        trainer._optimise = spy
+        records[fraction], _ = train_step_with_grads(trainer)
+        trainer.release()
+    batch, full = seen[1.0]
+    _, drawn = seen[0.4]
+    eligible = agreeing_rows(batch.rewards, batch.group_ids)
+    assert eligible.any()
+    _, keep = sample_rows_to_budget(full, batch.response_mask, eligible, 0.4)
+    for row in range(batch.size):
+        if not drawn[row].any():
+            assert eligible[row] or not full[row].any()
+        else:
+            torch.testing.assert_close(drawn[row], full[row] / keep[row].float())
+    kept = records[0.4]["update/agreeing_rows_kept"]
+    assert 0 < kept < 1 and "update/agreeing_rows_kept" not in records[1.0]
+    assert records[0.4]["update/tokens_forwarded"] < records[1.0]["update/tokens_forwarded"]

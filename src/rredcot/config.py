@@ -1056,6 +1056,16 @@ class TrainConfig:
         "(docs/results.md). GRPO's advantages are never that small: it is unchanged.",
         default=0.0,
     )
+    agreeing_update_fraction: float = help_field(
+        "The expected share of the agreeing groups' credited tokens (groups whose samples all "
+        "got the same reward: GRPO gives them 0, finer credit does not) that the update "
+        "forwards. Each such row is drawn with probability proportional to its credit's norm "
+        "over the square root of its length (capped at 1) and its advantages divided by that "
+        "probability, so the expected gradient is the full one; rows not drawn are skipped "
+        "(skip_zero_advantage_rows). 1: every row. Single process only (several processes "
+        "forward every row).",
+        default=1.0,
+    )
     shared_prompt_forward: bool = help_field(
         "Policy forwards (loss, scoring, KL reference) compute each distinct prompt once for "
         "all of its samples, on the Llama-family models the fast decoder supports: the same "
@@ -1157,6 +1167,11 @@ class TrainConfig:
         for name in ("weight_decay", "max_grad_norm", "kl_coef", "advantage_tail_floor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if not 0 < self.agreeing_update_fraction <= 1:
+            raise ValueError(
+                f"agreeing_update_fraction={self.agreeing_update_fraction} must be in (0, 1] "
+                "(1 updates on every agreeing row)"
+            )
         for name in ("warmup_steps", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")

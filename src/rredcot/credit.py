@@ -52,11 +52,14 @@ __all__ = [
     "SegmentCredit",
     "Values",
     "Weights",
+    "agreeing_rows",
     "anchor_values",
     "boundaries_to_segment_ids",
+    "drop_small_tails",
     "redistribute",
     "reweight_coefficients",
     "reweight_grpo",
+    "sample_rows_to_budget",
     "segment_advantages_from_values",
     "segment_credit",
     "segment_gae",
@@ -660,6 +663,83 @@ def token_advantages(
         )
         out = torch.where(scale.floored.to(out.device)[:, None], split, out)
     return out
+
+
+def agreeing_rows(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """``(B,)`` bool: the rows of groups whose samples all got the same reward, where GRPO's
+    advantage is 0 and only finer credit gives them a gradient.
+
+    Args:
+        rewards: ``(B,)``; group_ids: ``(B,)`` long.
+    """
+    check_ndim(rewards, 1, "rewards", "(B,)")
+    check_shape(group_ids, tuple(rewards.shape), "group_ids", "(B,)")
+    r = as_float(rewards)
+    _, inverse = torch.unique(group_ids.to(r.device), return_inverse=True)
+    groups = int(inverse.max()) + 1 if len(r) else 0
+    low = torch.full((groups,), float("inf"), dtype=r.dtype, device=r.device)
+    high = torch.full((groups,), float("-inf"), dtype=r.dtype, device=r.device)
+    low = low.scatter_reduce(0, inverse, r, "amin")
+    high = high.scatter_reduce(0, inverse, r, "amax")
+    return (low == high)[inverse]
+
+
+def sample_rows_to_budget(
+    advantages: Tensor,
+    response_mask: Tensor,
+    eligible: Tensor,
+    fraction: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Update on an expected ``fraction`` of the eligible rows' credited tokens, without bias.
+
+    Row ``b`` (eligible, credited tokens ``n_b`` up to its last non-zero advantage, credit norm
+    ``m_b = ||A_b||``) is kept with probability ``p_b = min(1, c m_b / sqrt(n_b))``, ``c`` set
+    so that ``sum_b p_b n_b = fraction * sum_b n_b`` (the draw of least variance for that
+    expected cost), and its advantages are divided by ``p_b``; a row not drawn gets 0, so the
+    update skips it (``skip_zero_advantage_rows``). ``E[output] = advantages``: an on-policy
+    policy gradient is linear in ``A``, so its expectation is unchanged. Rows not eligible pass
+    through; ``fraction`` 1 returns ``advantages`` itself.
+
+    Args:
+        advantages: ``(B, T)``; response_mask: ``(B, T)``; eligible: ``(B,)`` bool.
+        fraction: in ``(0, 1]``.
+
+    Returns:
+        ``(advantages (B, T), keep_probability (B,))``, the probability 1 for rows passed through.
+    """
+    check_ndim(advantages, 2, "advantages", "(B, T)")
+    check_shape(response_mask, tuple(advantages.shape), "response_mask", "(B, T)")
+    check_shape(eligible, (advantages.shape[0],), "eligible", "(B,)")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    keep = torch.ones(advantages.shape[0], dtype=torch.float64, device=advantages.device)
+    if fraction == 1:
+        return advantages, keep
+    credited = (advantages != 0) & as_bool(response_mask).to(advantages.device)
+    position = torch.arange(1, advantages.shape[1] + 1, device=advantages.device)
+    tokens = (credited * position).amax(dim=1).double() if advantages.shape[1] else keep * 0
+    norm = (as_float(advantages).double() * credited).square().sum(dim=1).sqrt()
+    live = as_bool(eligible).to(advantages.device) & (norm > 0)
+    weight = torch.where(live, norm / tokens.clamp(min=1).sqrt(), torch.zeros((), dtype=norm.dtype))
+    budget = fraction * float(tokens[live].sum())
+    capped = torch.zeros_like(live)
+    for _ in range(int(live.sum()) + 1):  # water-filling: rows at p = 1 leave the rest less
+        free = live & ~capped
+        scale = (budget - float(tokens[capped].sum())) / max(
+            float((weight * tokens)[free].sum()), 1e-300
+        )
+        now = live & (capped | (scale * weight >= 1))
+        if bool((now == capped).all()):
+            break
+        capped = now
+    prob = torch.where(capped, torch.ones_like(weight), (scale * weight).clamp(max=1.0))
+    keep = torch.where(as_bool(eligible).to(keep.device), prob, keep)
+    draw = torch.rand(len(keep), generator=generator, dtype=torch.float64).to(keep.device)
+    drawn = draw < keep
+    scaled = advantages / keep.clamp(min=1e-12).to(advantages.dtype)[:, None]
+    out = torch.where(drawn[:, None], scaled, torch.zeros((), dtype=advantages.dtype))
+    return out, keep
 
 
 def drop_small_tails(advantages: Tensor, response_mask: Tensor, floor: float) -> Tensor:

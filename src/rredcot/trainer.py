@@ -29,7 +29,7 @@ from rredcot.batch import RolloutBatch
 from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_training_checkpoint
 from rredcot.config import TrainConfig
 from rredcot.config_io import resume_config, write_text_atomic
-from rredcot.credit import drop_small_tails
+from rredcot.credit import agreeing_rows, drop_small_tails, sample_rows_to_budget
 from rredcot.credit_choice import (
     AUTO,
     CreditChoice,
@@ -121,6 +121,12 @@ class Trainer:
         if cfg.references.mode != "off" and self.world > 1:
             self.release()
             references.check_processes(self.world)
+        if cfg.agreeing_update_fraction < 1 and self.world > 1:
+            self.release()
+            raise ValueError(
+                f"agreeing_update_fraction={cfg.agreeing_update_fraction} saves work only in one "
+                f"process ({self.world} forward every row, and a group may span them): set it to 1"
+            )
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""
@@ -262,6 +268,7 @@ class Trainer:
         advantages = drop_small_tails(
             advantages, batch.response_mask, self.cfg.advantage_tail_floor
         )
+        advantages, agreeing_kept = self._sample_agreeing_rows(batch, advantages)
         if one_graph and loss_forward is None:
             rows = torch.arange(batch.size)
             columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
@@ -269,6 +276,7 @@ class Trainer:
                 batch, rows[columns > 0], int(columns.max()) if len(rows) else 0
             )
         update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
+        update_stats.update(agreeing_kept)
         clock.lap("update")
 
         value_stats = self.method.update(credit_rows, estimate)
@@ -276,6 +284,21 @@ class Trainer:
         return self._record(
             step, batch, stats, credit_out, update_stats, value_stats, clock, scoring_pass
         )
+
+    def _sample_agreeing_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
+        """``agreeing_update_fraction`` < 1: the agreeing groups' rows drawn to that budget
+        (``credit.sample_rows_to_budget``, seeded by the step); returns the advantages and the
+        metric of the share of those rows kept."""
+        fraction = self.cfg.agreeing_update_fraction
+        if fraction == 1:
+            return advantages, {}
+        eligible = agreeing_rows(batch.rewards, batch.group_ids).to(advantages.device)
+        gen = torch.Generator().manual_seed(step_seed(self.cfg.seed, self.step, salt=31))
+        out, _ = sample_rows_to_budget(advantages, batch.response_mask, eligible, fraction, gen)
+        credited = (advantages != 0).any(dim=1) & eligible
+        kept = (out != 0).any(dim=1) & credited
+        share = float(kept.sum()) / max(float(credited.sum()), 1.0)
+        return out, {"update/agreeing_rows_kept": share}
 
     def choose_credit(self, batch: RolloutBatch, problems) -> None:
         """``--credit auto``: choose the credit method from step 1's own batch (every process's
