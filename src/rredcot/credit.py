@@ -56,6 +56,7 @@ __all__ = [
     "anchor_values",
     "boundaries_to_segment_ids",
     "drop_small_tails",
+    "last_positions",
     "redistribute",
     "reweight_coefficients",
     "reweight_grpo",
@@ -717,8 +718,7 @@ def sample_rows_to_budget(
     if fraction == 1:
         return advantages, keep
     credited = (advantages != 0) & as_bool(response_mask).to(advantages.device)
-    position = torch.arange(1, advantages.shape[1] + 1, device=advantages.device)
-    tokens = (credited * position).amax(dim=1).double() if advantages.shape[1] else keep * 0
+    tokens = last_positions(credited).double()
     norm = (as_float(advantages).double() * credited).square().sum(dim=1).sqrt()
     live = as_bool(eligible).to(advantages.device) & (norm > 0)
     weight = torch.where(live, norm / tokens.clamp(min=1).sqrt(), torch.zeros((), dtype=norm.dtype))
@@ -759,5 +759,15 @@ def drop_small_tails(advantages: Tensor, response_mask: Tensor, floor: float) ->
         return advantages
     big = (advantages.abs() >= floor) & as_bool(response_mask).to(advantages.device)
     position = torch.arange(1, advantages.shape[1] + 1, device=advantages.device)
-    last = (big * position).amax(dim=1, keepdim=True) if advantages.shape[1] else position[None]
+    last = last_positions(big)[:, None]
     return torch.where(position[None] <= last, advantages, torch.zeros((), dtype=advantages.dtype))
+
+
+def last_positions(mask: Tensor) -> Tensor:
+    """``(B,)`` long: each row's 1-based position of its last True in ``mask`` ``(B, T)``, 0 in a
+    row with none (the columns an update must forward to reach it)."""
+    check_ndim(mask, 2, "mask", "(B, T)")
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    position = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (as_bool(mask) * position).amax(dim=1)

@@ -29,7 +29,12 @@ from rredcot.batch import RolloutBatch
 from rredcot.checkpoint import COUNTERS, restore_training_checkpoint, save_training_checkpoint
 from rredcot.config import TrainConfig
 from rredcot.config_io import resume_config, write_text_atomic
-from rredcot.credit import agreeing_rows, drop_small_tails, sample_rows_to_budget
+from rredcot.credit import (
+    agreeing_rows,
+    drop_small_tails,
+    last_positions,
+    sample_rows_to_budget,
+)
 from rredcot.credit_choice import (
     AUTO,
     CreditChoice,
@@ -534,10 +539,7 @@ class Trainer:
             return torch.full((len(rows),), T, dtype=torch.long, device=rows.device)
         rows_here = rows.to(advantages.device)
         credited = (advantages[rows_here] != 0) & batch.response_mask[rows_here].bool()
-        if T == 0:
-            return torch.zeros(len(rows), dtype=torch.long, device=rows.device)
-        position = torch.arange(1, T + 1, device=credited.device)
-        return (credited * position).amax(dim=1).to(rows.device)
+        return last_positions(credited).to(rows.device)
 
     def _optimise(
         self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
