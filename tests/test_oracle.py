@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -150,3 +151,28 @@ def test_monte_carlo_oracle_in_training_reports_but_does_not_charge_its_rollouts
     assert record["credit/oracle_generated_tokens"] > 0
     assert record["extra_tokens_generated"] == 0
     assert record["tokens_generated"] == trainer.tokens_generated  # rollouts only
+
+
+def test_a_row_without_a_label_gets_grpo_credit_on_every_segment(char_tokenizer, arithmetic_task):
+    """An unknown label (a trace cut short, no step labels) is no blame on its last segment:
+    lambda 1 through its boundaries gives every segment ``R - mean(R_group)``, as GRPO does."""
+    problems = arithmetic_task.train_problems(1, seed=3)
+    gold = arithmetic_task.gold_completion(problems[0])
+    wrong = arithmetic_task.inject_error(problems[0], step=1)
+    cut = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]  # two lines, the second cut
+    batch = batch_from_texts(
+        char_tokenizer, arithmetic_task, problems * 3, [gold, wrong, cut], group_size=3
+    )
+    verdicts = list(batch.verdicts)
+    verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None)
+    batch = batch.replace(verdicts=verdicts)
+    method = build_credit(
+        "oracle", CreditConfig(normalization="none"), CreditContext(None, char_tokenizer)
+    )
+    out = method.compute(batch)
+    assert out.metrics["credit/oracle_labelled_fraction"] == pytest.approx(2 / 3)
+    n = int(batch.num_segments[2])
+    assert n == 2
+    grpo = float(batch.rewards[2] - batch.rewards.mean())
+    assert out.segment_advantages[2, :n].tolist() == pytest.approx([grpo] * n)
+    assert torch.isfinite(out.advantages).all() and torch.isfinite(out.values).all()

@@ -93,6 +93,10 @@ def test_gold_and_injected_errors(task):
         # no "answer is": the last number counts
         ("9 + 8 = 17\n17 - 6 = 11 apples", 1, -1),
         ("Tom has 11 apples left.", 1, -1),
+        ("9 + 8 = 17\n17 - 6 = 11 apples\nSo Tom has 12 apples", 0, 2),  # chain done, then wrong
+        # cut short (the token cap) after right lines, no answer stated: no line is known wrong
+        ("He buys 8 more, so he has 9 + 8 = 17 apples.\nHe eats 6, so he has 17 -", 0, None),
+        ("Tom has 9 apples. He buys 8 more", 0, None),
     ],
 )
 def test_verify_reward_and_first_wrong_line(task, completion, reward, first_error):
@@ -135,7 +139,8 @@ def test_a_long_line_of_operators_is_verified_at_once():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0.0", "1"]  # wrong answer; the answer line is the error
+    # no answer stated and the chain not finished (9 + 8 = 17 is its right first step): unknown
+    assert done.stdout.split() == ["0.0", "None"]
 
 
 def test_the_equation_pattern_matches_as_its_backtracking_form_did():

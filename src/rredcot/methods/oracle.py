@@ -16,8 +16,10 @@ Values, with no recovery after the first wrong step:
 
 With ``lam = 0`` (the method's default) a wrong trace's blame lands on the segment that holds its
 first wrong line, ``-p_g(m)``, and the segments before it get the small changes of ``p_g``; the
-segments after it get 0. A row whose label is unknown (``first_error_step is None``) gets uniform
-values (the group mean at every boundary).
+segments after it get 0. A row whose label is unknown (``first_error_step is None``: no step
+labels, or a trace cut short before it stated an answer) gets GRPO's credit: its inner
+boundaries carry no value (NaN in the rows) and lambda 1 passes through them, so every segment
+gets ``R - mean(R_group)``, not the whole change on its last segment.
 
 That is ``credit.oracle.values=group``, the default. It gives no credit in a group whose rewards
 all agree (``p_g`` is 0 or 1 at every boundary), exactly where GRPO learns nothing, so it is not a
@@ -42,7 +44,8 @@ import torch
 
 from rredcot.batch import RolloutBatch
 from rredcot.config import OracleConfig
-from rredcot.methods.base import CreditMethod, CreditRows, register_credit
+from rredcot.credit import Values
+from rredcot.methods.base import CreditMethod, CreditRows, Estimate, register_credit
 from rredcot.methods.monte_carlo import context_mc_values
 from rredcot.normalization import group_mean_std
 
@@ -110,7 +113,8 @@ def oracle_values(
         peers = rows_of[int(group_ids[row])]
         known = [j for j in peers if not math.isnan(right_lines[j])]
         if math.isnan(right_lines[row]):
-            values[row, : len(done)] = group_mean[row]
+            values[row, 1 : len(done)] = math.nan  # unknown: GRPO's credit (OracleCredit.estimate)
+            values[row, 0] = group_mean[row]
             continue
         for k, m in enumerate(done):
             if error_segment[row] is not None and k >= error_segment[row]:
@@ -206,6 +210,18 @@ class OracleCredit(CreditMethod):
             "credit/oracle_mc_prefixes": stats["credit/mc_prefixes"],
         }
         return values, mask.cpu(), metrics
+
+    def estimate(self, rows: CreditRows) -> Estimate:
+        """The rows' values with ``V(s_0)`` and lambda 1 at every boundary whose value is unknown
+        (NaN), the method's lambda elsewhere: each segment of a row without a label gets
+        ``R - V(s_0)``, GRPO's credit."""
+        unknown = torch.isnan(rows.values) & rows.value_mask
+        if not unknown.any():
+            return super().estimate(rows)
+        values = torch.where(unknown, rows.values[:, :1].expand_as(rows.values), rows.values)
+        lam = torch.where(unknown[:, 1:], 1.0, float(self.lam)).to(values.dtype)
+        credit_values = Values(values, rows.value_mask, lam=lam)
+        return Estimate(credit_values, rows.cost, rows.metrics)
 
     def rows(self, batch: RolloutBatch) -> CreditRows:
         """The batch's rows with their ground-truth values."""

@@ -31,7 +31,9 @@ no ``meta``, score the same way):
   (``9 - 8 = 1`` when Tom buys 8 more; restating a value already reached is fine, skipping ahead
   to a later gold value is fine). When every equation is right but the answer is wrong, the line
   stating the answer is the first error. Lines after the answer line are not checked. ``-1``: no
-  wrong line; ``None``: no number anywhere to judge.
+  wrong line; ``None``: unknown, either no number anywhere to judge, or no answer stated (no
+  ``answer is``) while every equation is right and the chain is not finished: a trace cut by
+  the token cap after a right line is not wrong at that line (its last number is no answer).
 """
 
 from __future__ import annotations
@@ -380,7 +382,12 @@ class WordProblemTask(GeneratedTask):
                 break
         steps = sum(bool(_EQUATION_RE.search(x.replace(",", ""))) for x in lines[: last + 1])
         if first_error == -1 and reward == 0.0:
-            if answer_line is None:
+            unfinished = _ANSWER_RE.search(completion) is None and progress < len(gold) - 1
+            if answer_line is None or unfinished:
+                # no answer stated and the chain not finished (cut by the token cap, or stopped
+                # early): the last number is not an answer, and no line is known to be wrong
+                if unfinished:
+                    reason += "; no answer stated before the chain ended: first wrong line unknown"
                 return Verdict(reward, answer, None, reason, steps)
             first_error, why = answer_line, "the answer line"
         if first_error >= 0:
