@@ -26,6 +26,7 @@ SPECS = {
     "value_head": "value_head",
     "answer_likelihood": "answer_likelihood",
     "oracle_pooled": "oracle:oracle.values=pooled",
+    "oracle_group": "oracle:oracle.values=group",
     "oracle_mc": "oracle:oracle.values=monte_carlo:oracle.rollouts=16",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
     "cl_cheap": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"

@@ -8,6 +8,9 @@ evaluates at 72, the task's suggestion.
     python benchmarks/smollm2_eval_length.py OUT.json --seed 200 --caps 72,144,256
     python benchmarks/smollm2_eval_length.py OUT.json --task gsm8k \
         --task-arg data=../shared/data/gsm8k --caps 256   (headroom of another testbed)
+    python benchmarks/smollm2_eval_length.py OUT.json --sampled 8 --caps 224 --eval-size 16 \
+        --seed 5   (training's view: 8 samples at temperature 1 per training prompt; the share
+                    that ends by each cap is read off one long cap)
 """
 
 from __future__ import annotations
@@ -31,41 +34,62 @@ def main() -> None:
     ap.add_argument("--caps", default="72,144,256")
     ap.add_argument("--task", default="word_problems")
     ap.add_argument("--task-arg", action="append", default=[], help="KEY=VALUE, repeatable")
+    ap.add_argument(
+        "--sampled",
+        type=int,
+        default=0,
+        help="G samples at temperature 1 per "
+        "training prompt instead of greedy evaluation (0: greedy)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
+    torch.manual_seed(0)
     policy, tokenizer = load_policy("smollm2-135m-instruct", dtype="float32")
     policy.eval()
     task_args = dict(kv.split("=", 1) for kv in args.task_arg)
     task = get_task(args.task, **task_args)
-    problems = task.eval_problems(args.eval_size, seed=args.seed)
+    if args.sampled:
+        problems = task.train_problems(args.eval_size, seed=args.seed)
+    else:
+        problems = task.eval_problems(args.eval_size, seed=args.seed)
+    G = max(args.sampled, 1)
     prompts = [render_prompt(p, tokenizer) for p in problems]
     rows = []
     for cap in (int(c) for c in args.caps.split(",")):
         t0 = time.perf_counter()
         correct = capped = 0
-        lengths = []
-        for start in range(0, len(problems), 64):
-            chunk = slice(start, start + 64)
+        lengths, finished = [], []
+        step = 64 // G if G == 1 else max(32 // G, 1)
+        for start in range(0, len(problems), step):
+            chunk = slice(start, start + step)
             with torch.no_grad():
                 ids, _, P, mask = sample(
                     policy,
                     tokenizer,
                     prompts[chunk],
-                    num_generations=1,
+                    num_generations=G,
                     max_new_tokens=cap,
-                    greedy=True,
+                    greedy=not args.sampled,
                 )
-            for row, problem in enumerate(problems[chunk]):
+            for row in range(ids.shape[0]):
+                problem = problems[chunk][row // G]
                 n = int(mask[row].sum())
                 text = tokenizer.decode(ids[row, P : P + n], skip_special_tokens=True)
                 verdict, ok = checked_verify(task, problem, text)
                 correct += float(verdict.reward) if ok else 0.0
-                capped += int(n >= cap and int(ids[row, P + n - 1]) != tokenizer.eos_token_id)
+                ended = int(ids[row, P + n - 1]) == tokenizer.eos_token_id
+                capped += int(n >= cap and not ended)
                 lengths.append(n)
+                finished.append(n if ended else None)
         row = {
             "max_new_tokens": cap,
-            "accuracy": correct / len(problems),
-            "hit_cap": capped / len(problems),
+            "accuracy": correct / len(lengths),
+            "hit_cap": capped / len(lengths),
+            "ended_by": {
+                c: sum(n is not None and n <= c for n in finished) / len(lengths)
+                for c in (72, 96, 128, 160, 192, 224)
+                if c <= cap
+            },
             "mean_length": sum(lengths) / len(lengths),
             "seconds": round(time.perf_counter() - t0, 1),
         }
@@ -76,7 +100,8 @@ def main() -> None:
         "task": args.task,
         "seed": args.seed,
         "eval_size": len(problems),
-        "greedy": True,
+        "greedy": not args.sampled,
+        "samples_per_prompt": G,
     }
     with open(args.out, "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
