@@ -183,8 +183,9 @@ def test_verdict_rules():
 def test_verdict_recommends_references_only_where_measured():
     """The reference baseline was measured on arithmetic chains with the tiny character model,
     whose warm-starts are cut-short supervised training on the same gold traces (recommended
-    there with that condition), and on SmolLM2 (recommended for a language model); elsewhere the
-    verdict says it was not measured."""
+    there with that condition), and on SmolLM2, where its lead was the model copying the task
+    generator's solution template (a note for a language model, not a recommendation); elsewhere
+    the verdict says it was not measured."""
     blind = {"mean_reward": 0.3, "all_wrong": 0.4, "all_right": 0.0, "has_references": True}
     tiny = dict(blind, task="arithmetic", model_kind="character")
     head, reasons = verdict(tiny)
@@ -195,8 +196,8 @@ def test_verdict_recommends_references_only_where_measured():
     for pretrained in ("word_problems", "arithmetic"):
         _, reasons = verdict(dict(blind, task=pretrained, model_kind="language_model"))
         (ref,) = [r for r in reasons if "--references.mode sft" in r]
-        assert ref.startswith("+ ") and "--references.sft_coef 1" in ref
-        assert "SmolLM2-135M-Instruct on word problems" in ref
+        assert not ref.startswith("+"), ref
+        assert "SmolLM2-135M-Instruct on word problems" in ref and "copying that template" in ref
         assert "warm-start is supervised training" not in ref
     for other in (
         dict(blind, task="word_problems"),  # the model's kind unknown
