@@ -335,3 +335,61 @@ def test_an_error_quoting_a_linked_config_yaml_does_not_dump_its_target(tmp_path
     err = one_line_error(["train", "--resume", str(run)], capsys)
     assert len(err) < 300 and err.count("secret line") < 10, err
     assert str(run / "config.yaml") in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# data files never name code (issue 57): auto's rows, record-auto's input, a resumed --config
+
+
+def _row_naming(spec: str) -> dict:
+    """A measurements row ahead of GRPO everywhere whose method runs ``spec``."""
+    from rredcot.credit_choice import MEASUREMENTS
+
+    row = {**MEASUREMENTS[0].to_json(), "method": "process_reward", "seeds": 10}
+    pairs = {k: [0.5, 0.01] for k in ("per_token", "at_grpo_last_second", "time_averaged")}
+    return {**row, **pairs, "settings": {"process_reward.function": spec}}
+
+
+def test_plain_auto_train_refuses_a_measurement_row_that_names_code(
+    init_dir, tmp_path, monkeypatch, capsys
+):
+    import rredcot.credit_choice as credit_choice
+
+    spec, marker = _payload(tmp_path)
+    rows = tmp_path / "credit_auto.json"
+    rows.write_text(json.dumps({"rows": [_row_naming(spec)]}))
+    monkeypatch.setattr(credit_choice, "MEASUREMENTS_FILE", rows)
+    monkeypatch.delattr(credit_choice, "MEASUREMENTS")  # read when auto needs it
+    monkeypatch.setattr(credit_choice, "ALL_WRONG_BAND", 1.0)  # the row is like any run
+    monkeypatch.setattr(credit_choice, "REWARD_BAND", 1.0)
+    run = tmp_path / "run"
+    argv = ["train", "--init", str(init_dir), "--out", str(run), "--steps", "1"]
+    argv += ["--prompts_per_step", "2", "--eval_size", "2", "--task.num_steps", "2"]
+    err = one_line_error([*argv, "--sampling.max_new_tokens", "8", "--progress", "false"], capsys)
+    assert str(rows) in err and "process_reward" in err, err
+    assert not marker.exists() and not run.exists()
+
+
+def test_apply_choice_checks_what_it_sets():
+    from rredcot.credit_choice import FLOW_METHOD, CreditChoice, apply_choice
+
+    cfg = TrainConfig()
+    for settings, expected in (
+        ({"__class__": "x"}, "not a credit setting"),
+        ({"process_reward.function": "m:f"}, "load code"),
+        ({"continuation_likelihood.scope": "bogus"}, "scope='bogus'"),
+        ({"lam": 7.0}, "credit.lam=7.0"),
+    ):
+        with pytest.raises(UserError, match=expected):
+            apply_choice(cfg, CreditChoice(FLOW_METHOD, settings, "r"))
+    bread = TrainConfig()
+    bread.references.mode = "bread"
+    with pytest.raises(UserError, match="bread runs with credit_method uniform"):
+        apply_choice(bread, CreditChoice(FLOW_METHOD, {}, "r"))
+    assert (cfg, bread.credit_method) == (TrainConfig(), "auto")  # nothing was set
+    apply_choice(cfg, CreditChoice(FLOW_METHOD, {"lam": 0.0, "handover.smoothing": 0.5}, "r"))
+    assert (cfg.credit_method, cfg.credit.lam, cfg.credit.handover.smoothing) == (
+        FLOW_METHOD,
+        0,
+        0.5,
+    )

@@ -32,7 +32,7 @@ from rredcot.errors import UserError
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
     """``typing.get_type_hints(cls)``, evaluated once per class (flags, YAML and every dotted name
     read them; evaluating the string annotations each time made building the CLI slow)."""
     return typing.get_type_hints(cls)
@@ -59,7 +59,7 @@ def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
         raise ValueError(
             f"config section {where or 'top level'} must be a mapping, got {brief(data)}"
         )
-    hints = _type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -73,11 +73,11 @@ def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
         if dataclasses.is_dataclass(hint):
             kwargs[key] = from_dict(hint, value or {}, where=f"{where}{key}.")
         else:
-            kwargs[key] = _coerce(value, hint, f"{where}{key}")
+            kwargs[key] = coerce_value(value, hint, f"{where}{key}")
     return cls(**kwargs)
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
+def coerce_value(value: Any, hint: Any, name: str) -> Any:
     """Convert a YAML or CLI value to the field's type, with an error that names the field."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -117,13 +117,13 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 def valid_keys(cls: type) -> str:
     """The keys ``cls`` takes, for an error message: its fields, and a section's own fields as
     ``section.{a, b}`` (``section.*`` where it nests further)."""
-    hints = _type_hints(cls)
+    hints = type_hints(cls)
     names = []
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name):
         hint = hints[f.name]
         if not dataclasses.is_dataclass(hint):
             names.append(f.name)
-        elif any(dataclasses.is_dataclass(h) for h in _type_hints(hint).values()):
+        elif any(dataclasses.is_dataclass(h) for h in type_hints(hint).values()):
             names.append(f"{f.name}.*")
         else:
             inner = ", ".join(sorted(g.name for g in dataclasses.fields(hint)))
@@ -405,7 +405,7 @@ def add_dataclass_flags(
     override a YAML file or the dataclass's own defaults. ``skip``: fields set another way;
     ``group``: the help group of ``cls``'s own fields (default: the parser's options)."""
     target = parser if group is None else group
-    hints = _type_hints(cls)
+    hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
