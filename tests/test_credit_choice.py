@@ -346,6 +346,85 @@ def test_record_auto_refuses_what_auto_cannot_apply(tmp_path):
     assert not (tmp_path / "f").exists()
 
 
+def _learn_file(tmp_path: Path, content) -> Path:
+    """A learn.json under ``benchmarks/results/`` (where record-auto cites it) holding
+    ``content``: a report, text, or a function of the shipped ``cl_cheap`` summary row."""
+    shipped = json.loads((RESULTS / "credit_price/block_arith4_default/learn.json").read_text())
+    (row,) = [s for s in shipped["summary"] if s["variant"] == "cl_cheap"]
+    path = tmp_path / "benchmarks" / "results" / "x" / "learn.json"
+    path.parent.mkdir(parents=True)
+    if callable(content):
+        content = {"summary": [content(json.loads(json.dumps(row)))]}
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def _with(**changes):
+    """A change to the ``cl_cheap`` summary row: fields, or ``credit.*`` overrides added."""
+
+    def change(row):
+        overrides = {k: v for k, v in changes.items() if k.startswith("credit.")}
+        row["overrides"] = {**row["overrides"], **overrides}
+        row.update({k: v for k, v in changes.items() if not k.startswith("credit.")})
+        return row
+
+    return change
+
+
+def _paired(key: str, mean: float):
+    def change(row):
+        row[key] = {**row[key], "mean": mean}
+        return row
+
+    return change
+
+
+_TIME = "time_averaged_accuracy_vs_reference"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ({}, "no summary of variants"),
+        ({"summary": []}, "no summary of variants"),
+        ([{"variant": "cl_cheap"}], "no summary of variants"),  # a top-level list
+        ({"summary": [{"method": "uniform"}]}, "summary entry 0 is not a variant"),
+        ("{not json", "is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nests JSON deeper"),
+        (_paired(_TIME, math.nan), "finite mean"),
+        (_paired(_TIME, math.inf), "finite mean"),
+        (_paired("accuracy_at_reference_seconds_vs_reference", -math.inf), "finite mean"),
+        (_with(**{"credit.continuation_likelihood.scope": "bogus"}), "scope='bogus'"),
+        (_with(**{"credit.lam": "7"}), "credit.lam=7.0 must be in [0, 1]"),
+        (_with(**{"credit.lam": "nan"}), "finite"),
+        (_with(method="bogus"), "bogus"),
+        (
+            _with(
+                method="value_head",
+                **{
+                    "credit.value_head.teacher": "continuation_likelihood",
+                    "credit.continuation_likelihood.scope": "mixed",
+                },
+            ),
+            "needs credit.continuation_likelihood.scope=all",
+        ),
+        (_with(**{"credit.__class__": "x"}), "not a credit setting"),
+        (lambda row: {**row, "reference": None}, "nothing to record"),  # only GRPO itself
+    ],
+)
+def test_record_auto_checks_what_it_records_in_one_line_naming_the_file(
+    tmp_path, capsys, content, expected
+):
+    from conftest import one_line_error
+
+    learn, out = _learn_file(tmp_path, content), tmp_path / "rows.json"
+    argv = ["bench", "record-auto", "--learn", str(learn), "--testbed", "t"]
+    argv += ["--all_wrong", "0.3", "--mean_reward", "0.4", "--file", str(out)]
+    err = one_line_error(argv, capsys)
+    assert expected in err and str(learn) in err, err
+    assert not out.exists()  # nothing recorded
+
+
 def _bad_rows(good: dict) -> list[tuple[object, str]]:
     """(a measurements file's content, the error it must give): malformed rows, rows that name
     code or set what the config refuses, non-finite or bad-typed figures (issue 57)."""

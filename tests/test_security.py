@@ -393,3 +393,22 @@ def test_apply_choice_checks_what_it_sets():
         0,
         0.5,
     )
+
+
+@pytest.mark.parametrize("field", ["function", "model"])
+def test_record_auto_refuses_a_variant_that_names_code(tmp_path, capsys, field):
+    from rredcot.credit_choice import MEASUREMENTS
+
+    spec, marker = _payload(tmp_path)
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    report = json.loads((results / MEASUREMENTS[0].source).read_text())
+    (row,) = [s for s in report["summary"] if s["variant"] == MEASUREMENTS[0].variant]
+    row["overrides"][f"credit.process_reward.{field}"] = spec
+    learn = tmp_path / "benchmarks" / "results" / "x" / "learn.json"
+    learn.parent.mkdir(parents=True)
+    learn.write_text(json.dumps({"summary": [row]}))
+    out = tmp_path / "rows.json"
+    argv = ["bench", "record-auto", "--learn", str(learn), "--testbed", "t", "--file", str(out)]
+    err = one_line_error([*argv, "--all_wrong", "0.3", "--mean_reward", "0.4"], capsys)
+    assert f"credit.process_reward.{field}" in err and str(learn) in err, err
+    assert not out.exists() and not marker.exists()
