@@ -412,3 +412,36 @@ def test_record_auto_refuses_a_variant_that_names_code(tmp_path, capsys, field):
     err = one_line_error([*argv, "--all_wrong", "0.3", "--mean_reward", "0.4"], capsys)
     assert f"credit.process_reward.{field}" in err and str(learn) in err, err
     assert not out.exists() and not marker.exists()
+
+
+def test_resume_does_not_count_the_runs_own_config_as_naming_its_code(run_copy, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    config = str(run_copy / "config.yaml")
+    argv = ["train", "--resume", str(run_copy), "--config", config, "--steps", "3"]
+    err = one_line_error(argv, capsys)
+    assert "--config" in err and f"--credit.process_reward.function {spec}" in err, err
+    assert not marker.exists()
+    # a saved PRM model is restated on the command line too, as a function is
+    data = yaml.safe_load((run_copy / "config.yaml").read_text())
+    data["credit"]["process_reward"] = {"function": "", "model": str(tmp_path / "prm")}
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(UserError, match="credit.process_reward.model"):
+        resume_config(TrainConfig(resume=str(run_copy)), {"resume"})
+
+
+def test_a_fresh_runs_config_file_that_names_code_is_said_in_one_line(tmp_path):
+    from rredcot.config_io import resolve_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"credit": {"process_reward": {"function": "m:f"}}}))
+    lines: list[str] = []
+    cfg = resolve_config(TrainConfig, str(config), {}, log=lines.append)
+    assert cfg.credit.process_reward.function == "m:f"
+    assert len(lines) == 1 and str(config) in lines[0] and "'m:f'" in lines[0]
+    lines.clear()  # named on the command line too: nothing to say
+    flag = {"credit.process_reward.function": "m:f"}
+    resolve_config(TrainConfig, str(config), flag, log=lines.append)
+    assert lines == []
+    with pytest.raises(UserError, match="--config .* names credit.process_reward.function"):
+        resolve_config(TrainConfig, str(config), {"resume": "RUN"}, log=lines.append)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
-from rredcot.config import RESUMABLE_FIELDS, TrainConfig
+from rredcot.config import CODE_SETTINGS, RESUMABLE_FIELDS, TrainConfig
 from rredcot.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -477,8 +477,11 @@ def resolve_config(
     yaml_path: str | None,
     overrides: dict[str, Any],
     task_args: dict[str, str] | None = None,
+    log: Any = print,
 ) -> Any:
-    """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config."""
+    """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config.
+    Code or a model the file names (:func:`config_file_code`) is said in one line on a fresh run
+    and refused on ``--resume`` unless a flag names it too."""
     base: dict = {}
     if yaml_path:
         base = read_yaml_file(yaml_path, "--config") or {}
@@ -487,6 +490,8 @@ def resolve_config(
                 f"--config {yaml_path} holds a {type(base).__name__}, not a mapping of config "
                 "fields (e.g. 'steps: 20')"
             )
+        resuming = bool(overrides.get("resume") or base.get("resume"))
+        config_file_code(yaml_path, base, overrides, resuming, log)
     merged = merge_overrides(base, overrides)
     if task_args:
         merged.setdefault("task_args", {}).update(task_args)
@@ -508,16 +513,36 @@ def given_fields(
     return given
 
 
+def config_file_code(
+    path: str, data: Any, flags: Mapping[str, Any], resuming: bool, log: Any = print
+) -> None:
+    """The code a ``--config`` file names (:data:`CODE_SETTINGS`): a fresh run takes it, said in
+    one line now (before anything is imported); a resumed run takes it only from the command line
+    (``flags``): the run's own ``config.yaml`` passed back as ``--config`` names nothing."""
+    named = flatten(data) if isinstance(data, dict) else {}
+    for key in CODE_SETTINGS:
+        dotted, value = f"credit.{key}", named.get(f"credit.{key}")
+        if not value or dotted in flags:
+            continue
+        said, flag = brief(value, 200), brief(value, 200, quote=False)
+        if resuming:
+            raise UserError(
+                f"--config {path} names {dotted}={said}, which resuming would load; a resumed "
+                "run loads code or a model only when named on the command line: read that "
+                f"file, then give --{dotted} {flag} yourself"
+            )
+        log(f"rredcot: --config {path} names {dotted}={said}: this run will load it")
+
+
 _INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not what it is
-_FUNCTION = "credit.process_reward.function"  # code a run names: imported only when restated
 
 
 def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
     """The config of ``--resume RUN``: the run's ``config.yaml`` with the fields named in ``given``
     taken from ``cfg`` (``None``: the fields where ``cfg`` differs from the defaults). A given
     field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named, and so
-    is a process-reward function that the file names and ``given`` does not restate (reading a
-    run never imports code it names)."""
+    is a process-reward function or model that the file names and ``given`` does not restate
+    (reading a run never loads code it names)."""
     run = Path(cfg.resume or "")
     saved_path = run / "config.yaml"
     if not saved_path.exists():
@@ -552,13 +577,13 @@ def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfi
             return as_text(merged[name]) == as_text(old[name])
         return merged[name] == old[name]
 
-    function = old.get(_FUNCTION)
-    if function and _FUNCTION not in given:
-        raise UserError(
-            f"--resume {run}: its config.yaml names {_FUNCTION}={function!r}, code that resuming "
-            "would import and run; read that file, then name it yourself to allow it: "
-            f"--{_FUNCTION} {function}"
-        )
+    for code in (f"credit.{key}" for key in CODE_SETTINGS):  # loaded only where restated
+        if old.get(code) and code not in given:
+            raise UserError(
+                f"--resume {run}: its config.yaml names {code}={brief(old[code], 200)}, code or "
+                "a model that resuming would load; read that file, then name it yourself to "
+                f"allow it: --{code} {brief(old[code], 200, quote=False)}"
+            )
     changed = sorted(n for n in merged if n not in RESUMABLE_FIELDS and not same(n))
     if changed:
         was = ", ".join(f"{n}={old[n]!r}" for n in changed)
