@@ -455,10 +455,10 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
     ("text", "expected"),
     [
         ("{oops", "is not valid JSON"),
-        ("[" * 100_000 + "]" * 100_000, "nests JSON deeper"),
+        pytest.param("[" * 100_000 + "]" * 100_000, "nests JSON deeper", id="deep"),
         ('["train", "test"]', "is not a datasets save_to_disk dataset_dict.json"),
         ('{"splits": "train"}', "is not a datasets save_to_disk dataset_dict.json"),
-        (" " * (17 << 20), "is over 16 MiB"),
+        pytest.param(" " * (17 << 20), "is over 16 MiB", id="huge"),
     ],
 )
 def test_a_bad_dataset_dict_json_is_one_line_naming_it(tmp_path: Path, text, expected) -> None:
