@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -344,19 +346,187 @@ def test_record_auto_refuses_what_auto_cannot_apply(tmp_path):
     assert not (tmp_path / "f").exists()
 
 
-def test_a_bad_measurements_file_is_one_clear_error(tmp_path):
+def _learn_file(tmp_path: Path, content) -> Path:
+    """A learn.json under ``benchmarks/results/`` (where record-auto cites it) holding
+    ``content``: a report, text, or a function of the shipped ``cl_cheap`` summary row."""
+    shipped = json.loads((RESULTS / "credit_price/block_arith4_default/learn.json").read_text())
+    (row,) = [s for s in shipped["summary"] if s["variant"] == "cl_cheap"]
+    path = tmp_path / "benchmarks" / "results" / "x" / "learn.json"
+    path.parent.mkdir(parents=True)
+    if callable(content):
+        content = {"summary": [content(json.loads(json.dumps(row)))]}
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def _with(**changes):
+    """A change to the ``cl_cheap`` summary row: fields, or ``credit.*`` overrides added."""
+
+    def change(row):
+        overrides = {k: v for k, v in changes.items() if k.startswith("credit.")}
+        row["overrides"] = {**row["overrides"], **overrides}
+        row.update({k: v for k, v in changes.items() if not k.startswith("credit.")})
+        return row
+
+    return change
+
+
+def _paired(key: str, mean: float):
+    def change(row):
+        row[key] = {**row[key], "mean": mean}
+        return row
+
+    return change
+
+
+_TIME = "time_averaged_accuracy_vs_reference"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ({}, "no summary of variants"),
+        ({"summary": []}, "no summary of variants"),
+        ([{"variant": "cl_cheap"}], "no summary of variants"),  # a top-level list
+        ({"summary": [{"method": "uniform"}]}, "summary entry 0 is not a variant"),
+        ("{not json", "is not valid JSON"),
+        pytest.param("[" * 100_000 + "]" * 100_000, "nests JSON deeper", id="deep"),
+        (_paired(_TIME, math.nan), "finite mean"),
+        (_paired(_TIME, math.inf), "finite mean"),
+        (_paired("accuracy_at_reference_seconds_vs_reference", -math.inf), "finite mean"),
+        (_with(**{"credit.continuation_likelihood.scope": "bogus"}), "scope='bogus'"),
+        (_with(**{"credit.lam": "7"}), "credit.lam=7.0 must be in [0, 1]"),
+        (_with(**{"credit.lam": "nan"}), "finite"),
+        (_with(method="bogus"), "bogus"),
+        (
+            _with(
+                method="value_head",
+                **{
+                    "credit.value_head.teacher": "continuation_likelihood",
+                    "credit.continuation_likelihood.scope": "mixed",
+                },
+            ),
+            "needs credit.continuation_likelihood.scope=all",
+        ),
+        (_with(**{"credit.__class__": "x"}), "not a credit setting"),
+        (lambda row: {**row, "reference": None}, "nothing to record"),  # only GRPO itself
+    ],
+)
+def test_record_auto_checks_what_it_records_in_one_line_naming_the_file(
+    tmp_path, capsys, content, expected
+):
+    from conftest import one_line_error
+
+    learn, out = _learn_file(tmp_path, content), tmp_path / "rows.json"
+    argv = ["bench", "record-auto", "--learn", str(learn), "--testbed", "t"]
+    argv += ["--all_wrong", "0.3", "--mean_reward", "0.4", "--file", str(out)]
+    err = one_line_error(argv, capsys)
+    assert expected in err and str(learn) in err, err
+    assert not out.exists()  # nothing recorded
+
+
+def _bad_rows(good: dict) -> list[tuple[object, str]]:
+    """(a measurements file's content, the error it must give): malformed rows, rows that name
+    code or set what the config refuses, non-finite or bad-typed figures (issue 57)."""
+    flow = FLOW_METHOD
+    return [
+        ({"rows": [{**good, "colour": 1}]}, "unknown fields"),
+        ({"rows": [{k: v for k, v in good.items() if k != "method"}]}, "missing fields"),
+        ({"rows": [{**good, "per_token": [0.1]}]}, "per_token must be"),
+        ({"rows": [{**good, "model_kind": "robot"}]}, "model_kind"),
+        ({"rows": ["row"]}, "must be an object"),
+        ({"rows": [{**good, "at_grpo_last_second": [math.inf, 0.01]}]}, "finite"),
+        ({"rows": [{**good, "time_averaged": [0.1, math.nan]}]}, "finite"),
+        ({"rows": [{**good, "seeds": "ten"}]}, "seeds must be a plain value"),
+        ({"rows": [{**good, "settings": {"lam": "0.5"}}]}, "credit.lam must be a plain value"),
+        ({"rows": [{**good, "settings": {"__class__": "x"}}]}, "not a credit setting"),
+        ({"rows": [{**good, "settings": {"process_reward.function": "m:f"}}]}, "load code"),
+        ({"rows": [{**good, "settings": {"process_reward.model": "gpt2"}}]}, "load code"),
+        ({"rows": [{**good, "method": "process_reward", "settings": {}}]}, "runs code"),
+        ({"rows": [{**good, "method": "bogus", "settings": {}}]}, "bogus"),
+        ({"rows": [{**good, "method": flow, "settings": {"lam": 7.0}}]}, "credit.lam=7.0"),
+        (
+            {"rows": [{**good, "settings": {"continuation_likelihood.scope": "bogus"}}]},
+            "scope='bogus'",
+        ),
+        (
+            {
+                "rows": [
+                    {**good, "settings": {**_TEACHER, "continuation_likelihood.scope": "mixed"}}
+                ]
+            },
+            "needs credit.continuation_likelihood.scope=all",
+        ),
+        ([good], "expected an object with a list 'rows'"),
+        ("{not json", "is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nests JSON deeper"),
+        (None, "cannot read measurements file"),  # deleted
+    ]
+
+
+_TEACHER = {"value_head.teacher": "continuation_likelihood"}
+
+
+@pytest.mark.parametrize("case", range(21))
+def test_a_bad_measurements_file_is_one_clear_error_naming_it(tmp_path, case):
+    from rredcot.errors import UserError
+
     path = tmp_path / "rows.json"
+    content, match = _bad_rows(MEASUREMENTS[0].to_json())[case]
+    if content is not None:
+        text = content if isinstance(content, str) else json.dumps(content)
+        path.write_text(text)
+    with pytest.raises(UserError, match=match) as err:
+        credit_choice.load_measurements(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_shipped_rows_pass_the_check_and_a_valid_teacher_row_loads(tmp_path):
+    for row in MEASUREMENTS:  # each shipped row, checked as a data file's
+        assert credit_choice.measurement_from_json(row.to_json(), "row") == row
+    path = tmp_path / "rows.json"
+    good = {**MEASUREMENTS[0].to_json(), "method": "value_head", "settings": {**_TEACHER}}
+    path.write_text(json.dumps({"rows": [good]}))
+    (row,) = credit_choice.load_measurements(path)
+    assert row.settings == _TEACHER
+
+
+def test_the_measurements_file_is_read_when_auto_needs_it_not_at_import(tmp_path):
+    """A garbled, deep, deleted or mis-kinded file fails no command that does not choose."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = Path(credit_choice.__file__).resolve().parents[1]
+    copy = tmp_path / "src"
+    shutil.copytree(src / "rredcot", copy / "rredcot", ignore=shutil.ignore_patterns("__pycache__"))
+    rows = copy / "rredcot" / "measurements" / "credit_auto.json"
     good = MEASUREMENTS[0].to_json()
-    for rows, match in (
-        ([{**good, "colour": 1}], "unknown fields"),
-        ([{k: v for k, v in good.items() if k != "method"}], "missing fields"),
-        ([{**good, "per_token": [0.1]}], "per_token must be"),
-        ([{**good, "model_kind": "robot"}], "model_kind"),
-        (["row"], "must be an object"),
-    ):
-        path.write_text(json.dumps({"rows": rows}))
-        with pytest.raises(ValueError, match=match):
-            credit_choice.load_measurements(path)
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    for text in ("{oops", "[" * 100_000, None, json.dumps({"rows": [{**good, "model_kind": "x"}]})):
+        rows.unlink(missing_ok=True)
+        if text is not None:
+            rows.write_text(text)
+        for argv in (["train", "--help"], ["--help"], ["bench", "credit", "--help"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "rredcot", *argv], capture_output=True, text=True, env=env
+            )
+            assert proc.returncode == 0, (argv, proc.stderr[-1500:])
+
+
+def test_a_bad_measurements_file_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from conftest import one_line_error
+
+    bad = tmp_path / "rows.json"
+    bad.write_text(json.dumps({"rows": [{**MEASUREMENTS[0].to_json(), "seeds": "ten"}]}))
+    monkeypatch.setattr(credit_choice, "MEASUREMENTS_FILE", bad)
+    monkeypatch.delattr(credit_choice, "MEASUREMENTS")  # not read yet: read when auto needs it
+    loads: list[int] = []
+    monkeypatch.setattr(train_setup, "load_train_policy", lambda *a, **k: loads.append(1))
+    run = tmp_path / "run"
+    err = one_line_error(["train", "--credit", "auto", "--out", str(run), "--steps", "1"], capsys)
+    assert f"{bad} row 0: seeds must be" in err
+    assert not loads and not run.exists()  # before the model loads, before the run directory
 
 
 def test_a_language_model_is_not_decided_by_the_character_models_rows():

@@ -335,3 +335,113 @@ def test_an_error_quoting_a_linked_config_yaml_does_not_dump_its_target(tmp_path
     err = one_line_error(["train", "--resume", str(run)], capsys)
     assert len(err) < 300 and err.count("secret line") < 10, err
     assert str(run / "config.yaml") in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# data files never name code (issue 57): auto's rows, record-auto's input, a resumed --config
+
+
+def _row_naming(spec: str) -> dict:
+    """A measurements row ahead of GRPO everywhere whose method runs ``spec``."""
+    from rredcot.credit_choice import MEASUREMENTS
+
+    row = {**MEASUREMENTS[0].to_json(), "method": "process_reward", "seeds": 10}
+    pairs = {k: [0.5, 0.01] for k in ("per_token", "at_grpo_last_second", "time_averaged")}
+    return {**row, **pairs, "settings": {"process_reward.function": spec}}
+
+
+def test_plain_auto_train_refuses_a_measurement_row_that_names_code(
+    init_dir, tmp_path, monkeypatch, capsys
+):
+    import rredcot.credit_choice as credit_choice
+
+    spec, marker = _payload(tmp_path)
+    rows = tmp_path / "credit_auto.json"
+    rows.write_text(json.dumps({"rows": [_row_naming(spec)]}))
+    monkeypatch.setattr(credit_choice, "MEASUREMENTS_FILE", rows)
+    monkeypatch.delattr(credit_choice, "MEASUREMENTS")  # read when auto needs it
+    monkeypatch.setattr(credit_choice, "ALL_WRONG_BAND", 1.0)  # the row is like any run
+    monkeypatch.setattr(credit_choice, "REWARD_BAND", 1.0)
+    run = tmp_path / "run"
+    argv = ["train", "--init", str(init_dir), "--out", str(run), "--steps", "1"]
+    argv += ["--prompts_per_step", "2", "--eval_size", "2", "--task.num_steps", "2"]
+    err = one_line_error([*argv, "--sampling.max_new_tokens", "8", "--progress", "false"], capsys)
+    assert str(rows) in err and "process_reward" in err, err
+    assert not marker.exists() and not run.exists()
+
+
+def test_apply_choice_checks_what_it_sets():
+    from rredcot.credit_choice import FLOW_METHOD, CreditChoice, apply_choice
+
+    cfg = TrainConfig()
+    for settings, expected in (
+        ({"__class__": "x"}, "not a credit setting"),
+        ({"process_reward.function": "m:f"}, "load code"),
+        ({"continuation_likelihood.scope": "bogus"}, "scope='bogus'"),
+        ({"lam": 7.0}, "credit.lam=7.0"),
+    ):
+        with pytest.raises(UserError, match=expected):
+            apply_choice(cfg, CreditChoice(FLOW_METHOD, settings, "r"))
+    bread = TrainConfig()
+    bread.references.mode = "bread"
+    with pytest.raises(UserError, match="bread runs with credit_method uniform"):
+        apply_choice(bread, CreditChoice(FLOW_METHOD, {}, "r"))
+    assert (cfg, bread.credit_method) == (TrainConfig(), "auto")  # nothing was set
+    apply_choice(cfg, CreditChoice(FLOW_METHOD, {"lam": 0.0, "handover.smoothing": 0.5}, "r"))
+    assert (cfg.credit_method, cfg.credit.lam, cfg.credit.handover.smoothing) == (
+        FLOW_METHOD,
+        0,
+        0.5,
+    )
+
+
+@pytest.mark.parametrize("field", ["function", "model"])
+def test_record_auto_refuses_a_variant_that_names_code(tmp_path, capsys, field):
+    from rredcot.credit_choice import MEASUREMENTS
+
+    spec, marker = _payload(tmp_path)
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    report = json.loads((results / MEASUREMENTS[0].source).read_text())
+    (row,) = [s for s in report["summary"] if s["variant"] == MEASUREMENTS[0].variant]
+    row["overrides"][f"credit.process_reward.{field}"] = spec
+    learn = tmp_path / "benchmarks" / "results" / "x" / "learn.json"
+    learn.parent.mkdir(parents=True)
+    learn.write_text(json.dumps({"summary": [row]}))
+    out = tmp_path / "rows.json"
+    argv = ["bench", "record-auto", "--learn", str(learn), "--testbed", "t", "--file", str(out)]
+    err = one_line_error([*argv, "--all_wrong", "0.3", "--mean_reward", "0.4"], capsys)
+    assert f"credit.process_reward.{field}" in err and str(learn) in err, err
+    assert not out.exists() and not marker.exists()
+
+
+def test_resume_does_not_count_the_runs_own_config_as_naming_its_code(run_copy, tmp_path, capsys):
+    spec, marker = _payload(tmp_path)
+    _name_function(run_copy, spec)
+    config = str(run_copy / "config.yaml")
+    argv = ["train", "--resume", str(run_copy), "--config", config, "--steps", "3"]
+    err = one_line_error(argv, capsys)
+    assert "--config" in err and f"--credit.process_reward.function {spec}" in err, err
+    assert not marker.exists()
+    # a saved PRM model is restated on the command line too, as a function is
+    data = yaml.safe_load((run_copy / "config.yaml").read_text())
+    data["credit"]["process_reward"] = {"function": "", "model": str(tmp_path / "prm")}
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(UserError, match="credit.process_reward.model"):
+        resume_config(TrainConfig(resume=str(run_copy)), {"resume"})
+
+
+def test_a_fresh_runs_config_file_that_names_code_is_said_in_one_line(tmp_path):
+    from rredcot.config_io import resolve_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"credit": {"process_reward": {"function": "m:f"}}}))
+    lines: list[str] = []
+    cfg = resolve_config(TrainConfig, str(config), {}, log=lines.append)
+    assert cfg.credit.process_reward.function == "m:f"
+    assert len(lines) == 1 and str(config) in lines[0] and "'m:f'" in lines[0]
+    lines.clear()  # named on the command line too: nothing to say
+    flag = {"credit.process_reward.function": "m:f"}
+    resolve_config(TrainConfig, str(config), flag, log=lines.append)
+    assert lines == []
+    with pytest.raises(UserError, match="--config .* names credit.process_reward.function"):
+        resolve_config(TrainConfig, str(config), {"resume": "RUN"}, log=lines.append)

@@ -451,6 +451,31 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
         get_task("gsm8k", data=str(tmp_path / "dict"), split="validation").load()
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{oops", "is not valid JSON"),
+        pytest.param("[" * 100_000 + "]" * 100_000, "nests JSON deeper", id="deep"),
+        ('["train", "test"]', "is not a datasets save_to_disk dataset_dict.json"),
+        ('{"splits": "train"}', "is not a datasets save_to_disk dataset_dict.json"),
+        pytest.param(" " * (17 << 20), "is over 16 MiB", id="huge"),
+    ],
+)
+def test_a_bad_dataset_dict_json_is_one_line_naming_it(tmp_path: Path, text, expected) -> None:
+    import datasets
+
+    rows = _rows(TRAIN)[:4]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path))
+    (tmp_path / "dataset_dict.json").write_text(text)
+    for read in (
+        lambda: load_rows(str(tmp_path)),
+        lambda: get_task("gsm8k", data=str(tmp_path), eval_split="validation").load(),
+    ):
+        with pytest.raises(DataError, match=expected) as err:
+            read()
+        assert str(tmp_path / "dataset_dict.json") in str(err.value)
+
+
 def test_hub_name_goes_through_load_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 

@@ -668,6 +668,12 @@ PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification
 """The values of ``credit.process_reward.kind``."""
 
 
+CODE_SETTINGS = ("process_reward.function", "process_reward.model")
+"""``credit.<field>`` settings that name code to import or a model to load: given only on the
+command line, or in the ``--config`` file of a fresh run; a data file never names them
+(``rredcot.credit_settings``)."""
+
+
 @dataclass
 class ProcessRewardConfig:
     """Options of the process_reward method (--credit_method process_reward): V(s_k) from your

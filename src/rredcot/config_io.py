@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
-from rredcot.config import RESUMABLE_FIELDS, TrainConfig
+from rredcot.config import CODE_SETTINGS, RESUMABLE_FIELDS, TrainConfig
 from rredcot.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ from rredcot.errors import UserError
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
     """``typing.get_type_hints(cls)``, evaluated once per class (flags, YAML and every dotted name
     read them; evaluating the string annotations each time made building the CLI slow)."""
     return typing.get_type_hints(cls)
@@ -59,7 +59,7 @@ def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
         raise ValueError(
             f"config section {where or 'top level'} must be a mapping, got {brief(data)}"
         )
-    hints = _type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -73,11 +73,11 @@ def from_dict(cls: type, data: Mapping, where: str = "") -> Any:
         if dataclasses.is_dataclass(hint):
             kwargs[key] = from_dict(hint, value or {}, where=f"{where}{key}.")
         else:
-            kwargs[key] = _coerce(value, hint, f"{where}{key}")
+            kwargs[key] = coerce_value(value, hint, f"{where}{key}")
     return cls(**kwargs)
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
+def coerce_value(value: Any, hint: Any, name: str) -> Any:
     """Convert a YAML or CLI value to the field's type, with an error that names the field."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -117,13 +117,13 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 def valid_keys(cls: type) -> str:
     """The keys ``cls`` takes, for an error message: its fields, and a section's own fields as
     ``section.{a, b}`` (``section.*`` where it nests further)."""
-    hints = _type_hints(cls)
+    hints = type_hints(cls)
     names = []
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name):
         hint = hints[f.name]
         if not dataclasses.is_dataclass(hint):
             names.append(f.name)
-        elif any(dataclasses.is_dataclass(h) for h in _type_hints(hint).values()):
+        elif any(dataclasses.is_dataclass(h) for h in type_hints(hint).values()):
             names.append(f"{f.name}.*")
         else:
             inner = ", ".join(sorted(g.name for g in dataclasses.fields(hint)))
@@ -405,7 +405,7 @@ def add_dataclass_flags(
     override a YAML file or the dataclass's own defaults. ``skip``: fields set another way;
     ``group``: the help group of ``cls``'s own fields (default: the parser's options)."""
     target = parser if group is None else group
-    hints = _type_hints(cls)
+    hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
@@ -477,8 +477,11 @@ def resolve_config(
     yaml_path: str | None,
     overrides: dict[str, Any],
     task_args: dict[str, str] | None = None,
+    log: Any = print,
 ) -> Any:
-    """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config."""
+    """YAML file (if any), then CLI overrides, then ``--task.*`` arguments -> a validated config.
+    Code or a model the file names (:func:`config_file_code`) is said in one line on a fresh run
+    and refused on ``--resume`` unless a flag names it too."""
     base: dict = {}
     if yaml_path:
         base = read_yaml_file(yaml_path, "--config") or {}
@@ -487,6 +490,8 @@ def resolve_config(
                 f"--config {yaml_path} holds a {type(base).__name__}, not a mapping of config "
                 "fields (e.g. 'steps: 20')"
             )
+        resuming = bool(overrides.get("resume") or base.get("resume"))
+        config_file_code(yaml_path, base, overrides, resuming, log)
     merged = merge_overrides(base, overrides)
     if task_args:
         merged.setdefault("task_args", {}).update(task_args)
@@ -508,16 +513,36 @@ def given_fields(
     return given
 
 
+def config_file_code(
+    path: str, data: Any, flags: Mapping[str, Any], resuming: bool, log: Any = print
+) -> None:
+    """The code a ``--config`` file names (:data:`CODE_SETTINGS`): a fresh run takes it, said in
+    one line now (before anything is imported); a resumed run takes it only from the command line
+    (``flags``): the run's own ``config.yaml`` passed back as ``--config`` names nothing."""
+    named = flatten(data) if isinstance(data, dict) else {}
+    for key in CODE_SETTINGS:
+        dotted, value = f"credit.{key}", named.get(f"credit.{key}")
+        if not value or dotted in flags:
+            continue
+        said, flag = brief(value, 200), brief(value, 200, quote=False)
+        if resuming:
+            raise UserError(
+                f"--config {path} names {dotted}={said}, which resuming would load; a resumed "
+                "run loads code or a model only when named on the command line: read that "
+                f"file, then give --{dotted} {flag} yourself"
+            )
+        log(f"rredcot: --config {path} names {dotted}={said}: this run will load it")
+
+
 _INVOCATION_FIELDS = ("out", "resume", "overwrite")  # how a run is started, not what it is
-_FUNCTION = "credit.process_reward.function"  # code a run names: imported only when restated
 
 
 def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfig:
     """The config of ``--resume RUN``: the run's ``config.yaml`` with the fields named in ``given``
     taken from ``cfg`` (``None``: the fields where ``cfg`` differs from the defaults). A given
     field outside ``RESUMABLE_FIELDS`` that changes the run is refused, every one named, and so
-    is a process-reward function that the file names and ``given`` does not restate (reading a
-    run never imports code it names)."""
+    is a process-reward function or model that the file names and ``given`` does not restate
+    (reading a run never loads code it names)."""
     run = Path(cfg.resume or "")
     saved_path = run / "config.yaml"
     if not saved_path.exists():
@@ -552,13 +577,13 @@ def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfi
             return as_text(merged[name]) == as_text(old[name])
         return merged[name] == old[name]
 
-    function = old.get(_FUNCTION)
-    if function and _FUNCTION not in given:
-        raise UserError(
-            f"--resume {run}: its config.yaml names {_FUNCTION}={function!r}, code that resuming "
-            "would import and run; read that file, then name it yourself to allow it: "
-            f"--{_FUNCTION} {function}"
-        )
+    for code in (f"credit.{key}" for key in CODE_SETTINGS):  # loaded only where restated
+        if old.get(code) and code not in given:
+            raise UserError(
+                f"--resume {run}: its config.yaml names {code}={brief(old[code], 200)}, code or "
+                "a model that resuming would load; read that file, then name it yourself to "
+                f"allow it: --{code} {brief(old[code], 200, quote=False)}"
+            )
     changed = sorted(n for n in merged if n not in RESUMABLE_FIELDS and not same(n))
     if changed:
         was = ", ".join(f"{n}={old[n]!r}" for n in changed)

@@ -28,6 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rredcot.config_io import read_json_file, write_text_atomic
+from rredcot.credit_settings import (
+    check_credit_settings,
+    check_data_method,
+    credit_config_with,
+    plain_fields,
+)
 from rredcot.errors import UserError
 
 if TYPE_CHECKING:  # torch-free at import: the CLI's flags and the bench's specs read this module
@@ -153,43 +159,44 @@ class Measurement:
         return dataclasses.asdict(self)
 
 
-_PAIRS = ("per_token", "at_grpo_last_second", "time_averaged")
+MEASUREMENTS_FIX = "fix the row, or record it again (rredcot bench record-auto)"
 
 
 def measurement_from_json(row: Any, where: str) -> Measurement:
-    """A row of the measurements file, validated: a clear error names the row and the field."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: a row must be an object, not {type(row).__name__}")
-    names = {f.name for f in dataclasses.fields(Measurement)}
-    unknown = sorted(set(row) - names)
-    missing = sorted(
-        f.name
-        for f in dataclasses.fields(Measurement)
-        if f.name not in row and f.default is dataclasses.MISSING
-    )
-    if unknown or missing:
-        raise ValueError(
-            f"{where}: unknown fields {unknown} / missing fields {missing}; valid: {sorted(names)}"
-        )
-    values = dict(row)
-    for name in _PAIRS:
-        pair = values[name]
-        if not (isinstance(pair, list | tuple) and len(pair) == 2):
-            raise ValueError(f"{where}: {name} must be [mean, standard error], not {pair!r}")
-        values[name] = (float(pair[0]), float(pair[1]))
+    """A row of the measurements file, checked as data (``rredcot.credit_settings``): declared
+    fields of their declared types, finite figures, a method that runs no named code, and plain
+    credit settings that name no code and produce a valid credit config. Else a ``UserError``
+    naming the row."""
+    fix = MEASUREMENTS_FIX
+    values = plain_fields(Measurement, row, where, fix)
     if values.get("model_kind", "character") not in MODEL_KINDS:
-        raise ValueError(f"{where}: model_kind {values['model_kind']!r}; valid: {MODEL_KINDS}")
-    if not isinstance(values["settings"], dict):
-        raise ValueError(f"{where}: settings must be an object of credit.<field> values")
+        raise UserError(
+            f"{where}: model_kind {values['model_kind']!r}; valid: {MODEL_KINDS}; {fix}"
+        )
+    for name in ("all_wrong", "mean_reward"):
+        if not 0.0 <= values[name] <= 1.0:
+            raise UserError(f"{where}: {name}={values[name]} must be a share in [0, 1]; {fix}")
+    if values["seeds"] < 0 or any(values[p][1] < 0 for p in _PAIRS):
+        raise UserError(f"{where}: seeds and standard errors must be >= 0; {fix}")
+    check_data_method(values["method"], where, fix)
+    values["settings"] = check_credit_settings(values["settings"], where, fix)
+    credit_config_with(values["settings"], where, fix)
     return Measurement(**values)
 
 
-def load_measurements(path: str | Path = MEASUREMENTS_FILE) -> tuple[Measurement, ...]:
-    """The rows of a measurements file (:data:`MEASUREMENTS_FILE` by default)."""
-    data = json.loads(Path(path).read_text())
+_PAIRS = ("per_token", "at_grpo_last_second", "time_averaged")
+
+
+def load_measurements(path: str | Path | None = None) -> tuple[Measurement, ...]:
+    """The rows of a measurements file (:data:`MEASUREMENTS_FILE` by default), read within size
+    and nesting limits and checked row by row; a bad file is one ``UserError`` naming it."""
+    path = Path(path) if path is not None else MEASUREMENTS_FILE
+    data = read_json_file(path, "measurements file")
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list):
-        raise ValueError(f"{path}: expected an object with a list 'rows'")
+        raise UserError(
+            f"measurements file {path}: expected an object with a list 'rows'; {MEASUREMENTS_FIX}"
+        )
     return tuple(measurement_from_json(r, f"{path} row {i}") for i, r in enumerate(rows))
 
 
@@ -197,15 +204,29 @@ def write_measurements(rows: tuple[Measurement, ...] | list[Measurement], path: 
     """Write ``rows`` to a measurements file, keeping its ``about`` text (atomically, through
     no planted link: ``config_io.write_text_atomic``)."""
     path = Path(path)
-    about = json.loads(path.read_text()).get("about", "") if path.exists() else ""
+    old = read_json_file(path, "measurements file") if path.exists() else {}
+    about = old.get("about", "") if isinstance(old, dict) else ""
     text = json.dumps({"about": about, "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
     write_text_atomic(path, text)
 
 
-MEASUREMENTS: tuple[Measurement, ...] = load_measurements()
-"""What was measured against GRPO at equal training time (``bench learn``'s per-second columns,
-each method at its tuned rate), read from :data:`MEASUREMENTS_FILE`. A row's figures are its
-source's ``*_vs_reference`` means and standard errors (tests check them)."""
+def measured_rows() -> tuple[Measurement, ...]:
+    """What was measured against GRPO at equal training time (``bench learn``'s per-second
+    columns, each method at its tuned rate): :data:`MEASUREMENTS_FILE`'s rows, read when auto
+    first needs them (never at import: a bad file fails only what reads it), then kept as
+    ``MEASUREMENTS``. A row's figures are its source's ``*_vs_reference`` means and standard
+    errors (tests check them)."""
+    rows = globals().get("MEASUREMENTS")
+    if rows is None:
+        rows = load_measurements()
+        globals()["MEASUREMENTS"] = rows
+    return rows
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MEASUREMENTS":  # read lazily (:func:`measured_rows`)
+        return measured_rows()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_method_name(name: str, allow_auto: bool = True) -> None:
@@ -280,20 +301,15 @@ class CreditChoice:
 
 
 _CHOICE_FIELDS = ("method", "settings", "reason", "figures", "decided_by")
-_CODE_SETTINGS = ("process_reward.",)  # settings that name code or a model: never from a file
-_PLAIN = (str, int, float, bool, type(None))
 
 
 def choosable_methods() -> list[str]:
     """The methods ``auto`` can choose: GRPO and every measured row's method."""
-    return sorted({FALLBACK_METHOD, *(m.method for m in MEASUREMENTS)})
+    return sorted({FALLBACK_METHOD, *(m.method for m in measured_rows())})
 
 
 def validate_saved_choice(data: Any, where: str = CHOICE_FILE) -> dict[str, Any]:
     """The fields of a saved choice (see :meth:`CreditChoice.read_dict`), or a ``UserError``."""
-    from rredcot.config import CreditConfig  # lazy: the config module is heavier than this one
-    from rredcot.config_io import flatten, to_dict
-
     fix = "delete the file to choose again from a fresh run, or name --credit yourself"
     if not isinstance(data, dict):
         raise UserError(
@@ -313,24 +329,8 @@ def validate_saved_choice(data: Any, where: str = CHOICE_FILE) -> dict[str, Any]
             f"{where}: method {str(method)[:80]!r} is not one --credit auto chooses "
             f"({', '.join(allowed)}); {fix}"
         )
-    settings = data.get("settings") or {}
-    if not isinstance(settings, dict):
-        raise UserError(f"{where}: settings must be a mapping of credit.<field> values; {fix}")
-    known = set(flatten(to_dict(CreditConfig())))
-    for key, value in settings.items():
-        key = str(key)
-        if key.startswith(_CODE_SETTINGS):
-            raise UserError(
-                f"{where}: settings name credit.{key[:80]}, which would load code or a model; "
-                "a saved choice never does: name it on the command line yourself "
-                f"(--credit.{key[:80]}) after reading that file, or delete the file"
-            )
-        if key not in known:
-            raise UserError(f"{where}: credit.{key[:80]} is not a credit setting; {fix}")
-        if not isinstance(value, _PLAIN):
-            raise UserError(
-                f"{where}: credit.{key} must be a plain value, got a {type(value).__name__}; {fix}"
-            )
+    settings = check_credit_settings(data.get("settings") or {}, where, fix)
+    credit_config_with(settings, where, fix)
     figures = data.get("figures") or {}
     if not isinstance(figures, dict):
         raise UserError(f"{where}: figures must be a mapping; {fix}")
@@ -339,7 +339,7 @@ def validate_saved_choice(data: Any, where: str = CHOICE_FILE) -> dict[str, Any]
         raise UserError(f"{where}: reason and decided_by must be text; {fix}")
     return {
         "method": method,
-        "settings": dict(settings),
+        "settings": settings,
         "reason": reason,
         "figures": dict(figures),
         "decided_by": decided,
@@ -409,7 +409,7 @@ def choose_credit(
     second on a testbed like it (:class:`Measurement`; ``measurements`` default to
     :data:`MEASUREMENTS`), else ``uniform``."""
     if measurements is None:
-        measurements = MEASUREMENTS
+        measurements = measured_rows()
     mean, wrong = figures["mean_reward"], figures["all_wrong"]
     seen = f"{seen_in} solves {mean:.0%} of its samples and {wrong:.0%} of its groups are all wrong"
     figures = {**figures, "has_references": has_references}
@@ -469,14 +469,24 @@ def _measured_models(measurements: tuple[Measurement, ...]) -> str:
 
 
 def apply_choice(cfg: Any, choice: CreditChoice) -> None:
-    """Set ``cfg.credit_method`` and the chosen ``credit.<field>`` settings of a ``TrainConfig``,
-    in place."""
+    """Set ``cfg.credit_method`` and the chosen ``credit.<field>`` settings of a ``TrainConfig``
+    (or of anything with ``credit_method`` and ``credit``), in place, once checked as any file's
+    settings are (``rredcot.credit_settings``): a method that runs no named code, declared plain
+    fields naming no code, and a config the run's own checks accept."""
+    where = f"--credit auto's choice (from {choice.decided_by or 'no measurement'})"
+    fix = "fix that row of the measurements file, or name --credit yourself"
+    check_data_method(choice.method, where, fix)
+    settings = check_credit_settings(choice.settings, where, fix)
+    checked = credit_config_with(settings, where, fix, base=cfg.credit)
+    if dataclasses.is_dataclass(cfg):  # the whole run's checks (references.mode bread: uniform)
+        try:
+            dataclasses.replace(cfg, credit_method=choice.method, credit=checked)
+        except ValueError as err:
+            raise UserError(f"{where}: {err}; {fix}") from None
     cfg.credit_method = choice.method
-    for dotted, value in choice.settings.items():
+    for dotted in settings:
         *path, name = dotted.split(".")
-        target = cfg.credit
+        target, source = cfg.credit, checked
         for part in path:
-            target = getattr(target, part)
-        if not hasattr(target, name):
-            raise UserError(f"credit.{dotted} is not a credit setting")
-        setattr(target, name, value)
+            target, source = getattr(target, part), getattr(source, part)
+        setattr(target, name, getattr(source, name))

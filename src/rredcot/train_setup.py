@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from rredcot.config import MODEL_DEFAULTS, TrainConfig
-from rredcot.credit_choice import AUTO, check_method_name, model_kind
+from rredcot.credit_choice import AUTO, check_method_name, measured_rows, model_kind
 from rredcot.errors import UserError, require_extra
 from rredcot.loss import lr_lambda
 from rredcot.memory import (
@@ -125,9 +125,11 @@ def resolve_device(name: str) -> torch.device:
 def check_names(cfg: TrainConfig) -> None:
     """Check every name and value of ``cfg`` that needs no model (the credit method, the task
     and its parameters, the segmenter, the advantage normalisation, a process-reward method's
-    value source) so that a typo fails in a moment, before a run directory is claimed or a
-    model is built or loaded; each error lists the valid names."""
+    value source, the rows ``auto`` reads) so that a typo fails in a moment, before a run
+    directory is claimed or a model is built or loaded; each error lists the valid names."""
     check_method_name(cfg.credit_method)
+    if cfg.credit_method == AUTO:
+        measured_rows()  # the rows auto reads: a bad file is refused before the model loads
     make_params(get_task_class(cfg.task).Params, cfg.task_args, owner=f"task {cfg.task!r}")
     segmenter_from_config(cfg.credit)
     if cfg.credit.normalization != "auto":

@@ -892,10 +892,10 @@ def train(cfg: TrainConfig, log=print, given: set[str] | None = None) -> dict[st
     ``config.RESUMABLE_FIELDS`` is refused, every one named (``config_io.resume_config``)."""
     if cfg.resume:
         cfg = resume_config(cfg, given)
-        if cfg.credit.process_reward.function:
-            log(
-                f"--resume: importing credit.process_reward.function={cfg.credit.process_reward.function!r}"
-            )
+        named = cfg.credit.process_reward  # restated on the command line: said before loading
+        for name in ("function", "model"):
+            if getattr(named, name):
+                log(f"--resume: loading credit.process_reward.{name}={getattr(named, name)!r}")
     return Trainer(cfg, log=log).train()
 
 

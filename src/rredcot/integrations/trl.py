@@ -88,6 +88,7 @@ from rredcot.credit_choice import (
     apply_choice,
     check_method_name,
     choose_from_rollouts,
+    measured_rows,
     policy_figures,
 )
 from rredcot.errors import UserError, require_extra
@@ -727,6 +728,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         self.reference_tokens_trained = 0  # references.mode: reference tokens trained on (run)
         self._check_reference_data()
         if args.credit_method == AUTO:
+            measured_rows()  # the rows auto reads: a bad file is refused before training
             self._announce(self.describe_credit())
         else:
             self._use_method(args.credit_method, args.credit_config)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rredcot.errors import missing_extra_message, require_extra
+from rredcot.config_io import read_json_file
+from rredcot.errors import UserError, missing_extra_message, require_extra
 from rredcot.tasks.answers import (
     ANSWER_FORMATS,
     DEFAULT_VERIFY_TIMEOUT,
@@ -317,7 +318,7 @@ def load_rows(
     if path.is_file():
         return _read_file(path, limit)
     if path.is_dir():
-        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        if _saved_splits(path) is not None or (path / "state.json").exists():
             datasets = _import_datasets(f"reading the saved dataset {path}")
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
@@ -339,6 +340,25 @@ def load_rows(
     if path.suffix.lower() in _FILE_SUFFIXES or source.startswith((".", "/", "~")):
         raise FileNotFoundError(f"data file {source!r} does not exist")
     return _load_hub(source, split, subset, limit)
+
+
+def _saved_splits(folder: Path) -> list[str] | None:
+    """The split names a ``save_to_disk`` folder's ``dataset_dict.json`` lists (None: the folder
+    has none), read within size and nesting limits; a bad file is a ``DataError`` naming it."""
+    path = folder / "dataset_dict.json"
+    if not path.exists():
+        return None
+    try:
+        data = read_json_file(path, "saved dataset file")
+    except UserError as err:
+        raise DataError(str(err)) from None
+    splits = data.get("splits") if isinstance(data, dict) else None
+    if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+        raise DataError(
+            f"{path} is not a datasets save_to_disk dataset_dict.json (an object whose 'splits' "
+            "lists the split names); fix or remove it"
+        )
+    return splits
 
 
 def _import_datasets(purpose: str) -> Any:
@@ -365,8 +385,8 @@ def _split_status(source: str, split: str, subset: str | None) -> str:
     if path.is_file():
         return "none"
     if path.is_dir():
-        if (path / "dataset_dict.json").exists():
-            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _saved_splits(path)
+        if splits is not None:
             return "yes" if split in splits else "no"
         if (path / "state.json").exists():
             return "none"
