@@ -46,6 +46,33 @@ def test_train_help_shows_a_percent_sign(capsys):
     assert "auto ~1%)" in capsys.readouterr().out
 
 
+def _listed(help_text: str) -> set[str]:
+    """The names a help text lists between its first colon and its first parenthesis."""
+    return set(help_text.split(":", 1)[1].split("(", 1)[0].replace(",", " ").split())
+
+
+def test_task_and_credit_help_list_the_registries(capsys):
+    """``--task``'s and ``--credit_method``'s help name every registered task and every built-in
+    credit method (written from the registries, so a new one cannot be left out), and
+    ``rredcot train --help`` prints them."""
+    import dataclasses
+
+    from rredcot.config import TrainConfig
+    from rredcot.methods.base import credit_names, get_credit
+    from rredcot.tasks import list_tasks
+
+    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TrainConfig)}
+    assert _listed(helps["task"]) == set(list_tasks())
+    assert "word_problems" in list_tasks()
+    builtin = {n for n in credit_names() if get_credit(n).__module__.startswith("rredcot.methods.")}
+    assert {"uniform", "node_values", "oracle"} <= builtin
+    assert _listed(helps["credit_method"]) == builtin | {"auto"}
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert all(name in printed for name in builtin | set(list_tasks()))
+
+
 # ---------------------------------------------------------------------------------------------
 # one line, exit status 2
 
