@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import rredcot
 from rredcot.cli import build_parser, main
 
 
@@ -44,6 +49,43 @@ def test_train_help_shows_a_percent_sign(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "auto ~1%)" in capsys.readouterr().out
+
+
+def _listed(help_text: str) -> set[str]:
+    """The names a help text lists between its first colon and its first parenthesis."""
+    return set(help_text.split(":", 1)[1].split("(", 1)[0].replace(",", " ").split())
+
+
+def test_task_and_credit_help_list_the_registries(capsys):
+    """``--task``'s and ``--credit_method``'s help name every registered task and every built-in
+    credit method (written from the registries, so a new one cannot be left out), and
+    ``rredcot train --help`` prints them. The registries are read in a fresh interpreter: tests
+    register tasks and methods of their own."""
+    code = (
+        "import dataclasses, json\n"
+        "from rredcot.config import TrainConfig\n"
+        "from rredcot.methods.base import credit_names\n"
+        "from rredcot.tasks import list_tasks\n"
+        "helps = {f.name: f.metadata.get('help', '') for f in dataclasses.fields(TrainConfig)}\n"
+        "print(json.dumps([helps['task'], helps['credit_method'], list_tasks(), credit_names()]))"
+    )
+    src = str(Path(rredcot.__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": src},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    task_help, credit_help, tasks, methods = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "word_problems" in tasks and {"uniform", "node_values", "oracle"} <= set(methods)
+    assert _listed(task_help) == set(tasks)
+    assert _listed(credit_help) == set(methods) | {"auto"}
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert all(name in printed for name in [*tasks, *methods])
 
 
 # ---------------------------------------------------------------------------------------------

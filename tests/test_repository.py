@@ -1,9 +1,12 @@
 """The repository a newcomer checks out: its tracked paths, its scripts, and its optional imports.
 
 - No tracked path has a blank or whitespace-only component, or one with whitespace at its ends.
-- Scripts live in ``benchmarks/`` (results in ``benchmarks/results/``), and no tracked file of
-  any kind (text, or a text member of a ``.tar.gz``) holds an absolute path of the machine it was
-  made on (``benchmarks/strip_machine_paths.py`` rewrites them).
+- Scripts live in ``benchmarks/`` (one-off investigations in ``benchmarks/investigations/``,
+  results in ``benchmarks/results/``), and no tracked file of any kind (text, or a text member of
+  a ``.tar.gz``) holds an absolute path of the machine it was made on
+  (``benchmarks/strip_machine_paths.py`` rewrites them).
+- ``benchmarks/README.md`` lists every script there; ``benchmarks/results/README.md``'s index
+  lists every results folder and every sub-folder the README and ``docs/`` cite.
 - Every ``benchmarks/results/...`` path the README and ``docs/`` cite exists.
 - The README is a short start (at most 200 lines) whose test command is the one CI runs.
 - The library (everything outside ``rredcot.bench``) never imports ``rredcot.bench``; only the
@@ -150,6 +153,57 @@ def test_cited_results_exist():
         if path not in tracked and not any(t.startswith(path + "/") for t in tracked)
     ]
     assert not missing, "cited results that are not in the repository:\n" + "\n".join(missing)
+
+
+def _section(doc: str, heading: str) -> str:
+    """The text of ``doc`` under ``heading`` (a ``## `` line) up to the next ``## `` heading."""
+    text = (ROOT / doc).read_text()
+    assert f"\n## {heading}\n" in text, f"{doc} has no '## {heading}' section"
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _scripts(folder: str) -> list[str]:
+    """The tracked scripts directly in ``folder``."""
+    return sorted(
+        p.rsplit("/", 1)[1]
+        for p in _tracked()
+        if p.rsplit("/", 1)[0] == folder and p.endswith(SCRIPT_SUFFIXES)
+    )
+
+
+def test_benchmarks_readme_lists_every_script():
+    """Every maintained tool (a script directly in ``benchmarks/``) is in the README's table of
+    maintained tools, every script of ``benchmarks/investigations/`` in its table."""
+    tools = _scripts("benchmarks")
+    assert {"gather_lr.py", "learn_at_lr.sh", "headroom.py", "strip_machine_paths.py"} <= set(tools)
+    for heading, scripts in (
+        ("Maintained tools", tools),
+        ("`investigations/`", _scripts("benchmarks/investigations")),
+    ):
+        section = _section("benchmarks/README.md", heading)
+        missing = [s for s in scripts if f"`{s}`" not in section]
+        assert not missing, f"benchmarks/README.md, '{heading}', does not list: {missing}"
+
+
+def test_results_index_lists_every_folder():
+    """``benchmarks/results/README.md``'s index names every top-level results folder, and every
+    sub-folder the README and ``docs/`` cite (as `` `folder/` ``)."""
+    index = _section("benchmarks/results/README.md", "Index")
+    results = "benchmarks/results/"
+    folders = {p[len(results) :].split("/", 1)[0] for p in _tracked() if p.count("/") >= 3}
+    folders &= {p.name for p in (ROOT / results).iterdir() if p.is_dir()}
+    assert {"credit_price", "smollm2", "references", "learn"} <= folders
+    missing = sorted(f for f in folders if f"`{f}/`" not in index)
+    assert not missing, f"folders missing from the results index: {missing}"
+    cited = set()
+    for _, path in _cited_results_paths():
+        folder = ROOT / path if (ROOT / path).is_dir() else (ROOT / path).parent
+        rel = folder.relative_to(ROOT / results).as_posix()
+        if "/" in rel:
+            cited.add(rel)
+    assert "credit_price/budget" in cited  # the docs' citations were read
+    missing = sorted(c for c in cited if f"`{c}/`" not in index)
+    assert not missing, f"cited sub-folders missing from the results index: {missing}"
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, int]]:

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rredcot.methods import BUILTIN_CREDIT_METHODS
+from rredcot.tasks import list_tasks
+
 
 def refuse_blank_path(path: str | None, name: str = "out", what: str = "directory") -> None:
     """Refuse an output path that is empty or whitespace only (``--out ''`` would write into the
@@ -965,17 +968,20 @@ class ReferencesConfig:
             raise ValueError(f"references.branch_fraction={self.branch_fraction} must be in (0, 1)")
 
 
+TASK_HELP = f"Task name: {', '.join(list_tasks())} (rredcot.tasks.register_task adds others)."
+"""``--task``'s help, from the task registry (``rredcot.tasks.list_tasks``)."""
+
+
 @dataclass
 class TrainConfig:
-    task: str = help_field(
-        "Task name: arithmetic, gsm8k, dataset, reasoning_gym.", default="arithmetic"
-    )
+    task: str = help_field(TASK_HELP, default="arithmetic")
     task_args: dict = help_field(
         "Task parameters (CLI: --task.NAME VALUE, e.g. --task.num_steps 4).", default_factory=dict
     )
     credit_method: str = help_field(
-        "Credit method: auto, uniform, value_head, answer_likelihood, continuation_likelihood, "
-        "process_reward, monte_carlo, gradient, attention, first_last. auto chooses "
+        f"Credit method: auto, {', '.join(BUILTIN_CREDIT_METHODS)} (oracle is benchmark only: "
+        "it reads the verifier's step labels; rredcot.methods.base.register_credit adds "
+        "others). auto chooses "
         "from step 1's own batch (nothing sampled extra): a method measured ahead of GRPO per "
         "second on a testbed and a model like the run's (rredcot/measurements/credit_auto.json), "
         "else uniform "

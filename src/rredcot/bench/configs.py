@@ -354,7 +354,7 @@ class RecordAutoConfig:
     testbed: str = help_field("The testbed in words (task, starting policy).", default="")
     all_wrong: float = help_field(
         "The starting policy's share of all-wrong groups at the runs' group size (its "
-        "first-batch figure, e.g. from benchmarks/probe_auto.py).",
+        "first-batch figure, e.g. from benchmarks/investigations/probe_auto.py).",
         default=-1.0,
     )
     mean_reward: float = help_field("The starting policy's mean reward.", default=-1.0)

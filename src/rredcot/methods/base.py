@@ -34,6 +34,7 @@ from rredcot import credit
 from rredcot.batch import RolloutBatch
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.credit import Cost, SegmentCredit, Values, Weights
+from rredcot.methods import BUILTIN_CREDIT_METHODS
 from rredcot.normalization import Scale, advantage_scale, group_mean_std, masked_mean
 from rredcot.segment import Segmenter
 from rredcot.shared_prefixes import node_fraction, node_values
@@ -429,18 +430,9 @@ def agreeing_group_share(rewards: torch.Tensor, group_ids: torch.Tensor, below: 
 # registry
 
 _CREDIT_METHODS: dict[str, type[CreditMethod]] = {}
-# Methods that live in their own modules, imported on first use.
-_LAZY = {
-    "value_head": "rredcot.methods.value_head",
-    "answer_likelihood": "rredcot.methods.answer_likelihood",
-    "continuation_likelihood": "rredcot.methods.continuation_likelihood",
-    "process_reward": "rredcot.methods.process_reward",
-    "monte_carlo": "rredcot.methods.monte_carlo",
-    "gradient": "rredcot.methods.attribution",
-    "attention": "rredcot.methods.attribution",
-    "first_last": "rredcot.methods.attribution",
-    "oracle": "rredcot.methods.oracle",  # benchmark only: reads the verifier's step labels
-}
+# Methods that live in their own modules, imported on first use (the torch-free table in
+# rredcot.methods, from which the CLI's help lists them).
+_LAZY = {name: module for name, module in BUILTIN_CREDIT_METHODS.items() if module != __name__}
 
 
 def register_credit(name: str, options: type | None = None):

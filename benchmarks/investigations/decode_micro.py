@@ -3,7 +3,7 @@ the peer bench's batch (the default tiny warm-start, 16 arithmetic prompts x 8 s
 new tokens, temperature 1), interleaved (hf, fast, fast, hf, ...), each repetition from the same
 seed for both; medians of wall and CPU seconds, and whether the two drew the same tokens.
 
-    PYTHONPATH=src python benchmarks/decode_micro.py --repeats 9 --threads 1 [--out FILE]
+    PYTHONPATH=src python benchmarks/investigations/decode_micro.py --repeats 9 --threads 1 [--out FILE]
 
 ``--long-prompts N`` puts N copies of "Solve step by step. " before every prompt (a stand-in for
 a system prompt: the case where the prompt's keys dominate each step's attention).

@@ -1,7 +1,7 @@
 """What packing saves in answer_likelihood's probe pass on SmolLM2-135M-Instruct, under the bf16
 autocast that TRL puts on a CPU run (issue 32, item 4), and that packed and unpacked log-probs agree.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/answer_likelihood_packing.py \\
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/investigations/answer_likelihood_packing.py \\
         --data path/to/gsm8k --traces 8 --repeats 3
 
 The completions are GSM8K's own gold solutions (newline segments, the answer line merged), the
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from rredcot.methods import answer_probes, probe_logprobs  # noqa: E402
 from rredcot.models import load_policy  # noqa: E402

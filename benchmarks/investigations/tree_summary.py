@@ -4,7 +4,7 @@ tokens, decoding passes per step, wall-clock per step (and of its rollout), step
 budget, the share of interior segment boundaries that are tree nodes, the share of groups whose
 rewards all agree (no GRPO signal) and the mean training reward.
 
-    python benchmarks/tree_summary.py bench/tree_report 100 102 > tree_summary.json
+    python benchmarks/investigations/tree_summary.py bench/tree_report 100 102 > tree_summary.json
     # OUT_DIR FIRST_SEED END_SEED (exclusive); prints JSON and a markdown table on stderr
 """
 

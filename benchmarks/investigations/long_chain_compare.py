@@ -2,7 +2,7 @@
 ran in its own): per-seed mean accuracy over training and final accuracy, paired differences
 (scipy t) and rliable's probability of improvement (rredcot.bench.stats).
 
-    python benchmarks/long_chain_compare.py \
+    python benchmarks/investigations/long_chain_compare.py \
         '{"uniform": ["bench/report12", "uniform"], "oracle": ["bench/report12_oracle", "oracle"]}' \
         100 105      # seeds 100..104; the first entry is the reference; a root may be a glob
 """

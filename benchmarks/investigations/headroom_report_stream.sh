@@ -5,7 +5,7 @@
 here=$(cd "$(dirname "$0")" && pwd)
 root=$1; shift
 mkdir -p "$root" && cd "$root" || exit 1
-export PYTHONPATH="$here/../src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$here/../../src${PYTHONPATH:+:$PYTHONPATH}"
 common="--task arithmetic --task.num_steps 12 --set model.tiny_warmstart=low --set threads=1 --budget-tokens 170000 --eval-every 4 --eval-size 128 --steps-max 40 --progress false"
 for seed in "$@"; do
   python -m rredcot bench learn $common --methods uniform --seeds 1 --first-seed $seed --lr 2.5e-5 --out "$root/lr2.5e-5" >> stream_$1.log 2>&1

@@ -2,7 +2,7 @@
 per-seed mean held-out accuracy after step 0 (bench learn's `mean acc in training`), paired
 differences with scipy's t-test.
 
-    python benchmarks/headroom_mc_ceiling_compare.py MC_RUNS REF_RUNS   # <runs>/<variant>/seed<k>
+    python benchmarks/investigations/headroom_mc_ceiling_compare.py MC_RUNS REF_RUNS   # <runs>/<variant>/seed<k>
 """
 
 import json

@@ -7,7 +7,7 @@ by up to the spacing of the reference's grid. Here the crossing point is interpo
 between the last evaluation below the target and the first at or above it (censored at the last
 evaluation's tokens when never reached), on the same per-seed target (warm-start accuracy + 0.1).
 
-    python benchmarks/tree_tokens_to_target.py bench/tree/report grpo 100 103
+    python benchmarks/investigations/tree_tokens_to_target.py bench/tree/report grpo 100 103
 """
 
 import json

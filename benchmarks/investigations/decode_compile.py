@@ -6,7 +6,7 @@ tokens, temperature 1). Interleaved (eager, compiled, compiled, eager, ...), eac
 the same seed for both; prints the first compiled call (compilation included), the medians of
 wall and CPU seconds after it, and whether the two drew the same tokens.
 
-    PYTHONPATH=src python benchmarks/decode_compile.py --repeats 5 --threads 1 [--out FILE]
+    PYTHONPATH=src python benchmarks/investigations/decode_compile.py --repeats 5 --threads 1 [--out FILE]
 """
 
 from __future__ import annotations

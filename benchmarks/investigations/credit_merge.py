@@ -4,7 +4,7 @@ Each segmenter's Monte Carlo ground truth is the slow part and is independent of
 on a machine with spare cores one process per segmenter finishes sooner; this writes the one
 table they would have written together (``credit.json``, ``credit.md``, the example pages).
 
-    PYTHONPATH=src python benchmarks/credit_merge.py --out DIR RUN_DIR [RUN_DIR ...]
+    PYTHONPATH=src python benchmarks/investigations/credit_merge.py --out DIR RUN_DIR [RUN_DIR ...]
 """
 
 from __future__ import annotations

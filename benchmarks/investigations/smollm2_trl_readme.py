@@ -1,7 +1,7 @@
 """The README's TRL example on SmolLM2-135M-Instruct, run as written for a few steps, with greedy
 accuracy before and after (issue 48, item 6).
 
-    OMP_NUM_THREADS=1 python benchmarks/smollm2_trl_readme.py OUT [--steps 5] [--eval-size 128]
+    OMP_NUM_THREADS=1 python benchmarks/investigations/smollm2_trl_readme.py OUT [--steps 5] [--eval-size 128]
 
 The Python block under the README's "## TRL" heading is executed unchanged except for two
 settings, each replaced where the README writes it (the script stops if either is missing, so it
@@ -26,7 +26,7 @@ from rredcot.evaluation import greedy_accuracy
 from rredcot.models import load_policy
 from rredcot.tasks import get_task
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_trl_block() -> str:

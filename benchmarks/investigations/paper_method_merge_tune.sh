@@ -5,7 +5,7 @@
 here=$(cd "$(dirname "$0")" && pwd)
 root=$1; shift
 mkdir -p "$root" && cd "$root" || exit 1
-export PYTHONPATH="$here/../src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+export PYTHONPATH="$here/../../src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 common="--task arithmetic --task.num_steps 12 --set model.tiny_warmstart=low --set threads=1 --budget-tokens 170000 --eval-every 4 --eval-size 128 --steps-max 40 --progress false"
 for job in "$@"; do
   seed=${job%%:*}; rest=${job#*:}; lr=${rest%%:*}; m=${rest#*:}

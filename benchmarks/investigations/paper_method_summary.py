@@ -1,6 +1,6 @@
 """Summarise `rredcot bench credit` reports for the paper-method comparison (issue 30).
 
-    python benchmarks/paper_method_summary.py REPORT_DIR [REPORT_DIR ...] > summary.md
+    python benchmarks/investigations/paper_method_summary.py REPORT_DIR [REPORT_DIR ...] > summary.md
 
 One row per (segmenter, method) of every report: Spearman rho (pooled), sign agreement,
 first-error error_acc with its exact 95% Clopper-Pearson interval (scipy.stats) over the

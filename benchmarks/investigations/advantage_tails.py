@@ -4,7 +4,7 @@ step's token advantages, the share of response tokens and rows the loss forward 
 share of the advantages' total magnitude dropped, with the tail of each row below each floor
 cut (``rredcot.credit.drop_small_tails``; floor 0: the exact update, every non-zero advantage).
 
-    python benchmarks/advantage_tails.py {arith12_low,arith4_default} OUT_DIR [STEPS]
+    python benchmarks/investigations/advantage_tails.py {arith12_low,arith4_default} OUT_DIR [STEPS]
 
 Prints and writes ``OUT_DIR/advantage_tails_TESTBED.json``.
 """

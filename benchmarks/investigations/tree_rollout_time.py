@@ -2,7 +2,7 @@
 process on the same policy and prompts (so machine load hits both alike): the 12-step testbed's
 warm-start, 16 prompts x 8 completions, the task's completion length, newline segments.
 
-    OMP_NUM_THREADS=1 python benchmarks/tree_rollout_time.py --repeats 3 > rollout_time.json
+    OMP_NUM_THREADS=1 python benchmarks/investigations/tree_rollout_time.py --repeats 3 > rollout_time.json
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Per-step figures of benchmarks/probe_cache.sh's runs: ``ROOT/TESTBED/cache_{true,false}/
+"""Per-step figures of benchmarks/investigations/probe_cache.sh's runs: ``ROOT/TESTBED/cache_{true,false}/
 metrics.jsonl`` -> ``ROOT/summary.json`` and a markdown table on stdout."""
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ byte-level BPE trained here. Each measurement runs in a fresh subprocess and rep
 the process's peak resident memory (``resource.getrusage``) over the call, after the model, the
 batch and a one-probe warm-up are in memory.
 
-    PYTHONPATH=src python benchmarks/answer_likelihood_memory.py            # the current code
-    PYTHONPATH=src python benchmarks/answer_likelihood_memory.py --old OLD.py  # another version
+    PYTHONPATH=src python benchmarks/investigations/answer_likelihood_memory.py            # the current code
+    PYTHONPATH=src python benchmarks/investigations/answer_likelihood_memory.py --old OLD.py  # another version
 
 ``--old`` takes a copy of an earlier ``answer_likelihood.py`` (``git show
 5c5fb6b:src/rredcot/methods/answer_likelihood.py > /tmp/old.py``), which scored probes from the

@@ -2,7 +2,7 @@
 the run directories are copied under one folder and summarised by rredcot's own bench-learn
 aggregation (paired differences, rliable intervals), exactly as `rredcot bench learn` would.
 
-    python benchmarks/headroom_gather_tuned.py OUT METHODS FIRST_SEED SEEDS '{"VARIANT": LR, ...}'
+    python benchmarks/investigations/headroom_gather_tuned.py OUT METHODS FIRST_SEED SEEDS '{"VARIANT": LR, ...}'
 """
 
 import dataclasses

@@ -4,7 +4,7 @@ and reports tokens generated, the share of leaf tokens saved by sharing, wall-cl
 whether every leaf token was drawn from the distribution a plain forward gives (the forked KV
 cache checked on a real model).
 
-    OMP_NUM_THREADS=1 python benchmarks/tree_real_model.py --prompts 8 --generations 8 \
+    OMP_NUM_THREADS=1 python benchmarks/investigations/tree_real_model.py --prompts 8 --generations 8 \
         --max-new-tokens 80 > benchmarks/results/tree/real_model_smoke.json
 """
 

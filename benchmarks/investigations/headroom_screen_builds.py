@@ -1,7 +1,7 @@
 """The build screen's figures: per build and learning rate, the pooled oracle's mean held-out
 accuracy over training minus GRPO's, paired by seed (tar xzf runs.tar.gz first).
 
-    python benchmarks/headroom_screen_builds.py BUILD_ROOT ...   # e.g. s450 s475
+    python benchmarks/investigations/headroom_screen_builds.py BUILD_ROOT ...   # e.g. s450 s475
 """
 
 import statistics

@@ -1,7 +1,7 @@
 """Probe probabilities of a tiny model that thinks in tags (issue 14, item 2): the figures quoted in
 docs/answer_likelihood.md, from the model and traces of ``tests/test_answer_likelihood.py``.
 
-    PYTHONPATH=src python benchmarks/answer_likelihood_probes.py
+    PYTHONPATH=src python benchmarks/investigations/answer_likelihood_probes.py
 
 Prints, over 12 gold think traces, the mean value at the boundary right before ``</think>`` and
 right after it, for the plain probe (the task's answer line right after the prefix), the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from rredcot.methods.answer_likelihood import answer_values  # noqa: E402
 from rredcot.methods.answer_probes import ProbeFormat  # noqa: E402

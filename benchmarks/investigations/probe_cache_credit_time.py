@@ -2,7 +2,7 @@
 rollout's KV cache and re-forwarded, alternately ``repeats`` times each (issue 49, item 1): the
 probe pass's time without the rest of a training step's noise.
 
-    python benchmarks/probe_cache_credit_time.py {arith12_low,arith4_default} OUT_DIR [REPEATS]
+    python benchmarks/investigations/probe_cache_credit_time.py {arith12_low,arith4_default} OUT_DIR [REPEATS]
 
 Prints and writes ``OUT_DIR/credit_time_TESTBED.json``.
 """

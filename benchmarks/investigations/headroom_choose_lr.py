@@ -1,7 +1,7 @@
 """Per-variant learning rate: the lr with the highest mean held-out accuracy over training,
 averaged over tuning seeds 0 and 1 (each run's learn.json summary).
 
-    python benchmarks/headroom_choose_lr.py ROOT     # ROOT holds one <name>lr<LR>/learn.json per rate
+    python benchmarks/investigations/headroom_choose_lr.py ROOT     # ROOT holds one <name>lr<LR>/learn.json per rate
 """
 
 import collections

@@ -2,7 +2,7 @@
 of the starting policy, without training (``--credit auto`` itself reads step 1's batch; this is
 the probe it ran before, which measured the testbeds' figures of ``auto_probe.txt``).
 
-    python benchmarks/probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
+    python benchmarks/investigations/probe_auto.py FIRST_SEED END_SEED PROMPTS [--low] [task.KEY=VALUE ...]
 
 Prints ``prompts seed method mean_reward all_wrong probe_tokens`` per seed (``--low``: the
 shipped low warm-start, ``model.tiny_warmstart=low``).
