@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from rredcot.config import refuse_blank_path
+from rredcot.config import refuse_bad_seed, refuse_blank_path
 from rredcot.errors import UserError
 from rredcot.explain import demo_sections, render_html, render_terminal
 
@@ -82,6 +82,7 @@ def check_output_file(path: str, flag: str) -> None:
 
 def run_explain(args: argparse.Namespace, task_args: dict) -> int:
     color = None if not args.no_color else False
+    refuse_bad_seed(args.seed, "--seed")
     if args.html is not None:
         check_output_file(args.html, "--html")
     if args.demo or not (args.checkpoint or args.run):

@@ -44,6 +44,18 @@ def physical_memory() -> int | None:
         return None
 
 
+def refuse_bytes_beyond_memory(what: str, need: int, detail: str, fix: str) -> None:
+    """Refuse, before anything is loaded or built, what needs ``need`` bytes (``detail`` says
+    for what) where that exceeds this machine's physical memory, with the estimate: it would
+    fail in an allocator or swap for hours."""
+    memory = physical_memory()
+    if memory and need > memory:
+        raise ValueError(
+            f"{what}: {detail} need at least {need / 2**30:,.0f} GiB, more than this machine's "
+            f"{memory / 2**30:,.0f} GiB; {fix}"
+        )
+
+
 def refuse_beyond_memory(what: str, rows: int, tokens: int, fix: str) -> None:
     """Refuse, before anything is loaded or sampled, a size whose token ids and log-probs alone
     (``rows`` x ``tokens`` x :data:`BYTES_PER_TOKEN`, a lower bound of what it needs) exceed
@@ -56,6 +68,32 @@ def refuse_beyond_memory(what: str, rows: int, tokens: int, fix: str) -> None:
             f"{what}: {rows:,} rows of at least {max(tokens, 1)} tokens need at least "
             f"{need / 2**30:,.0f} GiB for their token ids and log-probs alone, more than this "
             f"machine's {memory / 2**30:,.0f} GiB; {fix}"
+        )
+
+
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds torch takes (a 64-bit integer); a larger one failed with "Overflow when unpacking
+long"."""
+
+MAX_THREADS = 1024
+"""The most CPU threads a ``threads`` setting may ask for (more only contend for the cores)."""
+
+
+def refuse_bad_seed(seed: int, name: str = "seed") -> None:
+    """Refuse a seed outside :data:`SEED_RANGE`, naming the range."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(
+            f"{name}={seed} is outside the range of a seed (64 bits): give one in "
+            "[-2**63, 2**63 - 1]"
+        )
+
+
+def refuse_bad_threads(threads: int, name: str = "threads", zero: str = "auto") -> None:
+    """Refuse a thread count outside ``[0, MAX_THREADS]`` (``zero``: what 0 means)."""
+    if not 0 <= threads <= MAX_THREADS:
+        raise ValueError(
+            f"{name}={threads} must be in [0, {MAX_THREADS}] (0: {zero}; this machine has "
+            f"{os.cpu_count() or 'an unknown number of'} cores)"
         )
 
 
@@ -285,6 +323,9 @@ class SamplingConfig:
 # every flag without importing a method.
 
 
+HEAD_BYTES_PER_WEIGHT = 16
+"""A trained float32 weight's bytes: itself, its gradient and AdamW's two moments."""
+
 VALUE_TEACHERS = ("none", "continuation_likelihood")
 """What the value head may learn from: outcomes by TD (``none``) or a credit method's values."""
 
@@ -364,6 +405,19 @@ class ValueHeadConfig:
             raise ValueError(
                 f"credit.value_head.teacher={self.teacher!r}: use {' or '.join(VALUE_TEACHERS)}"
             )
+        if not 0 < self.lr <= 1:
+            raise ValueError(
+                f"credit.value_head.lr={self.lr} must be in (0, 1] (AdamW's step size; the "
+                "default is 1e-3)"
+            )
+        if self.hidden_size < 0:
+            raise ValueError(f"credit.value_head.hidden_size={self.hidden_size} must be >= 0")
+        refuse_bytes_beyond_memory(  # its weights, gradient and AdamW moments, for one input
+            f"credit.value_head.hidden_size={self.hidden_size}",
+            self.hidden_size * HEAD_BYTES_PER_WEIGHT,
+            "the head's weights, gradients and optimiser moments",
+            "lower it (0: auto, about 1% of the policy)",
+        )
         if self.teacher_every < 1:
             raise ValueError(
                 f"credit.value_head.teacher_every={self.teacher_every} must be >= 1 (1: every step)"
@@ -515,6 +569,9 @@ class MonteCarloConfig:
     def __post_init__(self) -> None:
         if self.rollouts < 1:
             raise ValueError("credit.monte_carlo.rollouts must be >= 1")
+        refuse_beyond_memory(  # a boundary's continuations are sampled at once
+            f"credit.monte_carlo.rollouts={self.rollouts}", self.rollouts, 1, "lower it"
+        )
         if self.max_boundaries < 0:
             raise ValueError(
                 "credit.monte_carlo.max_boundaries must be >= 0 (0 estimates every boundary)"
@@ -665,6 +722,9 @@ class OracleConfig:
             )
         if self.rollouts < 1:
             raise ValueError("credit.oracle.rollouts must be >= 1")
+        refuse_beyond_memory(
+            f"credit.oracle.rollouts={self.rollouts}", self.rollouts, 1, "lower it"
+        )
 
 
 PROCESS_REWARD_KINDS = ("auto", "sequence_classification", "token_classification")
@@ -1065,7 +1125,7 @@ class TrainConfig:
         "skipped). Value credit is rarely exactly zero (a wrong trace's values after its "
         "error are small, not 0), so 0 (the exact gradient) forwards nearly every row whole; "
         "0.01 drops a tiny share of the advantages' mass for a much shorter update "
-        "(docs/results.md). GRPO's advantages are never that small: it is unchanged.",
+        "(docs/results.md). GRPO's advantages are never that small: it is unchanged. In [0, 1).",
         default=0.0,
     )
     agreeing_update_fraction: float = help_field(
@@ -1133,7 +1193,9 @@ class TrainConfig:
     )
     eval_size: int = help_field("Held-out prompts in each greedy evaluation.", default=128)
     checkpoint_every: int = help_field("Checkpoint every N steps.", default=10)
-    keep_checkpoints: int = help_field("Checkpoints kept on disk.", default=2)
+    keep_checkpoints: int = help_field(
+        "Checkpoints kept on disk (the newest ones); 0 keeps every checkpoint.", default=2
+    )
     report_to: str = help_field(
         "Metric sink besides metrics.jsonl: none, tensorboard or wandb.", default="none"
     )
@@ -1174,49 +1236,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         refuse_non_finite(self)
-        if self.lr is not None and self.lr < 0:
-            raise ValueError(f"lr={self.lr} must be >= 0 (empty: the model's default)")
-        for name in ("weight_decay", "max_grad_norm", "kl_coef", "advantage_tail_floor"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if not 0 < self.agreeing_update_fraction <= 1:
-            raise ValueError(
-                f"agreeing_update_fraction={self.agreeing_update_fraction} must be in (0, 1] "
-                "(1 updates on every agreeing row)"
-            )
-        for name in ("warmup_steps", "eval_every", "keep_checkpoints"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.steps < 0:
-            raise ValueError("steps must be >= 0")
-        if self.prompts_per_step < 1:
-            raise ValueError("prompts_per_step must be >= 1")
+        self._check_ranges()
         if self.loss_agg not in ("token_mean", "seq_mean", "dr_grpo"):
             raise ValueError(f"loss_agg={self.loss_agg!r}: use token_mean, seq_mean or dr_grpo")
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"lr_schedule={self.lr_schedule!r}: use constant, linear or cosine")
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard or wandb")
-        for name in ("epochs_per_batch", "minibatches", "grad_accumulation", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not (0 <= self.clip_eps_low < 1 and self.clip_eps_high >= 0):
-            raise ValueError("clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
-        if self.checkpoint_every < 1:
-            raise ValueError("checkpoint_every must be >= 1")
-        if self.threads < 0:
-            raise ValueError("threads must be >= 0 (0: auto)")
         if not isinstance(self.probe_from_cache, bool):
             raise ValueError(f"probe_from_cache={self.probe_from_cache!r}: give true or false")
-        if self.micro_batch_tokens < 0:
-            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: auto)")
-        if self.max_tokens_generated < 0:
-            raise ValueError(
-                f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
-            )
-        for name in ("max_train_seconds", "max_compute"):
-            if not getattr(self, name) >= 0:  # NaN fails too
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: no budget)")
         refuse_blank_path(self.out)
         if self.resume is not None and not self.resume.strip():
             raise ValueError("resume='' names no run directory; give --resume RUN_DIR")
@@ -1232,6 +1260,55 @@ class TrainConfig:
                 "starts inside the reference, where other methods' per-step values are not "
                 f"defined), not {self.credit_method!r}: set --credit uniform"
             )
+        self.refuse_sizes_beyond_memory()
+
+    def _check_ranges(self) -> None:
+        """Refuse a number outside its field's range, naming the range."""
+        if self.lr is not None and self.lr < 0:
+            raise ValueError(f"lr={self.lr} must be >= 0 (empty: the model's default)")
+        for name in ("weight_decay", "max_grad_norm", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if not 0 <= self.advantage_tail_floor < 1:
+            raise ValueError(
+                f"advantage_tail_floor={self.advantage_tail_floor} must be in [0, 1): a floor on "
+                "the normalised advantages, which are about 1 in size (0.01 drops a tiny share; "
+                "1 or more zeroes GRPO's own credit)"
+            )
+        if not 0 < self.agreeing_update_fraction <= 1:
+            raise ValueError(
+                f"agreeing_update_fraction={self.agreeing_update_fraction} must be in (0, 1] "
+                "(1 updates on every agreeing row)"
+            )
+        for name in ("warmup_steps", "eval_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+        if self.prompts_per_step < 1:
+            raise ValueError("prompts_per_step must be >= 1")
+        for name in ("epochs_per_batch", "minibatches", "grad_accumulation", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not (0 <= self.clip_eps_low < 1 and self.clip_eps_high >= 0):
+            raise ValueError("clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
+        if self.checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be >= 1")
+        refuse_bad_threads(self.threads)
+        refuse_bad_seed(self.seed)
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: auto)")
+        if self.max_tokens_generated < 0:
+            raise ValueError(
+                f"max_tokens_generated={self.max_tokens_generated} must be >= 0 (0: no budget)"
+            )
+        for name in ("max_train_seconds", "max_compute"):
+            if not getattr(self, name) >= 0:  # NaN fails too
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: no budget)")
+
+    def refuse_sizes_beyond_memory(self) -> None:
+        """Refuse the batch, evaluation and Monte Carlo sizes that cannot fit this machine (again
+        once ``sampling.max_new_tokens`` = 0 is the task's length: ``train_setup``)."""
         tokens = self.sampling.max_new_tokens  # 0: the task's, at least one
         group = self.sampling.num_generations
         branches = self.references.branch_rollouts or group
@@ -1250,6 +1327,9 @@ class TrainConfig:
             "lower them",
         )
         refuse_beyond_memory(f"eval_size={self.eval_size}", self.eval_size, tokens, "lower it")
+        if self.credit_method == "monte_carlo":  # a boundary's continuations are sampled at once
+            k = self.credit.monte_carlo.rollouts
+            refuse_beyond_memory(f"credit.monte_carlo.rollouts={k}", k, tokens, "lower it")
 
 
 RESUMABLE_FIELDS = (
@@ -1326,8 +1406,8 @@ class SFTConfig:
             raise ValueError("early_answer_prob must be in [0, 1]")
         if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
             raise ValueError("need 0 < target_accuracy <= max_accuracy <= 1")
-        if self.max_seconds < 0 or self.threads < 0:
-            raise ValueError("max_seconds and threads must be >= 0")
+        if self.max_seconds < 0:
+            raise ValueError("max_seconds must be >= 0")
         if self.batch_size < 1 or self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("batch_size, max_steps and eval_every must be >= 1")
         if min(self.hidden_size, self.num_layers, self.num_heads) < 1:
@@ -1342,6 +1422,11 @@ class SFTConfig:
             )
         if self.eval_size < 1 or self.max_new_tokens < 1:
             raise ValueError("eval_size and max_new_tokens must be >= 1")
+        refuse_bad_seed(self.seed)
+        refuse_bad_threads(self.threads, zero="torch's default")
+        tokens = self.max_new_tokens
+        refuse_beyond_memory(f"eval_size={self.eval_size}", self.eval_size, tokens, "lower it")
+        refuse_beyond_memory(f"batch_size={self.batch_size}", self.batch_size, tokens, "lower it")
         if not 0 <= self.stop_at_step <= self.max_steps:
             raise ValueError(
                 f"stop_at_step={self.stop_at_step} must be in [0, max_steps={self.max_steps}] "

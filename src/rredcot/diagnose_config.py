@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from rredcot.config import (
     help_field,
+    refuse_bad_seed,
+    refuse_bad_threads,
     refuse_beyond_memory,
     refuse_blank_path,
     refuse_non_finite,
@@ -138,6 +140,8 @@ class DiagnoseConfig:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         self.group_size_list()  # a bad list is refused before any model loads
+        refuse_bad_seed(self.seed, "--seed")
+        refuse_bad_threads(self.threads, "--threads", zero="torch's default")
         refuse_beyond_memory(
             f"--prompts {self.prompts} x --samples {self.samples}",
             self.prompts * self.samples,

@@ -21,10 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from rredcot import credit, runio
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, SamplingConfig
+from rredcot.config import (
+    CreditConfig,
+    SamplingConfig,
+    refuse_beyond_memory,
+    refuse_bytes_beyond_memory,
+)
 from rredcot.config_io import load_yaml, read_json_file
 from rredcot.credit_choice import check_method_name
 from rredcot.errors import UserError
@@ -38,7 +44,12 @@ from rredcot.integrations.saved import (
 from rredcot.methods.base import CreditContext, CreditOutput, build_credit
 from rredcot.models import load_policy, resolve_model_dir
 from rredcot.normalization import group_mean_std
-from rredcot.rollout import build_rollout_batch, fill_forward
+from rredcot.rollout import (
+    build_rollout_batch,
+    fill_forward,
+    prompt_special_tokens,
+    render_prompt,
+)
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt
@@ -314,6 +325,7 @@ def explain_checkpoint(
     an incorrect trace (or one trace when all agree)."""
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: sample at least one completion")
+    refuse_beyond_memory(f"--samples {args.samples}", args.samples, 1, "lower it")
     resolved, run_dir, saved, task = _explain_sources(args, task_args)
     if getattr(args, "method", None) is None:  # the run's own method, else the value head
         args.method = saved[0] if saved is not None else "value_head"
@@ -330,6 +342,12 @@ def explain_checkpoint(
     credit_cfg = _allowed_function(credit_cfg, args, run_dir)
     # read before the model loads: a refused trainer_state.pt stops the command at once
     method_state = read_method_state(run_dir) if own_run else None
+    problem = _explain_problem(args, task, example)
+    max_new_tokens = sampling.max_new_tokens or task.suggested_max_new_tokens() or 64
+    where = "--prompt" if args.prompt else "the prompt"
+    if not args.prompt and example is not None:
+        where = f"the example of {_settings_file(run_dir)}"
+    check_prompt_fits(resolved.policy_dir, problem, args.samples, max_new_tokens, where)
     attn = "eager" if args.method == "attention" else None
     policy, tokenizer = load_policy(str(resolved.policy_dir), attn_implementation=attn)
     segmenter = segmenter_from_config(credit_cfg, task.answer_line_pattern)
@@ -347,7 +365,6 @@ def explain_checkpoint(
             note = f" (head from {ckpt})"
         else:
             note = _untrained_note(args.method, run_dir, saved)
-    problem = _explain_problem(args, task, example)
     torch.manual_seed(args.seed)
     batch, _ = build_rollout_batch(
         policy,
@@ -356,7 +373,7 @@ def explain_checkpoint(
         [problem],
         segmenter,
         num_generations=args.samples,
-        max_new_tokens=sampling.max_new_tokens or task.suggested_max_new_tokens() or 64,
+        max_new_tokens=max_new_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
     )
@@ -368,6 +385,42 @@ def explain_checkpoint(
     if not sections:
         raise ValueError("every sampled completion was empty or skipped; nothing to show")
     return sections
+
+
+def check_prompt_fits(policy_dir: Path, problem: Problem, rows: int, max_new: int, where: str):
+    """Refuse, before the model loads, a prompt that does not fit the model's context with
+    ``max_new`` new tokens, or whose ``rows`` samples cannot fit this machine's memory (their
+    KV cache, and one row's attention scores and logits: a lower bound of what sampling and
+    scoring them needs); reads only the model's config and tokenizer."""
+    try:
+        config = AutoConfig.from_pretrained(str(policy_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    except (OSError, ValueError, KeyError):  # load_policy says what is wrong with the model
+        return
+    text = render_prompt(problem, tokenizer)
+    special = prompt_special_tokens(tokenizer)
+    prompt = len(tokenizer(text, add_special_tokens=special)["input_ids"])
+    length = prompt + max_new
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and length > limit:
+        raise UserError(
+            f"{where} is {prompt:,} tokens, {length:,} positions with {max_new} new tokens: more "
+            f"than the model's {limit:,}; give a shorter prompt (--prompt) or a model with a "
+            "longer context"
+        )
+    get = lambda name, default=1: int(getattr(config, name, None) or default)  # noqa: E731
+    heads, layers = get("num_attention_heads"), get("num_hidden_layers")
+    kv_width = get("num_key_value_heads", heads) * (
+        get("head_dim", 0) or get("hidden_size") // heads
+    )
+    need = 4 * (rows * length * 2 * layers * kv_width + heads * length**2)
+    need += 4 * length * get("vocab_size")
+    refuse_bytes_beyond_memory(
+        f"{where} ({prompt:,} tokens) x --samples {rows}",
+        need,
+        "their KV cache, one row's attention scores and logits",
+        "give a shorter prompt or fewer --samples",
+    )
 
 
 def _explain_sources(args: argparse.Namespace, task_args: dict):

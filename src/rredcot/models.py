@@ -334,6 +334,79 @@ def resolve_model_dir(name_or_path: str | os.PathLike, log=None) -> str:
     return name
 
 
+HUB_CONNECT_SECONDS = 5.0
+"""How long :func:`hub_unreachable` waits for the hub's address and a connection to it."""
+
+
+def _offline_env() -> str | None:
+    """The variable that puts huggingface_hub offline (``HF_HUB_OFFLINE=1``), if one is set."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name} is set"
+    return None
+
+
+def hub_unreachable(timeout: float = HUB_CONNECT_SECONDS) -> str | None:
+    """Why the model hub cannot be reached (offline mode, no name resolution, no connection),
+    found within ``timeout`` seconds; None where a connection opens."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    offline = _offline_env()
+    if offline:
+        return offline
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlsplit(endpoint)
+    host, port = url.hostname or "", url.port or (80 if url.scheme == "http" else 443)
+    found: list = []
+
+    def resolve() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as err:
+            found.append(err)
+
+    worker = threading.Thread(target=resolve, daemon=True)  # getaddrinfo has no timeout
+    worker.start()
+    worker.join(timeout)
+    if not found:
+        return f"{host} did not resolve within {timeout:g} s"
+    if isinstance(found[0], OSError):
+        return f"{host} does not resolve ({found[0].strerror or found[0]})"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"no connection to {host}:{port} ({err.strerror or err})"
+    return None
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether the hub cache holds model ``name`` (its config.json)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # a name the hub would refuse: not cached
+        return False
+
+
+def hub_options(name: str) -> dict[str, Any]:
+    """``from_pretrained`` options for hub id ``name``: ``local_files_only`` where the hub
+    cannot be reached but its cache holds the model; where it holds none, a one-line
+    ``UserError`` at once (huggingface_hub's retries took 30-55 s and 5-10 lines)."""
+    reason = hub_unreachable()
+    if reason is None:
+        return {}
+    if _hub_cached(name):
+        return {"local_files_only": True}
+    raise UserError(
+        f"{name!r} is not a local path and the model hub cannot be reached ({reason}), nor is it "
+        "in the hub cache; pass a local model directory (save_pretrained output), a .gguf file "
+        f"or the shipped model {DEFAULT_REAL_MODEL}, or connect and try again"
+    )
+
+
 def looks_like_path(name: str) -> bool:
     return (
         name.startswith(("/", "./", "../", "~", "\\"))
@@ -365,7 +438,8 @@ def load_policy(
     loading dtype. `attn_implementation` (`"eager"`, `"sdpa"`, ...) is not stored in checkpoints:
     `None` takes transformers' default (sdpa), which returns no attention weights; the
     attention-attribution baseline needs `"eager"`. The model is returned in eval mode on `device`
-    (if given). A hub id that cannot be reached fails only after huggingface_hub's retries.
+    (if given). A hub id is loaded from the hub cache alone where the hub cannot be reached,
+    and refused at once where the cache does not hold it (:func:`hub_options`).
     """
     torch_dtype = _as_dtype(dtype)  # bad names fail before any loading
     name = resolve_model_dir(name_or_path)
@@ -376,13 +450,16 @@ def load_policy(
             "(e.g. the output of `rredcot sft`), a .gguf file, a hub model id or a shipped model "
             f"({', '.join(SHIPPED_MODELS)})"
         )
+    hub = {}
     if os.path.exists(expanded):
         name = expanded
+    else:  # a hub id: refused at once where the hub cannot be reached and has not cached it
+        hub = hub_options(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **hub)
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kwargs
+            name, dtype=torch_dtype, trust_remote_code=trust_remote_code, **hub, **kwargs
         )
     except pickle.UnpicklingError as e:  # a .bin that torch.load(weights_only=True) refused
         from rredcot.runio import unsafe_objects  # lazy: runio is the run directory's module
@@ -406,6 +483,16 @@ def load_policy(
             f"tokenizer files (save_pretrained output). Cause: {type(e).__name__}: {cause}"
         ) from e
 
+    _set_pad_token(model, tokenizer, name, padding_side)
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _set_pad_token(model, tokenizer, name: str, padding_side: str) -> None:
+    """Give the tokenizer a pad token (its eos token where it has none, also written into the
+    model and generation configs) and ``padding_side``."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name!r} has neither a pad nor an eos token; set one")
@@ -419,10 +506,6 @@ def load_policy(
             gen.pad_token_id = tokenizer.pad_token_id
         if gen.eos_token_id is None and tokenizer.eos_token_id is not None:
             gen.eos_token_id = tokenizer.eos_token_id
-    if device is not None:
-        model = model.to(device)
-    model.eval()
-    return model, tokenizer
 
 
 def is_activation_checkpointing(model: Any) -> bool:

@@ -122,6 +122,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def check_device(cfg: TrainConfig) -> torch.device:
+    """The run's device (:func:`resolve_device`), and a dtype it cannot train in refused: float16
+    on the CPU samples inf/nan probabilities within a step or two."""
+    device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.model.dtype == "float16":
+        raise UserError(
+            "model.dtype=float16 does not train on the CPU (its probabilities overflow to inf or "
+            "nan within a step or two); use --model.dtype float32 or bfloat16, or a GPU"
+        )
+    return device
+
+
 def check_names(cfg: TrainConfig) -> None:
     """Check every name and value of ``cfg`` that needs no model (the credit method, the task
     and its parameters, the segmenter, the advantage normalisation, a process-reward method's
@@ -283,6 +295,7 @@ def build_train_parts(cfg: TrainConfig, log=print) -> TrainParts:
 
     task = get_task(cfg.task, **cfg.task_args)
     resolve_max_new_tokens(cfg, task)
+    cfg.refuse_sizes_beyond_memory()  # with the task's length, before the model loads
     policy, tokenizer, source = load_train_policy(cfg, task, log=log)
     resolve_model_defaults(cfg, tokenizer, log)
     policy.to(device)

@@ -61,9 +61,9 @@ from rredcot.seeding import seed_everything, step_seed
 from rredcot.train_setup import (
     build_method,
     build_train_parts,
+    check_device,
     check_names,
     is_main_process,
-    resolve_device,
 )
 
 
@@ -75,7 +75,7 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.run_dir = Path(cfg.out)
-        resolve_device(cfg.device)  # refuse a device the machine lacks before anything else
+        check_device(cfg)  # a device the machine lacks (or its dtype) before anything else
         check_names(cfg)  # a typo fails before the run directory or a model is touched
         references.check_run(cfg)  # references.mode on a task without reference solutions
         main = is_main_process()

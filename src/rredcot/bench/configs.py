@@ -18,7 +18,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rredcot.config import help_field, refuse_blank_path, refuse_non_finite
+from rredcot.config import (
+    help_field,
+    refuse_bad_seed,
+    refuse_bad_threads,
+    refuse_blank_path,
+    refuse_non_finite,
+)
 from rredcot.errors import require_extra
 
 METHODS_HELP = (
@@ -167,6 +173,7 @@ class LearnBenchConfig:
         refuse_blank_path(self.out)
         if self.seeds < 1:
             raise ValueError("--seeds must be >= 1")
+        refuse_bad_seed(self.first_seed + self.seeds - 1, "--first-seed + --seeds - 1")
         for name in ("budget_tokens", "budget_seconds", "budget_compute"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: none)")
@@ -243,8 +250,10 @@ class PeerBenchConfig:
         for name in ("prompts", "generations", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
-        if self.warmup < 0 or self.threads < 0:
-            raise ValueError("--warmup and --threads must be >= 0")
+        if self.warmup < 0:
+            raise ValueError("--warmup must be >= 0")
+        refuse_bad_threads(self.threads, "--threads", zero="each trainer's own default")
+        refuse_bad_seed(self.seed, "--seed")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
 
@@ -307,6 +316,8 @@ class MemoryBenchConfig:
                 "--steps and --prompts-per-step must be >= 1, --threads and "
                 "--micro-batch-tokens >= 0"
             )
+        refuse_bad_threads(self.threads, "--threads", zero="rredcot train's auto")
+        refuse_bad_seed(self.seed, "--seed")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ValueError(
                 f"--timeout {self.timeout}: give the seconds each measurement may run (> 0)"

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from rredcot import credit as credit_algebra
 from rredcot.batch import RolloutBatch
-from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import from_dict
+from rredcot.config import CreditConfig, SamplingConfig, refuse_beyond_memory
+from rredcot.config_io import brief, from_dict
 from rredcot.credit_choice import SUCCESS, policy_figures
 from rredcot.credit_scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.diagnose.figures import (
@@ -51,7 +52,13 @@ from rredcot.explain_model import (
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
-from rredcot.rollout import build_rollout_batch, eval_mode, policy_forward, segment_batch
+from rredcot.rollout import (
+    build_rollout_batch,
+    context_limit,
+    eval_mode,
+    policy_forward,
+    segment_batch,
+)
 from rredcot.segment import segmenter_from_config
 from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
@@ -415,6 +422,51 @@ def _settings(task: Task, cfg: DiagnoseConfig, sampling: SamplingConfig | None) 
     return {"temperature": temperature, "top_p": top_p, "max_new_tokens": int(max_new)}
 
 
+def refuse_lengths(task: Task, cfg: DiagnoseConfig, s: dict, limit: int | None) -> None:
+    """Refuse, before any prompt is made (a task sized past the model took minutes to make
+    its prompts), a completion length ``s["max_new_tokens"]`` that leaves no room for a prompt
+    in the policy's ``limit`` positions, or prompts x samples rows of it beyond memory."""
+    max_new = s["max_new_tokens"]
+    if limit is not None and max_new >= limit:
+        raise UserError(
+            f"task {task.name}{_changed_params(task)} asks for {max_new:,} new tokens, no room "
+            f"for a prompt in the policy's {limit:,} positions; size the task down (e.g. "
+            "--task.num_steps), give a smaller --max-new-tokens, or a model with a longer context"
+        )
+    refuse_beyond_memory(
+        f"--prompts {cfg.prompts} x --samples {cfg.samples}",
+        cfg.prompts * cfg.samples,
+        max_new,
+        "lower them",
+    )
+
+
+def _task_params(task: Task) -> dict[str, Any]:
+    """The task's parameters as a dict (none where they are not a dataclass)."""
+    return dataclasses.asdict(task.params) if dataclasses.is_dataclass(task.params) else {}
+
+
+def _changed_params(task: Task) -> str:
+    """`` (name=value, ...)``: the task's parameters that differ from their defaults."""
+    params = task.params
+    if not dataclasses.is_dataclass(params):
+        return ""
+    changed = [
+        f"{f.name}={brief(getattr(params, f.name), 40)}"
+        for f in dataclasses.fields(params)
+        if f.default is not dataclasses.MISSING and getattr(params, f.name) != f.default
+    ]
+    return f" ({', '.join(changed)})" if changed else ""
+
+
+def saved_context_limit(model_dir: Path) -> int | None:
+    """The positions of the model saved in ``model_dir`` (its config's
+    max_position_embeddings), read without loading it; None where it is not a local model."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return None
+    return getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None)
+
+
 def diagnose(
     policy,
     tokenizer,
@@ -444,6 +496,7 @@ def diagnose(
     cfg = config or DiagnoseConfig()
     t_start = time.perf_counter()
     s = _settings(task, cfg, sampling)
+    refuse_lengths(task, cfg, s, context_limit(policy))
     credit_cfg = dataclasses.replace(credit or CreditConfig(), separate_answer=True)
     if cfg.segmenter:
         credit_cfg = dataclasses.replace(credit_cfg, segmenter=cfg.segmenter)
@@ -464,9 +517,7 @@ def diagnose(
     settings = {
         "policy": source or getattr(getattr(policy, "config", None), "_name_or_path", ""),
         "task": task.name,
-        "task_params": dataclasses.asdict(task.params)
-        if dataclasses.is_dataclass(task.params)
-        else {},
+        "task_params": _task_params(task),
         "prompts": len(problems),
         "samples": cfg.samples,
         "group_sizes": sizes,
@@ -606,6 +657,9 @@ def diagnose_source(cfg: DiagnoseConfig, log=print) -> DiagnoseReport:
     read_task_data(task)
     saved = run_credit_config(resolved.run_dir)
     credit_cfg, sampling = (saved[1], saved[2]) if saved else (None, None)
+    refuse_lengths(
+        task, cfg, _settings(task, cfg, sampling), saved_context_limit(resolved.policy_dir)
+    )
     policy, tokenizer = load_policy(str(resolved.policy_dir))
     policy.to(device)
     return diagnose(

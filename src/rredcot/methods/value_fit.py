@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rredcot.config import ValueHeadConfig
+from rredcot.config import HEAD_BYTES_PER_WEIGHT, ValueHeadConfig, refuse_bytes_beyond_memory
 from rredcot.normalization import masked_mean
 
 __all__ = ["INIT_SEED", "ValueFit", "ValueMLP", "td_lambda_targets"]
@@ -100,7 +100,16 @@ class ValueFit:
         self.replay: deque[dict[str, Tensor]] = deque(maxlen=max(config.replay, 1))
 
     def build(self, input_size: int, hidden_size: int, extra_size: int) -> None:
-        """A fresh head (its initial weights do not consume the global RNG), target, optimiser."""
+        """A fresh head (its initial weights do not consume the global RNG), target, optimiser;
+        a head that cannot fit this machine's memory is refused before it is allocated."""
+        weights = (input_size + extra_size + 2) * hidden_size + 1
+        copies = 2 if self.config.ema > 0 else 1  # the EMA target is one more copy
+        refuse_bytes_beyond_memory(
+            f"credit.value_head.hidden_size={hidden_size}",
+            weights * HEAD_BYTES_PER_WEIGHT * copies,
+            f"a head of {weights:,} weights ({input_size + extra_size} inputs)",
+            "lower it (0: auto, about 1% of the policy)",
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)
             head = ValueMLP(input_size, hidden_size, extra_size=extra_size)

@@ -222,11 +222,12 @@ def expected_calibration_error(
 ) -> float:
     """ECE of predicted probabilities against 0/1 outcomes over the masked entries: the
     count-weighted mean over ``num_bins`` equal-width bins of ``|mean(pred) - mean(target)|``.
-    Predictions are clipped to ``[0, 1]``. NaN when nothing is masked in."""
+    Predictions are clipped to ``[0, 1]``. NaN when nothing is masked in or a prediction is
+    not finite (a head that diverged)."""
     m = mask.bool()
     p = pred[m].float().clamp(0.0, 1.0)
     y = target[m].float()
-    if p.numel() == 0:
+    if p.numel() == 0 or not bool(torch.isfinite(p).all()):
         return float("nan")
     bins = (p * num_bins).long().clamp(max=num_bins - 1).cpu()
     p_sum = torch.zeros(num_bins).index_add(0, bins, p.cpu())

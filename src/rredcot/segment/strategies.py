@@ -186,7 +186,8 @@ _SENTENCE_END = re.compile(
     r"|[\u3002\uff01\uff1f]+[\u300d\u300f\uff09\u201d\u2019]*"  # CJK 。！？ (and closing 」』）)
     r"|\n"
 )
-_LIST_MARKER = re.compile(r"[^\S\n]*\d{1,3}")
+_LINE_BLANKS = re.compile(r"[^\S\n]*")  # a list marker is these, then 1-3 digits and "."
+_DIGITS = re.compile(r"\d{1,3}")
 _MATH = re.compile(
     r"\$\$.+?\$\$"  # display $$...$$
     r"|\\\[.+?\\\]"  # display \[...\]
@@ -221,16 +222,49 @@ def _inside(regions: list[tuple[int, int]], pos: int) -> bool:
     return k >= 0 and regions[k][0] <= pos < regions[k][1]
 
 
-def _is_non_final_period(text: str, dot: int) -> bool:
-    """True for the "." of an abbreviation ("e.g.") or of a list marker at a line start ("2.")."""
-    if text[dot] != ".":
-        return False
-    word_start = max(text.rfind(" ", 0, dot), text.rfind("\n", 0, dot), text.rfind("\t", 0, dot))
-    word = text[word_start + 1 : dot + 1].lstrip("([{\"'\u201c\u2018")
-    if word.lower() in _ABBREVIATIONS:
-        return True
-    line_start = text.rfind("\n", 0, dot) + 1
-    return _LIST_MARKER.fullmatch(text, line_start, dot) is not None
+_OPENERS = "([{\"'\u201c\u2018"  # stripped from the front of a word before the abbreviation test
+_LONGEST_ABBREVIATION = max(map(len, _ABBREVIATIONS))
+
+
+class _PeriodTest:
+    """Tells the "." of an abbreviation ("e.g.") or of a list marker at a line start ("2.")
+    from a sentence end, for the dots of one text in increasing order: the last word break and
+    line start are carried forward, so a text is read once (a long line of many sentences stays
+    linear, not quadratic)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.seen = 0  # text[:seen] has been searched for word breaks and line starts
+        self.word_break = -1  # the last " ", "\n" or "\t" before `seen`
+        self.line_start = 0
+        self.word_start = (-2, 0)  # (word_break, first character after it that is no opener)
+        self.first_blank = (-1, 0)  # (line_start, first character of that line that is no blank)
+
+    def non_final(self, dot: int) -> bool:
+        text = self.text
+        if text[dot] != ".":
+            return False
+        if dot > self.seen:
+            found = max(text.rfind(c, self.seen, dot) for c in " \n\t")
+            self.word_break = max(self.word_break, found)
+            self.line_start = max(self.line_start, text.rfind("\n", self.seen, dot) + 1)
+            self.seen = dot
+        if self.word_start[0] != self.word_break:
+            start = self.word_break + 1
+            while start < dot and text[start] in _OPENERS:
+                start += 1
+            self.word_start = (self.word_break, start)
+        start = self.word_start[1]
+        if (
+            dot + 1 - start <= _LONGEST_ABBREVIATION
+            and text[start : dot + 1].lower() in _ABBREVIATIONS
+        ):
+            return True
+        if self.first_blank[0] != self.line_start:
+            blank = _LINE_BLANKS.match(text, self.line_start)
+            self.first_blank = (self.line_start, blank.end())
+        first = self.first_blank[1]
+        return 1 <= dot - first <= 3 and _DIGITS.fullmatch(text, first, dot) is not None
 
 
 @register_segmenter("sentence")
@@ -243,9 +277,10 @@ def _sentence(text: str, arg: None) -> list[int]:
     have no whitespace after the ``.`` so they never split.
     """
     math = _math_regions(text)
+    period = _PeriodTest(text)
     cuts = []
     for m in _SENTENCE_END.finditer(text):
-        if _inside(math, m.start()) or _is_non_final_period(text, m.start()):
+        if _inside(math, m.start()) or period.non_final(m.start()):
             continue
         cuts.append(m.end())
     return cuts

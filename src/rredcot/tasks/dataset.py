@@ -200,6 +200,8 @@ def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path} line {lineno}"
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark,
+                raw = raw[3:]  # as --config and .json data accept one
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -230,7 +232,7 @@ def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
 
 def _read_json(path: Path, limit: int | None) -> list[Row]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is allowed
     except UnicodeDecodeError as e:
         raise DataError(
             f"{path} is not UTF-8 text (byte offset {e.start}); re-save it as UTF-8"
