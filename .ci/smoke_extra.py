@@ -114,7 +114,7 @@ def smoke_bench(work: Path) -> None:
     import torch
 
     from rredcot.bench.stats import interval_estimate, probability_of_improvement
-    from rredcot.credit_scores import spearman
+    from rredcot.explain.scores import spearman
 
     assert spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 4.0, 9.0])) == 1.0
     assert interval_estimate([0.5, 0.6, 0.7])["iqm"] == 0.6

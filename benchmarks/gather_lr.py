@@ -35,7 +35,7 @@ SPECS = {
     "cl_flow_off": "continuation_likelihood:lam=0:anchor=none:handover.mode=off",
     "vh_merge": "value_head:segmenter=newline+merge:fraction=0.5",
     "cl_rw_merge": "continuation_likelihood:form=reweight:segmenter=newline+merge:fraction=0.5",
-    # the reference baselines (issue 40, rredcot.references): the reference solutions trained
+    # the reference baselines (issue 40, rredcot.training.references): the reference solutions trained
     # on in groups with no correct sample, their tokens charged to the budget
     "ref_sft": "uniform:references.mode=sft:references.sft_coef=0.1",
     "ref_sft_c1": "uniform:references.mode=sft:references.sft_coef=1.0",

@@ -31,8 +31,8 @@ import torch
 from long_chain_gradient_share import region_shares  # benchmarks/ (the script's folder)
 
 from rredcot.config import TrainConfig
-from rredcot.config_io import resolve_config
-from rredcot.trainer import Trainer
+from rredcot.config.io import resolve_config
+from rredcot.training.trainer import Trainer
 
 
 def group_agreement(batches) -> dict[str, float]:

@@ -31,7 +31,7 @@ import json
 import torch
 
 from rredcot.config import TrainConfig
-from rredcot.config_io import resolve_config
+from rredcot.config.io import resolve_config
 from rredcot.diagnose import (
     KIND,
     chunk_from_batch,
@@ -39,7 +39,7 @@ from rredcot.diagnose import (
     per_unit_sums,
     token_probabilities,
 )
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 
 REGIONS = ("correct_prefix", "slip_segment", "after_slip")
 # the library's segment kinds of a labelled wrong trace -> this script's regions

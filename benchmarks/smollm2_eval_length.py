@@ -22,7 +22,7 @@ import time
 import torch
 
 from rredcot.models import load_policy
-from rredcot.rollout import checked_verify, render_prompt, sample
+from rredcot.sampling.rollout import checked_verify, render_prompt, sample
 from rredcot.tasks import get_task
 
 

@@ -120,7 +120,7 @@ def make_rollout_batch(
     seed: int = 0,
 ):
     """A real RolloutBatch: sampled, verified, segmented, with old log-probs and hidden states."""
-    from rredcot.rollout import build_rollout_batch, fill_forward
+    from rredcot.sampling.rollout import build_rollout_batch, fill_forward
     from rredcot.segment import get_segmenter
 
     torch.manual_seed(seed)
@@ -145,7 +145,7 @@ def rollout_batch(tiny_policy, char_tokenizer, arithmetic_task):
 @pytest.fixture(scope="session")
 def warm_checkpoint(tmp_path_factory):
     """A briefly warm-started tiny policy on 3-step arithmetic (shared by the slower tests)."""
-    from rredcot.sft import SFTConfig, run_sft
+    from rredcot.training.sft import SFTConfig, run_sft
 
     out = tmp_path_factory.mktemp("warm") / "policy"
     run_sft(
@@ -197,7 +197,7 @@ def reset_accelerator_state():
 def one_line_error(argv, capsys) -> str:
     """Run the CLI on ``argv``: it must exit 2 with exactly one ``rredcot: error:`` line and no
     traceback (transformers' own progress bars may come first); returns that line."""
-    from rredcot.cli import main
+    from rredcot.cli.main import main
 
     capsys.readouterr()
     assert main(argv) == 2
@@ -210,7 +210,7 @@ def one_line_error(argv, capsys) -> str:
 @pytest.fixture(scope="session")
 def uniform_micro_run(init_dir, tmp_path_factory):
     """A finished 2-step uniform micro run, checkpointed every step (copy it with run_copy)."""
-    from rredcot.trainer import Trainer
+    from rredcot.training.trainer import Trainer
 
     run = tmp_path_factory.mktemp("uniform_micro") / "run"
     cfg = micro_config(init_dir, run, steps=2, checkpoint_every=1, eval_every=0)

@@ -9,15 +9,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rredcot.credit import (
+from rredcot.algebra.credit import (
     Values,
     Weights,
     segment_credit,
     segment_token_counts,
     token_advantages,
 )
-from rredcot.normalization import advantage_scale, batch_std, get_normalizer, group_mean_std
-from rredcot.tensor_checks import as_bool, as_float, check_ndim, check_shape
+from rredcot.algebra.normalization import advantage_scale, batch_std, get_normalizer, group_mean_std
+from rredcot.algebra.tensor_checks import as_bool, as_float, check_ndim, check_shape
 
 
 def grpo_advantages(

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import credit_reference
-from rredcot import credit, normalization
+from rredcot.algebra import credit, normalization
 from rredcot.config import AnswerLikelihoodConfig, CreditConfig, HandoverConfig, ValueHeadConfig
-from rredcot.config_io import from_dict
+from rredcot.config.io import from_dict
 from rredcot.methods.answer_likelihood import answer_values
 from rredcot.methods.answer_probes import (
     ProbeFormat,
@@ -778,7 +778,7 @@ class _FullLogits(torch.nn.Module):
 
 def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_model, think_groups):
     from rredcot.methods.value_head import NUM_LOGPROB_FEATURES
-    from rredcot.rollout import fill_forward
+    from rredcot.sampling.rollout import fill_forward
 
     model, task = think_model
     batch = fill_forward(model, copy.copy(think_groups), hidden_layers=(-1,))

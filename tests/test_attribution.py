@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rredcot import credit, normalization
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit, normalization
 from rredcot.config import CreditConfig
 from rredcot.methods.attribution import (
     answer_line_starts,
@@ -24,7 +23,8 @@ from rredcot.methods.attribution import (
     tokens_to_segment_weights,
 )
 from rredcot.methods.base import CreditContext, get_credit
-from rredcot.rollout import encode_prompts
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import encode_prompts
 from rredcot.segment import get_segmenter, token_offsets
 
 

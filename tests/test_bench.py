@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-import rredcot.trainer as trainer_module
+import rredcot.training.trainer as trainer_module
 from rredcot.bench.configs import LEARN_LR
 from rredcot.bench.credit import credit_markdown, fit_method, merge_credit_reports, resegment
 from rredcot.bench.learn import (
@@ -26,9 +26,9 @@ from rredcot.bench.learn import (
 from rredcot.bench.overhead import PHASES, OverheadBenchConfig, run_overhead_bench
 from rredcot.bench.report import fmt, interpolate_runs, markdown_table
 from rredcot.bench.variants import parse_set, parse_variants
-from rredcot.cli import main
+from rredcot.cli.main import main
 from rredcot.config import TrainConfig
-from rredcot.credit_scores import per_trace_spearman, sign_agreement, spearman, value_errors
+from rredcot.explain.scores import per_trace_spearman, sign_agreement, spearman, value_errors
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.base import Problem, Task
 
@@ -193,7 +193,7 @@ def test_report_helpers():
 
 
 def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokenizer):
-    from rredcot.rollout import build_rollout_batch
+    from rredcot.sampling.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
     task = _FirstCharTask()
@@ -224,7 +224,7 @@ def test_resegment_equals_sampling_with_that_segmenter(tiny_policy, char_tokeniz
 
 def _sampled_at_0_7(policy, tokenizer, seed: int):
     """6 completions of 2 first-char prompts at temperature 0.7, cut every 6 tokens."""
-    from rredcot.rollout import build_rollout_batch
+    from rredcot.sampling.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
     torch.manual_seed(seed)
@@ -246,7 +246,7 @@ def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
 ):
     """The credit bench cuts entropy strategies at the entropies the trainer reads from its
     forward (at the sampling temperature); without the policy it says what is missing."""
-    from rredcot.rollout import policy_forward, segment_batch
+    from rredcot.sampling.rollout import policy_forward, segment_batch
     from rredcot.segment import get_segmenter
 
     batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=3)
@@ -271,7 +271,7 @@ def test_fit_batches_are_cut_and_scored_at_the_sampling_temperature(tiny_policy,
     """A learned method is fitted on batches cut by the entropy strategy and carrying the old
     log-probs and hidden states of one scoring pass at the sampling temperature, as in training."""
     from rredcot.bench.configs import CreditBenchConfig
-    from rredcot.rollout import policy_forward, segment_batch
+    from rredcot.sampling.rollout import policy_forward, segment_batch
     from rredcot.segment import get_segmenter
 
     batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=4)
@@ -564,7 +564,7 @@ def test_bench_learn_budget_seconds_stops_on_training_time_and_resumes(
 
 def test_a_compute_budget_stops_the_run_at_the_step_that_reaches_it(init_dir, tmp_path):
     from conftest import micro_config
-    from rredcot.trainer import Trainer, step_compute
+    from rredcot.training.trainer import Trainer, step_compute
 
     # the weights: a sampled token 1 forward, a scored one 1 per pass, a trained one 3 (forward
     # and backward), the credit's forwards 1, backwards 2, generated 1: 10 sampled tokens, 12

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rredcot.config import CreditConfig
-from rredcot.config_io import from_dict
+from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.continuation_likelihood import (
     cheap_values_from_scorer,
@@ -225,7 +225,7 @@ def test_bad_cheap_options_fail_with_the_field_name():
 
 def test_presets_name_their_settings_and_take_more():
     from rredcot.bench.variants import parse_variants
-    from rredcot.credit_choice import CHEAP_SETTINGS, FLOW_SETTINGS
+    from rredcot.methods.auto import CHEAP_SETTINGS, FLOW_SETTINGS
 
     flow, cheap, wide = parse_variants(
         "cl_flow,cl_cheap,cl_w2=cl_cheap:continuation_likelihood.window=2"

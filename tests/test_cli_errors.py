@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rredcot
-from rredcot.cli import build_parser, main
+from rredcot.cli.main import build_parser, main
 
 
 def _subcommands(parser: argparse.ArgumentParser, prefix=()):
@@ -205,14 +205,14 @@ def test_an_unknown_name_fails_before_any_model_is_loaded(tmp_path, monkeypatch,
     """`--credit no-such-method` (and every other name the config holds) is refused at once,
     listing the valid names: no run directory is made and no model is built or loaded."""
     import rredcot.models
-    import rredcot.train_setup
+    import rredcot.training.setup
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was built or loaded before the names were checked")
 
     for module, name in [
-        (rredcot.train_setup, "load_train_policy"),
-        (rredcot.train_setup, "load_policy"),
+        (rredcot.training.setup, "load_train_policy"),
+        (rredcot.training.setup, "load_policy"),
         (rredcot.models, "load_policy"),
         (rredcot.models, "build_tiny_llama"),
     ]:
@@ -282,12 +282,12 @@ def test_stdin_keeps_its_line_ends_as_a_file_does(tmp_path, monkeypatch, capsys)
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
-    import rredcot.cli_train
+    import rredcot.cli.train
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in rredcot")
 
-    monkeypatch.setattr(rredcot.cli_train, "train", broken)
+    monkeypatch.setattr(rredcot.cli.train, "train", broken)
     with pytest.raises(RuntimeError, match="a bug in rredcot"):
         main(["train", "--out", str(tmp_path / "r")])
 
@@ -429,16 +429,16 @@ def test_names_and_data_fail_before_explain_or_diagnose_loads_a_model(
     init_dir, tmp_path, monkeypatch, capsys
 ):
     import rredcot.diagnose.measure
-    import rredcot.explain_model
-    import rredcot.train_setup
+    import rredcot.explain.model
+    import rredcot.training.setup
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the names and the data were checked")
 
-    for module in (rredcot.explain_model, rredcot.diagnose.measure, rredcot.train_setup):
+    for module in (rredcot.explain.model, rredcot.diagnose.measure, rredcot.training.setup):
         monkeypatch.setattr(module, "load_policy", no_loading)
     monkeypatch.setattr(rredcot.diagnose.measure, "default_policy_source", no_loading)
-    monkeypatch.setattr(rredcot.train_setup, "default_policy_source", no_loading)
+    monkeypatch.setattr(rredcot.training.setup, "default_policy_source", no_loading)
     bad_data = tmp_path / "data.jsonl"
     bad_data.write_text('{"question": "1+1?"}\n{not json\n')
     dataset = ["--task", "dataset", "--task.data", str(bad_data)]

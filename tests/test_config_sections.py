@@ -11,7 +11,7 @@ import yaml
 
 from rredcot.bench.cli import bench_config
 from rredcot.bench.variants import parse_variant
-from rredcot.cli import build_parser
+from rredcot.cli.main import build_parser
 from rredcot.config import (
     AnswerLikelihoodConfig,
     CreditConfig,
@@ -20,7 +20,7 @@ from rredcot.config import (
     TrainConfig,
     ValueHeadConfig,
 )
-from rredcot.config_io import from_dict, resolve_config, to_dict
+from rredcot.config.io import from_dict, resolve_config, to_dict
 from rredcot.methods.base import CreditContext, build_credit, credit_names, credit_options
 
 

@@ -11,10 +11,9 @@ import torch
 
 import credit_reference
 from metrics_doc import undocumented
-from rredcot import credit
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit
 from rredcot.config import CreditConfig
-from rredcot.config_io import from_dict
+from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.continuation_likelihood import (
     continuation_values,
@@ -23,6 +22,7 @@ from rredcot.methods.continuation_likelihood import (
 )
 from rredcot.methods.probe_logprobs import Probe
 from rredcot.models import build_tiny_llama
+from rredcot.sampling.batch import RolloutBatch
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 from text_batches import batch_from_texts

@@ -1,4 +1,4 @@
-"""Tests of the credit algebra (src/rredcot/credit.py) against python-loop references."""
+"""Tests of the credit algebra (src/rredcot/algebra/credit.py) against python-loop references."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import credit_reference
 from credit_reference import grpo_advantages, token_advantages_from_values
-from rredcot import credit, normalization, shared_prefixes
-from rredcot.credit import (
+from rredcot.algebra import credit, normalization, shared_prefixes
+from rredcot.algebra.credit import (
     agreeing_rows,
     boundaries_to_segment_ids,
     drop_small_tails,
@@ -23,7 +23,7 @@ from rredcot.credit import (
     segments_to_tokens,
     weights_to_segment_rewards,
 )
-from rredcot.normalization import (
+from rredcot.algebra.normalization import (
     get_normalizer,
     group_mean_std,
     masked_mean,

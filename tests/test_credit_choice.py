@@ -14,12 +14,13 @@ import pytest
 import torch
 import yaml
 
-import rredcot.credit_choice as credit_choice
-import rredcot.train_setup as train_setup
-import rredcot.trainer as trainer_module
+import rredcot.methods.auto as credit_choice
+import rredcot.training.setup as train_setup
+import rredcot.training.trainer as trainer_module
 from conftest import micro_config
 from rredcot.config import CreditConfig, TrainConfig
-from rredcot.credit_choice import (
+from rredcot.diagnose import verdict
+from rredcot.methods.auto import (
     FLOW_METHOD,
     FLOW_SETTINGS,
     MEASUREMENTS,
@@ -30,10 +31,9 @@ from rredcot.credit_choice import (
     flow_flags,
     group_outcomes,
 )
-from rredcot.diagnose import verdict
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer, train
+from rredcot.training.trainer import Trainer, train
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

@@ -1,4 +1,4 @@
-"""The fast decoding loop (rredcot.decode) against Hugging Face ``generate``: the same tokens
+"""The fast decoding loop (rredcot.sampling.decode) against Hugging Face ``generate``: the same tokens
 greedily and, from the same RNG state, when sampling; the distribution of every drawn token is
 the one the loss forward scores."""
 
@@ -16,8 +16,8 @@ from transformers import (
 )
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from rredcot import decode
-from rredcot.rollout import encode_prompts, policy_forward, resolve_decoder, sample
+from rredcot.sampling import decode
+from rredcot.sampling.rollout import encode_prompts, policy_forward, resolve_decoder, sample
 from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n", "(3+4)*5-6=?\n"]  # different lengths: left padding
@@ -183,7 +183,7 @@ def test_drawn_tokens_logprobs_equal_the_loss_forward(policy, char_tokenizer, te
         temperature=temperature,
         return_logprobs=True,
     )
-    from rredcot.rollout import response_mask_from_ids
+    from rredcot.sampling.rollout import response_mask_from_ids
 
     response_mask = response_mask_from_ids(tokens, char_tokenizer.eos_token_id)
     full_ids = torch.cat([ids.repeat_interleave(G, 0), tokens], dim=1)

@@ -315,7 +315,7 @@ def test_config_refuses_bad_sizes_before_loading():
 
 
 def test_cli_end_to_end_on_a_tiny_model(init_dir, tmp_path, capsys):
-    from rredcot.cli import main
+    from rredcot.cli.main import main
 
     out = tmp_path / "diag"
     argv = ["diagnose", "--policy", str(init_dir), "--task.num_steps", "2", "--prompts", "3"]
@@ -345,7 +345,7 @@ def test_run_directory_source_and_value_head_estimator(init_dir, tmp_path):
     --value-head-run) the trained value head that is scored against the Monte Carlo values."""
     from conftest import micro_config
     from rredcot.diagnose import diagnose_source
-    from rredcot.trainer import train
+    from rredcot.training.trainer import train
 
     run = tmp_path / "run"
     train(micro_config(init_dir, run, credit_method="value_head", steps=1), given=set())

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
-from rredcot.cli import main
-from rredcot.explain_model import (
+from rredcot.cli.main import main
+from rredcot.explain.model import (
     _reference_answer,
     explain_checkpoint,
     resolve_checkpoint,
@@ -24,7 +24,7 @@ from rredcot.explain_model import (
 def run_dir(init_dir, tmp_path_factory):
     """A one-step value-head run on 2-step arithmetic, segmented every 4 tokens."""
     from rredcot.config import TrainConfig
-    from rredcot.trainer import Trainer
+    from rredcot.training.trainer import Trainer
 
     out = tmp_path_factory.mktemp("explain") / "run"
     cfg = TrainConfig(
@@ -166,8 +166,8 @@ def test_explain_demo_html(tmp_path, capsys):
 @pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
 def test_explain_values_match_the_credit_algebra(lam):
     """The demo's plain-Python credit is credit.segment_advantages_from_values, exactly."""
-    from rredcot.credit import segment_advantages_from_values
-    from rredcot.explain import explain_values
+    from rredcot.algebra.credit import segment_advantages_from_values
+    from rredcot.explain.pictures import explain_values
 
     text = "a=1\nb=2\nc=3\nA:3"  # three segments: the A: line merges into the last step
     values = [0.5, 0.7, 0.2]
@@ -186,7 +186,7 @@ def test_explain_values_match_the_credit_algebra(lam):
 
 
 def test_html_leaves_a_zero_advantage_segment_unshaded():
-    from rredcot.explain import SegmentCredit, render_html
+    from rredcot.explain.pictures import SegmentCredit, render_html
 
     page = render_html(
         [
@@ -219,7 +219,7 @@ def test_explain_all_wrong_group_shows_every_sample_with_r_normaliser_and_w(init
         assert "normaliser: group std 0.000 < credit.agreeing_std 0.1" in title
         assert "w = 0.00" in title  # an untrained head earned no trust: GRPO's credit, 0 here
         assert all(s.scaled == 0.0 for s in segments)
-    page = __import__("rredcot.explain", fromlist=["render_html"]).render_html(sections)
+    page = __import__("rredcot.explain.pictures", fromlist=["render_html"]).render_html(sections)
     assert "<th>token A</th>" in page and "rgba(46,160,67" not in page  # nothing shaded green
 
 

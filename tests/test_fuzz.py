@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import credit_reference
-from rredcot import credit, normalization
+from rredcot.algebra import credit, normalization
 from rredcot.segment import Segmenter, list_segmenters, spans_to_boundaries
 from rredcot.tasks import Problem, Verdict, get_task
 

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 import credit_reference
 from conftest import train_step_with_grads
-from rredcot import normalization
+from rredcot.algebra import normalization
 from rredcot.config import TrainConfig
 from rredcot.methods.base import UniformCredit, register_credit
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 
 
 class _DigitFirstTask(ArithmeticTask):
@@ -253,7 +253,7 @@ class _EveryThirdBroken(ArithmeticTask):
 
 
 def test_skipped_samples_do_not_enter_the_group_mean_and_std(tiny_policy, char_tokenizer):
-    from rredcot.rollout import build_rollout_batch
+    from rredcot.sampling.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
     task = _EveryThirdBroken(num_steps=2)
@@ -279,7 +279,7 @@ def test_skipped_samples_do_not_enter_the_group_mean_and_std(tiny_policy, char_t
 
 
 def test_sampling_ignores_the_model_generation_config_unless_asked(tiny_policy, char_tokenizer):
-    from rredcot.rollout import sample
+    from rredcot.sampling.rollout import sample
 
     prompts = ["1+2=?\n", "3*4=?\n"]
 
@@ -525,7 +525,7 @@ def test_agreeing_rows_drawn_to_a_budget_are_reweighted_or_skipped(init_dir, tmp
     either scaled by 1 / (its keep probability) or not at all (left out of the forward); the
     others as they were. The step records the share kept and forwards fewer tokens."""
     from conftest import micro_config
-    from rredcot.credit import agreeing_rows, sample_rows_to_budget
+    from rredcot.algebra.credit import agreeing_rows, sample_rows_to_budget
 
     seen, records = {}, {}
     for fraction in (1.0, 0.4):

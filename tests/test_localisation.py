@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from rredcot.localisation import (
+from rredcot.algebra.localisation import (
     blame_hit,
     chance_error_acc,
     error_segment,

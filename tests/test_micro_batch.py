@@ -1,4 +1,4 @@
-"""Memory bounded by a micro-batch (rredcot.memory): the update accumulated over micro-batches has
+"""Memory bounded by a micro-batch (rredcot.sampling.memory): the update accumulated over micro-batches has
 the whole batch's gradient, chosen-token log-probs from the chunked log-softmax equal
 ``log_softmax`` + ``gather`` (values, entropies and gradients, bit for bit), the automatic
 ``micro_batch_tokens`` rule, and a run that cannot fit is refused before it samples."""
@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import micro_config, train_step_with_grads
-from rredcot import memory
 from rredcot.errors import UserError
-from rredcot.memory import ModelShape, auto_micro_batch_tokens, micro_batches
-from rredcot.rollout import chosen_token_logprobs, policy_forward, scoring_forward
+from rredcot.sampling import memory
+from rredcot.sampling.memory import ModelShape, auto_micro_batch_tokens, micro_batches
+from rredcot.sampling.rollout import chosen_token_logprobs, policy_forward, scoring_forward
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 
 
 @register_task("test_micro_batch_digit_first")
@@ -193,7 +193,7 @@ def test_a_run_that_cannot_fit_is_refused_before_it_samples(init_dir, tmp_path, 
 def test_sampling_in_chunks_of_whole_groups(tiny_policy, char_tokenizer):
     """``max_rows`` generates whole prompts' groups at a time; at or above the batch it draws
     exactly what one generation draws."""
-    from rredcot.rollout import sample
+    from rredcot.sampling.rollout import sample
 
     prompts = ["1+2=?\n", "3*4=?\n", "12+7=?\n"]
 

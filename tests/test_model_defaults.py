@@ -9,8 +9,8 @@ import yaml
 
 from conftest import micro_config
 from rredcot.config import MODEL_DEFAULTS, TrainConfig
-from rredcot.train_setup import resolve_model_defaults
-from rredcot.trainer import Trainer
+from rredcot.training.setup import resolve_model_defaults
+from rredcot.training.trainer import Trainer
 
 
 class _Vocab:

@@ -238,7 +238,7 @@ def test_directories_holding_gguf_files(tmp_path):
 
 
 def test_default_model_per_task(no_shipped_model, monkeypatch):
-    import rredcot.sft as sft
+    import rredcot.training.sft as sft
     from rredcot.tasks import get_task
 
     built = []
@@ -281,7 +281,7 @@ def test_a_warm_start_records_what_its_floats_depend_on(warm_checkpoint):
 
 
 def _tiny_sft(out, **kw):
-    from rredcot.sft import SFTConfig
+    from rredcot.training.sft import SFTConfig
 
     settings = dict(
         task_args={"num_steps": 2},
@@ -303,7 +303,7 @@ def test_stop_at_step_stops_there_and_evaluation_leaves_the_weights_alone(tmp_pa
     it evaluated on the way (the shipped low warm-start was built evaluating once)."""
     from safetensors.torch import load_file
 
-    from rredcot.sft import run_sft
+    from rredcot.training.sft import run_sft
 
     a = run_sft(_tiny_sft(tmp_path / "a", stop_at_step=3, eval_every=1), log=lambda *_: None)
     b = run_sft(_tiny_sft(tmp_path / "b", stop_at_step=3, eval_every=10), log=lambda *_: None)
@@ -322,7 +322,7 @@ def test_stop_at_step_stops_there_and_evaluation_leaves_the_weights_alone(tmp_pa
 def test_warm_start_cache_names_survive_the_new_setting():
     """stop_at_step at its default leaves a build's cache name as it was before the setting
     existed: the committed headroom results name this one (the old low band, 12-step chains)."""
-    from rredcot.sft import SFTConfig, warmstart_dir_name
+    from rredcot.training.sft import SFTConfig, warmstart_dir_name
 
     old_low = SFTConfig(
         task_args={
@@ -347,9 +347,9 @@ def test_shipped_warm_starts_are_their_settings_build(monkeypatch, tmp_path):
     import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import rredcot.sft as sft
-    from rredcot.evaluation import greedy_accuracy
+    import rredcot.training.sft as sft
     from rredcot.tasks import get_task
+    from rredcot.training.evaluation import greedy_accuracy
 
     shipped = sorted(p for p in sft.SHIPPED_WARMSTARTS.iterdir() if p.is_dir())
     assert [p.name for p in shipped] == [

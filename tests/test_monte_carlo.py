@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
+from rredcot.algebra.localisation import chance_error_acc, localisation_scores
 from rredcot.config import CreditConfig, MonteCarloConfig, SamplingConfig
-from rredcot.localisation import chance_error_acc, localisation_scores
 from rredcot.methods import monte_carlo
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.monte_carlo import estimated_boundaries, mc_values, prefix_token_ids
@@ -237,8 +237,8 @@ def _sharpen(policy, tokenizer, task, steps: int = 150, lr: float = 2e-3, seed: 
     30-40%, where the errors spread over the steps."""
     import random
 
-    from rredcot.rollout import render_prompt
-    from rredcot.sft import _encode_batch
+    from rredcot.sampling.rollout import render_prompt
+    from rredcot.training.sft import _encode_batch
 
     problems = task.train_problems(steps * 64, seed=seed)
     rng = random.Random(seed)
@@ -274,7 +274,7 @@ def test_monte_carlo_blames_the_first_wrong_step(warm_checkpoint, arithmetic_tas
     Measured (32 prompts x 4 samples, 7 batches over two sharpened warm starts): error_acc
     0.42-0.55 against chance 0.33; mean credit at the first wrong segment -0.10 to -0.19, at the
     other segments -0.03 to 0.00."""
-    from rredcot.localisation import error_segment
+    from rredcot.algebra.localisation import error_segment
 
     policy, tokenizer = load_policy(warm_checkpoint)
     torch.manual_seed(0)
@@ -329,10 +329,10 @@ def test_continuations_are_generated_within_the_micro_batch(
     warm, arithmetic_task, monkeypatch, method
 ):
     # a real model's continuations (K per prefix) must not all be generated at once: each
-    # generate call holds at most the rows micro_batch_tokens gives (rredcot.memory); the
+    # generate call holds at most the rows micro_batch_tokens gives (rredcot.sampling.memory); the
     # Monte Carlo oracle (its still-right prefixes) too
     from rredcot.config import OracleConfig
-    from rredcot.memory import ModelShape, generation_rows
+    from rredcot.sampling.memory import ModelShape, generation_rows
 
     policy, tokenizer = warm
     batch = make_rollout_batch(

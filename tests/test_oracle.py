@@ -136,7 +136,7 @@ def test_monte_carlo_oracle_in_training_reports_but_does_not_charge_its_rollouts
     init_dir, tmp_path
 ):
     from conftest import micro_config
-    from rredcot.trainer import Trainer
+    from rredcot.training.trainer import Trainer
 
     cfg = micro_config(
         init_dir,

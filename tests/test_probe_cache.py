@@ -1,5 +1,5 @@
 """Probes scored against the fast decoder's cache of the sampled batch
-(rredcot.decode.score_probes, rredcot.methods.probe_logprobs.probe_logprobs_from_cache): the same
+(rredcot.sampling.decode.score_probes, rredcot.methods.probe_logprobs.probe_logprobs_from_cache): the same
 log-probs as the packed re-forward, forwarding the probe tokens only."""
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import micro_config, train_step_with_grads
-from rredcot import decode
-from rredcot.batch import RolloutBatch
 from rredcot.config import RESUMABLE_FIELDS, TrainConfig
 from rredcot.methods.probe_logprobs import (
     Probe,
     packed_probe_logprobs,
     probe_logprobs_from_cache,
 )
-from rredcot.rollout import sample_keeping_cache
+from rredcot.sampling import decode
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import sample_keeping_cache
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n", "(3+4)*5-6=?\n"]  # different lengths: left padding

@@ -14,7 +14,7 @@ import credit_reference
 import prm_scores
 from metrics_doc import undocumented
 from rredcot.config import CreditConfig, ProcessRewardConfig, TrainConfig
-from rredcot.config_io import from_dict, load_yaml
+from rredcot.config.io import from_dict, load_yaml
 from rredcot.integrations._batch import rollout_batch_from_tensors
 from rredcot.methods.base import CreditContext, build_credit, credit_options
 from rredcot.methods.process_reward import PRMScorer, ProcessRewardCredit, segment_ends
@@ -364,7 +364,7 @@ def test_a_model_of_another_kind_is_refused_with_the_fix(char_tokenizer, init_di
 
 
 def test_rredcot_train_with_a_function_source(init_dir, tmp_path):
-    from rredcot.cli import main
+    from rredcot.cli.main import main
 
     out = tmp_path / "run"
     argv = [

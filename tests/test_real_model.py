@@ -67,7 +67,7 @@ def test_shipped_model_loads_as_a_plain_float_llama(real_model):
 def test_segmentation_through_bpe_offsets_on_chat_template_output(real_model, task):
     """Non-ASCII text (multi-byte characters split across byte-level tokens) after a chat
     template: every segment's tokens decode to exactly that segment's text."""
-    from rredcot.rollout import render_prompt
+    from rredcot.sampling.rollout import render_prompt
 
     _, tokenizer = real_model
     problem = Problem("Zoë has 3 crêpes. She buys 4 more. How many now?", "7")
@@ -105,7 +105,7 @@ def test_segmentation_through_bpe_offsets_on_chat_template_output(real_model, ta
 
 
 def test_value_head_is_sized_and_fed_from_the_models_hidden_states(real_model, task, trace_batch):
-    from rredcot.rollout import fill_forward
+    from rredcot.sampling.rollout import fill_forward
 
     model, tokenizer = real_model
     ctx = CreditContext(
@@ -207,7 +207,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
 
 @pytest.mark.slow
 def test_rredcot_train_two_steps_and_reload_without_the_gguf_file(tmp_path):
-    from rredcot.cli import main
+    from rredcot.cli.main import main
 
     run = tmp_path / "run"
     code = main(

@@ -1,4 +1,4 @@
-"""references.mode (rredcot.references): the reference sample's shaped loss and weight, the
+"""references.mode (rredcot.training.references): the reference sample's shaped loss and weight, the
 supervised term's gradient, the budget, refusals, and mode off leaving a run unchanged."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import torch.nn.functional as F
 
 from conftest import micro_config, train_step_with_grads
 from metrics_doc import undocumented
-from rredcot import references
+from rredcot.algebra.loss import policy_loss
 from rredcot.config import ReferencesConfig, TrainConfig
-from rredcot.loss import policy_loss
-from rredcot.rollout import build_rollout_batch, policy_forward, render_prompt
+from rredcot.sampling.rollout import build_rollout_batch, policy_forward, render_prompt
 from rredcot.segment import get_segmenter, segment_completion
 from rredcot.tasks import Verdict, get_task, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer
+from rredcot.training import references
+from rredcot.training.trainer import Trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "references_off_micro_run.json"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import micro_config, one_line_error, tiny_trl_trainer, train_error_under_file_limit
-from rredcot import runio
-from rredcot.cli import main
-from rredcot.trainer import Trainer
+from rredcot.cli.main import main
+from rredcot.training import runio
+from rredcot.training.trainer import Trainer
 
 QUIET = {"log": lambda *_: None}
 
@@ -41,7 +41,7 @@ def test_yaml_nested_deeper_than_the_stack_is_refused_in_one_line(tmp_path, caps
 
 
 def test_yaml_aliases_within_the_limit_still_load():
-    from rredcot.config_io import load_yaml_text
+    from rredcot.config.io import load_yaml_text
 
     assert load_yaml_text("x: &x {k: 1}\ny: *x\n", "test") == {"x": {"k": 1}, "y": {"k": 1}}
 
@@ -212,7 +212,7 @@ def test_the_trl_trainer_records_its_first_training_row(init_dir, tmp_path):
 def test_references_in_several_processes_are_refused_saying_what_works():
     """Both trainers refuse references.mode with several processes through one check, whose
     message names the way to scale instead, and docs/scaling.md says so for accelerate users."""
-    from rredcot.references import check_processes
+    from rredcot.training.references import check_processes
 
     check_processes(1)
     with pytest.raises(ValueError, match="gradient_accumulation_steps.*docs/scaling.md"):
@@ -269,7 +269,7 @@ def test_json_of_an_output_folder_is_read_within_limits(tmp_path):
     """One reader for JSON that a run or output folder holds (bench learn's results, a
     diagnose report): nesting past the stack is one UserError naming the file; brackets inside
     strings are text, not nesting."""
-    from rredcot.config_io import loads_json, read_json_file
+    from rredcot.config.io import loads_json, read_json_file
     from rredcot.diagnose.report import DiagnoseReport
     from rredcot.errors import UserError
 

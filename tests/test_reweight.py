@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import credit_reference
-from rredcot import credit, normalization
+from rredcot.algebra import credit, normalization
+from rredcot.algebra.credit import Values
 from rredcot.config import CreditConfig, ReweightConfig
-from rredcot.credit import Values
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
@@ -158,9 +158,9 @@ def _uniform_values():
 
 
 def test_credit_bench_compares_reweight_as_grpo_times_sigma():
-    from rredcot.batch import RolloutBatch
-    from rredcot.credit_scores import comparison_advantages
+    from rredcot.explain.scores import comparison_advantages
     from rredcot.methods.base import CreditOutput
+    from rredcot.sampling.batch import RolloutBatch
 
     segment_ids, response_mask, value_mask = _layout()
     values = _random_values(value_mask, seed=5)

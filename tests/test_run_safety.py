@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import micro_config, one_line_error
-from rredcot import runio
-from rredcot.trainer import Trainer
+from rredcot.training import runio
+from rredcot.training.trainer import Trainer
 
 QUIET = {"log": lambda *_: None}
 

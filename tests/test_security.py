@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from conftest import one_line_error, train_error_under_file_limit
-from rredcot.cli import main
+from rredcot.cli.main import main
 from rredcot.config import TrainConfig
-from rredcot.config_io import resume_config
+from rredcot.config.io import resume_config
 from rredcot.errors import UserError
 
 QUIET = {"log": lambda *_: None}
@@ -221,7 +221,7 @@ def test_overwrite_keeps_sink_folders_the_run_did_not_write(run_copy):
     for sink in ("wandb", "tensorboard"):
         (run_copy / sink).mkdir()
         (run_copy / sink / "mine.txt").write_text("mine")
-    from rredcot import runio
+    from rredcot.training import runio
 
     runio.claim_run_dir(run_copy, resume=False, overwrite=True).release()
     for sink in ("wandb", "tensorboard"):
@@ -343,7 +343,7 @@ def test_an_error_quoting_a_linked_config_yaml_does_not_dump_its_target(tmp_path
 
 def _row_naming(spec: str) -> dict:
     """A measurements row ahead of GRPO everywhere whose method runs ``spec``."""
-    from rredcot.credit_choice import MEASUREMENTS
+    from rredcot.methods.auto import MEASUREMENTS
 
     row = {**MEASUREMENTS[0].to_json(), "method": "process_reward", "seeds": 10}
     pairs = {k: [0.5, 0.01] for k in ("per_token", "at_grpo_last_second", "time_averaged")}
@@ -353,7 +353,7 @@ def _row_naming(spec: str) -> dict:
 def test_plain_auto_train_refuses_a_measurement_row_that_names_code(
     init_dir, tmp_path, monkeypatch, capsys
 ):
-    import rredcot.credit_choice as credit_choice
+    import rredcot.methods.auto as credit_choice
 
     spec, marker = _payload(tmp_path)
     rows = tmp_path / "credit_auto.json"
@@ -371,7 +371,7 @@ def test_plain_auto_train_refuses_a_measurement_row_that_names_code(
 
 
 def test_apply_choice_checks_what_it_sets():
-    from rredcot.credit_choice import FLOW_METHOD, CreditChoice, apply_choice
+    from rredcot.methods.auto import FLOW_METHOD, CreditChoice, apply_choice
 
     cfg = TrainConfig()
     for settings, expected in (
@@ -397,7 +397,7 @@ def test_apply_choice_checks_what_it_sets():
 
 @pytest.mark.parametrize("field", ["function", "model"])
 def test_record_auto_refuses_a_variant_that_names_code(tmp_path, capsys, field):
-    from rredcot.credit_choice import MEASUREMENTS
+    from rredcot.methods.auto import MEASUREMENTS
 
     spec, marker = _payload(tmp_path)
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -431,7 +431,7 @@ def test_resume_does_not_count_the_runs_own_config_as_naming_its_code(run_copy, 
 
 
 def test_a_fresh_runs_config_file_that_names_code_is_said_in_one_line(tmp_path):
-    from rredcot.config_io import resolve_config
+    from rredcot.config.io import resolve_config
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"credit": {"process_reward": {"function": "m:f"}}}))

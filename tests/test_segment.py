@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from rredcot.cli_segment import add_segment_parser, run_segment
+from rredcot.cli.segment import add_segment_parser, run_segment
 from rredcot.segment import (
     DEFAULT_ANSWER_PATTERN,
     Segmenter,

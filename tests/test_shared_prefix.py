@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from rredcot import credit, normalization, shared_prefixes
+from rredcot.algebra import credit, normalization, shared_prefixes
 
 
 def _random_tree_batch(rng: random.Random, groups: int, size: int, steps: int):

@@ -1,4 +1,4 @@
-"""The policy forward that computes each distinct prompt once (rredcot.shared_prompt) gives the
+"""The policy forward that computes each distinct prompt once (rredcot.sampling.shared_prompt) gives the
 plain forward's log-probs, entropies, hidden states, loss and gradients to float rounding."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import micro_config, train_step_with_grads
-from rredcot import shared_prompt
 from rredcot.models import set_activation_checkpointing
-from rredcot.rollout import (
+from rredcot.sampling import shared_prompt
+from rredcot.sampling.rollout import (
     policy_forward,
     position_ids_from_mask,
     sample,
     train_mode_without_dropout,
 )
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n"]  # different lengths: left padding

@@ -232,7 +232,7 @@ def test_a_math_verify_deadline_holds_for_the_whole_call_including_start_up() ->
 def test_timed_out_verifies_score_zero_and_are_counted(
     tiny_policy, char_tokenizer, tmp_path
 ) -> None:
-    from rredcot.rollout import build_rollout_batch
+    from rredcot.sampling.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
     from rredcot.tasks import Task
 

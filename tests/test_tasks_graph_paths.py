@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rredcot import sft
 from rredcot.config import SFTConfig
 from rredcot.tasks import get_task
 from rredcot.tasks.graph_paths import live_nodes, parse_prompt
+from rredcot.training import sft
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_verify_never_raises_and_marks_unknowns(task):
 
 
 def test_render_answer_and_render_prompt(task, char_tokenizer):
-    from rredcot.rollout import render_prompt
+    from rredcot.sampling.rollout import render_prompt
 
     assert task.render_answer("7") == "The answer is 7."
     p = get_task("word_problems", example=True).train_problems(1, seed=0)[0]

@@ -14,11 +14,11 @@ import torch
 
 from conftest import micro_config
 from metrics_doc import undocumented
+from rredcot.algebra.loss import policy_loss
 from rredcot.config import TrainConfig
-from rredcot.loss import policy_loss
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 
 # ---------------------------------------------------------------------------------------------
 # the loss
@@ -203,7 +203,7 @@ def test_prompts_longer_than_the_context_are_a_clear_error(tmp_path, char_tokeni
 
 
 def test_resume_needs_a_run_directory(tmp_path):
-    from rredcot.trainer import train
+    from rredcot.training.trainer import train
 
     with pytest.raises(FileNotFoundError, match="run directory"):
         train(TrainConfig(resume=str(tmp_path / "missing")))
@@ -217,7 +217,7 @@ def _cli(init_dir, out, steps, *extra):
     return [
         sys.executable,
         "-m",
-        "rredcot.cli",
+        "rredcot.cli.main",
         "train",
         "--init",
         str(init_dir),
@@ -257,7 +257,7 @@ def _stable(records):
 # `rredcot train` that SIGKILLs itself half-way through writing step 4's checkpoint
 _KILLED_DURING_CHECKPOINT = """
 import os, signal, sys
-from rredcot import runio
+from rredcot.training import runio
 save = runio.atomic_torch_save
 def save_then_die(obj, path):
     if "step_000004" in str(path):
@@ -267,7 +267,7 @@ def save_then_die(obj, path):
         os.kill(os.getpid(), signal.SIGKILL)
     save(obj, path)
 runio.atomic_torch_save = save_then_die
-from rredcot.cli import main
+from rredcot.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -280,7 +280,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
     subprocess.run(_cli(init_dir, full, steps), check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
-    args = _cli(init_dir, killed, steps)[3:]  # drop "python -m rredcot.cli"
+    args = _cli(init_dir, killed, steps)[3:]  # drop "python -m rredcot.cli.main"
     proc = subprocess.run(
         [sys.executable, "-c", _KILLED_DURING_CHECKPOINT, *args], env=env, capture_output=True
     )
@@ -294,7 +294,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
     assert done == [0, 1, 2, 3, 4]  # step 4 was recorded, its checkpoint never completed
 
     resumed = subprocess.run(
-        [sys.executable, "-m", "rredcot.cli", "train", "--resume", str(killed)],
+        [sys.executable, "-m", "rredcot.cli.main", "train", "--resume", str(killed)],
         env=env,
         capture_output=True,
         text=True,
@@ -311,7 +311,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
 @pytest.mark.slow
 def test_runs_under_accelerate_launch(init_dir, tmp_path):
     out = tmp_path / "acc"
-    args = _cli(init_dir, out, 1)[3:]  # drop "python -m rredcot.cli"
+    args = _cli(init_dir, out, 1)[3:]  # drop "python -m rredcot.cli.main"
     cmd = [
         sys.executable,
         "-m",
@@ -326,7 +326,7 @@ def test_runs_under_accelerate_launch(init_dir, tmp_path):
         "--dynamo_backend",
         "no",
         "-m",
-        "rredcot.cli",
+        "rredcot.cli.main",
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -369,8 +369,8 @@ def test_threads_follow_the_idle_cores(monkeypatch):
     accelerators keep torch's default; so does a machine whose idleness cannot be read."""
     import os
 
-    import rredcot.train_setup as train_setup
-    from rredcot.train_setup import choose_threads, idle_cores
+    import rredcot.training.setup as train_setup
+    from rredcot.training.setup import choose_threads, idle_cores
 
     free = idle_cores(0.05)
     assert free is None or 0.0 <= free <= os.cpu_count() + 0.5  # a real reading of /proc/stat

@@ -1,4 +1,4 @@
-"""Tree-structured groups (sampling.tree, rredcot.tree): the forked KV cache gives the same
+"""Tree-structured groups (sampling.tree, rredcot.sampling.tree): the forked KV cache gives the same
 distributions as a full forward, the token count, the fork rules, node values on a hand-built
 tree, and the loss's count of shared tokens against the estimator written out per tree node."""
 
@@ -9,18 +9,23 @@ import torch
 
 from conftest import micro_config
 from metrics_doc import undocumented
-from rredcot import credit
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit
+from rredcot.algebra.loss import policy_loss
 from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig
-from rredcot.config_io import from_dict
-from rredcot.loss import policy_loss
+from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, build_credit
-from rredcot.rollout import encode_prompts, policy_forward, sample_tree_group, segment_batch
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import (
+    encode_prompts,
+    policy_forward,
+    sample_tree_group,
+    segment_batch,
+)
+from rredcot.sampling.tree import branch_points, pick_forks, token_share_counts
 from rredcot.segment import get_segmenter
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
-from rredcot.trainer import Trainer, shared_token_weighted
-from rredcot.tree import branch_points, pick_forks, token_share_counts
+from rredcot.training.trainer import Trainer, shared_token_weighted
 from tiny_lms import lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n"]  # different lengths: left padding

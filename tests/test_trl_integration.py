@@ -15,6 +15,7 @@ import torch
 import credit_reference
 from conftest import make_rollout_batch
 from metrics_doc import undocumented
+from rredcot.algebra.normalization import group_mean_std
 from rredcot.config import CreditConfig, HandoverConfig, TrainConfig, ValueHeadConfig
 from rredcot.integrations.trl import (
     CREDIT_STATE_FILE,
@@ -23,8 +24,7 @@ from rredcot.integrations.trl import (
     task_reward,
 )
 from rredcot.methods.base import CreditContext, CreditRows, build_credit, credit_names
-from rredcot.normalization import group_mean_std
-from rredcot.rollout import fill_forward, segment_batch
+from rredcot.sampling.rollout import fill_forward, segment_batch
 
 pytestmark = pytest.mark.trl
 
@@ -459,8 +459,8 @@ def test_task_reward_scores_with_the_verifier():
 @pytest.mark.slow
 def test_core_imports_neither_trl_nor_verl():
     code = (
-        "import sys, rredcot, rredcot.credit, rredcot.segment, rredcot.methods.base, "
-        "rredcot.rollout, rredcot.trainer, rredcot.integrations, rredcot.integrations._batch\n"
+        "import sys, rredcot, rredcot.algebra.credit, rredcot.segment, rredcot.methods.base, "
+        "rredcot.sampling.rollout, rredcot.training.trainer, rredcot.integrations, rredcot.integrations._batch\n"
         "from rredcot.methods.base import get_credit\n"
         "get_credit('value_head'); get_credit('answer_likelihood')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('trl', 'verl'))\n"
@@ -625,7 +625,7 @@ def test_scale_rewards_batch_is_trls_for_small_spread_rewards(
 def test_explain_reads_a_trl_run(tiny_model_dir, arithmetic_dataset, tmp_path, capsys):
     """`rredcot explain --run OUTPUT_DIR` (or a checkpoint-N) uses the TRL run's policy, its
     trained head (value_head.pt), its credit settings (tokens:4) and its task (rredcot_credit.json)."""
-    from rredcot.cli import main
+    from rredcot.cli.main import main
     from rredcot.integrations.saved import SETTINGS_FILE, read_settings
 
     trainer = make_trainer(
@@ -900,8 +900,8 @@ def test_auto_chooses_on_the_first_batch_and_resume_keeps_it(
     """credit_method="auto" (the default): the first generation batch's own rewards choose the
     method by rredcot train's rule, once; the choice and the chosen method's config are written
     beside each checkpoint, and a resumed run uses them without choosing again."""
-    from rredcot.credit_choice import choose_credit, group_outcomes
     from rredcot.integrations.saved import read_settings
+    from rredcot.methods.auto import choose_credit, group_outcomes
 
     class Counting(SpyTrainer):
         def _choose_credit(self, rows, batch):

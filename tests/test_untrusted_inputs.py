@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import one_line_error, tiny_trl_trainer
-from rredcot.cli import main
+from rredcot.cli.main import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
 
@@ -88,7 +88,7 @@ def test_resume_refuses_a_saved_choice_that_names_code_or_is_malformed(
 
 
 def test_a_valid_saved_choice_is_read(run_copy):
-    from rredcot.credit_choice import FLOW_METHOD, FLOW_SETTINGS, CreditChoice
+    from rredcot.methods.auto import FLOW_METHOD, FLOW_SETTINGS, CreditChoice
 
     choice = {"method": FLOW_METHOD, "settings": FLOW_SETTINGS, "reason": "r", "figures": {}}
     (run_copy / "credit_choice.json").write_text(json.dumps(choice))
@@ -215,7 +215,7 @@ def test_diagnose_does_not_write_through_planted_temporaries(init_dir, tmp_path)
 def test_overwrite_keeps_a_users_step_files_in_a_linked_checkpoints_folder(run_copy, tmp_path):
     """``checkpoints/`` linked to a user's folder: --overwrite removes the run's checkpoints
     there and nothing of the user's, though named ``step_*``."""
-    from rredcot import runio
+    from rredcot.training import runio
 
     mine = tmp_path / "my_folder"
     shutil.move(run_copy / "checkpoints", mine)
@@ -236,7 +236,7 @@ def test_overwrite_keeps_a_users_step_files_in_a_linked_checkpoints_folder(run_c
 
 def test_sft_never_deletes_a_sibling_tmp_folder(tmp_path):
     from rredcot.config import SFTConfig
-    from rredcot.sft import run_sft
+    from rredcot.training.sft import run_sft
 
     sibling = tmp_path / "ws.tmp"
     sibling.mkdir()

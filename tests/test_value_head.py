@@ -12,9 +12,9 @@ import torch
 
 import credit_reference
 from conftest import make_rollout_batch
-from rredcot import credit, normalization, shared_prefixes
+from rredcot.algebra import credit, normalization, shared_prefixes
 from rredcot.config import CreditConfig, HandoverConfig, ValueHeadConfig
-from rredcot.config_io import from_dict
+from rredcot.config.io import from_dict
 from rredcot.methods.base import (
     CreditContext,
     UniformCredit,
@@ -36,7 +36,7 @@ from rredcot.methods.value_head import (
     prediction_slope,
     td_lambda_targets,
 )
-from rredcot.rollout import fill_forward
+from rredcot.sampling.rollout import fill_forward
 
 
 def make_method(policy, tokenizer, **overrides) -> ValueHeadCredit:
@@ -692,7 +692,7 @@ def test_pretrain_fits_the_head_before_rl(tiny_policy, char_tokenizer, mixed_bat
 
 def _localise(method, batch) -> tuple[float, int, float]:
     """(error_acc, number of wrong traces scored, chance) of the method's credit on a batch."""
-    from rredcot.localisation import chance_error_acc, localisation_scores
+    from rredcot.algebra.localisation import chance_error_acc, localisation_scores
 
     out = method.compute(batch)
     scores = localisation_scores(
@@ -769,7 +769,7 @@ def test_localises_first_errors_in_the_policys_own_samples(warm_checkpoint, arit
     26-50 of 0.43-0.46 against chance 0.33 (without the log-prob features: 0.26-0.33; over the
     first 10 steps, while the head only knows the base rate and blames the last segment: 0.15-0.35).
     """
-    from rredcot.rollout import build_rollout_batch
+    from rredcot.sampling.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
     method, policy, tokenizer = _warm_method(warm_checkpoint)

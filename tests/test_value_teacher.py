@@ -12,15 +12,15 @@ import torch
 
 from metrics_doc import undocumented
 from rredcot.config import CreditConfig
-from rredcot.config_io import from_dict
+from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.models import build_tiny_llama
-from rredcot.rollout import fill_forward
+from rredcot.sampling.rollout import fill_forward
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 from text_batches import batch_from_texts
 
-CHEAP = {  # rredcot.credit_choice.CHEAP_SETTINGS, with the hand-over off so values move credit
+CHEAP = {  # rredcot.methods.auto.CHEAP_SETTINGS, with the hand-over off so values move credit
     "lam": 0.0,
     "anchor": "none",
     "handover": {"mode": "off", "smoothing": 0.5},
@@ -158,7 +158,7 @@ def test_the_step_count_survives_a_resume(policy, char_tokenizer, task, batch):
 
 def test_a_training_run_bills_the_teacher_on_its_steps_only(init_dir, tmp_path):
     from conftest import micro_config
-    from rredcot.trainer import Trainer
+    from rredcot.training.trainer import Trainer
 
     cfg = micro_config(init_dir, tmp_path / "run", credit_method="value_head", steps=3)
     cfg.credit.value_head.teacher = "continuation_likelihood"
@@ -172,7 +172,7 @@ def test_a_training_run_bills_the_teacher_on_its_steps_only(init_dir, tmp_path):
 
 
 def test_bench_credit_scores_the_distilled_head(init_dir, tmp_path, capsys):
-    from rredcot.cli import main
+    from rredcot.cli.main import main
 
     out = tmp_path / "credit"
     methods = "uniform,vh_t=value_head:value_head.teacher=continuation_likelihood:lam=0"

@@ -16,7 +16,7 @@ import credit_reference
 import rredcot.integrations.verl as rv
 from prm_scores import REWARDS as SCORES
 from prm_scores import TEXTS
-from rredcot import credit, normalization
+from rredcot.algebra import credit, normalization
 from rredcot.config import CreditConfig
 
 pytestmark = pytest.mark.verl

@@ -36,7 +36,7 @@ def test_activation_checkpointing_is_switched_by_its_current_name(tiny_policy, s
 def test_a_checkpointed_run_and_a_step_whose_gradients_are_read_warn_nothing(
     init_dir, tmp_path, strict_warnings
 ):
-    from rredcot.trainer import Trainer
+    from rredcot.training.trainer import Trainer
 
     cfg = micro_config(init_dir, tmp_path / "run")
     cfg.model.gradient_checkpointing = True

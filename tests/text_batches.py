@@ -7,9 +7,9 @@ import torch
 
 
 def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline", group_size=1):
-    from rredcot import credit
-    from rredcot.batch import RolloutBatch
-    from rredcot.rollout import encode_prompts, render_prompt
+    from rredcot.algebra import credit
+    from rredcot.sampling.batch import RolloutBatch
+    from rredcot.sampling.rollout import encode_prompts, render_prompt
     from rredcot.segment import get_segmenter, segment_completion
 
     seg = get_segmenter(segmenter) if isinstance(segmenter, str) else segmenter

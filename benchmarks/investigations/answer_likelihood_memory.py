@@ -33,9 +33,9 @@ def _measure(args: argparse.Namespace) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from rredcot import credit
+    from rredcot.algebra import credit
     from rredcot.methods.base import RolloutBatch
-    from rredcot.rollout import encode_prompts
+    from rredcot.sampling.rollout import encode_prompts
     from rredcot.segment import get_segmenter, token_offsets
     from rredcot.tasks import get_task
 

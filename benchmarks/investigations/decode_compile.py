@@ -1,5 +1,5 @@
 """Does ``torch.compile`` of the fast decoder's step pay on CPU? The fast loop
-(:mod:`rredcot.decode`) with its per-token step as written, against the same step compiled by
+(:mod:`rredcot.sampling.decode`) with its per-token step as written, against the same step compiled by
 ``torch.compile(dynamic=True)`` (inductor: one graph whatever the decoded length), on the peer
 bench's batch (the default tiny warm-start, 16 arithmetic prompts x 8 samples, up to 64 new
 tokens, temperature 1). Interleaved (eager, compiled, compiled, eager, ...), each repetition from
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from rredcot import decode
 from rredcot.models import load_policy, resolve_model_dir
-from rredcot.rollout import render_prompt, sample
-from rredcot.sft import default_policy_source
+from rredcot.sampling import decode
+from rredcot.sampling.rollout import render_prompt, sample
 from rredcot.tasks import get_task
+from rredcot.training.sft import default_policy_source
 
 
 def main() -> None:

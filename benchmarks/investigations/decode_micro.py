@@ -1,4 +1,4 @@
-"""Decoding alone: Hugging Face ``generate`` against rredcot's fast loop (``rredcot.decode``) on
+"""Decoding alone: Hugging Face ``generate`` against rredcot's fast loop (``rredcot.sampling.decode``) on
 the peer bench's batch (the default tiny warm-start, 16 arithmetic prompts x 8 samples, up to 64
 new tokens, temperature 1), interleaved (hf, fast, fast, hf, ...), each repetition from the same
 seed for both; medians of wall and CPU seconds, and whether the two drew the same tokens.
@@ -19,9 +19,9 @@ import time
 import torch
 
 from rredcot.models import load_policy, resolve_model_dir
-from rredcot.rollout import render_prompt, sample
-from rredcot.sft import default_policy_source
+from rredcot.sampling.rollout import render_prompt, sample
 from rredcot.tasks import get_task
+from rredcot.training.sft import default_policy_source
 
 
 def main() -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from rredcot.config import TrainConfig
-from rredcot.config_io import resolve_config
-from rredcot.credit_choice import choose_from_rollouts
-from rredcot.rollout import sample_groups
-from rredcot.seeding import seed_everything, step_seed
-from rredcot.train_setup import build_train_parts
+from rredcot.config.io import resolve_config
+from rredcot.methods.auto import choose_from_rollouts
+from rredcot.sampling.rollout import sample_groups
+from rredcot.training.seeding import seed_everything, step_seed
+from rredcot.training.setup import build_train_parts
 
 
 def main() -> None:

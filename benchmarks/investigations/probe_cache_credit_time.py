@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rredcot.config import TrainConfig
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 
 
 def cl_cheap(testbed: str, out: Path) -> TrainConfig:

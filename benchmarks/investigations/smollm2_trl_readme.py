@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from rredcot.evaluation import greedy_accuracy
 from rredcot.models import load_policy
 from rredcot.tasks import get_task
+from rredcot.training.evaluation import greedy_accuracy
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

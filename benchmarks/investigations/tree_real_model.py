@@ -16,7 +16,12 @@ import torch
 
 from rredcot.config import TreeSamplingConfig
 from rredcot.models import DEFAULT_REAL_MODEL, load_policy
-from rredcot.rollout import build_rollout_batch, policy_forward, render_prompt, sample_tree_group
+from rredcot.sampling.rollout import (
+    build_rollout_batch,
+    policy_forward,
+    render_prompt,
+    sample_tree_group,
+)
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 

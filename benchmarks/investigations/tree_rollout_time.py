@@ -15,10 +15,10 @@ import torch
 
 from rredcot.config import TreeSamplingConfig
 from rredcot.models import load_policy
-from rredcot.rollout import build_rollout_batch
+from rredcot.sampling.rollout import build_rollout_batch
 from rredcot.segment import get_segmenter
-from rredcot.sft import default_warmstart
 from rredcot.tasks import get_task
+from rredcot.training.sft import default_warmstart
 
 
 def main() -> None:

@@ -462,7 +462,9 @@ def load_policy(
             name, dtype=torch_dtype, trust_remote_code=trust_remote_code, **hub, **kwargs
         )
     except pickle.UnpicklingError as e:  # a .bin that torch.load(weights_only=True) refused
-        from rredcot.runio import unsafe_objects  # lazy: runio is the run directory's module
+        from rredcot.training.runio import (
+            unsafe_objects,  # lazy: runio is the run directory's module
+        )
 
         weights = os.path.join(name, "pytorch_model.bin")
         what = unsafe_objects(weights, e) if os.path.isfile(weights) else str(e).splitlines()[0]

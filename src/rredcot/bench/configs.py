@@ -1,7 +1,7 @@
 """The benchmarks' configurations, free of torch so that ``rredcot bench --help`` (whose flags and
 help come from them) starts fast. Every field carries its help text; ``rredcot.bench.cli``
 turns each dataclass into its subcommand's flags with the same generator as ``rredcot train``
-(``rredcot.config_io.add_dataclass_flags``). Each benchmark module re-exports its own:
+(``rredcot.config.io.add_dataclass_flags``). Each benchmark module re-exports its own:
 ``rredcot.bench.credit.CreditBenchConfig``, ``rredcot.bench.learn.LearnBenchConfig``,
 ``rredcot.bench.overhead.OverheadBenchConfig``, ``rredcot.bench.peer.PeerBenchConfig``.
 

@@ -7,7 +7,7 @@ Read top to bottom:
    traces are re-segmented, so segmenters are compared on identical text.
 2. Ground truth: ``V_MC(s_k)`` = mean reward of ``K`` (default 32) Monte Carlo continuations from
    every boundary (:func:`rredcot.methods.monte_carlo.mc_values`), and ground-truth segment
-   advantages ``A*_k`` from them through :func:`rredcot.credit.segment_advantages_from_values`
+   advantages ``A*_k`` from them through :func:`rredcot.algebra.credit.segment_advantages_from_values`
    at the comparison lambda ``lam`` (default 0, so ``A*_k = r_k = V_MC(s_k) - V_MC(s_{k-1})``,
    ``V(s_n) := R``).
 3. Every method (and named variant) computes its credit on the same batches exactly as the trainer
@@ -37,7 +37,7 @@ Metrics per (method, segmenter):
 - ``value_mse`` and ``value_ece``: the method's ``V(s_k)``, ``k < n``, against ``V_MC(s_k)``; ECE
   bins the predictions into 10 equal-width bins and averages ``|mean V - mean V_MC|`` weighted by
   bin counts. Only for methods with values.
-- ``error_acc``, ``correct_acc``, ``f1`` (:mod:`rredcot.localisation`, threshold
+- ``error_acc``, ``correct_acc``, ``f1`` (:mod:`rredcot.algebra.localisation`, threshold
   ``--blame-threshold`` on the comparison advantages) on tasks whose verifier reports the first
   wrong step; ``chance_error_acc`` is the expected error_acc of random blame.
 - Cost per trace: ``extra_forward_tokens``, ``extra_generated_tokens`` (from the method's
@@ -62,16 +62,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rredcot import credit as credit_algebra
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit as credit_algebra
 from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import SamplingConfig
-from rredcot.config_io import write_text_atomic
-from rredcot.credit_scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
-from rredcot.explain import render_html
-from rredcot.explain_model import (
+from rredcot.config.io import write_text_atomic
+from rredcot.explain.model import (
     choose_task,
     load_method_state,
     read_method_state,
@@ -79,12 +76,20 @@ from rredcot.explain_model import (
     run_credit_config,
     segment_credits,
 )
+from rredcot.explain.pictures import render_html
+from rredcot.explain.scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
-from rredcot.rollout import build_rollout_batch, fill_forward, policy_forward, segment_batch
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import (
+    build_rollout_batch,
+    fill_forward,
+    policy_forward,
+    segment_batch,
+)
 from rredcot.segment import Segmenter, get_segmenter, segmenter_from_config
-from rredcot.train_setup import resolve_device
+from rredcot.training.setup import resolve_device
 
 # ---------------------------------------------------------------------------------------------
 # batches
@@ -93,7 +98,7 @@ from rredcot.train_setup import resolve_device
 def resegment(
     batch: RolloutBatch, tokenizer, segmenter, policy=None, temperature: float = 1.0
 ) -> RolloutBatch:
-    """The same traces cut by another segmenter (:func:`rredcot.rollout.segment_batch`, the one
+    """The same traces cut by another segmenter (:func:`rredcot.sampling.rollout.segment_batch`, the one
     segmentation entry point: boundaries, segment ids, segment starts and shared-prefix ids);
     hidden states are dropped, the next ``fill_forward`` recomputes them. The entropy strategies
     read the ``policy``'s next-token entropies at the sampling ``temperature`` (one no-grad

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from rredcot import runio
+from rredcot.algebra.loss import policy_loss
 from rredcot.bench.configs import LearnBenchConfig
 from rredcot.bench.report import (
     fmt,
@@ -56,15 +56,15 @@ from rredcot.bench.report import (
 from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
-from rredcot.config_io import load_yaml, loads_json, read_json_file, resolve_config, to_dict
-from rredcot.credit_choice import AUTO, CreditChoice, apply_choice
-from rredcot.loss import policy_loss
-from rredcot.rollout import policy_forward
-from rredcot.runio import MetricsLog
-from rredcot.sft import default_policy_source
+from rredcot.config.io import load_yaml, loads_json, read_json_file, resolve_config, to_dict
+from rredcot.methods.auto import AUTO, CreditChoice, apply_choice
+from rredcot.sampling.rollout import policy_forward
 from rredcot.tasks import get_task
-from rredcot.train_setup import resolve_max_new_tokens
-from rredcot.trainer import Trainer
+from rredcot.training import runio
+from rredcot.training.runio import MetricsLog
+from rredcot.training.setup import resolve_max_new_tokens
+from rredcot.training.sft import default_policy_source
+from rredcot.training.trainer import Trainer
 
 PROBE_SEED = 987_654  # problems and sampling of the variance probe batch
 RESULT = "result.json"

@@ -1,7 +1,7 @@
 """``rredcot bench memory``: peak resident memory of RL steps, per credit method, model and batch.
 
 Each measurement runs in its own process (``python -m rredcot.bench.memory SPEC``): it builds the
-run's :class:`~rredcot.trainer.Trainer` (model, reference, credit method, optimiser) at the
+run's :class:`~rredcot.training.trainer.Trainer` (model, reference, credit method, optimiser) at the
 defaults of ``rredcot train`` with the method named, then runs ``--steps`` full steps
 (``Trainer.train_step``: sampling, scoring, credit, update, the method's own update; no
 evaluation). It reports its resident memory once built (``setup``), the highest resident memory
@@ -30,11 +30,11 @@ import torch
 from rredcot.bench.configs import MemoryBenchConfig
 from rredcot.bench.report import markdown_table
 from rredcot.config import TrainConfig
-from rredcot.config_io import write_text_atomic
-from rredcot.credit_choice import check_method_name
+from rredcot.config.io import write_text_atomic
 from rredcot.errors import UserError
+from rredcot.methods.auto import check_method_name
 from rredcot.models import looks_like_path, shipped_model
-from rredcot.trainer import Trainer
+from rredcot.training.trainer import Trainer
 
 GIB = 1 << 30
 MARKER = "MEMORY-RESULT "

@@ -3,7 +3,7 @@
 All methods run in ONE process, interleaved step by step: round ``r`` runs one full trainer step
 (``Trainer.train_step``: sampling, verification, segmentation, the no-grad forward, credit, the
 policy update, the method's own update) of every method, in an order rotated each round so that no
-method always goes first. Each method has its own :class:`~rredcot.trainer.Trainer` (own policy,
+method always goes first. Each method has its own :class:`~rredcot.training.trainer.Trainer` (own policy,
 optimiser and credit state), all from the same warm-start and config. By default each policy is
 reset to the warm-start weights before each step, so that in round ``r`` every method samples
 *the same* completions (same prompts, same seed, same weights): the times then differ only by what
@@ -36,8 +36,8 @@ from rredcot.bench.learn import LearnBenchConfig, base_init
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
-from rredcot.config_io import resolve_config
-from rredcot.trainer import Trainer
+from rredcot.config.io import resolve_config
+from rredcot.training.trainer import Trainer
 
 PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")
 VALUE_HEAD_TARGET = 1.05

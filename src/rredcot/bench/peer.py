@@ -50,7 +50,7 @@ from typing import Any
 from rredcot.bench.configs import PeerBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.config import TrainConfig
-from rredcot.config_io import resolve_config
+from rredcot.config.io import resolve_config
 from rredcot.errors import require_extra
 from rredcot.tasks import get_task
 
@@ -92,7 +92,7 @@ def _resolve(cfg: PeerBenchConfig, log) -> tuple[Any, str, int]:
     """(task, model directory, completion length) shared by both trainers."""
     # lazy: a worker imports only its own trainer's libraries (its RSS after imports is measured)
     from rredcot.models import resolve_model_dir
-    from rredcot.sft import default_policy_source  # lazy: as above
+    from rredcot.training.sft import default_policy_source  # lazy: as above
 
     task = get_task(cfg.task, **cfg.task_args)
     model_dir = resolve_model_dir(default_policy_source(task, cfg.model, log=log), log=log)
@@ -102,7 +102,7 @@ def _resolve(cfg: PeerBenchConfig, log) -> tuple[Any, str, int]:
 
 def run_rredcot(cfg: PeerBenchConfig, log=print) -> dict[str, Any]:
     """rredcot's trainer, uniform credit, ``warmup + steps`` steps; times per step."""
-    from rredcot.trainer import Trainer  # lazy: a worker imports only its own trainer
+    from rredcot.training.trainer import Trainer  # lazy: a worker imports only its own trainer
 
     rss_import = _rss_bytes()
     task, model_dir, length = _resolve(cfg, log)

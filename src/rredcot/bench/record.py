@@ -1,5 +1,5 @@
 """``rredcot bench record-auto``: a learn bench's per-second figures become rows of the file
-``--credit auto`` reads (:data:`rredcot.credit_choice.MEASUREMENTS_FILE`), so that auto is
+``--credit auto`` reads (:data:`rredcot.methods.auto.MEASUREMENTS_FILE`), so that auto is
 decided by measurements, not rows typed into code. A row replaces one of the same source and
 variant; the others are kept."""
 
@@ -10,16 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.bench.configs import RecordAutoConfig
-from rredcot.config_io import brief, read_json_file
-from rredcot.credit_choice import (
+from rredcot.config.io import brief, read_json_file
+from rredcot.errors import UserError
+from rredcot.methods.auto import (
     MEASUREMENTS_FILE,
     Measurement,
     load_measurements,
     measurement_from_json,
     write_measurements,
 )
-from rredcot.credit_settings import check_credit_settings
-from rredcot.errors import UserError
+from rredcot.methods.settings import check_credit_settings
 
 NEEDS_REFERENCES = {"continuation_likelihood": True}
 """Methods that score reference solutions (the others read the outcome, the answer or the
@@ -45,7 +45,7 @@ _FIGURES = (
 
 def _credit_settings(variant: dict[str, Any], where: str) -> dict[str, Any]:
     """The variant's overrides as ``credit.<field>`` settings (auto can apply only credit
-    settings), checked and typed as every file's are (``rredcot.credit_settings``)."""
+    settings), checked and typed as every file's are (``rredcot.methods.settings``)."""
     overrides = variant.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise UserError(f"{where}: overrides must be a mapping of config fields; fix the file")

@@ -5,7 +5,7 @@ docs/method.md (failure modes) runs next to the default::
 
     --methods "uniform,value_head,vh_collapse=value_head:lam=0:separate_answer=true:handover.mode=off:value_head.shared_prefixes=false"
 
-A preset of :data:`rredcot.credit_choice.PRESETS` (``cl_flow``, ``cl_cheap``) stands for its method
+A preset of :data:`rredcot.methods.auto.PRESETS` (``cl_flow``, ``cl_cheap``) stands for its method
 and settings (``uniform,cl_cheap``; ``cl_w2=cl_cheap:continuation_likelihood.window=2``).
 
 Keys are fields of ``CreditConfig`` (``lam``, ``separate_answer``, ...) or of its sections
@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass, field
 
 from rredcot.config import CreditConfig, TrainConfig
-from rredcot.config_io import flatten, from_dict, merge_overrides, to_dict, valid_keys
-from rredcot.credit_choice import PRESETS, check_method_name, preset_value
+from rredcot.config.io import flatten, from_dict, merge_overrides, to_dict, valid_keys
+from rredcot.methods.auto import PRESETS, check_method_name, preset_value
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 

@@ -24,7 +24,7 @@ Read top to bottom (every figure is defined in docs/diagnose.md):
    (:func:`step_credit_figures`).
 5. Optionally, cheap estimators (a run's value head, answer likelihood, a process reward function
    or model) scored against the Monte Carlo values by the scoring the credit benchmark uses
-   (:mod:`rredcot.credit_scores`).
+   (:mod:`rredcot.explain.scores`).
 6. A verdict in plain words with its reasons (:func:`verdict`), the figures as JSON and a picture.
 
 Intervals: Clopper-Pearson (``scipy.stats.binomtest``, exact) on the share of agreeing groups at
@@ -41,6 +41,7 @@ The package's modules, each importing only those above it: :mod:`.figures` (the 
 picture), :mod:`.measure` (sampling, Monte Carlo, the estimators; :func:`diagnose`).
 """
 
+from rredcot.config.diagnose import DiagnoseConfig
 from rredcot.diagnose.figures import (
     CONFIDENCE,
     KIND,
@@ -69,7 +70,6 @@ from rredcot.diagnose.measure import (
 )
 from rredcot.diagnose.report import DiagnoseReport, plot_report, summary_text
 from rredcot.diagnose.verdict import verdict
-from rredcot.diagnose_config import DiagnoseConfig
 
 __all__ = [
     "CONFIDENCE",

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rredcot import credit as credit_algebra
-from rredcot.batch import RolloutBatch
-from rredcot.credit_choice import SUCCESS
-from rredcot.diagnose_config import DiagnoseConfig
+from rredcot.algebra import credit as credit_algebra
+from rredcot.algebra.normalization import group_mean_std
+from rredcot.config.diagnose import DiagnoseConfig
+from rredcot.methods.auto import SUCCESS
 from rredcot.methods.oracle import first_error_segment
-from rredcot.normalization import group_mean_std
+from rredcot.sampling.batch import RolloutBatch
 
 CONFIDENCE = 0.95
 
@@ -53,7 +53,7 @@ WRONG_KINDS = KINDS[2:]
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """GRPO's advantage of each row, ``(R - mean_g) / std_g`` with the group statistics of
-    :func:`rredcot.normalization.group_mean_std` (Bessel's correction, as TRL), and 0 in a group whose
+    :func:`rredcot.algebra.normalization.group_mean_std` (Bessel's correction, as TRL), and 0 in a group whose
     rewards all agree (std 0: GRPO has no update there). ``rewards``, ``group_ids``: ``(B,)``.
     Returns ``(B,)`` float."""
     mean, std = group_mean_std(rewards.float(), group_ids)

@@ -1,6 +1,6 @@
 """The measurement of ``rredcot diagnose``: sample the policy's groups, read each token's
 probability, run Monte Carlo from the segment boundaries of a capped subset, score the cheap
-estimators against it (:mod:`rredcot.credit_scores`, the credit benchmark's scoring), and hand
+estimators against it (:mod:`rredcot.explain.scores`, the credit benchmark's scoring), and hand
 the figures to :mod:`.figures` and the headline to :func:`.verdict.verdict`.
 
 :func:`diagnose` (a loaded policy) and :func:`diagnose_source` (what the CLI calls: the policy
@@ -21,12 +21,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from rredcot import credit as credit_algebra
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit as credit_algebra
 from rredcot.config import CreditConfig, SamplingConfig, refuse_beyond_memory
-from rredcot.config_io import brief, from_dict
-from rredcot.credit_choice import SUCCESS, policy_figures
-from rredcot.credit_scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
+from rredcot.config.diagnose import DiagnoseConfig
+from rredcot.config.io import brief, from_dict
 from rredcot.diagnose.figures import (
     CONFIDENCE,
     Chunk,
@@ -40,19 +38,21 @@ from rredcot.diagnose.figures import (
 )
 from rredcot.diagnose.report import DiagnoseReport
 from rredcot.diagnose.verdict import verdict
-from rredcot.diagnose_config import DiagnoseConfig
 from rredcot.errors import UserError
-from rredcot.explain_model import (
+from rredcot.explain.model import (
     ResolvedCheckpoint,
     choose_task,
     load_method_state,
     resolve_checkpoint,
     run_credit_config,
 )
+from rredcot.explain.scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
+from rredcot.methods.auto import SUCCESS, policy_figures
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
-from rredcot.rollout import (
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import (
     build_rollout_batch,
     context_limit,
     eval_mode,
@@ -60,10 +60,10 @@ from rredcot.rollout import (
     segment_batch,
 )
 from rredcot.segment import segmenter_from_config
-from rredcot.sft import default_policy_source
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task, read_task_data
-from rredcot.train_setup import resolve_device
+from rredcot.training.setup import resolve_device
+from rredcot.training.sft import default_policy_source
 
 # ---------------------------------------------------------------------------------------------
 # the forward the figures read
@@ -354,7 +354,7 @@ def estimator_specs(cfg: DiagnoseConfig) -> list[tuple[str, str, CreditConfig]]:
 
 def _estimators(policy, tokenizer, task, subs, segmenter, wanted, cfg: DiagnoseConfig, s, log):
     """Section 4: each cheap estimator asked for, scored against the Monte Carlo values with the
-    credit benchmark's definitions (:mod:`rredcot.credit_scores`, at the comparison lambda 0 and
+    credit benchmark's definitions (:mod:`rredcot.explain.scores`, at the comparison lambda 0 and
     blame threshold 0), uniform credit as reference."""
     # Each method runs on the whole groups the subset came from (its group statistics, anchors
     # and hand-over see every sample of a prompt, as in training); the subset's rows are then

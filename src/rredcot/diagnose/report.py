@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rredcot.config_io import read_json_file, save_figure_atomic, write_text_atomic
+from rredcot.config.io import read_json_file, save_figure_atomic, write_text_atomic
 from rredcot.diagnose.figures import KINDS
 
 # ---------------------------------------------------------------------------------------------

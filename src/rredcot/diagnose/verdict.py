@@ -1,6 +1,6 @@
 """The verdict of ``rredcot diagnose``: the headline figures in, a sentence and its reasons out
 (docs/diagnose.md, "the verdict"). The thresholds it shares with ``--credit auto`` are
-:mod:`rredcot.credit_choice`'s, so the two read a policy by one rule.
+:mod:`rredcot.methods.auto`'s, so the two read a policy by one rule.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rredcot.credit_choice import ALL_WRONG_HIGH, REWARD_LOW, choose_credit, flow_flags
-from rredcot.diagnose_config import DEFAULT_UNCERTAIN_P
+from rredcot.config.diagnose import DEFAULT_UNCERTAIN_P
+from rredcot.methods.auto import ALL_WRONG_HIGH, REWARD_LOW, choose_credit, flow_flags
 
 # the verdict's thresholds (docs/diagnose.md, "the verdict"); REWARD_LOW and ALL_WRONG_HIGH are
-# --credit auto's too (rredcot.credit_choice)
+# --credit auto's too (rredcot.methods.auto)
 ALL_RIGHT_HIGH = 0.5  # share of all-right groups at G above which the prompts are too easy
 PREFIX_LOW, PREFIX_HIGH = 0.15, 0.30  # GRPO's gradient share on still-right prefixes
 UNCERTAIN_LOW, UNCERTAIN_HIGH = 1.0, 4.0  # uncertain decisions per trace
@@ -85,7 +85,9 @@ def _outcome_reasons(figures: dict[str, Any]) -> list[_Reason]:
                 "sampled token on arithmetic chains with the tiny character model (docs/diagnose.md)",
             )
         )
-        if figures.get("has_references", True):  # the reference baseline (rredcot.references)
+        if figures.get(
+            "has_references", True
+        ):  # the reference baseline (rredcot.training.references)
             reasons.append(_reference_baseline_reason(figures))
         if mean_reward is not None:  # and per second: --credit auto's rule (credit_choice)
             choice = choose_credit(

@@ -3,7 +3,7 @@
 TRL and verl both hand over the same things: left-padded prompt ids, right-padded completion ids
 with a mask, one outcome reward per completion and a prompt-group id. This module decodes each
 completion with token offsets, segments it with :mod:`rredcot.segment` and fills a
-``RolloutBatch`` exactly as :func:`rredcot.rollout.build_rollout_batch` does for rredcot's own
+``RolloutBatch`` exactly as :func:`rredcot.sampling.rollout.build_rollout_batch` does for rredcot's own
 loop (a trailing EOS joins the last segment), so every credit method sees the same batch whichever
 trainer sampled it. Nothing here knows about TRL or verl.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot import credit
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit
+from rredcot.sampling.batch import RolloutBatch
 from rredcot.segment import Segmenter, segment_completion
 from rredcot.tasks.base import Problem, Verdict
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config_io import create_file, from_dict, read_json_file, to_dict
+from rredcot.config.io import create_file, from_dict, read_json_file, to_dict
 from rredcot.errors import UserError
 
 __all__ = [

@@ -22,7 +22,7 @@ Once per generation batch the credit runs the stages of ``rredcot train``'s step
 5. in training, ``method.update`` over the gathered rows, after the credit.
 
 The defaults are ``rredcot train``'s: ``credit_method="auto"`` chooses on the first generation
-batch's own rollouts, by the same rule (:mod:`rredcot.credit_choice`), and every unset ``credit``
+batch's own rollouts, by the same rule (:mod:`rredcot.methods.auto`), and every unset ``credit``
 field keeps :class:`rredcot.config.CreditConfig`'s default. The choice is written beside every
 checkpoint (``rredcot_credit.json``) and read back on resume, and the method's state (the value
 head) as ``value_head.pt``.
@@ -34,7 +34,7 @@ generation batch is one micro-batch (``steps_per_generation=1``; evaluation), it
 micro-batches, or the Liger loss) one no-grad forward of the adapter's own, as the trainer's
 scoring pass under gradient accumulation (``rredcot/extra_forward`` = 1).
 
-``references`` (issue 40's baselines, :mod:`rredcot.references`; needs ``task``, one process)
+``references`` (issue 40's baselines, :mod:`rredcot.training.references`; needs ``task``, one process)
 trains on the task's reference solutions (``task.gold_completion`` of each row's problem) in the
 groups ``references.groups`` chooses (default: no completion with outcome ``R >= 1``), on training
 batches only. ``sft``: ``sft_coef`` times the references' NLL, aggregated as ``loss_type``
@@ -79,18 +79,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot import references
+from rredcot.algebra.loss import off_policy_pg, shaped_ratio
+from rredcot.algebra.normalization import masked_mean
 from rredcot.config import CreditConfig, ReferencesConfig
-from rredcot.config_io import create_file, from_dict
-from rredcot.credit_choice import (
-    AUTO,
-    CreditChoice,
-    apply_choice,
-    check_method_name,
-    choose_from_rollouts,
-    measured_rows,
-    policy_figures,
-)
+from rredcot.config.io import create_file, from_dict
 from rredcot.errors import UserError, require_extra
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
@@ -101,7 +93,15 @@ from rredcot.integrations.saved import (
     settings_dict,
     write_settings,
 )
-from rredcot.loss import off_policy_pg, shaped_ratio
+from rredcot.methods.auto import (
+    AUTO,
+    CreditChoice,
+    apply_choice,
+    check_method_name,
+    choose_from_rollouts,
+    measured_rows,
+    policy_figures,
+)
 from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
@@ -115,13 +115,13 @@ from rredcot.models import (
     resolve_model_dir,
     set_activation_checkpointing,
 )
-from rredcot.normalization import masked_mean
-from rredcot.rollout import eval_mode, policy_forward, segment_batch
-from rredcot.runio import load_plain
+from rredcot.sampling.rollout import eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.answers import extract_reference
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
+from rredcot.training import references
+from rredcot.training.runio import load_plain
 
 _trl = require_extra("trl", "trl", "rredcot.integrations.trl")
 GRPOConfig, GRPOTrainer = _trl.GRPOConfig, _trl.GRPOTrainer
@@ -219,7 +219,7 @@ class RREDCoTGRPOConfig(GRPOConfig):
         default=AUTO,
         metadata={
             "help": "rredcot credit method: auto (as rredcot train: chosen on the first "
-            "generation batch from its own rollouts, rredcot.credit_choice), value_head, "
+            "generation batch from its own rollouts, rredcot.methods.auto), value_head, "
             "answer_likelihood, continuation_likelihood (the group's correct completions on this "
             "process, and the task's reference), process_reward (your step scores or a frozen "
             "PRM, credit.process_reward) or uniform (GRPO)."
@@ -780,7 +780,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     def _choose_credit(self, rows: _GlobalRows, batch: RolloutBatch) -> CreditChoice:
         """``auto``'s choice from the first generation batch's own rollouts, by rredcot train's
-        rule (:mod:`rredcot.credit_choice`): every process's rewards by group, and whether the
+        rule (:mod:`rredcot.methods.auto`): every process's rewards by group, and whether the
         task has a reference solution for every prompt of every process."""
         task = self.task
         mine = task is not None and all(task.gold_completion(p) is not None for p in batch.problems)
@@ -823,7 +823,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if method is None:
             return (
                 f"credit_method=auto (chosen on the first generation batch from its own "
-                f"rollouts, rredcot.credit_choice), segmenter={cuts}; metrics under "
+                f"rollouts, rredcot.methods.auto), segmenter={cuts}; metrics under "
                 f"{METRICS_PREFIX} (docs/metrics.md)"
             )
         norm = method.normalization
@@ -943,7 +943,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     def _with_references(self, inputs: list[dict], output: dict) -> None:
         """``references.mode`` on a training generation batch: the references of the groups
         ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), after
-        the group's prompt (:func:`rredcot.references.choose_references`, as rredcot train builds
+        the group's prompt (:func:`rredcot.training.references.choose_references`, as rredcot train builds
         them); sft keeps them for the
         loss (:meth:`_reference_sft_loss`). Their tokens are counted once per generation batch
         (``rredcot/references/tokens``; the run's ``rredcot/reference_tokens_trained``), as rredcot
@@ -1037,7 +1037,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     def _luffy_loss(self, model, inputs: dict) -> Tensor:
         """references.mode luffy: TRL's loss of the micro-batch with its reference rows left out
         (their tokens masked as TRL masks tool output), plus LUFFY's term on them: per token
-        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.loss.off_policy_pg`,
+        ``-A * f(pi_theta)``, ``f(x) = x / (x + gamma)`` (:func:`rredcot.algebra.loss.off_policy_pg`,
         unclipped, ``pi`` from the same loss forward), normalised as ``loss_type`` normalises the
         micro-batch (per-row means over the micro-batch's rows for grpo/sapo, rows x
         ``max_completion_length`` for dr_grpo, the generation batch's tokens for dapo/cispo/vespo)
@@ -1089,7 +1089,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
 
     def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
         """This micro-batch's share of ``sft_coef`` times the references' NLL
-        (:meth:`rredcot.references.ReferenceRows.nll`, aggregated over every reference row of the
+        (:meth:`rredcot.training.references.ReferenceRows.nll`, aggregated over every reference row of the
         generation batch as ``loss_type`` aggregates: :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are
         split over the batch's ``steps_per_generation`` micro-batches, so the shares sum to the
         whole term; scaled by ``steps_per_generation / gradient_accumulation_steps`` as TRL scales

@@ -65,10 +65,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rredcot import credit
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit
 from rredcot.config import CreditConfig
-from rredcot.config_io import from_dict
+from rredcot.config.io import from_dict
 from rredcot.errors import require_extra
 from rredcot.integrations._batch import (
     group_ids_from_keys,
@@ -88,6 +87,7 @@ from rredcot.methods.base import (
     uniform_values,
 )
 from rredcot.methods.value_source import ValueSourceCredit
+from rredcot.sampling.batch import RolloutBatch
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem

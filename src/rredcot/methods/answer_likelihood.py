@@ -42,7 +42,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rredcot.batch import RolloutBatch
 from rredcot.config import AnswerLikelihoodConfig
 from rredcot.methods.answer_probes import ProbeFormat, build_probes, probe_answers, resolve_cue
 from rredcot.methods.base import CreditContext, register_credit
@@ -51,6 +50,7 @@ from rredcot.methods.probe_logprobs import (
     packing_disagrees,
 )
 from rredcot.methods.value_source import ValueSourceCredit
+from rredcot.sampling.batch import RolloutBatch
 
 NUM_FEATURES = 2  # value-head features: V and its squashed log
 

@@ -45,9 +45,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rredcot.batch import RolloutBatch
 from rredcot.config import AnswerLikelihoodConfig
 from rredcot.methods.probe_logprobs import Probe, prompt_token_ids
+from rredcot.sampling.batch import RolloutBatch
 from rredcot.tasks.answers import equivalent_renderings
 from rredcot.tasks.base import safe_verify
 

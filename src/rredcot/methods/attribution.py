@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rredcot.batch import RolloutBatch
-from rredcot.credit import Cost
+from rredcot.algebra.credit import Cost
 from rredcot.methods.base import CreditMethod, CreditRows, register_credit
-from rredcot.rollout import position_ids_from_mask
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import position_ids_from_mask
 from rredcot.segment import decode_with_offsets
 
 __all__ = [

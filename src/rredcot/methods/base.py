@@ -7,8 +7,8 @@ benchmarks and ``explain`` (docs/architecture.md, the credit seam):
    (:class:`CreditRows`: rewards, groups, segment counts, and what the method measured on its
    own rows: boundary features, values or weights). Adapters that split a batch across
    processes gather these rows.
-2. ``est = method.estimate(rows)``: values or weights (:class:`rredcot.credit.Values`,
-   :class:`rredcot.credit.Weights`), with the guard applied (:mod:`rredcot.methods.guard`), their
+2. ``est = method.estimate(rows)``: values or weights (:class:`rredcot.algebra.credit.Values`,
+   :class:`rredcot.algebra.credit.Weights`), with the guard applied (:mod:`rredcot.methods.guard`), their
    cost and diagnostics, and whatever ``update`` needs: no state passes between the calls.
 3. ``seg, metrics = method.segment_stage(rows, est)``: the segment stage of the algebra over all rows.
 4. ``credit.token_advantages(seg, segment_ids, response_mask, method.scale(rows, ...))``: the token
@@ -30,14 +30,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from rredcot import credit
-from rredcot.batch import RolloutBatch
+from rredcot.algebra import credit
+from rredcot.algebra.credit import Cost, SegmentCredit, Values, Weights
+from rredcot.algebra.normalization import Scale, advantage_scale, group_mean_std, masked_mean
+from rredcot.algebra.shared_prefixes import node_fraction, node_values
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.credit import Cost, SegmentCredit, Values, Weights
 from rredcot.methods import BUILTIN_CREDIT_METHODS
-from rredcot.normalization import Scale, advantage_scale, group_mean_std, masked_mean
+from rredcot.sampling.batch import RolloutBatch
 from rredcot.segment import Segmenter
-from rredcot.shared_prefixes import node_fraction, node_values
 from rredcot.tasks.base import Task
 
 
@@ -51,7 +51,9 @@ class CreditContext:
     segmenter: Segmenter | None = None
     sampling: SamplingConfig | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    micro_batch_tokens: int = 0  # tokens one extra forward may take (rredcot.memory); 0: no cap
+    micro_batch_tokens: int = (
+        0  # tokens one extra forward may take (rredcot.sampling.memory); 0: no cap
+    )
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class CreditRows:
             step labels), or None.
         weights: ``(B, S)`` attribution weights, or None.
         prefix_ids: ``(B, S+1)`` the group's shared prefixes
-            (:func:`rredcot.shared_prefixes.shared_prefix_ids`), or None.
+            (:func:`rredcot.algebra.shared_prefixes.shared_prefix_ids`), or None.
         tree: the rows were sampled as tree groups (``sampling.tree``).
         cost, metrics: what measuring the rows cost, and its diagnostics.
     """
@@ -234,7 +236,7 @@ class CreditMethod:
 
     # -- 3. the segment stage ---------------------------------------------------------------
     def segment_stage(self, rows: CreditRows, est: Estimate) -> tuple[SegmentCredit, dict]:
-        """The estimate through :func:`rredcot.credit.segment_credit` over every row, with the
+        """The estimate through :func:`rredcot.algebra.credit.segment_credit` over every row, with the
         tree's node values (:meth:`with_node_values`) and ``credit.form`` applied; with the
         credit's diagnostics over every row (logged by every path)."""
         est = self.with_node_values(est, rows)
@@ -254,7 +256,7 @@ class CreditMethod:
 
     def with_node_values(self, est: Estimate, rows: CreditRows) -> Estimate:
         """``est`` with the values of the group's tree nodes put in
-        (:func:`rredcot.shared_prefixes.node_values`): in tree groups, or always for
+        (:func:`rredcot.algebra.shared_prefixes.node_values`): in tree groups, or always for
         ``node_values = "always"``. The method's values fill the boundaries between nodes,
         trusted by its hand-over weight, with the method's own lambda; weights are returned as
         they are. The one shared-prefix rule of every method (the value head's
@@ -310,7 +312,7 @@ class CreditMethod:
         return self.normalization
 
     def scale(self, rows: CreditRows, est: Estimate, like: Tensor) -> Scale:
-        """The rows' :class:`~rredcot.normalization.Scale` (over every row, like the segment
+        """The rows' :class:`~rredcot.algebra.normalization.Scale` (over every row, like the segment
         stage); ``like``: the advantages it will divide (their dtype)."""
         mode = self.normalization_for(est)
         floor = self.config.agreeing_std if mode == "group_or_batch_std" else None

@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rredcot.batch import RolloutBatch
+from rredcot.algebra.normalization import group_mean_std
 from rredcot.config import CONTINUATION_SCOPES, ContinuationLikelihoodConfig
 from rredcot.methods.base import CreditContext, CreditRows, Estimate, register_credit
 from rredcot.methods.probe_logprobs import (
@@ -88,8 +88,8 @@ from rredcot.methods.probe_logprobs import (
     packing_supported,
 )
 from rredcot.methods.value_source import ValueSourceCredit
-from rredcot.normalization import group_mean_std
-from rredcot.rollout import eval_mode
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.rollout import eval_mode
 from rredcot.segment import Segmenter, segment_completion
 
 ESTIMATORS = ("importance", "sum")

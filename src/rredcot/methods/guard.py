@@ -12,18 +12,18 @@ likelihood, process rewards, verl's critic), so that every estimator is made saf
   (the least-squares slope, :func:`prediction_slope`, or the explained variance,
   :func:`explained_variance`) and folds the score, clipped to [0, 1], into an EMA: the
   reliability, which is the next batches' hand-over weight ``w``.
-- the weight goes into :class:`rredcot.credit.Values`: the algebra gives
+- the weight goes into :class:`rredcot.algebra.credit.Values`: the algebra gives
   ``A = A_uniform + w (A_value - A_uniform)``, GRPO's advantages at ``w = 0`` and the method's
-  at ``w = 1`` (:func:`rredcot.credit.segment_credit`).
+  at ``w = 1`` (:func:`rredcot.algebra.credit.segment_credit`).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from rredcot.algebra.credit import anchor_values
+from rredcot.algebra.normalization import group_mean_std
 from rredcot.config import CreditConfig
-from rredcot.credit import anchor_values
-from rredcot.normalization import group_mean_std
 
 __all__ = [
     "Guard",

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rredcot.batch import RolloutBatch
+from rredcot.algebra.credit import Cost
 from rredcot.config import MonteCarloConfig, SamplingConfig
-from rredcot.credit import Cost
-from rredcot.memory import ModelShape, generation_rows
 from rredcot.methods.base import CreditContext, CreditMethod, CreditRows, register_credit
-from rredcot.rollout import checked_verify, eval_mode, response_mask_from_ids
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.memory import ModelShape, generation_rows
+from rredcot.sampling.rollout import checked_verify, eval_mode, response_mask_from_ids
 
 
 def estimated_boundaries(n: int, max_boundaries: int = 0) -> list[int]:

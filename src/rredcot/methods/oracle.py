@@ -42,12 +42,12 @@ import math
 
 import torch
 
-from rredcot.batch import RolloutBatch
+from rredcot.algebra.credit import Values
+from rredcot.algebra.normalization import group_mean_std
 from rredcot.config import OracleConfig
-from rredcot.credit import Values
 from rredcot.methods.base import CreditMethod, CreditRows, Estimate, register_credit
 from rredcot.methods.monte_carlo import context_mc_values
-from rredcot.normalization import group_mean_std
+from rredcot.sampling.batch import RolloutBatch
 
 __all__ = [
     "OracleCredit",

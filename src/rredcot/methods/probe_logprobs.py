@@ -12,7 +12,7 @@ boundary and its own earlier tokens, and position ids that continue from its pre
 **From the cache** (:func:`probe_logprobs_from_cache`): where the batch carries the fast
 decoder's cache of its sampling (``batch.probe_cache``, train's ``probe_from_cache``) and the
 policy is unchanged since, only the probe tokens are forwarded, against the cached keys and values
-of the prompt and prefix (:func:`rredcot.decode.score_probes`); other rows fall back to packing.
+of the prompt and prefix (:func:`rredcot.sampling.decode.score_probes`); other rows fall back to packing.
 **Unpacked** (:func:`unpacked_probe_logprobs`): one left-padded row per probe, the reference, and
 the fallback for models whose attention does not take a custom 4D mask
 (:func:`packing_supported`); :func:`probe_pass_tokens` says what falling back costs.
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rredcot.batch import RolloutBatch
-from rredcot.decode import score_probes
-from rredcot.memory import token_chunks
-from rredcot.rollout import eval_mode, position_ids_from_mask
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.decode import score_probes
+from rredcot.sampling.memory import token_chunks
+from rredcot.sampling.rollout import eval_mode, position_ids_from_mask
 
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
 PACKING_MODES = ("auto", "packed", "unpacked")
@@ -389,7 +389,7 @@ def probe_logprobs_from_cache(
 ) -> tuple[list[Tensor], int, int]:
     """Per-token log-probs of every probe (as :func:`packed_probe_logprobs`), the probes of rows
     that ``batch.probe_cache`` holds (:func:`cached_rows`) read against it
-    (:func:`rredcot.decode.score_probes`: only their tokens are forwarded), the others scored by
+    (:func:`rredcot.sampling.decode.score_probes`: only their tokens are forwarded), the others scored by
     ``score_rest(probes) -> (log-probs, tokens forwarded)``.
 
     Returns (one ``(len(probe.ids),)`` float tensor per probe, in order; tokens forwarded;

@@ -64,12 +64,12 @@ import transformers
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer
 
-from rredcot.batch import RolloutBatch
+from rredcot.algebra.normalization import group_mean_std
 from rredcot.config import ProcessRewardConfig
-from rredcot.memory import token_chunks
 from rredcot.methods.base import CreditContext, register_credit
 from rredcot.methods.value_source import ValueSourceCredit
-from rredcot.normalization import group_mean_std
+from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.memory import token_chunks
 
 __all__ = [
     "PRMScorer",

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rredcot.algebra.normalization import masked_mean
 from rredcot.config import HEAD_BYTES_PER_WEIGHT, ValueHeadConfig, refuse_bytes_beyond_memory
-from rredcot.normalization import masked_mean
 
 __all__ = ["INIT_SEED", "ValueFit", "ValueMLP", "td_lambda_targets"]
 

@@ -57,9 +57,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rredcot.batch import RolloutBatch
+from rredcot.algebra.credit import Cost, Values
+from rredcot.algebra.normalization import group_mean_std, masked_mean
 from rredcot.config import ValueHeadConfig
-from rredcot.credit import Cost, Values
 from rredcot.methods.answer_likelihood import answer_values, prefix_features
 from rredcot.methods.answer_probes import ProbeFormat
 from rredcot.methods.base import (
@@ -72,7 +72,7 @@ from rredcot.methods.base import (
 )
 from rredcot.methods.guard import Guard, bounded_skill, explained_variance, prediction_slope
 from rredcot.methods.value_fit import ValueFit, ValueMLP, td_lambda_targets
-from rredcot.normalization import group_mean_std, masked_mean
+from rredcot.sampling.batch import RolloutBatch
 
 __all__ = [
     "ValueHeadCredit",

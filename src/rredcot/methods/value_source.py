@@ -16,11 +16,11 @@ from typing import Any
 
 from torch import Tensor
 
-from rredcot.batch import RolloutBatch
-from rredcot.credit import Cost, Values
+from rredcot.algebra.credit import Cost, Values
+from rredcot.algebra.normalization import group_mean_std
 from rredcot.methods.base import CreditContext, CreditMethod, CreditRows, Estimate
 from rredcot.methods.guard import Guard
-from rredcot.normalization import group_mean_std
+from rredcot.sampling.batch import RolloutBatch
 
 __all__ = ["MIN_DEPARTURE_RMS", "ValueSourceCredit"]
 
@@ -49,7 +49,7 @@ class ValueSourceCredit(CreditMethod):
     def boundary_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(values (B, S+1), mask (B, S+1), stats)`` of the source on ``batch``; the stats'
         ``credit/extra_forward_tokens`` and ``credit/extra_generated_tokens`` become the
-        :class:`~rredcot.credit.Cost`, the rest are logged."""
+        :class:`~rredcot.algebra.credit.Cost`, the rest are logged."""
         raise NotImplementedError
 
     def prepare_values(self, values: Tensor, mask: Tensor, group_mean: Tensor) -> Tensor:

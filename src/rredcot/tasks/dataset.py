@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rredcot.config_io import read_json_file
+from rredcot.config.io import read_json_file
 from rredcot.errors import UserError, missing_extra_message, require_extra
 from rredcot.tasks.answers import (
     ANSWER_FORMATS,

@@ -1,0 +1,1 @@
+"""`rredcot explain`: where a method's credit went, as pictures and scores."""

@@ -1,0 +1,120 @@
+"""The batch every stage of a step reads: prompts, samples, outcomes, segments, forward-pass
+outputs. The data path (docs/architecture.md) is
+
+    sample -> verify -> segment -> forward (log-probs, hidden states, entropies)
+           -> credit method (values or weights) -> credit algebra (token advantages) -> loss
+
+and each arrow makes a new frozen :class:`RolloutBatch` from the last one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rredcot.tasks.base import Problem, Verdict
+
+__all__ = ["RolloutBatch"]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """B sampled completions with everything a credit method may read. Frozen: each stage of
+    the step (sampling, segmentation, the forward pass) makes a new batch with :meth:`replace`.
+
+    The sequence layout is ``[left-padded prompt (P columns) | right-padded response (T columns)]``.
+    """
+
+    input_ids: torch.Tensor  # (B, L), L = P + T
+    attention_mask: torch.Tensor  # (B, L)
+    prompt_len: int  # P
+    response_mask: torch.Tensor  # (B, T) float, 1 on real response tokens (EOS included)
+    rewards: torch.Tensor  # (B,) float
+    group_ids: torch.Tensor  # (B,) long; the G samples of one prompt share an id
+    boundaries: list[list[int]]  # per row: [0, b_1, ..., b_n = T_b]
+    segment_ids: torch.Tensor  # (B, T) long, -1 on padding
+    segment_char_starts: list[list[int]] = field(default_factory=list)  # per row, per segment
+    problems: list[Problem] = field(default_factory=list)
+    completions: list[str] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    old_logprobs: torch.Tensor | None = None  # (B, T)
+    hidden_states: torch.Tensor | None = None  # (B, L, H * len(layers)) from the old-logprob pass
+    position_ids: torch.Tensor | None = None  # (B, L)
+    entropies: torch.Tensor | None = None  # (B, T) next-token entropy (entropy segmentation)
+    prefix_ids: torch.Tensor | None = (
+        None  # (B, S+1) rredcot.algebra.shared_prefixes.shared_prefix_ids, -1 on padding
+    )
+    # (B, T) float, tree groups only (sampling.tree): how many leaves of the group share the
+    # tokens up to and including each one (rredcot.sampling.tree.token_share_counts); None otherwise
+    token_share_counts: torch.Tensor | None = None
+    # (B,) bool, references.mode luffy only: True on a reference row (an off-policy sample whose
+    # behaviour probability is taken as 1, rredcot.training.references); None: every row was sampled
+    off_policy: torch.Tensor | None = None
+    # rredcot.sampling.decode.SampledCache or None: the fast decoder's keys and values of the sampled
+    # rows, kept for the credit's probes (train's probe_from_cache) until the credit is computed
+    probe_cache: Any = None
+
+    def replace(self, **changes: Any) -> RolloutBatch:
+        """A copy with the given fields changed (tensors are shared, not copied)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def num_segments(self) -> torch.Tensor:
+        """(B,) number of segments of each row."""
+        return torch.tensor([len(b) - 1 for b in self.boundaries], dtype=torch.long)
+
+    def boundary_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence positions of the last token of each prefix ``s_k`` and their mask.
+
+        Returns ``(positions (B, S+1) long, mask (B, S+1) bool)``: column 0 is the last prompt
+        token (``s_0``), column k the last token of segment k (``P + b_k - 1``).
+        """
+        max_segments = max((len(b) - 1 for b in self.boundaries), default=0)
+        positions = torch.zeros(self.size, max_segments + 1, dtype=torch.long)
+        mask = torch.zeros(self.size, max_segments + 1, dtype=torch.bool)
+        for row, bounds in enumerate(self.boundaries):
+            for k, b in enumerate(bounds):
+                positions[row, k] = self.prompt_len + b - 1
+                mask[row, k] = True
+        return positions.to(self.input_ids.device), mask.to(self.input_ids.device)
+
+    def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
+        """A sub-batch of the given rows (for minibatches and replay)."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
+        keep = idx.tolist()
+        return RolloutBatch(
+            input_ids=pick(self.input_ids),
+            attention_mask=pick(self.attention_mask),
+            prompt_len=self.prompt_len,
+            response_mask=pick(self.response_mask),
+            rewards=pick(self.rewards),
+            group_ids=pick(self.group_ids),
+            boundaries=[self.boundaries[i] for i in keep],
+            segment_ids=pick(self.segment_ids),
+            segment_char_starts=[self.segment_char_starts[i] for i in keep]
+            if self.segment_char_starts
+            else [],
+            problems=[self.problems[i] for i in keep] if self.problems else [],
+            completions=[self.completions[i] for i in keep] if self.completions else [],
+            verdicts=[self.verdicts[i] for i in keep] if self.verdicts else [],
+            old_logprobs=pick(self.old_logprobs),
+            hidden_states=pick(self.hidden_states),
+            position_ids=pick(self.position_ids),
+            entropies=pick(self.entropies),
+            prefix_ids=pick(self.prefix_ids),
+            token_share_counts=pick(self.token_share_counts),
+            off_policy=pick(self.off_policy),
+            probe_cache=None if self.probe_cache is None else self.probe_cache.select(keep),
+        )
