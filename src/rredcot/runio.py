@@ -39,9 +39,10 @@ import yaml
 from safetensors import safe_open
 
 from rredcot.config import TrainConfig
-from rredcot.config_io import create_file, open_for_append, read_yaml_file, to_dict
+from rredcot.config_io import read_yaml_file, to_dict
 from rredcot.config_io import write_text_atomic as atomic_write_text
 from rredcot.errors import UserError
+from rredcot.safe_fs import create_file, open_for_append
 
 try:
     from numpy._core.multiarray import _reconstruct as _np_reconstruct
