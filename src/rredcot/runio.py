@@ -936,6 +936,11 @@ def load_plain(path: str | Path) -> Any:
         ) from None
 
 
+RESUME_FIX = (
+    "resume from an earlier checkpoint (delete this one) or start the run again with --overwrite"
+)
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """``trainer_state.pt`` as tensors and plain data, through ``torch.load(weights_only=True)``,
     which builds nothing else: a file that would create any other object (a pickle that runs
@@ -953,6 +958,12 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
             f"({unsafe_objects(path, err)}); rredcot does not "
             "load it, since loading it could run code. Use a checkpoint written by `rredcot "
             "train`, or re-save one from a source you trust as plain data"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:  # cut, empty, not torch's
+        kind = type(err).__name__
+        raise UserError(
+            f"{path} cannot be read ({kind}: cut short, empty or not a file torch wrote); "
+            f"{RESUME_FIX}"
         ) from None
     if not isinstance(state, dict):
         raise UserError(f"{path} holds a {type(state).__name__}, not a trainer state (a dict)")
