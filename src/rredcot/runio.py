@@ -8,10 +8,16 @@ continues without duplicated or truncated lines.
   or explicitly overwritten.
 - ``write_run_config``: ``config.yaml``, rewritten only when the run's config changes.
 - ``save_checkpoint`` writes ``checkpoints/step_N`` through a temporary directory, with
-  ``manifest.json`` (every file's size and SHA-256) written last, then a rename;
-  ``find_checkpoint`` returns the newest checkpoint that matches its manifest and says why it
-  skipped the newer ones; ``resume_checkpoint`` is the one a resume starts from.
+  ``manifest.json`` (every file's size and SHA-256) written last, then a rename; every name it
+  creates in ``checkpoints/`` (which may link to another disk) is recorded first in
+  ``checkpoints.json``, and pruning (and ``--overwrite``) deletes only those;
+  ``find_checkpoint`` returns the newest of the run's checkpoints that matches its manifest and
+  says why it skipped the newer ones; ``resume_checkpoint`` is the one a resume starts from.
 - ``MetricsLog``: ``metrics.jsonl``; ``MetricSink``: the same records to TensorBoard or W&B.
+
+Below the run directory nothing is written through a link (``rredcot.safe_fs``), and a resume
+refuses a run file that is a link, a FIFO or a device, or too large to read, before it loads
+anything (``check_run_entries``).
 
 What a trainer checkpoint holds (optimiser, schedule, credit method, counters) is
 ``rredcot.checkpoint``'s.
@@ -425,16 +431,16 @@ def remove_run_files(run_dir: Path, names: list[str]) -> None:
 
 
 def _own_checkpoint_entry(entry: Path) -> bool:
-    """Whether ``entry`` of the ``checkpoints/`` of a run from before ``checkpoints.json`` is
-    one rredcot writes: a ``step_N`` or ``.tmp_step_N`` folder (``N`` digits; a ``step_N`` with
-    its ``trainer_state.pt``), or the ``latest`` file naming one."""
+    """Whether ``entry`` of a linked ``checkpoints/`` of a run from before ``checkpoints.json``
+    is one rredcot wrote: a ``step_N`` folder (``N`` digits) with its ``trainer_state.pt`` and
+    ``manifest.json``, or the ``latest`` file naming one (a ``.tmp_step_N`` may be anyone's)."""
     if entry.is_symlink():
         return False
     if entry.name == LATEST:
         return entry.is_file() and entry.stat().st_size < 64
-    if not _OWN_NAME.fullmatch(entry.name) or not entry.is_dir():
+    if not re.fullmatch(r"step_[0-9]+", entry.name) or not entry.is_dir():
         return False
-    return entry.name.startswith(".tmp_") or (entry / "trainer_state.pt").is_file()
+    return (entry / "trainer_state.pt").is_file() and (entry / MANIFEST).is_file()
 
 
 def _remove(path: Path) -> None:
@@ -460,8 +466,8 @@ def _wrote(run_dir: Path, name: str) -> bool:
 def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Make, lock and check a run directory before anything is written to it.
 
-    A directory that holds a run (any of ``RUN_FILES``) is refused unless the run is being
-    resumed or ``overwrite`` is set, which removes those files (``remove_run_files``: nothing
+    A directory that holds a run (any of ``RUN_FILES``; a ``checkpoints/`` linked to another
+    disk alone is none) is refused unless the run is being resumed or ``overwrite`` is set, which removes those files (``remove_run_files``: nothing
     else) of a folder that ``is_rredcot_run``, and refuses any other. Returns the lock; the
     caller releases it when the run ends. A resumed run's files are checked first
     (:func:`check_run_entries`)."""
@@ -469,9 +475,11 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunL
     lock = RunLock(run_dir)
     try:
         present = [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
+        # a checkpoints/ linked to another disk alone is a run's layout set up, not a run
+        linked = [n for n in LINKABLE if (run_dir / n).is_symlink() and (run_dir / n).is_dir()]
         if resume:
             check_run_entries(run_dir)
-        elif present:
+        elif set(present) - set(linked):
             if not overwrite:
                 raise UserError(
                     f"--out {run_dir} holds a run already ({describe_run(run_dir)}); continue it "
@@ -491,16 +499,32 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunL
     return lock
 
 
+# what a resume reads whole: larger files are refused before anything loads
+_READ_LIMITS = {
+    METRICS: MAX_METRICS_BYTES,
+    CONFIG: MAX_CONFIG_BYTES,
+    CHECKPOINT_INDEX: MAX_CONFIG_BYTES,
+    CREDIT_CHOICE: MAX_CONFIG_BYTES,
+}
+
+
 def check_run_entries(run_dir: Path) -> None:
     """Refuse, in one line, a run directory whose files (``RUN_FILES``) a resume would read or
-    write through a symbolic link (``checkpoints/`` may link to a folder: another disk), or that
-    holds a FIFO or a device where a run writes a file or a folder."""
+    write through a symbolic link (``checkpoints/`` may link to a folder: another disk), that
+    holds a FIFO or a device where a run writes a file or a folder, or a file a resume reads
+    whole that is larger than rredcot writes one."""
     for name in RUN_FILES:
         path = run_dir / name
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
             continue
+        limit = _READ_LIMITS.get(name)
+        if limit is not None and stat.S_ISREG(mode) and os.lstat(path).st_size > limit:
+            raise UserError(
+                f"{path} is over {limit >> 20} MiB, larger than any {name} rredcot writes: move "
+                "it away, or start the run again with --overwrite"
+            )
         if stat.S_ISLNK(mode) and not (name in LINKABLE and path.is_dir()):
             raise UserError(
                 f"{path} is a symbolic link; a run's files are never read or written through a "
@@ -574,11 +598,12 @@ def _write_index(run_dir: Path, own: set[str], completed: set[str]) -> None:
     atomic_write_text(run_dir / CHECKPOINT_INDEX, json.dumps(index, indent=1) + "\n")
 
 
-def start_checkpoint_index(run_dir: str | Path) -> None:
-    """An empty ``checkpoints.json`` for a run that starts from step 0 (kept if there)."""
+def start_checkpoint_index(run_dir: str | Path, *, fresh: bool) -> None:
+    """``checkpoints.json`` for a run that starts from step 0, kept if there: empty for a
+    ``fresh`` run, else (a resumed run from before the file) naming what the run wrote."""
     run_dir = Path(run_dir)
     if _read_index(run_dir) is None:
-        _write_index(run_dir, set(), set())
+        _write_index(run_dir, set() if fresh else set(_own_entries(run_dir)), set())
 
 
 def _own_entries(run_dir: Path, tolerant: bool = False) -> list[str]:
@@ -612,15 +637,16 @@ def _checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     return sorted(dirs, key=step_of)
 
 
-def check_checkpoint_names(run_dir: str | Path, steps: list[int]) -> None:
+def check_checkpoint_names(run_dir: str | Path, steps: list[int], *, fresh: bool = False) -> None:
     """Refuse, before a run trains, a ``checkpoints/step_N`` it would save at one of ``steps``
     that is there already and not the run's own (a folder of the user's in a linked
-    ``checkpoints/``): a save never replaces what the run did not write (a link there is)."""
+    ``checkpoints/``; a ``fresh`` run owns none yet): a save never replaces what the run did
+    not write (a link there it does)."""
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return
-    own, planned = set(_own_entries(run_dir)), set(steps)
+    own, planned = set() if fresh else set(_own_entries(run_dir)), set(steps)
     for entry in root.iterdir():
         if entry.name in own or not _OWN_NAME.fullmatch(entry.name) or entry.is_symlink():
             continue

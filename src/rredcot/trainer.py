@@ -90,7 +90,8 @@ class Trainer:
                 runio.resume_checkpoint(self.run_dir, log=log, main=main) if cfg.resume else None
             )
             start = 0 if self._resume_from is None else runio.step_of(self._resume_from)
-            runio.check_checkpoint_names(self.run_dir, planned_saves(cfg, start))
+            saves = planned_saves(cfg, start)
+            runio.check_checkpoint_names(self.run_dir, saves, fresh=not cfg.resume)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if cfg.resume and cfg.credit_method == AUTO:  # a resume never decides again
                 self._apply_saved_choice()
@@ -163,7 +164,7 @@ class Trainer:
                 self.log(f"the run is at step {self.step} already (steps={cfg.steps})")
         elif main:
             self.metrics.continue_after(-1, log=self.log)
-            runio.start_checkpoint_index(self.run_dir)
+            runio.start_checkpoint_index(self.run_dir, fresh=not cfg.resume)
         if self.step == 0 and cfg.credit.value_head.pretrain_steps > 0:
             if self.method is None:
                 self.log("value pretraining skipped: --credit auto chooses at step 1")
