@@ -289,3 +289,22 @@ def test_a_trainer_state_that_matches_its_manifest_but_not_the_run_is_one_line(
     err = _resume(run_copy, capsys)
     assert err and str(ckpt / "trainer_state.pt") in err and "--overwrite" in err, err
     assert "resume from an earlier checkpoint" in err, err
+
+
+def test_bench_overhead_refuses_a_linked_runs_folder(init_dir, tmp_path):
+    """Finding 1 for ``bench overhead --out O``: its trainers' ``O/runs/<variant>`` is made
+    below ``O`` without following a link planted at ``O/runs``."""
+    from rredcot.bench.configs import OverheadBenchConfig
+    from rredcot.bench.overhead import run_overhead_bench
+    from rredcot.errors import UserError
+
+    out, outside = tmp_path / "overhead", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    (out / "runs").symlink_to(outside, target_is_directory=True)
+    cfg = OverheadBenchConfig(
+        methods="uniform", steps=1, warmup=0, init=str(init_dir), out=str(out), task="arithmetic"
+    )
+    with pytest.raises(UserError, match="runs is a symbolic link"):
+        run_overhead_bench(cfg, **QUIET)
+    assert list(outside.iterdir()) == []
