@@ -308,3 +308,18 @@ def test_bench_overhead_refuses_a_linked_runs_folder(init_dir, tmp_path):
     with pytest.raises(UserError, match="runs is a symbolic link"):
         run_overhead_bench(cfg, **QUIET)
     assert list(outside.iterdir()) == []
+
+
+def test_a_planted_checkpoint_index_names_nothing_outside_checkpoints(run_copy, tmp_path, capsys):
+    """``checkpoints.json`` decides what is deleted: one that names a path outside
+    ``checkpoints/`` is refused on resume and deletes nothing on --overwrite."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data.csv").write_text("1,2")
+    index = {"own": ["../../victim", "step_000002"], "completed": ["step_000002"]}
+    (run_copy / runio.CHECKPOINT_INDEX).write_text(json.dumps(index))
+    err = _resume(run_copy, capsys)
+    assert err and "is not a checkpoint index rredcot wrote" in err, err
+    runio.claim_run_dir(run_copy, resume=False, overwrite=True).release()
+    assert (victim / "data.csv").read_text() == "1,2"
+    assert not (run_copy / "checkpoints").exists()

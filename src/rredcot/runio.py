@@ -379,7 +379,7 @@ def describe_run(run_dir: str | Path) -> str:
         steps = []
     if steps:
         parts.append(f"metrics up to step {max(steps)}")
-    ckpts = _checkpoint_dirs(run_dir)
+    ckpts = _checkpoint_dirs(run_dir, tolerant=True)
     if ckpts:
         parts.append(f"checkpoints {', '.join(p.name for p in reversed(ckpts))}")
     if (run_dir / CONFIG).exists():
@@ -394,7 +394,8 @@ def is_rredcot_run(run_dir: str | Path) -> bool:
     data = _run_config(run_dir)
     if isinstance(data, dict) and {"credit_method", "steps", "out"} <= set(data):
         return True
-    return any((ckpt / "trainer_state.pt").is_file() for ckpt in _checkpoint_dirs(run_dir))
+    ckpts = _checkpoint_dirs(run_dir, tolerant=True)
+    return any((ckpt / "trainer_state.pt").is_file() for ckpt in ckpts)
 
 
 def _run_config(run_dir: Path) -> Any:
@@ -628,11 +629,11 @@ def _own_entries(run_dir: Path, tolerant: bool = False) -> list[str]:
     return sorted(e.name for e in own)
 
 
-def _checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+def _checkpoint_dirs(run_dir: str | Path, tolerant: bool = False) -> list[Path]:
     """The run's own ``checkpoints/step_N`` (folders, or links planted in their place), oldest
-    first."""
+    first (``tolerant``: see :func:`_own_entries`)."""
     root = Path(run_dir) / CHECKPOINTS
-    names = [n for n in _own_entries(Path(run_dir)) if n.startswith("step_")]
+    names = [n for n in _own_entries(Path(run_dir), tolerant) if n.startswith("step_")]
     dirs = [root / n for n in names if (root / n).is_dir() or (root / n).is_symlink()]
     return sorted(dirs, key=step_of)
 
