@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from rredcot.cli.main.main import main
 
 from conftest import micro_config, one_line_error, tiny_trl_trainer, train_error_under_file_limit
-from rredcot.cli.main import main
 from rredcot.training import runio
 from rredcot.training.trainer import Trainer
 
@@ -233,14 +233,16 @@ def test_trl_settings_nested_past_the_stack_are_one_line(init_dir, tmp_path, cap
     assert "rredcot_credit.json" in err and "nests JSON deeper" in err
 
 
-def test_resume_with_the_metrics_log_linked_to_an_outside_file(run_copy, tmp_path):
+def test_resume_with_the_metrics_log_linked_to_an_outside_file(run_copy, tmp_path, capsys):
+    """Refused in one line (issue 57, finding 4): never adopted as the run's log."""
     outside = tmp_path / "other.jsonl"
     outside.write_text('{"step": 0}\n{"step": 1, "note": "not this run"}\n')
     (run_copy / "metrics.jsonl").unlink()
     (run_copy / "metrics.jsonl").symlink_to(outside)
-    assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
+    err = one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    assert "metrics.jsonl is a symbolic link" in err, err
     assert outside.read_text() == '{"step": 0}\n{"step": 1, "note": "not this run"}\n'
-    assert not (run_copy / "metrics.jsonl").is_symlink()
+    assert (run_copy / "metrics.jsonl").is_symlink()
 
 
 def test_a_tiny_model_with_odd_head_width_is_refused_in_one_line(tmp_path, capsys):

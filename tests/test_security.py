@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rredcot.cli.main.main import main
 
 from conftest import one_line_error, train_error_under_file_limit
-from rredcot.cli.main import main
 from rredcot.config import TrainConfig
 from rredcot.config.io import resume_config
 from rredcot.errors import UserError
@@ -164,6 +164,8 @@ def _outside_file(outside: Path, name: str) -> Path:
 
 
 def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
+    """Links at the temporaries a resume writes and at the checkpoint it saves are replaced,
+    never followed."""
     outside = tmp_path / "outside"
     outside.mkdir()
     ckpts = run_copy / "checkpoints"
@@ -176,11 +178,6 @@ def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
     }
     for link, target in planted.items():
         link.symlink_to(target)
-    moved = {}  # the run's own files moved outside, a link left in their place
-    for name in ("metrics.jsonl", "config.yaml"):
-        shutil.move(run_copy / name, outside / name)
-        (run_copy / name).symlink_to(outside / name)
-        moved[outside / name] = (outside / name).read_bytes()
     for name in (".tmp_step_000003", "step_000003"):  # the checkpoint's temporary and final dirs
         folder = outside / name
         folder.mkdir()
@@ -189,17 +186,32 @@ def test_links_planted_in_a_run_dir_are_not_written_through(run_copy, tmp_path):
     assert main(["train", "--resume", str(run_copy), "--steps", "3"]) == 0
     for link, target in planted.items():
         assert target.read_text() == f"{target.name}: not rredcot's", f"{link.name} was followed"
-    for target, content in moved.items():
-        assert target.read_bytes() == content, f"{target.name} was written through its link"
     assert sorted(p.name for p in outside.rglob("*")) == sorted(
         ["a", "b", "c", "d", ".tmp_step_000003", "step_000003", "kept", "kept"]
-        + ["metrics.jsonl", "config.yaml"]
     )
     for name in ("metrics.jsonl", "config.yaml", "checkpoints/latest"):
         assert not (run_copy / name).is_symlink() and (run_copy / name).is_file(), name
     assert not (ckpts / "step_000003").is_symlink()
     assert (ckpts / "step_000003" / "trainer_state.pt").is_file()
     assert (run_copy / "checkpoints" / "latest").read_text() == "step_000003"
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.yaml", "credit_choice.json"])
+def test_a_run_file_linked_outside_is_refused_on_resume(run_copy, tmp_path, capsys, name):
+    """Issue 57, finding 4: the run's own file moved outside and a link left in its place is
+    refused in one line (never adopted, read or rewritten), as docs/run_directory.md says."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if (run_copy / name).exists():
+        shutil.move(run_copy / name, outside / name)
+    else:
+        (outside / name).write_text("{}")
+    (run_copy / name).symlink_to(outside / name)
+    before = (outside / name).read_bytes()
+    err = one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
+    assert "symbolic link" in err and str(run_copy / name) in err, err
+    assert (outside / name).read_bytes() == before
+    assert (run_copy / name).is_symlink()
 
 
 @pytest.mark.parametrize("name", [".lock", "metrics.unreadable.jsonl"])

@@ -175,3 +175,19 @@ def test_the_equation_pattern_matches_as_its_backtracking_form_did():
         assert found == [(m.span(), m["left"], m["right"]) for m in plain.finditer(line)], line
         matched += bool(found)
     assert matched > 100  # the corpus holds equations, not only non-matches
+
+
+def test_chain_split_holds_out_chains_not_only_prompts():
+    """split='prompt' lets a held-out chain occur in training told with another name or item;
+    split='chain' holds the chain itself out."""
+
+    def chain(p):
+        return (p.meta["start"], tuple(p.meta["operators"]), tuple(p.meta["operands"]))
+
+    for split, overlapping in (("prompt", True), ("chain", False)):
+        task = get_task("word_problems", split=split)
+        pool = {chain(p) for p in task.train_problems(2048, seed=0)}
+        held = [chain(p) for p in task.eval_problems(64, seed=0)]
+        assert any(c in pool for c in held) is overlapping, split
+    with pytest.raises(ValueError, match="split must be one of prompt, chain"):
+        get_task("word_problems", split="question")

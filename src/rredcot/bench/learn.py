@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,16 @@ from rredcot.bench.report import (
 from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
-from rredcot.config.io import load_yaml, loads_json, read_json_file, resolve_config, to_dict
+from rredcot.config.io import (
+    MAX_CONFIG_BYTES,
+    load_yaml,
+    loads_json,
+    read_json_file,
+    resolve_config,
+    to_dict,
+)
 from rredcot.methods.auto import AUTO, CreditChoice, apply_choice
+from rredcot.safe_fs import make_dirs, open_for_append, read_regular
 from rredcot.sampling.rollout import policy_forward
 from rredcot.tasks import get_task
 from rredcot.training import runio
@@ -153,14 +162,7 @@ class VarianceProbe:
         self.done = {r["fraction"] for r in self.read()}
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        lines = self.path.read_text().splitlines()
-        return [
-            loads_json(line, f"{self.path} line {i}")
-            for i, line in enumerate(lines, 1)
-            if line.strip()
-        ]
+        return _read_variance(self.path)
 
     def maybe_measure(self, trainer: Trainer, final: bool = False) -> None:
         if trainer.method is None:  # --credit auto chooses at step 1: measured after it
@@ -196,9 +198,19 @@ class VarianceProbe:
             "grad_mean_sqnorm": mean_sq,
             "probe_reward_mean": float(batch.rewards.mean()),
         }
-        with open(self.path, "a", encoding="utf-8") as fh:
+        with os.fdopen(open_for_append(self.path), "a", encoding="utf-8") as fh:  # no link
             fh.write(json.dumps(record) + "\n")
         self.done.add(fraction)
+
+
+def _read_variance(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's ``variance.jsonl`` (a few lines: a link, a FIFO or a file over
+    16 MiB is refused in one line)."""
+    try:
+        lines = read_regular(path, VARIANCE, limit=MAX_CONFIG_BYTES).decode().splitlines()
+    except FileNotFoundError:
+        return []
+    return [loads_json(line, f"{path} line {i}") for i, line in enumerate(lines, 1) if line.strip()]
 
 
 class ProbedTrainer(Trainer):
@@ -272,13 +284,13 @@ def _check_same_config(run_dir: Path, tcfg) -> None:
     """A run directory left by an earlier call must have been made with the same settings, or
     skipping / resuming it would mix two experiments."""
     saved = run_dir / "config.yaml"
-    if not saved.exists():
+    if not os.path.lexists(saved):
         return
     choice = run_dir / runio.CREDIT_CHOICE
     if tcfg.credit_method == AUTO and choice.exists():  # the run saved what auto chose
         tcfg = copy.deepcopy(tcfg)
         apply_choice(tcfg, CreditChoice.read(choice))
-    old, new = to_dict(load_yaml(saved)), to_dict(tcfg)
+    old, new = to_dict(load_yaml(saved, follow=False)), to_dict(tcfg)
     old.pop("progress", None), new.pop("progress", None)
     if old != new:
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -292,13 +304,15 @@ def run_one(
     cfg: LearnBenchConfig, variant: Variant, seed: int, init: str, log=print
 ) -> dict[str, Any]:
     """Train (or resume, or skip when complete) one (variant, seed) run; returns its result."""
-    run_dir = Path(cfg.out) / "runs" / dir_name(variant.name) / f"seed{seed}"
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    # below --out, no folder is a link: a planted one is refused, never written through
+    run_dir = make_dirs(cfg.out, Path("runs", dir_name(variant.name), f"seed{seed}"))
     tcfg = train_config(cfg, variant, seed, init, run_dir)
     _check_same_config(run_dir, tcfg)
     done = run_dir / RESULT
-    if done.exists():
+    if os.path.lexists(done):
         log(f"{variant.name} seed {seed}: complete, skipped ({run_dir})")
-        return read_json_file(done, "a finished run's result")
+        return read_json_file(done, "a finished run's result", follow=False)
     if (run_dir / "config.yaml").exists():  # an earlier call left this run unfinished
         if runio.latest_checkpoint(run_dir) is not None:
             tcfg.resume = str(run_dir)
@@ -431,12 +445,8 @@ def _grad_variance_summary(run_dirs: dict[int, Path]) -> dict[str, dict[str, flo
     """Per probe fraction, the variance probes of every seed (``variance.jsonl``) averaged."""
     variance: dict[str, dict[str, float]] = {}
     for s, run_dir in run_dirs.items():
-        path = run_dir / VARIANCE
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    rec = loads_json(line, str(path))
-                    variance.setdefault(f"{rec['fraction']:.3f}", {})[str(s)] = rec
+        for rec in _read_variance(run_dir / VARIANCE):
+            variance.setdefault(f"{rec['fraction']:.3f}", {})[str(s)] = rec
     var_summary = {}
     for frac, by_seed in sorted(variance.items()):
         m, sd = mean_std([r["grad_var_trace"] for r in by_seed.values()])

@@ -37,6 +37,7 @@ from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
 from rredcot.config.io import resolve_config
+from rredcot.safe_fs import make_dirs
 from rredcot.training.trainer import Trainer
 
 PHASES = ("time/rollout", "time/old_logprobs", "time/credit", "time/update", "time/value_update")
@@ -60,7 +61,8 @@ def _trainers(
             **({"task": cfg.task} if cfg.task else {}),
             **v.train_overrides(),
             "init": init,
-            "out": str(out / "runs" / dir_name(v.name)),
+            # below --out no folder is a link: a planted one is refused, never written through
+            "out": str(make_dirs(out, Path("runs", dir_name(v.name)))),
             "resume": None,
             "seed": cfg.seed,
             "steps": cfg.warmup + cfg.steps,

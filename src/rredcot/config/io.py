@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
 import functools
 import json
 import os
@@ -26,6 +25,7 @@ from typing import Any
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
 from rredcot.config import CODE_SETTINGS, RESUMABLE_FIELDS, TrainConfig
 from rredcot.errors import UserError
+from rredcot.safe_fs import create_file, read_regular
 
 # ---------------------------------------------------------------------------------------------
 # dataclass <-> dict
@@ -162,25 +162,20 @@ def merge_overrides(base: dict, flat: dict[str, Any]) -> dict:
 # YAML files
 
 
-def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
-    """The parsed content of a YAML file; a missing file, a directory, bytes that are not UTF-8 or
-    malformed YAML are a ``UserError`` that names the file and the place."""
+def read_yaml_file(path: str | Path, what: str = "config file", follow: bool = True) -> Any:
+    """The parsed content of a YAML file; a missing file, a directory, a FIFO or a device, a file
+    over :data:`MAX_CONFIG_BYTES`, bytes that are not UTF-8 or malformed YAML are a ``UserError``
+    that names the file and the place (``follow=False``: a link there too, for a run's files)."""
     import yaml  # CLI start-up: YAML is read only with --config (and by runs)
 
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         raise UserError(f"{what} {path} does not exist; check the path")
     if path.is_dir():
         raise UserError(f"{what} {path} is a directory; pass a YAML file")
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read(MAX_CONFIG_BYTES + 1)
-        if len(text) > MAX_CONFIG_BYTES:
-            raise UserError(
-                f"{what} {path} is over {MAX_CONFIG_BYTES >> 20} MiB; a config is a few kB: "
-                "pass the right file"
-            )
-        return load_yaml_text(text, f"{what} {path}")
+        data = read_regular(path, what, limit=MAX_CONFIG_BYTES, follow=follow)
+        return load_yaml_text(data.decode("utf-8"), f"{what} {path}")
     except UnicodeDecodeError as err:
         raise UserError(
             f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})"
@@ -295,19 +290,18 @@ def loads_json(text: str | bytes, where: str) -> Any:
         ) from None
 
 
-def read_json_file(path: str | Path, what: str = "file") -> Any:
-    """The parsed content of a JSON file a run directory holds, within limits (size, nesting);
-    a missing, unreadable, oversized or malformed file is a one-line ``UserError`` naming it."""
+def read_json_file(
+    path: str | Path, what: str = "file", follow: bool = True, limit: int | None = None
+) -> Any:
+    """The parsed content of a JSON file a run directory holds, within limits (size: ``limit``,
+    else :data:`MAX_CONFIG_BYTES`; nesting); a missing, unreadable, oversized or malformed file,
+    a FIFO or a device (and a link, with ``follow=False``) is a one-line ``UserError`` naming
+    it."""
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_CONFIG_BYTES + 1)
-    except OSError as err:
+        data = read_regular(path, what, limit=limit or MAX_CONFIG_BYTES, follow=follow)
+    except FileNotFoundError as err:
         raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise UserError(
-            f"{what} {path} is over {MAX_CONFIG_BYTES >> 20} MiB; not a file rredcot wrote"
-        )
     check_json_depth(data, f"{what} {path}")
     try:
         return json.loads(data)
@@ -317,9 +311,9 @@ def read_json_file(path: str | Path, what: str = "file") -> Any:
         ) from None
 
 
-def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
+def load_yaml(path: str | Path, cls: type = TrainConfig, follow: bool = True) -> Any:
     """A config dataclass from a YAML file (see ``read_yaml_file`` for the errors)."""
-    data = read_yaml_file(path)
+    data = read_yaml_file(path, follow=follow)
     try:
         return from_dict(cls, data or {})
     except ValueError as err:
@@ -331,32 +325,6 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     import yaml  # CLI start-up, as read_yaml_file
 
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # not on Windows
-
-
-def create_file(path: str | Path) -> int:
-    """A descriptor of a new, empty file at ``path``, opened for writing: whatever is there (a
-    link someone planted, a temporary file left by a kill) is removed first, never followed, and
-    the file is created exclusively, so nothing outside the directory is ever written."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
-
-
-def open_for_append(path: str | Path) -> int:
-    """A descriptor of ``path`` opened to append (created if missing); a link there is refused
-    (a ``UserError``), never followed."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
-    except OSError as err:
-        if err.errno != errno.ELOOP:
-            raise
-        raise UserError(
-            f"{path} is a symbolic link; rredcot does not write through a link in a run "
-            "directory: remove it (or replace it with the file itself)"
-        ) from None
 
 
 def save_figure_atomic(fig: Any, path: str | Path, **savefig: Any) -> Path:
@@ -545,9 +513,9 @@ def resume_config(cfg: TrainConfig, given: set[str] | None = None) -> TrainConfi
     (reading a run never loads code it names)."""
     run = Path(cfg.resume or "")
     saved_path = run / "config.yaml"
-    if not saved_path.exists():
+    if not os.path.lexists(saved_path):
         raise FileNotFoundError(f"--resume {run}: no config.yaml there; is it a run directory?")
-    saved = load_yaml(saved_path)
+    saved = load_yaml(saved_path, follow=False)  # a link there is refused, never followed
     old = flatten(to_dict(saved))
     new = flatten(to_dict(cfg))
     if given is None:

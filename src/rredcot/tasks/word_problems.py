@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass, field
 
 from rredcot.segment import DEFAULT_ANSWER_PATTERN
-from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task
+from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task, stable_seed
 from rredcot.tasks.gsm8k_steps import UnparseableExpression, evaluate
 
 NAMES = (
@@ -62,6 +62,7 @@ ADD_VERBS = ("buys", "finds", "gets")
 SUB_VERBS_FOOD = ("eats", "gives away")
 SUB_VERBS_THING = ("loses", "gives away")
 VALID_OPERATORS = "+-"
+SPLITS = ("prompt", "chain")
 
 _ITEM = "|".join(FOODS + THINGS)
 _NAME = "|".join(n for n, _ in NAMES)
@@ -114,6 +115,14 @@ class WordProblemParams:
     eval_fraction: float = field(
         default=0.1, metadata={"help": "Share of all prompts held out for evaluation."}
     )
+    split: str = field(
+        default="prompt",
+        metadata={
+            "help": "What is held out: 'prompt' (a hash of the prompt's text: the same chain told "
+            "with another name or item can be in both splits) or 'chain' (a hash of the start "
+            "amount, operations and operands: no held-out chain occurs in training)."
+        },
+    )
     seed: int = field(
         default=0, metadata={"help": "Seed of the split: which prompts are held out."}
     )
@@ -135,6 +144,8 @@ class WordProblemParams:
             )
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
 
 
 EXAMPLE_QUESTION = "Ann has 3 pens. She buys 4 more, then loses 2. How many pens does Ann have now?"
@@ -259,6 +270,16 @@ class WordProblemTask(GeneratedTask):
 
     def render_answer(self, answer: str) -> str:
         return f"{self.answer_cue}{answer}."
+
+    def is_eval_prompt(self, prompt: str) -> bool:
+        """``split='chain'``: held out by a hash of the chain the prompt tells (start amount,
+        operations, operands), so a held-out chain never occurs in training in other words."""
+        parsed = parse_problem(prompt) if self.params.split == "chain" else None
+        if parsed is None:
+            return super().is_eval_prompt(prompt)
+        chain = (parsed.start, tuple(parsed.operators), tuple(parsed.operands))
+        u = stable_seed("split", self.params.seed, chain) / 2.0**64
+        return u < self.params.eval_fraction
 
     def suggested_max_new_tokens(self) -> int:
         """BPE tokens: about 16 a step line, plus the answer line and some slack."""

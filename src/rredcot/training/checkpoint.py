@@ -70,7 +70,7 @@ def check_trainer_state(state: dict[str, Any], ckpt: Path) -> None:
     restores, or whose counters are not non-negative numbers (its ``step`` the checkpoint's
     own, ``step_N``)."""
     path = ckpt / "trainer_state.pt"
-    fix = "resume from another checkpoint (delete this one) or start again with --overwrite"
+    fix = runio.RESUME_FIX
     missing = [name for name, kind in _STATE_PARTS.items() if not isinstance(state.get(name), kind)]
     missing += [n for n in COUNTERS if n not in _ADDED_LATER and n not in state]
     if missing:
@@ -87,6 +87,44 @@ def check_trainer_state(state: dict[str, Any], ckpt: Path) -> None:
         raise UserError(f"{path}: step={step} but the checkpoint is {ckpt.name}; {fix}")
 
 
+def _first_line(err: Exception) -> str:
+    text = str(err).splitlines()[0][:120] if str(err) else ""
+    return text or type(err).__name__
+
+
+def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Refuse, in one line naming ``path``, a saved optimiser state whose groups or per-parameter
+    tensors (Adam's moments) do not have the shapes of the live optimiser's parameters: loading
+    it would succeed and the first step fail."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    problem = None
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    per_param = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(per_param, dict):
+        problem = "no param_groups or state"
+    elif len(groups) != len(optimizer.param_groups):
+        problem = f"{len(groups)} parameter groups, the run has {len(optimizer.param_groups)}"
+    else:
+        for index, values in per_param.items():
+            if not isinstance(index, int) or not 0 <= index < len(params):
+                problem = f"a state for parameter {str(index)[:20]}, the run has {len(params)}"
+                break
+            for key, value in values.items() if isinstance(values, dict) else []:
+                shape = params[index].shape
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != shape:
+                    problem = (
+                        f"{key} of parameter {index} is {tuple(value.shape)}, not {tuple(shape)}"
+                    )
+                    break
+            if problem:
+                break
+    if problem:
+        raise UserError(
+            f"{path}: its optimizer state does not fit this run's model ({problem}); "
+            f"{runio.RESUME_FIX}"
+        )
+
+
 def restore_training_checkpoint(
     ckpt: str | Path,
     policy: Any,
@@ -98,14 +136,26 @@ def restore_training_checkpoint(
     """Load checkpoint ``ckpt`` into the live policy, optimiser, schedule and credit method and
     restore the RNG states; returns the counters (:data:`COUNTERS`) it was saved with."""
     ckpt = Path(ckpt)
-    state = runio.load_trainer_state(ckpt / "trainer_state.pt")
+    path = ckpt / "trainer_state.pt"
+    state = runio.load_trainer_state(path)
     check_trainer_state(state, ckpt)  # before the policy loads
+    check_optimizer_state(state["optimizer"], optimizer, path)
     saved, _ = load_policy(str(ckpt / "policy"), dtype=dtype)
     policy.load_state_dict(saved.state_dict())
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    method.load_state_dict(state["credit_method"])
-    runio.restore_rng_state(state["rng"])
+    parts = {
+        "optimizer": optimizer.load_state_dict,
+        "scheduler": scheduler.load_state_dict,
+        "credit_method": method.load_state_dict,
+        "rng": runio.restore_rng_state,
+    }
+    for name, load in parts.items():
+        try:
+            load(state[name])
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError, AttributeError) as err:
+            raise UserError(
+                f"{path}: its {name} state does not fit this run ({_first_line(err)}); "
+                f"{runio.RESUME_FIX}"
+            ) from None
     return {
         name: state.get(name, _ADDED_LATER[name]) if name in _ADDED_LATER else state[name]
         for name in COUNTERS

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from rredcot.config.io import save_figure_atomic
+from rredcot.safe_fs import make_dirs
 from rredcot.training.runio import CURVES, METRICS, PLOTS, MetricsLog, plot_file_name
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write ``plots/<metric>.png`` for every metric of ``CURVES`` that the run logged."""
+    """Write ``plots/<metric>.png`` for every metric of ``CURVES`` that the run logged (a link
+    at ``plots`` is refused, one at a PNG replaced: nothing outside the run is written)."""
     import matplotlib  # only when a plot is drawn (seconds of import; the Agg backend)
 
     matplotlib.use("Agg")
@@ -17,8 +19,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
     run_dir = Path(run_dir)
     records = MetricsLog(run_dir / METRICS).read()
-    out_dir = run_dir / PLOTS
-    out_dir.mkdir(exist_ok=True)
+    out_dir = make_dirs(run_dir, PLOTS)
     written = []
     for key, title in CURVES:
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]

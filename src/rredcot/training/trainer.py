@@ -93,6 +93,9 @@ class Trainer:
             self._resume_from = (
                 runio.resume_checkpoint(self.run_dir, log=log, main=main) if cfg.resume else None
             )
+            start = 0 if self._resume_from is None else runio.step_of(self._resume_from)
+            saves = planned_saves(cfg, start)
+            runio.check_checkpoint_names(self.run_dir, saves, fresh=not cfg.resume)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if cfg.resume and cfg.credit_method == AUTO:  # a resume never decides again
                 self._apply_saved_choice()
@@ -165,6 +168,7 @@ class Trainer:
                 self.log(f"the run is at step {self.step} already (steps={cfg.steps})")
         elif main:
             self.metrics.continue_after(-1, log=self.log)
+            runio.start_checkpoint_index(self.run_dir, fresh=not cfg.resume)
         if self.step == 0 and cfg.credit.value_head.pretrain_steps > 0:
             if self.method is None:
                 self.log("value pretraining skipped: --credit auto chooses at step 1")
@@ -878,6 +882,13 @@ def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> flo
     groups = group_ids.unique()
     zero = sum(int(rewards[group_ids == g].std(unbiased=False) == 0) for g in groups)
     return zero / max(len(groups), 1)
+
+
+def planned_saves(cfg: TrainConfig, start: int) -> list[int]:
+    """The steps after ``start`` at which the run saves a checkpoint (a budget that ends the run
+    sooner adds its last step)."""
+    every = max(cfg.checkpoint_every, 1)
+    return [s for s in range(start + 1, cfg.steps + 1) if s % every == 0 or s == cfg.steps]
 
 
 def _progress(enabled: bool, total: int, initial: int):
