@@ -41,7 +41,7 @@ def test_yaml_nested_deeper_than_the_stack_is_refused_in_one_line(tmp_path, caps
 
 
 def test_yaml_aliases_within_the_limit_still_load():
-    from rredcot.config.io import load_yaml_text
+    from rredcot.safe_fs import load_yaml_text
 
     assert load_yaml_text("x: &x {k: 1}\ny: *x\n", "test") == {"x": {"k": 1}, "y": {"k": 1}}
 
@@ -271,9 +271,9 @@ def test_json_of_an_output_folder_is_read_within_limits(tmp_path):
     """One reader for JSON that a run or output folder holds (bench learn's results, a
     diagnose report): nesting past the stack is one UserError naming the file; brackets inside
     strings are text, not nesting."""
-    from rredcot.config.io import loads_json, read_json_file
     from rredcot.diagnose.report import DiagnoseReport
     from rredcot.errors import UserError
+    from rredcot.safe_fs import loads_json, read_json_file
 
     deep = tmp_path / "result.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)

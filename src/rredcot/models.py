@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import (
@@ -44,6 +45,31 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 DEFAULT_CHARSET = "\n" + "".join(chr(c) for c in range(32, 127))
 """Newline plus printable ASCII (space through `~`): 96 characters."""
+
+try:
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+except ImportError:  # NumPy 1
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+
+# what a plain-data torch.load (weights_only) may also rebuild: NumPy arrays in a saved state
+NUMPY_ARRAY_GLOBALS = [
+    (np.ndarray, "numpy.ndarray"),
+    (np.dtype, "numpy.dtype"),
+    (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+    (_np_reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_np_reconstruct, "numpy._core.multiarray._reconstruct"),
+]
+
+
+def unsafe_objects(path: str | Path, err: Exception) -> str:
+    """What a refused ``torch.load(weights_only=True)`` of ``path`` found (the globals it would
+    have imported), for a one-line message."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = {name for _, name in NUMPY_ARRAY_GLOBALS}
+        return ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
+    except Exception:  # noqa: BLE001 - only the message's detail
+        return str(err).splitlines()[0]
 
 
 def build_char_tokenizer(
@@ -462,10 +488,6 @@ def load_policy(
             name, dtype=torch_dtype, trust_remote_code=trust_remote_code, **hub, **kwargs
         )
     except pickle.UnpicklingError as e:  # a .bin that torch.load(weights_only=True) refused
-        from rredcot.training.runio import (
-            unsafe_objects,  # lazy: runio is the run directory's module
-        )
-
         weights = os.path.join(name, "pytorch_model.bin")
         what = unsafe_objects(weights, e) if os.path.isfile(weights) else str(e).splitlines()[0]
         raise UserError(

@@ -67,7 +67,6 @@ from rredcot.bench.configs import CreditBenchConfig
 from rredcot.bench.report import fmt, markdown_table, write_report
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import SamplingConfig
-from rredcot.config.io import write_text_atomic
 from rredcot.explain.model import (
     choose_task,
     load_method_state,
@@ -81,6 +80,7 @@ from rredcot.explain.scores import GroundTruth, Traces, evaluate_method, masked_
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
+from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.rollout import (
     build_rollout_batch,

@@ -57,16 +57,16 @@ from rredcot.bench.report import (
 from rredcot.bench.stats import interval_estimate, paired_difference, probability_of_improvement
 from rredcot.bench.variants import Variant, dir_name, parse_variants
 from rredcot.config import TrainConfig
-from rredcot.config.io import (
-    MAX_CONFIG_BYTES,
-    load_yaml,
-    loads_json,
-    read_json_file,
-    resolve_config,
-    to_dict,
-)
+from rredcot.config.io import load_yaml, resolve_config, to_dict
 from rredcot.methods.auto import AUTO, CreditChoice, apply_choice
-from rredcot.safe_fs import make_dirs, open_for_append, read_regular
+from rredcot.safe_fs import (
+    MAX_CONFIG_BYTES,
+    loads_json,
+    make_dirs,
+    open_for_append,
+    read_json_file,
+    read_regular,
+)
 from rredcot.sampling.rollout import policy_forward
 from rredcot.tasks import get_task
 from rredcot.training import runio

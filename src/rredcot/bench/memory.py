@@ -30,10 +30,10 @@ import torch
 from rredcot.bench.configs import MemoryBenchConfig
 from rredcot.bench.report import markdown_table
 from rredcot.config import TrainConfig
-from rredcot.config.io import write_text_atomic
 from rredcot.errors import UserError
 from rredcot.methods.auto import check_method_name
 from rredcot.models import looks_like_path, shipped_model
+from rredcot.safe_fs import write_text_atomic
 from rredcot.training.trainer import Trainer
 
 GIB = 1 << 30

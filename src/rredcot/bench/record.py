@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.bench.configs import RecordAutoConfig
-from rredcot.config.io import brief, read_json_file
+from rredcot.config.io import brief
 from rredcot.errors import UserError
 from rredcot.methods.auto import (
     MEASUREMENTS_FILE,
@@ -20,6 +20,7 @@ from rredcot.methods.auto import (
     write_measurements,
 )
 from rredcot.methods.settings import check_credit_settings
+from rredcot.safe_fs import read_json_file
 
 NEEDS_REFERENCES = {"continuation_likelihood": True}
 """Methods that score reference solutions (the others read the outcome, the answer or the

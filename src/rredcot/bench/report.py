@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rredcot.config.io import save_figure_atomic, write_text_atomic
+from rredcot.safe_fs import save_figure_atomic, write_text_atomic
 
 
 def clean(value: Any) -> Any:

@@ -18,8 +18,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rredcot.methods import BUILTIN_CREDIT_METHODS
 from rredcot.tasks import list_tasks
+
+# every built-in credit method -> the module that registers it (rredcot.methods.base imports
+# them on first use; the help texts below are written from it without importing torch)
+BUILTIN_CREDIT_METHODS: dict[str, str] = {
+    "uniform": "rredcot.methods.base",
+    "node_values": "rredcot.methods.base",
+    "value_head": "rredcot.methods.value_head",
+    "answer_likelihood": "rredcot.methods.answer_likelihood",
+    "continuation_likelihood": "rredcot.methods.continuation_likelihood",
+    "process_reward": "rredcot.methods.process_reward",
+    "monte_carlo": "rredcot.methods.monte_carlo",
+    "gradient": "rredcot.methods.attribution",
+    "attention": "rredcot.methods.attribution",
+    "first_last": "rredcot.methods.attribution",
+    "oracle": "rredcot.methods.oracle",  # benchmark only: reads the verifier's step labels
+}
+"""Built-in credit method -> the module that registers it (imported on first use)."""
 
 
 def refuse_blank_path(path: str | None, name: str = "out", what: str = "directory") -> None:

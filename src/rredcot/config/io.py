@@ -11,7 +11,6 @@ errors that list the valid ones.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -25,7 +24,7 @@ from typing import Any
 # yaml is imported where a file is read or written: building the CLI's flags needs none of it.
 from rredcot.config import CODE_SETTINGS, RESUMABLE_FIELDS, TrainConfig
 from rredcot.errors import UserError
-from rredcot.safe_fs import create_file, read_regular
+from rredcot.safe_fs import read_yaml_file, write_text_atomic
 
 # ---------------------------------------------------------------------------------------------
 # dataclass <-> dict
@@ -159,156 +158,7 @@ def merge_overrides(base: dict, flat: dict[str, Any]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# YAML files
-
-
-def read_yaml_file(path: str | Path, what: str = "config file", follow: bool = True) -> Any:
-    """The parsed content of a YAML file; a missing file, a directory, a FIFO or a device, a file
-    over :data:`MAX_CONFIG_BYTES`, bytes that are not UTF-8 or malformed YAML are a ``UserError``
-    that names the file and the place (``follow=False``: a link there too, for a run's files)."""
-    import yaml  # CLI start-up: YAML is read only with --config (and by runs)
-
-    path = Path(path)
-    if not os.path.lexists(path):
-        raise UserError(f"{what} {path} does not exist; check the path")
-    if path.is_dir():
-        raise UserError(f"{what} {path} is a directory; pass a YAML file")
-    try:
-        data = read_regular(path, what, limit=MAX_CONFIG_BYTES, follow=follow)
-        return load_yaml_text(data.decode("utf-8"), f"{what} {path}")
-    except UnicodeDecodeError as err:
-        raise UserError(
-            f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})"
-        ) from err
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise UserError(
-            f"{what} {path} is not valid YAML{where} ({problem}); fix the file"
-        ) from err
-    except OSError as err:
-        raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from err
-
-
-MAX_CONFIG_BYTES = 16 << 20  # a config or a run's settings file: a few kB in practice
-MAX_NESTING = 64  # sections within sections of a YAML or JSON document (a config has 3-4)
-MAX_YAML_NODES = 100_000  # values of a YAML document with every alias expanded
-
-
-def load_yaml_text(text: str, where: str) -> Any:
-    """``yaml.safe_load`` of ``text`` within limits: nesting deeper than :data:`MAX_NESTING`
-    (which would exhaust the interpreter's stack) and aliases that expand to more than
-    :data:`MAX_YAML_NODES` values (the "billion laughs", which would exhaust memory) are a
-    one-line ``UserError`` naming ``where``, refused before anything is built."""
-    import yaml
-
-    class _Limited(yaml.SafeLoader):
-        depth = 0
-
-        def compose_node(self, parent, index):  # type: ignore[override]
-            self.depth += 1
-            if self.depth > MAX_NESTING:
-                mark = self.peek_event().start_mark
-                raise UserError(
-                    f"{where} nests deeper than {MAX_NESTING} levels (at line {mark.line + 1}); "
-                    "a config is a few sections deep: fix the file"
-                )
-            try:
-                return super().compose_node(parent, index)
-            finally:
-                self.depth -= 1
-
-    loader = _Limited(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _check_expanded_size(node, where)
-            return loader.construct_document(node)
-        return None
-    finally:
-        loader.dispose()
-
-
-def _check_expanded_size(root: Any, where: str) -> None:
-    """Count the values of a composed YAML document as a reader that expands every alias sees
-    them; refuse past :data:`MAX_YAML_NODES` (counting stops there, so this is quick)."""
-    import yaml
-
-    count, stack = 0, [root]
-    while stack:
-        node = stack.pop()
-        count += 1
-        if count > MAX_YAML_NODES:
-            raise UserError(
-                f"{where} expands to more than {MAX_YAML_NODES} values through its aliases (*name)"
-                " (a YAML 'billion laughs'); write the values out, or fix the file"
-            )
-        if isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                stack.extend((key, value))
-
-
-def check_json_depth(text: str | bytes, where: str, limit: int = MAX_NESTING) -> None:
-    """Refuse JSON nested deeper than ``limit`` (``json.loads`` would exhaust the stack: a
-    ``RecursionError``) with a one-line ``UserError`` naming ``where``. A scan of brackets
-    outside strings, linear in the text."""
-    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return
-    depth, in_string, escaped = 0, False, False
-    for byte in data:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                raise UserError(f"{where} nests JSON deeper than {limit} levels; fix the file")
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-
-
-def loads_json(text: str | bytes, where: str) -> Any:
-    """``json.loads`` of text read from a file someone else may have written (a line of a
-    JSONL log): nesting past :data:`MAX_NESTING` and malformed JSON are a one-line
-    ``UserError`` naming ``where``."""
-    check_json_depth(text, where)
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as err:
-        raise UserError(
-            f"{where} is not valid JSON ({str(err).splitlines()[0][:120]}); fix or delete it"
-        ) from None
-
-
-def read_json_file(
-    path: str | Path, what: str = "file", follow: bool = True, limit: int | None = None
-) -> Any:
-    """The parsed content of a JSON file a run directory holds, within limits (size: ``limit``,
-    else :data:`MAX_CONFIG_BYTES`; nesting); a missing, unreadable, oversized or malformed file,
-    a FIFO or a device (and a link, with ``follow=False``) is a one-line ``UserError`` naming
-    it."""
-    path = Path(path)
-    try:
-        data = read_regular(path, what, limit=limit or MAX_CONFIG_BYTES, follow=follow)
-    except FileNotFoundError as err:
-        raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from None
-    check_json_depth(data, f"{what} {path}")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as err:
-        raise UserError(
-            f"{what} {path} is not valid JSON ({str(err).splitlines()[0][:120]}); fix or delete it"
-        ) from None
+# configs as YAML files (read and written through rredcot.safe_fs)
 
 
 def load_yaml(path: str | Path, cls: type = TrainConfig, follow: bool = True) -> Any:
@@ -325,34 +175,6 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     import yaml  # CLI start-up, as read_yaml_file
 
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def save_figure_atomic(fig: Any, path: str | Path, **savefig: Any) -> Path:
-    """``fig.savefig`` (PNG) through a temporary file (:func:`create_file`: a link planted there
-    is never followed) and a rename (a reader never sees half a picture); returns ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with os.fdopen(create_file(tmp), "wb") as fh:
-            fig.savefig(fh, format="png", **savefig)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.replace(tmp, path)
-    return path
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` through a temporary file (:func:`create_file`), fsync and a rename (which
-    replaces a link at ``path`` itself, never its target)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with os.fdopen(create_file(tmp), "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

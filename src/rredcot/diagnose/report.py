@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rredcot.config.io import read_json_file, save_figure_atomic, write_text_atomic
 from rredcot.diagnose.figures import KINDS
+from rredcot.safe_fs import read_json_file, save_figure_atomic, write_text_atomic
 
 # ---------------------------------------------------------------------------------------------
 # the report

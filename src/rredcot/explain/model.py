@@ -31,7 +31,7 @@ from rredcot.config import (
     refuse_beyond_memory,
     refuse_bytes_beyond_memory,
 )
-from rredcot.config.io import load_yaml, read_json_file
+from rredcot.config.io import load_yaml
 from rredcot.errors import UserError
 from rredcot.explain.pictures import SegmentCredit
 from rredcot.integrations.saved import (
@@ -43,6 +43,7 @@ from rredcot.integrations.saved import (
 from rredcot.methods.auto import check_method_name
 from rredcot.methods.base import CreditContext, CreditOutput, build_credit
 from rredcot.models import load_policy, resolve_model_dir
+from rredcot.safe_fs import read_json_file
 from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.rollout import (
     build_rollout_batch,

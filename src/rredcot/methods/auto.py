@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rredcot.config.io import read_json_file, write_text_atomic
 from rredcot.errors import UserError
 from rredcot.methods.settings import (
     check_credit_settings,
@@ -35,6 +34,7 @@ from rredcot.methods.settings import (
     credit_config_with,
     plain_fields,
 )
+from rredcot.safe_fs import read_json_file, write_text_atomic
 
 if TYPE_CHECKING:  # torch-free at import: the CLI's flags and the bench's specs read this module
     import torch

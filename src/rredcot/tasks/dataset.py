@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rredcot.config.io import read_json_file
 from rredcot.errors import UserError, missing_extra_message, require_extra
+from rredcot.safe_fs import read_json_file
 from rredcot.tasks.answers import (
     ANSWER_FORMATS,
     DEFAULT_VERIFY_TIMEOUT,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rredcot.config.io import save_figure_atomic
-from rredcot.safe_fs import make_dirs
+from rredcot.safe_fs import make_dirs, save_figure_atomic
 from rredcot.training.runio import CURVES, METRICS, PLOTS, MetricsLog, plot_file_name
 
 

@@ -47,15 +47,20 @@ import yaml
 from safetensors import safe_open
 
 from rredcot.config import TrainConfig
-from rredcot.config.io import MAX_CONFIG_BYTES, read_json_file, read_yaml_file, to_dict
-from rredcot.config.io import write_text_atomic as atomic_write_text
+from rredcot.config.io import to_dict
 from rredcot.errors import UserError
-from rredcot.safe_fs import check_no_links, create_file, make_dirs, open_for_append, read_regular
-
-try:
-    from numpy._core.multiarray import _reconstruct as _np_reconstruct
-except ImportError:  # NumPy 1
-    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+from rredcot.models import NUMPY_ARRAY_GLOBALS, unsafe_objects
+from rredcot.safe_fs import (
+    MAX_CONFIG_BYTES,
+    check_no_links,
+    create_file,
+    make_dirs,
+    open_for_append,
+    read_json_file,
+    read_regular,
+    read_yaml_file,
+)
+from rredcot.safe_fs import write_text_atomic as atomic_write_text
 
 try:
     import fcntl
@@ -920,30 +925,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 # reading trainer_state.pt: plain data only, never code
 
+
 # What ``trainer_state.pt`` of checkpoints written before the plain-data format holds beyond
 # tensors and plain types: the NumPy RNG state, a ``uint32`` array (``_reconstruct`` under both
 # module names, as NumPy 1 and 2 pickle it). Its elements go through the same restricted
 # unpickler, so allowing arrays allows no other object.
-_NUMPY_ARRAY_GLOBALS = [
-    (np.ndarray, "numpy.ndarray"),
-    (np.dtype, "numpy.dtype"),
-    (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
-    (_np_reconstruct, "numpy.core.multiarray._reconstruct"),
-    (_np_reconstruct, "numpy._core.multiarray._reconstruct"),
-]
-
-
-def unsafe_objects(path: str | Path, err: Exception) -> str:
-    """What a refused ``torch.load(weights_only=True)`` of ``path`` found (the globals it would
-    have imported), for a one-line message."""
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        allowed = {name for _, name in _NUMPY_ARRAY_GLOBALS}
-        return ", ".join(sorted(set(found) - allowed)) or str(err).splitlines()[0]
-    except Exception:  # noqa: BLE001 - only the message's detail
-        return str(err).splitlines()[0]
-
-
 def load_plain(path: str | Path) -> Any:
     """A torch file as tensors and plain data (``weights_only=True``); a file that would build
     anything else (a pickle that runs code), a cut one or one that is no torch file is a
@@ -977,7 +963,7 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     try:
         # torch < 2.5 has no safe_globals: checkpoints of the old format are refused there
         allow = getattr(torch.serialization, "safe_globals", None)
-        with allow(_NUMPY_ARRAY_GLOBALS) if allow else contextlib.nullcontext():
+        with allow(NUMPY_ARRAY_GLOBALS) if allow else contextlib.nullcontext():
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise UserError(

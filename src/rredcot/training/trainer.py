@@ -33,7 +33,7 @@ from rredcot.algebra.credit import (
 from rredcot.algebra.loss import policy_loss
 from rredcot.algebra.normalization import masked_mean
 from rredcot.config import TrainConfig
-from rredcot.config.io import resume_config, write_text_atomic
+from rredcot.config.io import resume_config
 from rredcot.methods.auto import (
     AUTO,
     CreditChoice,
@@ -43,6 +43,7 @@ from rredcot.methods.auto import (
     outcome_figures,
     policy_figures,
 )
+from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.memory import micro_batches
 from rredcot.sampling.rollout import (
