@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rredcot.cli.main.main import main
+from rredcot.cli.main import main
 
 from conftest import one_line_error, train_error_under_file_limit
 from rredcot.config import TrainConfig
