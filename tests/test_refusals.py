@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from rredcot.cli.main import main
 
 from conftest import micro_config, one_line_error, tiny_trl_trainer, train_error_under_file_limit
+from rredcot.cli.main import main
 from rredcot.training import runio
 from rredcot.training.trainer import Trainer
 

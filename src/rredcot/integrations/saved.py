@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from rredcot.config import CreditConfig, SamplingConfig
-from rredcot.config.io import create_file, from_dict, to_dict
+from rredcot.config.io import from_dict, to_dict
 from rredcot.errors import UserError
-from rredcot.safe_fs import read_json_file
+from rredcot.safe_fs import create_file, read_json_file
 
 __all__ = [
     "CREDIT_STATE_FILE",

@@ -82,7 +82,7 @@ from torch import Tensor
 from rredcot.algebra.loss import off_policy_pg, shaped_ratio
 from rredcot.algebra.normalization import masked_mean
 from rredcot.config import CreditConfig, ReferencesConfig
-from rredcot.config.io import create_file, from_dict
+from rredcot.config.io import from_dict
 from rredcot.errors import UserError, require_extra
 from rredcot.integrations._batch import prompt_text as _prompt_text
 from rredcot.integrations._batch import rollout_batch_from_tensors
@@ -115,6 +115,7 @@ from rredcot.models import (
     resolve_model_dir,
     set_activation_checkpointing,
 )
+from rredcot.safe_fs import create_file
 from rredcot.sampling.rollout import eval_mode, policy_forward, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
