@@ -82,6 +82,7 @@ from torch import Tensor
 from rredcot import references
 from rredcot.config import CreditConfig, ReferencesConfig
 from rredcot.config_io import create_file, from_dict
+from rredcot.credit import drop_small_tails
 from rredcot.credit_choice import (
     AUTO,
     CreditChoice,
@@ -246,6 +247,16 @@ class RREDCoTGRPOConfig(GRPOConfig):
         default="answer",
         metadata={"help": "Dataset column with each prompt's reference answer (if any)."},
     )
+    advantage_tail_floor: float = field(
+        default=0.0,
+        metadata={
+            "help": "Drop the tail of each completion's credit where it is smaller than this (as "
+            "rredcot train --advantage_tail_floor): token advantages after a completion's last "
+            "token with |advantage| >= advantage_tail_floor are set to 0 (all of them where none "
+            "is). TRL's loss still forwards every token, so this changes the update, not its "
+            "cost. 0 (default): keep every advantage."
+        },
+    )
     references: dict | str | None = field(
         default=None,
         metadata={
@@ -300,6 +311,11 @@ class RREDCoTGRPOConfig(GRPOConfig):
             raise ValueError(
                 "credit_method='answer_likelihood' needs task=... (e.g. 'gsm8k'): the task's "
                 "render_answer writes the answer probes"
+            )
+        if not math.isfinite(self.advantage_tail_floor) or self.advantage_tail_floor < 0:
+            raise ValueError(
+                f"advantage_tail_floor={self.advantage_tail_floor} must be >= 0 (0: keep every "
+                "advantage)"
             )
         self.references = _as_dict(self.references, "references")
         self._check_references()
@@ -1151,6 +1167,7 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
         )
         advantages = out.advantages.to(torch.float32) * loss_mask.to(torch.float32)
+        advantages = drop_small_tails(advantages, loss_mask, self.args.advantage_tail_floor)
         self.last_batch, self.last_credit = batch, out
         self._log_credit(self.collective.mean_metrics(out.metrics), mode)
         self._log_row_advantages(advantages, loss_mask)
