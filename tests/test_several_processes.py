@@ -96,3 +96,39 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
     assert load(one, "sft", 0)["sft_rows"] == 1
     for name in ("luffy", "bread"):  # process 0's batch grew, process 1's did not
         assert load(two, name, 0)["rows"] > load(two, name, 1)["rows"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.trl
+def test_trl_references_on_two_processes_update_as_one_process(tmp_path):
+    """TRL's adapter, one step per ``references.mode`` with a group of 4 fixed, all-wrong
+    completions split 2 + 2 across the processes: the gradient equals one process's on the
+    whole group. ``sft``: process 0 (the group's first row) holds the reference and its NLL,
+    process 1 none (a stand-in pass); ``luffy``: process 1 (the group's last row) puts the
+    reference in place of its rollout, process 0 none; the reward functions' scores of it reach
+    both processes' credit. The references' metrics are the same as in one process."""
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    model = tmp_path / "model"
+    tok = build_char_tokenizer()
+    build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0).save_pretrained(model)
+    tok.save_pretrained(model)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    launch("trl_references_two_process.py", str(model), str(one))
+    launch("trl_references_two_process.py", str(model), str(two), processes=2)
+    holder = {"sft": 0, "luffy": 1}  # the process that holds the group's reference
+    for mode, rank in holder.items():
+        whole, mine, other = load(one, mode, 0), load(two, mode, rank), load(two, mode, 1 - rank)
+        for a, b in zip(mine["grads"], other["grads"]):
+            assert torch.equal(a, b), mode
+        assert_same_gradient(mine["grads"], whole["grads"])
+        assert (whole["rows"], mine["rows"], other["rows"]) == (4, 2, 2)
+        assert (whole["own_references"], mine["own_references"]) == (1, 1)
+        assert other["own_references"] == 0
+        for key in ("rredcot/references/groups", "rredcot/references/tokens"):
+            assert mine["logs"][key] == other["logs"][key] == whole["logs"][key] > 0
+    assert load(two, "sft", 1)["logs"]["rredcot/references/sft_nll"] == pytest.approx(
+        load(one, "sft", 0)["logs"]["rredcot/references/sft_nll"], rel=1e-5
+    )
