@@ -129,6 +129,7 @@ def test_trl_references_on_two_processes_update_as_one_process(tmp_path):
         assert other["own_references"] == 0
         for key in ("rredcot/references/groups", "rredcot/references/tokens"):
             assert mine["logs"][key] == other["logs"][key] == whole["logs"][key] > 0
-    assert load(two, "sft", 1)["logs"]["rredcot/references/sft_nll"] == pytest.approx(
-        load(one, "sft", 0)["logs"]["rredcot/references/sft_nll"], rel=1e-5
-    )
+    for mode, key in (("sft", "sft_nll"), ("luffy", "shaped_ratio")):  # over every process
+        logged = [load(two, mode, r)["logs"][f"rredcot/references/{key}"] for r in (0, 1)]
+        expected = load(one, mode, 0)["logs"][f"rredcot/references/{key}"]
+        assert logged == pytest.approx([expected] * 2, rel=1e-5)

@@ -1137,13 +1137,13 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             if train:
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
             term, accumulation = per_token.sum() / normalizer, 1.0
-        if bool(ref.any()):
-            with torch.no_grad():
-                shaped = shaped_ratio(logps[ref], gamma)
-                weights = mask[ref]
+        with torch.no_grad():  # the reference tokens' mean shaped ratio, over every process
+            weights = mask * ref.unsqueeze(1).to(mask.dtype)
+            sums = torch.stack([(shaped_ratio(logps, gamma) * weights).sum(), weights.sum()])
+            sums = self.collective.gather(sums.double().unsqueeze(0)).sum(dim=0)
+        if float(sums[1]) > 0:
             self._log_credit(
-                {"references/shaped_ratio": float((shaped * weights).sum() / weights.sum())},
-                "train" if train else "eval",
+                {"references/shaped_ratio": float(sums[0] / sums[1])}, "train" if train else "eval"
             )
         return loss + term / accumulation
 
