@@ -100,13 +100,14 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.trl
-def test_trl_references_on_two_processes_update_as_one_process(tmp_path):
+def test_trl_on_two_processes_updates_as_one_process(tmp_path):
     """TRL's adapter, one step per ``references.mode`` with a group of 4 fixed, all-wrong
     completions split 2 + 2 across the processes: the gradient equals one process's on the
     whole group. ``sft``: process 0 (the group's first row) holds the reference and its NLL,
     process 1 none (a stand-in pass); ``luffy``: process 1 (the group's last row) puts the
     reference in place of its rollout, process 0 none; the reward functions' scores of it reach
-    both processes' credit. The references' metrics are the same as in one process."""
+    both processes' credit. The references' metrics are the same as in one process. Without
+    references, ``credit.normalization='whiten'`` whitens over both processes' tokens."""
     from rredcot.models import build_char_tokenizer, build_tiny_llama
 
     model = tmp_path / "model"
@@ -129,6 +130,10 @@ def test_trl_references_on_two_processes_update_as_one_process(tmp_path):
         assert other["own_references"] == 0
         for key in ("rredcot/references/groups", "rredcot/references/tokens"):
             assert mine["logs"][key] == other["logs"][key] == whole["logs"][key] > 0
+    # credit.normalization whiten: the token stage over every process's tokens
+    whole, first, second = load(one, "whiten", 0), load(two, "whiten", 0), load(two, "whiten", 1)
+    assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
+    assert_same_gradient(first["grads"], whole["grads"])
     for mode, key in (("sft", "sft_nll"), ("luffy", "shaped_ratio")):  # over every process
         logged = [load(two, mode, r)["logs"][f"rredcot/references/{key}"] for r in (0, 1)]
         expected = load(one, mode, 0)["logs"][f"rredcot/references/{key}"]

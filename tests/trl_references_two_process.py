@@ -8,7 +8,8 @@ The completions are fixed (a ``rollout_func`` that writes the same text for the 
 generation batch wherever it runs) and all wrong, so the group takes a reference: under ``sft``
 the process holding the group's first row builds it (process 1 has none and runs a stand-in
 pass), under ``luffy`` the process holding its last row puts it in place of that rollout
-(process 0 has none), and the reward functions score it on every process.
+(process 0 has none), and the reward functions score it on every process. ``whiten``: no
+references, the credit whitened over every token of the generation batch (both processes').
 
 Usage: ``trl_references_two_process.py MODEL_DIR OUT_DIR``.
 """
@@ -89,7 +90,8 @@ def run(model_dir: str, out: str, mode: str) -> None:
         credit_method="uniform",
         task="arithmetic",
         task_args={"num_steps": 2},
-        references={"mode": mode},
+        references={"mode": mode if mode != "whiten" else "off"},
+        credit={"normalization": "whiten"} if mode == "whiten" else None,
         disable_tqdm=True,
     )
     spy = Gradients()
@@ -106,7 +108,9 @@ def run(model_dir: str, out: str, mode: str) -> None:
     trainer.train()
     logs = {k: v for h in trainer.state.log_history for k, v in h.items() if "references" in k}
     rank = trainer.accelerator.process_index
-    if mode == "sft":  # the reference rows this process's NLL term holds
+    if mode == "whiten":
+        own = 0
+    elif mode == "sft":  # the reference rows this process's NLL term holds
         term = trainer._state.references
         own = term.rows.size if term is not None else 0
     else:  # the rollouts this process replaced by a reference
@@ -120,5 +124,5 @@ def run(model_dir: str, out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    for mode in ("sft", "luffy"):
+    for mode in ("sft", "luffy", "whiten"):
         run(sys.argv[1], sys.argv[2], mode)

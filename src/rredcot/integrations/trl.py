@@ -556,12 +556,13 @@ class _Collective:
         """Concatenate every process's ``t`` along dim 0 (same shapes)."""
         return t if self.world == 1 else self.accelerator.gather(t.contiguous())
 
-    def gather_padded(self, t: Tensor, dim: int = 1) -> Tensor:
-        """Like :meth:`gather` after zero-padding ``dim`` to the largest size of any process."""
+    def gather_padded(self, t: Tensor, dim: int = 1, pad_index: int = 0) -> Tensor:
+        """Like :meth:`gather` after padding ``dim`` (with ``pad_index``) to the largest size of
+        any process."""
         if self.world == 1:
             return t
         acc = self.accelerator
-        return acc.gather(acc.pad_across_processes(t.contiguous(), dim=dim))
+        return acc.gather(acc.pad_across_processes(t.contiguous(), dim=dim, pad_index=pad_index))
 
     def max_int(self, x: int) -> int:
         if self.world == 1:
@@ -784,12 +785,6 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 device=self.accelerator.device,
             ),
         )
-        if method.normalization == "whiten" and self.collective.world > 1:
-            raise ValueError(
-                "credit.normalization='whiten' whitens over every token of a generation batch, "
-                f"which TRL splits across {self.collective.world} processes; use "
-                "group_or_batch_std or batch_std"
-            )
         self.credit_method = method
         self._announce(self.describe_credit())
 
@@ -1228,9 +1223,12 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         method.context.policy = self.model  # the prepared (possibly wrapped) model
         every = rows.gather(self._local_rows(batch), self.collective)
         estimate = method.estimate(every)
-        out = method.credit_output(
-            every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
-        )
+        if method.normalization == "whiten" and self.collective.world > 1:
+            out = self._whitened_credit(every, estimate, batch, rows)
+        else:
+            out = method.credit_output(
+                every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
+            )
         advantages = out.advantages.to(torch.float32) * loss_mask.to(torch.float32)
         advantages = drop_small_tails(advantages, loss_mask, self.args.advantage_tail_floor)
         self.last_batch, self.last_credit = batch, out
@@ -1239,6 +1237,27 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if mode == "train":
             self._log_credit(method.update(every, estimate), mode)
         return advantages
+
+    def _whitened_credit(self, every: CreditRows, estimate, batch: RolloutBatch, rows):
+        """``credit.normalization='whiten'`` under several processes: whitening is over every
+        token of the generation batch, so the token stage runs on every process's rows (their
+        segment ids and masks gathered, a few integers a token) and each process keeps its
+        own rows' credit."""
+        device = self.collective.device
+        segment_ids = self.collective.gather_padded(batch.segment_ids.to(device), pad_index=-1)
+        mask = self.collective.gather_padded(batch.response_mask.to(device))
+        out = self.credit_method.credit_output(
+            every, estimate, segment_ids.to(every.rewards.device), mask.to(every.rewards.device)
+        )
+        T, local = batch.response_mask.shape[1], rows.local
+        return dataclasses.replace(
+            out,
+            advantages=out.advantages[local, :T],
+            segment_advantages=out.segment_advantages[local],
+            segment_mask=out.segment_mask[local],
+            values=None if out.values is None else out.values[local],
+            value_mask=None if out.value_mask is None else out.value_mask[local],
+        )
 
     def _wait_for_loss_forward(self, output: dict, batch, rows, loss_mask: Tensor, mode: str):
         """Leave zero advantages and number the rows (TRL shuffles them); the batch's one loss
