@@ -1,4 +1,4 @@
-"""One ``rredcot train`` step per scenario, run by ``test_processes.py`` twice: in one process
+"""One ``rredcot train`` step per scenario, run by ``test_several_processes.py`` twice: in one process
 on a whole batch, then under ``torchrun --nproc_per_node 2`` (gloo, CPU) with each process
 holding half of that batch (process 0 the first two prompt groups, process 1 the last two).
 Writes ``{scenario}_{rank}.pt``: the gradient the first optimiser step sees and a few metrics.
