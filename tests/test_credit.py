@@ -870,3 +870,24 @@ def test_a_full_budget_changes_nothing_and_a_bad_fraction_is_refused():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=r"fraction=.* must be in \(0, 1\]"):
             sample_rows_to_budget(adv, mask, eligible, bad)
+
+
+def test_budgeted_rows_drawn_in_parts_equal_the_one_batch_draw():
+    """Rows split across processes: each part's sizes gathered, the keep probabilities and one
+    uniform draw over every row, each part applying its slice, give exactly the one-batch draw
+    of the same generator (what rredcot train does under several processes)."""
+    from rredcot.credit import apply_row_draw, budget_keep_probabilities, row_credit_sizes
+
+    adv, mask, eligible = _budget_case()
+    whole, keep = sample_rows_to_budget(adv, mask, eligible, 0.5, torch.Generator().manual_seed(7))
+    parts = [slice(0, 2), slice(2, 5)]
+    sizes = [row_credit_sizes(adv[p], mask[p]) for p in parts]
+    tokens, norm = (torch.cat(column) for column in zip(*sizes))
+    every = budget_keep_probabilities(tokens, norm, eligible, 0.5)
+    torch.testing.assert_close(every, keep, rtol=0, atol=0)
+    draw = torch.rand(5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    split = torch.cat([apply_row_draw(adv[p], every[p], draw[p]) for p in parts])
+    assert torch.equal(split, whole)
+    # a part drawn on its own (its own budget, its own draw) is not the same draw
+    alone = sample_rows_to_budget(adv[2:], mask[2:], eligible[2:], 0.5)[1]
+    assert not torch.allclose(alone, keep[2:])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -207,18 +206,6 @@ def test_the_trl_trainer_records_its_first_training_row(init_dir, tmp_path):
     trainer.save_credit_state(tmp_path / "out")
     saved = read_settings(tmp_path / "out")
     assert saved.example == {"prompt": problems[0].prompt, "answer": str(problems[0].answer)}
-
-
-def test_references_in_several_processes_are_refused_saying_what_works():
-    """Both trainers refuse references.mode with several processes through one check, whose
-    message names the way to scale instead, and docs/scaling.md says so for accelerate users."""
-    from rredcot.training.references import check_processes
-
-    check_processes(1)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps.*docs/scaling.md"):
-        check_processes(2)
-    scaling = (Path(__file__).parents[1] / "docs" / "scaling.md").read_text()
-    assert "`references.mode`" in scaling and "runs in **one process** only" in scaling
 
 
 @pytest.mark.trl

@@ -165,6 +165,42 @@ def test_uniform_reproduces_trl_advantages(tiny_model_dir, arithmetic_dataset, t
     assert nonzero > 0, "rewards never varied within a group: the comparison would be vacuous"
 
 
+def test_advantage_tail_floor_drops_the_small_tail_as_rredcot_train(
+    tiny_model_dir, arithmetic_dataset, tmp_path
+):
+    """``advantage_tail_floor``: the advantages TRL's loss receives are the credit's with each
+    completion's tail after its last ``|A| >= floor`` set to 0 (rredcot train's
+    ``credit.drop_small_tails``); a negative floor is refused."""
+    from rredcot.credit import drop_small_tails
+
+    floor = 0.5
+    trainer = make_trainer(
+        tiny_model_dir,
+        arithmetic_dataset,
+        tmp_path,
+        method="process_reward",
+        credit={"process_reward": {"function": f"{__name__}:alternating_scores"}},
+        advantage_tail_floor=floor,
+        max_steps=1,
+    )
+    trainer.train()
+    rec = trainer.records[0]
+    mask = rec["mask"].to(torch.float32)
+    credit = trainer.last_credit.advantages.to(torch.float32) * mask
+    torch.testing.assert_close(rec["ours"], drop_small_tails(credit, mask, floor))
+    dropped = (credit != 0) & (rec["ours"] == 0)
+    assert dropped.any() and (rec["ours"] != 0).any()  # a tail went, the rest stayed
+    with pytest.raises(ValueError, match="advantage_tail_floor"):
+        RREDCoTGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, advantage_tail_floor=-0.1
+        )
+
+
+def alternating_scores(prompt, completion, ends):
+    """Step scores that rise and fall, so a completion's segment credit varies in size."""
+    return [0.9 * (k % 2) + 0.01 * min(k, 9) for k in range(len(ends))]
+
+
 def test_hidden_states_come_from_trls_own_forward(tiny_model_dir, arithmetic_dataset, tmp_path):
     class CheckHidden(SpyTrainer):
         def _apply_credit(self, inputs, output):

@@ -345,18 +345,3 @@ def test_luffy_with_credit_from_the_loss_forward(
     assert float(trainer.last_batch.rewards[-1]) == 1.0  # the reward function's, on the reference
     ours = rec["ours"][-1]
     assert torch.isfinite(rec["ours"]).all() and float(ours.sum()) > 0  # it was credited
-
-
-def test_references_in_several_processes_are_refused(
-    tiny_model_dir,  # noqa: F811
-    arithmetic_dataset,  # noqa: F811
-    tmp_path,
-    monkeypatch,
-):
-    """As rredcot train: references run in one process (each would run its own backward)."""
-    from rredcot.integrations import trl as adapter
-
-    monkeypatch.setattr(adapter._Collective, "world", property(lambda self: 2))
-    with pytest.raises(ValueError, match="references.mode runs in a single process") as err:
-        make_trainer(tiny_model_dir, arithmetic_dataset, tmp_path, references={"mode": "sft"})
-    assert "\n" not in str(err.value)

@@ -54,12 +54,15 @@ __all__ = [
     "Weights",
     "agreeing_rows",
     "anchor_values",
+    "apply_row_draw",
     "boundaries_to_segment_ids",
+    "budget_keep_probabilities",
     "drop_small_tails",
     "last_positions",
     "redistribute",
     "reweight_coefficients",
     "reweight_grpo",
+    "row_credit_sizes",
     "sample_rows_to_budget",
     "segment_advantages_from_values",
     "segment_credit",
@@ -700,7 +703,10 @@ def sample_rows_to_budget(
     expected cost), and its advantages are divided by ``p_b``; a row not drawn gets 0, so the
     update skips it (``skip_zero_advantage_rows``). ``E[output] = advantages``: an on-policy
     policy gradient is linear in ``A``, so its expectation is unchanged. Rows not eligible pass
-    through; ``fraction`` 1 returns ``advantages`` itself.
+    through; ``fraction`` 1 returns ``advantages`` itself. The three stages
+    (:func:`row_credit_sizes`, :func:`budget_keep_probabilities`, :func:`apply_row_draw`) are
+    public so that rows split across processes can be drawn as one batch: the sizes gathered,
+    the probabilities and one uniform draw over every row, each process keeping its slice.
 
     Args:
         advantages: ``(B, T)``; response_mask: ``(B, T)``; eligible: ``(B,)`` bool.
@@ -714,16 +720,51 @@ def sample_rows_to_budget(
     check_shape(eligible, (advantages.shape[0],), "eligible", "(B,)")
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction} must be in (0, 1]")
-    keep = torch.ones(advantages.shape[0], dtype=torch.float64, device=advantages.device)
     if fraction == 1:
+        keep = torch.ones(advantages.shape[0], dtype=torch.float64, device=advantages.device)
         return advantages, keep
+    tokens, norm = row_credit_sizes(advantages, response_mask)
+    keep = budget_keep_probabilities(tokens, norm, eligible, fraction)
+    draw = torch.rand(len(keep), generator=generator, dtype=torch.float64)
+    return apply_row_draw(advantages, keep, draw), keep
+
+
+def row_credit_sizes(advantages: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(tokens (B,), norm (B,))`` float64: each row's credited tokens up to its last non-zero
+    advantage (the columns its update forwards) and the norm of its advantages.
+
+    Args:
+        advantages: ``(B, T)``; response_mask: ``(B, T)``.
+    """
+    check_ndim(advantages, 2, "advantages", "(B, T)")
+    check_shape(response_mask, tuple(advantages.shape), "response_mask", "(B, T)")
     credited = (advantages != 0) & as_bool(response_mask).to(advantages.device)
     tokens = last_positions(credited).double()
     norm = (as_float(advantages).double() * credited).square().sum(dim=1).sqrt()
-    live = as_bool(eligible).to(advantages.device) & (norm > 0)
+    return tokens, norm
+
+
+def budget_keep_probabilities(
+    tokens: Tensor, norm: Tensor, eligible: Tensor, fraction: float
+) -> Tensor:
+    """``(B,)`` float64 keep probabilities of :func:`sample_rows_to_budget`: ``min(1, c m_b /
+    sqrt(n_b))`` for eligible rows with credit (``c`` by water-filling, so that the expected
+    credited tokens are ``fraction`` of theirs), 1 for the others.
+
+    Args:
+        tokens, norm: ``(B,)`` from :func:`row_credit_sizes`; eligible: ``(B,)`` bool.
+        fraction: in ``(0, 1]``.
+    """
+    check_ndim(tokens, 1, "tokens", "(B,)")
+    check_shape(norm, tuple(tokens.shape), "norm", "(B,)")
+    check_shape(eligible, tuple(tokens.shape), "eligible", "(B,)")
+    tokens, norm = tokens.double(), norm.double().to(tokens.device)
+    eligible = as_bool(eligible).to(tokens.device)
+    live = eligible & (norm > 0)
     weight = torch.where(live, norm / tokens.clamp(min=1).sqrt(), torch.zeros((), dtype=norm.dtype))
     budget = fraction * float(tokens[live].sum())
     capped = torch.zeros_like(live)
+    scale = 0.0
     for _ in range(int(live.sum()) + 1):  # water-filling: rows at p = 1 leave the rest less
         free = live & ~capped
         scale = (budget - float(tokens[capped].sum())) / max(
@@ -734,12 +775,23 @@ def sample_rows_to_budget(
             break
         capped = now
     prob = torch.where(capped, torch.ones_like(weight), (scale * weight).clamp(max=1.0))
-    keep = torch.where(as_bool(eligible).to(keep.device), prob, keep)
-    draw = torch.rand(len(keep), generator=generator, dtype=torch.float64).to(keep.device)
-    drawn = draw < keep
+    return torch.where(eligible, prob, torch.ones_like(prob))
+
+
+def apply_row_draw(advantages: Tensor, keep: Tensor, draw: Tensor) -> Tensor:
+    """``(B, T)``: row ``b``'s advantages divided by ``keep[b]`` where ``draw[b] < keep[b]``,
+    0 elsewhere (the row is skipped). ``keep``, ``draw``: ``(B,)``, ``draw`` uniform in [0, 1).
+
+    Args:
+        advantages: ``(B, T)``; keep: ``(B,)`` in (0, 1]; draw: ``(B,)``.
+    """
+    check_ndim(advantages, 2, "advantages", "(B, T)")
+    check_shape(keep, (advantages.shape[0],), "keep", "(B,)")
+    check_shape(draw, (advantages.shape[0],), "draw", "(B,)")
+    keep = keep.to(advantages.device)
+    drawn = draw.to(keep.device) < keep
     scaled = advantages / keep.clamp(min=1e-12).to(advantages.dtype)[:, None]
-    out = torch.where(drawn[:, None], scaled, torch.zeros((), dtype=advantages.dtype))
-    return out, keep
+    return torch.where(drawn[:, None], scaled, torch.zeros((), dtype=advantages.dtype))
 
 
 def drop_small_tails(advantages: Tensor, response_mask: Tensor, floor: float) -> Tensor:

@@ -1129,8 +1129,9 @@ class TrainConfig:
         "in a group whose samples all got the same reward), and cut every other row after its "
         "last token with a non-zero advantage (segment credit that ends early): with no KL "
         "term their loss terms and gradients are exactly zero, so the loss, gradients and "
-        "update are the same for less work. Single process only; the entropy, ratio and clip "
-        "metrics then cover the tokens that were forwarded (update/rows_forwarded and "
+        "update are the same for less work (under several processes too: each cuts its own "
+        "rows, and one with none runs a stand-in pass of zero weight). The entropy, ratio and "
+        "clip metrics then cover the tokens that were forwarded (update/rows_forwarded and "
         "update/tokens_forwarded say what share). False: forward every row whole.",
         default=True,
     )
@@ -1150,8 +1151,8 @@ class TrainConfig:
         "forwards. Each such row is drawn with probability proportional to its credit's norm "
         "over the square root of its length (capped at 1) and its advantages divided by that "
         "probability, so the expected gradient is the full one; rows not drawn are skipped "
-        "(skip_zero_advantage_rows). 1: every row. Single process only (several processes "
-        "forward every row).",
+        "(skip_zero_advantage_rows). 1: every row. Under several processes the rows of "
+        "every process are drawn as one batch.",
         default=1.0,
     )
     shared_prompt_forward: bool = help_field(

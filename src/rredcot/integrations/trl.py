@@ -34,7 +34,7 @@ generation batch is one micro-batch (``steps_per_generation=1``; evaluation), it
 micro-batches, or the Liger loss) one no-grad forward of the adapter's own, as the trainer's
 scoring pass under gradient accumulation (``rredcot/extra_forward`` = 1).
 
-``references`` (issue 40's baselines, :mod:`rredcot.training.references`; needs ``task``, one process)
+``references`` (issue 40's baselines, :mod:`rredcot.training.references`; needs ``task``; any processes)
 trains on the task's reference solutions (``task.gold_completion`` of each row's problem) in the
 groups ``references.groups`` chooses (default: no completion with outcome ``R >= 1``), on training
 batches only. ``sft``: ``sft_coef`` times the references' NLL, aggregated as ``loss_type``
@@ -79,6 +79,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rredcot.algebra.credit import drop_small_tails
 from rredcot.algebra.loss import off_policy_pg, shaped_ratio
 from rredcot.algebra.normalization import masked_mean
 from rredcot.config import CreditConfig, ReferencesConfig
@@ -248,6 +249,16 @@ class RREDCoTGRPOConfig(GRPOConfig):
         default="answer",
         metadata={"help": "Dataset column with each prompt's reference answer (if any)."},
     )
+    advantage_tail_floor: float = field(
+        default=0.0,
+        metadata={
+            "help": "Drop the tail of each completion's credit where it is smaller than this (as "
+            "rredcot train --advantage_tail_floor): token advantages after a completion's last "
+            "token with |advantage| >= advantage_tail_floor are set to 0 (all of them where none "
+            "is). TRL's loss still forwards every token, so this changes the update, not its "
+            "cost. 0 (default): keep every advantage."
+        },
+    )
     references: dict | str | None = field(
         default=None,
         metadata={
@@ -302,6 +313,11 @@ class RREDCoTGRPOConfig(GRPOConfig):
             raise ValueError(
                 "credit_method='answer_likelihood' needs task=... (e.g. 'gsm8k'): the task's "
                 "render_answer writes the answer probes"
+            )
+        if not math.isfinite(self.advantage_tail_floor) or self.advantage_tail_floor < 0:
+            raise ValueError(
+                f"advantage_tail_floor={self.advantage_tail_floor} must be >= 0 (0: keep every "
+                "advantage)"
             )
         self.references = _as_dict(self.references, "references")
         self._check_references()
@@ -542,12 +558,13 @@ class _Collective:
         """Concatenate every process's ``t`` along dim 0 (same shapes)."""
         return t if self.world == 1 else self.accelerator.gather(t.contiguous())
 
-    def gather_padded(self, t: Tensor, dim: int = 1) -> Tensor:
-        """Like :meth:`gather` after zero-padding ``dim`` to the largest size of any process."""
+    def gather_padded(self, t: Tensor, dim: int = 1, pad_index: int = 0) -> Tensor:
+        """Like :meth:`gather` after padding ``dim`` (with ``pad_index``) to the largest size of
+        any process."""
         if self.world == 1:
             return t
         acc = self.accelerator
-        return acc.gather(acc.pad_across_processes(t.contiguous(), dim=dim))
+        return acc.gather(acc.pad_across_processes(t.contiguous(), dim=dim, pad_index=pad_index))
 
     def max_int(self, x: int) -> int:
         if self.world == 1:
@@ -637,8 +654,10 @@ class _ReferenceTerm:
     """``references.mode`` sft: a training generation batch's reference rows, whose NLL its
     micro-batches add to their losses in shares (:meth:`RREDCoTGRPOTrainer._reference_sft_loss`)."""
 
-    rows: references.ReferenceRows
+    rows: references.ReferenceRows  # this process's
     parts: int  # steps_per_generation: the micro-batches of the batch, one share each
+    total_rows: int = 0  # the reference rows of every process (the NLL's normalisers)
+    total_tokens: float = 0.0
     nll: float = 0.0  # the shares' NLL summed so far (logged once the last share is in)
     done: int = 0  # shares added so far (num_iterations passes each add every share)
 
@@ -735,12 +754,11 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             self._use_method(args.credit_method, args.credit_config)
 
     def _check_reference_data(self) -> None:
-        """With ``references`` on: one process (as rredcot train), and a training set whose first
-        rows give the task a reference solution each; refused before training starts."""
+        """With ``references`` on: a training set whose first rows give the task a reference
+        solution each; refused before training starts."""
         mode = self.args.references_config.mode
         if mode == "off":
             return
-        references.check_processes(self.collective.world)
         data, column = self.train_dataset, self.args.answer_column
         if data is None:
             return
@@ -770,12 +788,6 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 device=self.accelerator.device,
             ),
         )
-        if method.normalization == "whiten" and self.collective.world > 1:
-            raise ValueError(
-                "credit.normalization='whiten' whitens over every token of a generation batch, "
-                f"which TRL splits across {self.collective.world} processes; use "
-                "group_or_batch_std or batch_std"
-            )
         self.credit_method = method
         self._announce(self.describe_credit())
 
@@ -944,50 +956,84 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
     def _with_references(self, inputs: list[dict], output: dict) -> None:
         """``references.mode`` on a training generation batch: the references of the groups
         ``references.groups`` chooses (default: those with no sample of outcome ``R >= 1``), after
-        the group's prompt (:func:`rredcot.training.references.choose_references`, as rredcot train builds
-        them); sft keeps them for the
-        loss (:meth:`_reference_sft_loss`). Their tokens are counted once per generation batch
-        (``rredcot/references/tokens``; the run's ``rredcot/reference_tokens_trained``), as rredcot
-        train counts them (docs/metrics.md)."""
+        the group's prompt (:func:`rredcot.training.references.reference_rows`, as rredcot train builds
+        them); sft keeps them for the loss (:meth:`_reference_sft_loss`), luffy puts each in place
+        of its group's last rollout (:meth:`_replace_rollouts`). Groups may span processes: the
+        choice is made on every process's rewards, and a group's reference is built by the
+        process holding its first row (sft) or its last (luffy). Their tokens are counted once per
+        generation batch over every process (``rredcot/references/tokens``; the run's
+        ``rredcot/reference_tokens_trained``), as rredcot train counts them (docs/metrics.md)."""
         cfg = self.args.references_config
         if cfg.mode == "off":
             return
-        rewards, _ = _outcome_rewards(
-            self._state.rewards_per_func, self.reward_weights, self.num_generations
-        )
-        refs = references.choose_references(
-            rewards,
-            torch.arange(rewards.shape[0]) // self.num_generations,
+        G = self.num_generations
+        rewards, _ = _outcome_rewards(self._state.rewards_per_func, self.reward_weights, G)
+        group_ids = torch.arange(rewards.shape[0]) // G
+        B = output["prompt_ids"].shape[0]
+        start = self.collective.rank * B
+        anchor = G - 1 if cfg.mode == "luffy" else 0  # the row of its group that holds it
+        mine = [
+            g
+            for g in references.chosen_groups(rewards.cpu(), group_ids, cfg.groups)
+            if start <= g * G + anchor < start + B
+        ]
+        refs = references.reference_rows(
             output["prompt_ids"],
             output["prompt_mask"],
+            group_ids[start : start + B],
             [self._problem(x) for x in inputs],
-            cfg.groups,
+            mine,
             self.task,
             self._tokenizer,
         )
+        counts = torch.tensor([[refs.size, refs.tokens]], device=self.collective.device)
+        total_rows, total_tokens = (int(x) for x in self.collective.gather(counts).sum(dim=0))
         if cfg.mode == "sft":
-            self._state.references = _ReferenceTerm(refs, self.args.steps_per_generation)
+            term = _ReferenceTerm(refs, self.args.steps_per_generation, total_rows, total_tokens)
+            self._state.references = term
         else:
-            self._replace_rollouts(inputs, output, refs)
-        self.reference_tokens_trained += refs.tokens
-        self._log_credit(refs.stats(float(self.reference_tokens_trained)), "train")
+            self._replace_rollouts(inputs, output, refs, start, total_rows)
+        self.reference_tokens_trained += total_tokens
+        failed = len(references.chosen_groups(rewards.cpu(), group_ids, "failed"))
+        stats = dataclasses.replace(refs, failed_groups=failed).stats(
+            float(self.reference_tokens_trained)
+        )
+        stats.update({"references/groups": total_rows, "references/tokens": total_tokens})
+        self._log_credit(stats, "train")
 
-    def _replace_rollouts(self, inputs: list[dict], output: dict, refs) -> None:
-        """references.mode luffy: each reference ``refs`` in place of its group's last rollout,
-        in ``output`` before the credit reads it (LUFFY's recipe: G rows, one off-policy).
-        The row's rewards are the reward functions' on the reference (into the outcome ``R``
-        the credit reads); its old (and sampling) log-probs are 0 (``pi_phi = 1``); the
-        completion columns are widened where the reference is longer; ``num_items_in_batch``
-        is recounted; ``rredcot_reference`` marks the rows for the loss
-        (:meth:`_luffy_loss`). TRL's own logs of the batch (rewards, completions) were written
-        before, from the sampled rollouts."""
-        if refs.size == 0:
-            output["rredcot_reference"] = torch.zeros(
-                output["completion_ids"].shape[0], dtype=torch.bool, device=refs.input_ids.device
-            )
+    def _replace_rollouts(
+        self, inputs: list[dict], output: dict, refs, start: int, total_rows: int
+    ) -> None:
+        """references.mode luffy: each reference ``refs`` (of the groups whose last row this
+        process holds, rows ``start ..`` of the generation batch being its own) in place of its
+        group's last rollout, in ``output`` before the credit reads it (LUFFY's recipe: G rows,
+        one off-policy). The row's rewards are the reward functions' on the reference (into the
+        outcome ``R`` the credit reads, on every process: :meth:`_reference_rewards`); its old
+        (and sampling) log-probs are 0 (``pi_phi = 1``); the completion columns are widened
+        where the reference is longer; ``num_items_in_batch`` is recounted over every process;
+        ``rredcot_reference`` marks the rows for the loss (:meth:`_luffy_loss`). TRL's own logs
+        of the batch (rewards, completions) were written before, from the sampled rollouts.
+        ``total_rows``: the references of every process (none: nothing changes)."""
+        B = output["completion_ids"].shape[0]
+        reference = torch.zeros(B, dtype=torch.bool, device=output["completion_ids"].device)
+        output["rredcot_reference"] = reference
+        if total_rows == 0:
             return
-        G = self.num_generations
-        rows = ((refs.group_ids + 1) * G - 1).tolist()  # the last row of each chosen group
+        rows = ((refs.group_ids + 1) * self.num_generations - 1 - start).tolist()
+        if refs.size:
+            self._put_references(output, refs, rows)
+            reference[rows] = True
+        mask = output["completion_mask"]
+        loss_mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
+        count = self.collective.gather(loss_mask.sum().reshape(1)).sum()
+        output["num_items_in_batch"] = count.to(output["num_items_in_batch"].dtype)
+        self._state.hidden = None  # TRL's pass saw the sampled rows: the credit forwards anew
+        self._reference_rewards(inputs, output, refs, rows, start)
+
+    def _put_references(self, output: dict, refs, rows: list[int]) -> None:
+        """The reference rows ``refs`` written into ``output``'s local rows ``rows``: completion
+        ids and mask, old and sampling log-probs 0, importance ratio and tool mask 1; the
+        completion columns widened to the longest reference."""
         B, T = output["completion_ids"].shape
         width = max(T, refs.response_mask.shape[1])
         pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
@@ -1012,28 +1058,39 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         ):
             if isinstance(output.get(key), Tensor) and output[key].shape[0] == B:
                 output[key][rows] = value
-        loss_mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
-        output["num_items_in_batch"] = loss_mask.sum().to(output["num_items_in_batch"].dtype)
-        reference = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        reference[rows] = True
-        output["rredcot_reference"] = reference
-        self._state.hidden = None  # TRL's pass saw the sampled rows: the credit forwards anew
+
+    def _reference_rewards(self, inputs: list[dict], output: dict, refs, rows, start) -> None:
+        """The reward functions on the references, written into every process's
+        ``rewards_per_func`` at their rows: TRL's ``_calculate_rewards`` gathers its result, so
+        every process scores as many rows as the busiest one (repeats of one of its own, whose
+        scores are dropped) and the gathered rows' places are gathered with them."""
+        most = self.collective.max_int(refs.size)
+        P = refs.prompt_len
         chat = is_conversational(inputs[0])
-        completions = [
-            [{"role": "assistant", "content": text}] if chat else text for text in refs.completions
+        texts = list(refs.completions)
+        ids = [
+            refs.input_ids[i, P:][refs.response_mask[i].bool()].tolist() for i in range(len(rows))
         ]
         picked = [inputs[r] for r in rows]
-        rewards = GRPOTrainer._calculate_rewards(
-            self,
-            picked,
-            [x["prompt"] for x in picked],
-            completions,
-            [
-                refs.input_ids[i, P:][refs.response_mask[i].bool()].tolist()
-                for i in range(len(rows))
-            ],
+        if not picked:  # a stand-in: this process's first rollout (its score is dropped)
+            first = output["completion_ids"][0][output["completion_mask"][0].bool()].tolist()
+            picked, ids = [inputs[0]], [first]
+            texts = [self._tokenizer.decode(first, skip_special_tokens=True)]
+        extra = most - len(picked)
+        picked, texts, ids = (
+            picked + picked[:1] * extra,
+            texts + texts[:1] * extra,
+            ids + ids[:1] * extra,
         )
-        self._state.rewards_per_func[rows] = rewards.to(self._state.rewards_per_func.dtype)
+        completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
+        rewards = GRPOTrainer._calculate_rewards(
+            self, picked, [x["prompt"] for x in picked], completions, ids
+        )
+        index = torch.full((most,), -1, dtype=torch.long, device=self.collective.device)
+        index[: refs.size] = torch.tensor(rows, dtype=torch.long, device=index.device) + start
+        every = self.collective.gather(index).to(rewards.device)
+        state = self._state.rewards_per_func
+        state[every[every >= 0].to(state.device)] = rewards[every >= 0].to(state.dtype)
 
     def _luffy_loss(self, model, inputs: dict) -> Tensor:
         """references.mode luffy: TRL's loss of the micro-batch with its reference rows left out
@@ -1078,27 +1135,32 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
             if train:
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
             term, accumulation = per_token.sum() / normalizer, 1.0
-        if bool(ref.any()):
-            with torch.no_grad():
-                shaped = shaped_ratio(logps[ref], gamma)
-                weights = mask[ref]
+        with torch.no_grad():  # the reference tokens' mean shaped ratio, over every process
+            weights = mask * ref.unsqueeze(1).to(mask.dtype)
+            sums = torch.stack([(shaped_ratio(logps, gamma) * weights).sum(), weights.sum()])
+            sums = self.collective.gather(sums.double().unsqueeze(0)).sum(dim=0)
+        if float(sums[1]) > 0:
             self._log_credit(
-                {"references/shaped_ratio": float((shaped * weights).sum() / weights.sum())},
-                "train" if train else "eval",
+                {"references/shaped_ratio": float(sums[0] / sums[1])}, "train" if train else "eval"
             )
         return loss + term / accumulation
 
     def _reference_sft_loss(self, model, term: _ReferenceTerm) -> Tensor:
         """This micro-batch's share of ``sft_coef`` times the references' NLL
-        (:meth:`rredcot.training.references.ReferenceRows.nll`, aggregated over every reference row of the
-        generation batch as ``loss_type`` aggregates: :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are
-        split over the batch's ``steps_per_generation`` micro-batches, so the shares sum to the
-        whole term; scaled by ``steps_per_generation / gradient_accumulation_steps`` as TRL scales
-        its own loss, an optimiser step gets ``sft_coef * NLL`` once (TRL's defaults: one
-        generation batch per optimiser step, as rredcot train adds it once per optimiser step)."""
+        (:func:`rredcot.training.references.reference_nll`, aggregated over every reference row of the
+        generation batch, on every process, as ``loss_type`` aggregates:
+        :data:`LOSS_AGG_OF_LOSS_TYPE`). The rows are split over the batch's
+        ``steps_per_generation`` micro-batches, so the shares sum to the whole term; scaled by
+        ``steps_per_generation / gradient_accumulation_steps`` as TRL scales its own loss, an
+        optimiser step gets ``sft_coef * NLL`` once (TRL's defaults: one generation batch per
+        optimiser step, as rredcot train adds it once per optimiser step). Under several
+        processes each loss is scaled by their number (their gradients are averaged), and a
+        process whose share is empty while another process has references runs a stand-in
+        forward of zero weight, so that all run the same forwards."""
         rows, S = term.rows, term.parts
         share = torch.tensor_split(torch.arange(rows.size), S)[self._step % S]
         nll = torch.zeros((), device=rows.input_ids.device)
+        world = self.collective.world
         if len(share):
             logps, _, _ = super()._get_per_token_logps_and_entropies(
                 model,
@@ -1106,14 +1168,28 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
                 rows.attention_mask[share],
                 rows.response_mask.shape[1],
             )
-            nll = rows.nll(
-                logps, LOSS_AGG_OF_LOSS_TYPE[self.loss_type], self.max_completion_length, share
+            nll = references.reference_nll(
+                logps,
+                rows.response_mask[share],
+                LOSS_AGG_OF_LOSS_TYPE[self.loss_type],
+                self.max_completion_length,
+                num_rows=term.total_rows,
+                num_tokens=term.total_tokens,
             )
+        elif world > 1 and term.total_rows:  # another process has references here
+            ids = torch.zeros(1, 2, dtype=torch.long, device=self.collective.device)
+            logps, _, _ = super()._get_per_token_logps_and_entropies(
+                model, ids, torch.ones_like(ids), 1
+            )
+            nll = 0.0 * logps.sum()
         term.nll, term.done = term.nll + float(nll.detach()), term.done + 1
         if term.done % S == 0:  # the last share of a pass over the batch
-            self._log_credit({"references/sft_nll": term.nll}, "train")
+            nll_sum = self.collective.gather(
+                torch.tensor([term.nll], device=self.collective.device)
+            )
+            self._log_credit({"references/sft_nll": float(nll_sum.sum())}, "train")
             term.nll = 0.0
-        scale = S / self.current_gradient_accumulation_steps
+        scale = S / self.current_gradient_accumulation_steps * world
         return self.args.references_config.sft_coef * scale * nll
 
     # -- the credit of a generation batch -------------------------------------------------------
@@ -1150,16 +1226,41 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         method.context.policy = self.model  # the prepared (possibly wrapped) model
         every = rows.gather(self._local_rows(batch), self.collective)
         estimate = method.estimate(every)
-        out = method.credit_output(
-            every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
-        )
+        if method.normalization == "whiten" and self.collective.world > 1:
+            out = self._whitened_credit(every, estimate, batch, rows)
+        else:
+            out = method.credit_output(
+                every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
+            )
         advantages = out.advantages.to(torch.float32) * loss_mask.to(torch.float32)
+        advantages = drop_small_tails(advantages, loss_mask, self.args.advantage_tail_floor)
         self.last_batch, self.last_credit = batch, out
         self._log_credit(self.collective.mean_metrics(out.metrics), mode)
         self._log_row_advantages(advantages, loss_mask)
         if mode == "train":
             self._log_credit(method.update(every, estimate), mode)
         return advantages
+
+    def _whitened_credit(self, every: CreditRows, estimate, batch: RolloutBatch, rows):
+        """``credit.normalization='whiten'`` under several processes: whitening is over every
+        token of the generation batch, so the token stage runs on every process's rows (their
+        segment ids and masks gathered, a few integers a token) and each process keeps its
+        own rows' credit."""
+        device = self.collective.device
+        segment_ids = self.collective.gather_padded(batch.segment_ids.to(device), pad_index=-1)
+        mask = self.collective.gather_padded(batch.response_mask.to(device))
+        out = self.credit_method.credit_output(
+            every, estimate, segment_ids.to(every.rewards.device), mask.to(every.rewards.device)
+        )
+        T, local = batch.response_mask.shape[1], rows.local
+        return dataclasses.replace(
+            out,
+            advantages=out.advantages[local, :T],
+            segment_advantages=out.segment_advantages[local],
+            segment_mask=out.segment_mask[local],
+            values=None if out.values is None else out.values[local],
+            value_mask=None if out.value_mask is None else out.value_mask[local],
+        )
 
     def _wait_for_loss_forward(self, output: dict, batch, rows, loss_mask: Tensor, mode: str):
         """Leave zero advantages and number the rows (TRL shuffles them); the batch's one loss

@@ -40,7 +40,9 @@ estimator returns TD(``value_head.td_lambda``) targets at segment starts as the 
   the method's measured hand-over updated after each step's credit.
 
 Settings live under ``algorithm.rredcot`` (fields of :class:`rredcot.config.CreditConfig` plus
-``credit_method``), e.g. ``+algorithm.rredcot.segmenter=sentence +algorithm.rredcot.lam=0.5``.
+the keys of :data:`SETTINGS`: ``credit_method``, ``task``, ``task_args``,
+``advantage_tail_floor``), e.g. ``+algorithm.rredcot.segmenter=sentence
++algorithm.rredcot.lam=0.5``.
 
 State. The estimator is not a pure function. In the process that calls it (verl's driver) it
 keeps, across calls, one credit method per ``(credit_method, settings)`` in the module's
@@ -57,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +118,8 @@ __all__ = [
     "process_reward_values",
     "reset_methods",
     "segment_responses",
+    "SETTINGS",
+    "tail_floor_setting",
     "task_settings",
 ]
 
@@ -123,6 +128,16 @@ logger = logging.getLogger(__name__)
 ESTIMATOR = "rredcot"
 TRAINER_MODE = "rredcot_sync"
 METHODS = ("critic", "uniform", "answer_likelihood", "process_reward")
+# the keys of algorithm.rredcot that are not CreditConfig fields, with their help
+SETTINGS = {
+    "credit_method": f"the value source: one of {', '.join(METHODS)} (default critic)",
+    "task": "rredcot task name (answer_likelihood's probes are written by its render_answer)",
+    "task_args": "parameters of the task, a mapping",
+    "advantage_tail_floor": "drop the tail of each row's credit where it is smaller than this "
+    "(as rredcot train --advantage_tail_floor): token advantages after a row's last token with "
+    "|advantage| >= the floor are set to 0 (a row with none gets 0 everywhere); the critic's "
+    "returns are unchanged. 0 (default): off. verl's actor still forwards every token",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +162,8 @@ def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
     """
     fields = _settings_fields(config)
     method = str(fields.pop("credit_method", "critic"))
-    fields.pop("task", None)
-    fields.pop("task_args", None)
+    for key in SETTINGS:
+        fields.pop(key, None)
     if method not in METHODS:
         raise ValueError(
             f"algorithm.rredcot.credit_method={method!r}; valid in verl: {', '.join(METHODS)} "
@@ -156,6 +171,22 @@ def credit_settings(config: Any = None) -> tuple[str, CreditConfig]:
             "return: see docs/scaling.md)"
         )
     return method, from_dict(CreditConfig, fields, where="algorithm.rredcot.")
+
+
+def tail_floor_setting(config: Any = None) -> float:
+    """``algorithm.rredcot.advantage_tail_floor`` (:data:`SETTINGS`; default 0: off), checked to
+    be a finite number >= 0."""
+    raw = _settings_fields(config).get("advantage_tail_floor", 0.0)
+    try:
+        floor = float(raw)
+    except (TypeError, ValueError):
+        floor = float("nan")
+    if not math.isfinite(floor) or floor < 0:
+        raise ValueError(
+            f"algorithm.rredcot.advantage_tail_floor={raw!r} must be a number >= 0 "
+            "(0: keep every advantage)"
+        )
+    return floor
 
 
 def task_settings(config: Any = None):
@@ -412,8 +443,10 @@ def compute_rredcot_advantage(
             likewise.
 
     Returns:
-        advantages ``(B, T)`` (0 on padding and holes) and returns ``(B, T)``: the critic's TD
-        targets for ``critic``, the advantages otherwise (as verl's GRPO).
+        advantages ``(B, T)`` (0 on padding and holes; with
+        ``algorithm.rredcot.advantage_tail_floor`` > 0, 0 after each row's last token with
+        ``|A| >=`` the floor, :func:`rredcot.credit.drop_small_tails`) and returns ``(B, T)``: the
+        critic's TD targets for ``critic``, the advantages otherwise (as verl's GRPO).
 
     Not pure: the credit method of these settings is kept between calls (module doc, "State"),
     and a value source's guard is updated on this batch's outcomes after its credit.
@@ -432,12 +465,14 @@ def compute_rredcot_advantage(
             "compute_advantage_for_data(data, tokenizer, config)"
         )
     method_name, cfg = credit_settings(config)
+    floor = tail_floor_setting(config)
     if method_name == "uniform" and index is None:
         raise ValueError("uniform credit needs index (verl's uid) to form prompt groups")
     rows = _verl_rows(token_level_rewards, response_mask, index, segment_ids)
     method = _method_for(method_name, cfg, config)
     if method_name == "critic":
-        return _critic_credit(method, rows, values, cfg.value_head.td_lambda)
+        advantages, returns = _critic_credit(method, rows, values, cfg.value_head.td_lambda)
+        return credit.drop_small_tails(advantages, rows.mask.float(), floor), returns
     if method_name == "uniform":
         given, given_mask = uniform_values(rows.rewards, rows.group_ids, rows.num_segments)
     else:
@@ -445,7 +480,8 @@ def compute_rredcot_advantage(
             method_name, boundary_values, rows.num_segments, rows.mask.device
         )
     out = _credit_from_values(method, given, given_mask, rows)
-    return out.advantages, out.advantages
+    advantages = credit.drop_small_tails(out.advantages, rows.mask.float(), floor)
+    return advantages, advantages
 
 
 @dataclass

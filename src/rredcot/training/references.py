@@ -352,21 +352,6 @@ def reference_nll(
 # what the trainer calls
 
 
-def check_processes(world: int) -> None:
-    """Refuse ``references.mode`` in a run of several processes (``accelerate launch``), saying
-    what works instead: each process would run a backward pass over different reference rows,
-    which the processes' gradient all-reduce does not expect. One process, with the batch scaled
-    by ``prompts_per_step`` (``rredcot train``) or ``gradient_accumulation_steps`` (TRL), runs
-    the same recipe; docs/scaling.md says so where it describes several processes."""
-    if world > 1:
-        raise ValueError(
-            f"references.mode runs in a single process for now, not {world} (each process would "
-            "run a backward pass over different reference rows); launch one process and scale "
-            "the batch there (--prompts_per_step, or TRL's gradient_accumulation_steps), or set "
-            "references.mode off (docs/scaling.md, several processes)"
-        )
-
-
 def check_run(cfg) -> None:
     """Refuse a run (``TrainConfig``) with ``references.mode`` on whose task has no reference
     solutions, before a model is loaded (a few training problems are looked at)."""

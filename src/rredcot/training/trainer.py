@@ -18,17 +18,21 @@ import contextlib
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from rredcot.algebra.credit import (
     agreeing_rows,
+    apply_row_draw,
+    budget_keep_probabilities,
     drop_small_tails,
     last_positions,
-    sample_rows_to_budget,
+    row_credit_sizes,
 )
 from rredcot.algebra.loss import policy_loss
 from rredcot.algebra.normalization import masked_mean
@@ -70,6 +74,22 @@ from rredcot.training.setup import (
     check_names,
     is_main_process,
 )
+
+
+@dataclass(frozen=True)
+class _StepShares:
+    """What the processes of one optimiser step agree on before the first backward: the loss of
+    each is normalised by every process's rows and tokens (what one process holding the union
+    of their rows would use) and scaled by ``scale`` (the number of processes: their gradients
+    are averaged, so each contributes its share of the sum), and each runs ``passes``
+    policy-gradient passes."""
+
+    num_rows: int  # the minibatch's rows, over every process
+    num_tokens: float  # their response tokens
+    passes: int  # the most micro-batch passes of any process
+    sft_rows: int  # references.mode sft: the step's reference rows, over every process
+    sft_tokens: float  # their tokens
+    scale: float  # the number of processes
 
 
 class Trainer:
@@ -131,15 +151,6 @@ class Trainer:
         self._trained_tokens = 0.0  # this step's, forwarded with grad: policy rows, sft rows
         self._sft_rows: references.ReferenceRows | None = None  # this step's, references.mode sft
         self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
-        if cfg.references.mode != "off" and self.world > 1:
-            self.release()
-            references.check_processes(self.world)
-        if cfg.agreeing_update_fraction < 1 and self.world > 1:
-            self.release()
-            raise ValueError(
-                f"agreeing_update_fraction={cfg.agreeing_update_fraction} saves work only in one "
-                f"process ({self.world} forward every row, and a group may span them): set it to 1"
-            )
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""
@@ -286,9 +297,10 @@ class Trainer:
         if one_graph and loss_forward is None:
             rows = torch.arange(batch.size)
             columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
-            batch, loss_forward = self._loss_forward(
-                batch, rows[columns > 0], int(columns.max()) if len(rows) else 0
-            )
+            credited, width = rows[columns > 0], int(columns.max()) if len(rows) else 0
+            if self.world > 1 and not len(credited):  # every process runs the loss forward:
+                credited, width = rows[:1], 1  # one token, as a stand-in of zero weight
+            batch, loss_forward = self._loss_forward(batch, credited, width)
         update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
         update_stats.update(agreeing_kept)
         clock.lap("update")
@@ -302,17 +314,39 @@ class Trainer:
     def _sample_agreeing_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
         """``agreeing_update_fraction`` < 1: the agreeing groups' rows drawn to that budget
         (``credit.sample_rows_to_budget``, seeded by the step); returns the advantages and the
-        metric of the share of those rows kept."""
+        metric of the share of those rows kept. Under several processes the draw is over every
+        process's rows in process order (their sizes gathered, the same generator on each), and
+        each keeps its own: the draw of one process holding them all."""
         fraction = self.cfg.agreeing_update_fraction
         if fraction == 1:
             return advantages, {}
         eligible = agreeing_rows(batch.rewards, batch.group_ids).to(advantages.device)
+        tokens, norm = row_credit_sizes(advantages, batch.response_mask)
+        start, (tokens, norm, every) = self._gathered_rows([tokens, norm, eligible])
+        keep = budget_keep_probabilities(tokens, norm, every, fraction)
         gen = torch.Generator().manual_seed(step_seed(self.cfg.seed, self.step, salt=31))
-        out, _ = sample_rows_to_budget(advantages, batch.response_mask, eligible, fraction, gen)
+        draw = torch.rand(len(keep), generator=gen, dtype=torch.float64)
+        mine = slice(start, start + batch.size)
+        out = apply_row_draw(advantages, keep[mine], draw[mine])
         credited = (advantages != 0).any(dim=1) & eligible
         kept = (out != 0).any(dim=1) & credited
-        share = float(kept.sum()) / max(float(credited.sum()), 1.0)
+        counts = {"kept": float(kept.sum()), "credited": float(credited.sum())}
+        counts.update(self._summed_metrics(counts, ("kept", "credited")))
+        share = counts["kept"] / max(counts["credited"], 1.0)
         return out, {"update/agreeing_rows_kept": share}
+
+    def _gathered_rows(self, columns: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+        """``(start, every)``: per-row tensors ``(B,)`` of every process concatenated in process
+        order (on the CPU), and where this process's rows start in them."""
+        if self.world == 1:
+            return 0, [c.cpu() for c in columns]
+        parts = gather_object([[c.tolist() for c in columns]])  # one entry per process
+        start = sum(len(part[0]) for part in parts[: self.rank])
+        every = [
+            torch.tensor([x for part in parts for x in part[i]], dtype=c.dtype)
+            for i, c in enumerate(columns)
+        ]
+        return start, every
 
     def choose_credit(self, batch: RolloutBatch, problems) -> None:
         """``--credit auto``: choose the credit method from step 1's own batch (every process's
@@ -421,25 +455,41 @@ class Trainer:
         stats.update(step.stats)
         return step.batch
 
-    def _reference_sft_step(self) -> dict[str, float]:
+    def _reference_sft_step(self, batch: RolloutBatch, shares: _StepShares) -> dict[str, float]:
         """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
-        (``ReferenceRows.nll``), into the gradient of the optimiser step being formed."""
+        (``references.reference_nll``), into the gradient of the optimiser step being formed,
+        aggregated over every process's references (``shares``). A process with none, while
+        another has some, runs a stand-in pass of zero weight (one token of its first row), so
+        that every process runs the same passes."""
         refs = self._sft_rows
-        if refs is None or refs.size == 0:
+        if shares.sft_rows == 0:
             return {}
         cfg = self.cfg
+        if refs is not None and refs.size:
+            ids, attention, P, weight = refs.input_ids, refs.attention_mask, refs.prompt_len, 1.0
+        else:
+            P, weight = batch.prompt_len, 0.0
+            ids, attention = batch.input_ids[:1, : P + 1], batch.attention_mask[:1, : P + 1]
         fwd = policy_forward(
             self.model,
-            refs.input_ids,
-            refs.attention_mask,
-            refs.prompt_len,
+            ids,
+            attention,
+            P,
             temperature=cfg.sampling.temperature,
             shared_prompt=cfg.shared_prompt_forward,
         )
-        self._trained_tokens += float(refs.attention_mask.sum())
-        nll = refs.nll(fwd.logprobs, cfg.loss_agg, cfg.sampling.max_new_tokens)
-        self.accelerator.backward(cfg.references.sft_coef * nll)
-        return {"references/sft_nll": float(nll.detach())}
+        self._trained_tokens += float(attention.sum())
+        mask = refs.response_mask if weight else torch.zeros_like(fwd.logprobs)
+        nll = references.reference_nll(
+            fwd.logprobs,
+            mask,
+            cfg.loss_agg,
+            cfg.sampling.max_new_tokens,
+            num_rows=shares.sft_rows,
+            num_tokens=shares.sft_tokens,
+        )
+        self.accelerator.backward(cfg.references.sft_coef * weight * shares.scale * nll)
+        return {"references/sft_nll": float(nll.detach()) * weight}
 
     def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
         """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
@@ -539,12 +589,12 @@ class Trainer:
         0 (left out). Past that token the PG term is zero in both branches (``ratio * 0``;
         LUFFY's shaped term ``-0 * f``), and a causal model's earlier tokens never read the
         later ones, so the cut adds nothing to the loss or any gradient under every
-        aggregation (their normalisers are the whole rows', passed on their own). Several
-        processes must run the same backward passes, so they forward everything."""
+        aggregation (their normalisers are the whole rows', passed on their own). Under several
+        processes each cuts its own rows; :meth:`_minibatch_step` evens out their passes."""
         cfg = self.cfg
         T = batch.response_len
         kl_term = ref_logprobs is not None and cfg.kl_coef > 0
-        if not cfg.skip_zero_advantage_rows or kl_term or self.world > 1:
+        if not cfg.skip_zero_advantage_rows or kl_term:
             return torch.full((len(rows),), T, dtype=torch.long, device=rows.device)
         rows_here = rows.to(advantages.device)
         credited = (advantages[rows_here] != 0) & batch.response_mask[rows_here].bool()
@@ -571,94 +621,154 @@ class Trainer:
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
     def _plan_micros(self, batch: RolloutBatch, rows, advantages, ref_logprobs, loss_forward):
-        """``(live rows, micro-batches)``: the rows with a gradient and, per micro-batch, its rows
-        and the response columns it forwards (``grad_accumulation`` chunks, each split to fit
-        ``micro_batch_tokens``; one chunk per ``loss_forward`` already run)."""
+        """``(live rows, micro-batches)``: the rows with a gradient and, per micro-batch, its rows,
+        the response columns it forwards and its weight (``grad_accumulation`` chunks, each split
+        to fit ``micro_batch_tokens``; one chunk per ``loss_forward`` already run; weight 0 for
+        a ``loss_forward`` that stood in for a process with no row to update)."""
         if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
             live = rows
             columns = torch.full((len(rows),), loss_forward.logprobs.shape[1], device=self.device)
         else:
             columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
             live, columns = rows[columns > 0], columns[columns > 0]
-        micros = []  # (rows, response columns)
+        micros = []  # (rows, response columns, weight)
         chunks = torch.arange(len(live)).chunk(self.cfg.grad_accumulation) if len(live) else ()
         for chunk in chunks:
             chunk = chunk.to(self.device)
             parts = [chunk] if loss_forward is not None else None
             if parts is None:
                 parts = self._micro_batches(batch, chunk, columns[chunk])
-            micros += [(live[part], int(columns[part].max())) for part in parts]
+            micros += [(live[part], int(columns[part].max()), 1.0) for part in parts]
+        if not micros and loss_forward is not None:  # a stand-in's forward (several processes)
+            micros = [(rows[:1], loss_forward.logprobs.shape[1], 0.0)]
         return live, micros
 
     def _minibatch_step(
         self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
-        (gradients are synchronised across processes on the last one only). Only the rows and
-        columns with a gradient are forwarded (:meth:`_credited_columns`); a ``loss_forward``
-        ran before (over every row, before the credit was known, or over the credited ones)."""
+        and the sft references' pass (gradients are synchronised across processes on the last
+        pass only). Only the rows and columns with a gradient are forwarded
+        (:meth:`_credited_columns`); a ``loss_forward`` ran before (over every row, before the
+        credit was known, or over the credited ones). Under several processes every process
+        runs as many passes as the busiest one (stand-ins of zero weight) and the loss uses the
+        rows and tokens of every process (:meth:`_step_shares`): the averaged gradient is one
+        process's over the union of their rows."""
         cfg = self.cfg
         rows = rows.to(self.device)
-        num_tokens = float(batch.response_mask[rows].sum())
         live, micros = self._plan_micros(batch, rows, advantages, ref_logprobs, loss_forward)
-        live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c in micros)
+        live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c, w in micros if w)
+        shares = self._step_shares(batch, rows, micros)
+        if len(micros) < shares.passes:  # another process forwards more: stand-ins here
+            if loss_forward is not None:
+                raise RuntimeError("the single pass ran on one process and not on another")
+            micros += [(rows[:1], 1, 0.0)] * (shares.passes - len(micros))
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {
             "policy_loss": 0.0,
             "entropy": 0.0,
             "update/rows_forwarded": len(live) / max(len(rows), 1),
-            "update/tokens_forwarded": live_tokens / max(num_tokens, 1.0),
+            "update/tokens_forwarded": live_tokens
+            / max(float(batch.response_mask[rows].sum()), 1.0),
         }
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not micros:  # every row's gradient is zero: the optimiser still takes its step
             for p in params:
                 p.grad = torch.zeros_like(p)
             totals.update({"clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 1.0})
-        for i, (micro, cols) in enumerate(micros):
-            last = i == len(micros) - 1
-            width = batch.prompt_len + cols
-            self._trained_tokens += float(batch.attention_mask[micro, :width].sum())
+        for i, (micro, cols, weight) in enumerate(micros):
+            last = i == len(micros) - 1 and not shares.sft_rows
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
-                fwd = loss_forward
-                if fwd is None:
-                    fwd = policy_forward(
-                        self.model,
-                        batch.input_ids[micro, :width],
-                        batch.attention_mask[micro, :width],
-                        batch.prompt_len,
-                        with_entropy=True,
-                        temperature=cfg.sampling.temperature,
-                        shared_prompt=cfg.shared_prompt_forward,
-                    )
-                rmask = batch.response_mask[micro, :cols]
-                # no scoring pass ran (an on-policy update in micro-batches): old = new, detached
-                on_policy = batch.old_logprobs is None
-                loss, stats = policy_loss(
-                    fwd.logprobs,
-                    fwd.logprobs.detach() if on_policy else batch.old_logprobs[micro, :cols],
-                    advantages[micro, :cols],
-                    rmask,
-                    num_rows=len(rows),
-                    num_tokens=num_tokens,
-                    row_tokens=batch.response_mask[micro].sum(-1),
-                    **cfg.loss_settings(),
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro, :cols],
-                    kl_coef=cfg.kl_coef,
-                    off_policy=None if batch.off_policy is None else batch.off_policy[micro],
-                    off_policy_gamma=cfg.references.shaping_gamma,
+                loss, stats, entropy = self._policy_pass(
+                    batch, micro, cols, advantages, ref_logprobs, loss_forward, shares
                 )
-                self.accelerator.backward(loss)
-            share = float(rmask.sum()) / max(live_tokens, 1.0)  # this micro-batch's token share
-            totals["policy_loss"] += loss.item()
-            totals["entropy"] += float((fwd.entropy.detach() * rmask).sum()) / max(live_tokens, 1.0)
+                self.accelerator.backward(loss * (weight * shares.scale))
+            rmask = batch.response_mask[micro, :cols]
+            share = weight * float(rmask.sum()) / max(live_tokens, 1.0)  # its token share
+            totals["policy_loss"] += loss.item() * weight
+            totals["entropy"] += weight * float((entropy * rmask).sum()) / max(live_tokens, 1.0)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v * share
-        totals.update(self._reference_sft_step())
+        totals.update(self._reference_sft_step(batch, shares))
+        totals.update(self._summed_metrics(totals, ("policy_loss", "references/sft_nll")))
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         totals["grad_norm"] = float(self.accelerator.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
         self.scheduler.step()
         return totals
+
+    def _policy_pass(self, batch, micro, cols, advantages, ref_logprobs, loss_forward, shares):
+        """``(loss, stats, entropy (b, cols))`` of one micro-batch: ``micro``'s rows forwarded
+        with their first ``cols`` response columns (or ``loss_forward``, run before), the loss
+        aggregated with the normalisers of ``shares`` (every process's rows and tokens)."""
+        cfg = self.cfg
+        width = batch.prompt_len + cols
+        self._trained_tokens += float(batch.attention_mask[micro, :width].sum())
+        fwd = loss_forward
+        if fwd is None:
+            fwd = policy_forward(
+                self.model,
+                batch.input_ids[micro, :width],
+                batch.attention_mask[micro, :width],
+                batch.prompt_len,
+                with_entropy=True,
+                temperature=cfg.sampling.temperature,
+                shared_prompt=cfg.shared_prompt_forward,
+            )
+        # no scoring pass ran (an on-policy update in micro-batches): old = new, detached
+        on_policy = batch.old_logprobs is None
+        loss, stats = policy_loss(
+            fwd.logprobs,
+            fwd.logprobs.detach() if on_policy else batch.old_logprobs[micro, :cols],
+            advantages[micro, :cols],
+            batch.response_mask[micro, :cols],
+            num_rows=shares.num_rows,
+            num_tokens=shares.num_tokens,
+            row_tokens=batch.response_mask[micro].sum(-1),
+            **cfg.loss_settings(),
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro, :cols],
+            kl_coef=cfg.kl_coef,
+            off_policy=None if batch.off_policy is None else batch.off_policy[micro],
+            off_policy_gamma=cfg.references.shaping_gamma,
+        )
+        return loss, stats, fwd.entropy.detach()
+
+    def _step_shares(self, batch: RolloutBatch, rows: torch.Tensor, micros) -> _StepShares:
+        """What every process's losses of one optimiser step are normalised by, agreed before
+        the first backward (:class:`_StepShares`): the minibatch's rows and response tokens and
+        the sft references' over every process, and the most passes any process runs."""
+        refs = self._sft_rows
+        local = [
+            float(len(rows)),
+            float(batch.response_mask[rows].sum()),
+            float(len(micros)),
+            float(0 if refs is None else refs.size),
+            float(0 if refs is None else refs.tokens),
+        ]
+        if self.world == 1:
+            every = torch.tensor([local], dtype=torch.float64)
+        else:
+            mine = torch.tensor([local], dtype=torch.float64, device=self.device)
+            every = self.accelerator.gather(mine).cpu()
+        total = every.sum(dim=0)
+        return _StepShares(
+            num_rows=int(total[0]),
+            num_tokens=float(total[1]),
+            passes=int(every[:, 2].max()),
+            sft_rows=int(total[3]),
+            sft_tokens=float(total[4]),
+            scale=float(self.world),
+        )
+
+    def _summed_metrics(self, totals: dict[str, float], keys) -> dict[str, float]:
+        """``keys`` of ``totals`` (those present) summed over the processes: each process
+        computed its share of the global loss or NLL."""
+        keys = [k for k in keys if k in totals]
+        if self.world == 1 or not keys:
+            return {}
+        mine = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
+        summed = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
+        return dict(zip(keys, summed))
 
     def _record(
         self, step, batch, stats, credit_out, update_stats, value_stats, clock, scoring_pass

@@ -1,0 +1,140 @@
+"""Several processes give one process's update: two real CPU processes (torchrun, gloo) against
+one process on the union of their batches, for every feature that splits the update across
+processes (the cut after the last credited token, budgeted agreeing rows, reference baselines),
+in ``rredcot train`` (``train_two_process.py``) and in TRL's adapter
+(``trl_references_two_process.py``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+# the float rounding of a sum in another order (gradients of size ~1e-2 agree to ~1e-8)
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def launch(script: str, *args: str, processes: int = 1, timeout: int = 180) -> None:
+    """Run ``script`` in ``processes`` processes (torchrun, gloo, on the CPU) with this
+    session's import path; a run that fails, or hangs because one process skipped a collective
+    the other entered, fails the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, str(HERE / script), *args]
+    if processes > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+        cmd = [sys.executable, *run, "--master_port", str(port), *cmd[1:]]
+    # torchrun ends its workers (each in a session of its own) when it is terminated
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise AssertionError(
+            f"{script} hung for {timeout} s (a collective one process skipped?)"
+        ) from None
+    assert proc.returncode == 0, err[-3000:]
+
+
+def load(folder: Path, name: str, rank: int) -> dict:
+    return torch.load(folder / f"{name}_{rank}.pt", weights_only=False)
+
+
+def assert_same_gradient(two: list[torch.Tensor], one: list[torch.Tensor]) -> None:
+    assert len(two) == len(one)
+    for a, b in zip(two, one):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert any(float(g.abs().max()) > 1e-3 for g in one)  # not a vacuous comparison
+
+
+@pytest.mark.slow
+def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_path):
+    """``rredcot train``, one step per scenario: each process's gradient after the all-reduce
+    equals one process's on the union of their rows (its rows in process order), where process
+    1 skips every row (``cut``: one loss forward; ``cut_micro``: micro-batches, seq_mean),
+    where process 1 runs fewer micro-batches than process 0 (``cut_fewer``, dr_grpo), where the
+    agreeing rows of both are drawn to a budget, and where only process 0 has
+    references (``sft``: an NLL pass there, a stand-in on process 1; ``luffy``: a reference
+    row; ``bread``: branched rollouts)."""
+    from train_two_process import SCENARIOS
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    batch = str(tmp_path / "batch.pt")
+    launch("train_two_process.py", str(init_dir), batch, str(one))
+    launch("train_two_process.py", str(init_dir), batch, str(two), processes=2)
+    for name in SCENARIOS:
+        whole, first, second = load(one, name, 0), load(two, name, 0), load(two, name, 1)
+        for a, b in zip(first["grads"], second["grads"]):
+            assert torch.equal(a, b), name  # the processes hold one gradient
+        assert_same_gradient(first["grads"], whole["grads"])
+        assert first["rows"] + second["rows"] == whole["rows"], name
+        assert first["policy_loss"] == pytest.approx(whole["policy_loss"], rel=1e-5)
+    # what each scenario exercises happened
+    cut = load(two, "cut", 1), load(two, "cut_micro", 1)
+    assert all(r["update/rows_forwarded"] == 0.0 for r in cut)  # process 1 skipped every row
+    assert load(two, "cut", 0)["update/rows_forwarded"] > 0
+    assert load(two, "cut_fewer", 1)["update/rows_forwarded"] == 0.5
+    kept = load(one, "budget", 0)["update/agreeing_rows_kept"]
+    assert 0 < kept < 1 and load(two, "budget", 0)["update/agreeing_rows_kept"] == kept
+    assert (load(two, "sft", 0)["sft_rows"], load(two, "sft", 1)["sft_rows"]) == (1, 0)
+    assert load(one, "sft", 0)["sft_rows"] == 1
+    for name in ("luffy", "bread"):  # process 0's batch grew, process 1's did not
+        assert load(two, name, 0)["rows"] > load(two, name, 1)["rows"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.trl
+def test_trl_on_two_processes_updates_as_one_process(tmp_path):
+    """TRL's adapter, one step per ``references.mode`` with a group of 4 fixed, all-wrong
+    completions split 2 + 2 across the processes: the gradient equals one process's on the
+    whole group. ``sft``: process 0 (the group's first row) holds the reference and its NLL,
+    process 1 none (a stand-in pass); ``luffy``: process 1 (the group's last row) puts the
+    reference in place of its rollout, process 0 none; the reward functions' scores of it reach
+    both processes' credit. The references' metrics are the same as in one process. Without
+    references, ``credit.normalization='whiten'`` whitens over both processes' tokens."""
+    from rredcot.models import build_char_tokenizer, build_tiny_llama
+
+    model = tmp_path / "model"
+    tok = build_char_tokenizer()
+    build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0).save_pretrained(model)
+    tok.save_pretrained(model)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    launch("trl_references_two_process.py", str(model), str(one))
+    launch("trl_references_two_process.py", str(model), str(two), processes=2)
+    holder = {"sft": 0, "luffy": 1}  # the process that holds the group's reference
+    for mode, rank in holder.items():
+        whole, mine, other = load(one, mode, 0), load(two, mode, rank), load(two, mode, 1 - rank)
+        for a, b in zip(mine["grads"], other["grads"]):
+            assert torch.equal(a, b), mode
+        assert_same_gradient(mine["grads"], whole["grads"])
+        assert (whole["rows"], mine["rows"], other["rows"]) == (4, 2, 2)
+        assert (whole["own_references"], mine["own_references"]) == (1, 1)
+        assert other["own_references"] == 0
+        for key in ("rredcot/references/groups", "rredcot/references/tokens"):
+            assert mine["logs"][key] == other["logs"][key] == whole["logs"][key] > 0
+    # credit.normalization whiten: the token stage over every process's tokens
+    whole, first, second = load(one, "whiten", 0), load(two, "whiten", 0), load(two, "whiten", 1)
+    assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
+    assert_same_gradient(first["grads"], whole["grads"])
+    for mode, key in (("sft", "sft_nll"), ("luffy", "shaped_ratio")):  # over every process
+        logged = [load(two, mode, r)["logs"][f"rredcot/references/{key}"] for r in (0, 1)]
+        expected = load(one, mode, 0)["logs"][f"rredcot/references/{key}"]
+        assert logged == pytest.approx([expected] * 2, rel=1e-5)

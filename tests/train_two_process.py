@@ -1,0 +1,195 @@
+"""One ``rredcot train`` step per scenario, run by ``test_several_processes.py`` twice: in one process
+on a whole batch, then under ``torchrun --nproc_per_node 2`` (gloo, CPU) with each process
+holding half of that batch (process 0 the first two prompt groups, process 1 the last two).
+Writes ``{scenario}_{rank}.pt``: the gradient the first optimiser step sees and a few metrics.
+
+The rollout is replayed (the one-process run samples the batch once and saves it; every run
+reads it) and the credit is hand-built from each row's tokens and reward, so both runs update on
+the same rows with the same advantages; what differs is only how the update is split across
+processes: the cut after a row's last credited token (with ``advantage_tail_floor``), the
+budgeted draw of agreeing rows, the references' rows and terms.
+
+Usage: ``train_two_process.py INIT_DIR BATCH_FILE OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+from rredcot.trainer import Trainer  # noqa: E402
+
+from rredcot.config import TrainConfig  # noqa: E402
+
+GROUP = 4  # samples per prompt
+# scenario -> (settings, rewards of the four groups: process 0 holds groups 0-1, process 1 2-3)
+SCENARIOS = {
+    # process 1's credit is zero on every row: it skips all of them (a stand-in of zero weight)
+    "cut": (
+        {"advantage_tail_floor": 0.01},
+        [[1, 0, 1, 0], [0, 1, 0, 0], [-1] * 4, [-1] * 4],
+    ),
+    # the same in micro-batches (process 0 runs several, process 1 none), seq_mean
+    "cut_micro": (
+        {"advantage_tail_floor": 0.01, "micro_batch_tokens": 48, "loss_agg": "seq_mean"},
+        [[1, 0, 1, 0], [0, 1, 0, 0], [-1] * 4, [-1] * 4],
+    ),
+    # process 1 credits its first group only: fewer micro-batches than process 0, evened out by
+    # stand-ins (of zero weight, on its first row, which is credited), dr_grpo
+    "cut_fewer": (
+        {"advantage_tail_floor": 0.01, "micro_batch_tokens": 48, "loss_agg": "dr_grpo"},
+        [[1, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 1], [-1] * 4],
+    ),
+    # agreeing groups (1 and 2) on both processes drawn to a budget
+    "budget": (
+        {"agreeing_update_fraction": 0.5},
+        [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]],
+    ),
+    # references in group 1 (no correct sample) only: process 0 has references, process 1 none
+    "sft": ({"references.mode": "sft"}, [[1, 0, 1, 0], [0] * 4, [1, 1, 0, 1], [0, 1, 1, 0]]),
+    "luffy": ({"references.mode": "luffy"}, [[1, 0, 1, 0], [0] * 4, [1, 1, 0, 1], [0, 1, 1, 0]]),
+    "bread": ({"references.mode": "bread"}, [[1, 0, 1, 0], [0] * 4, [1, 1, 0, 1], [0, 1, 1, 0]]),
+}
+
+
+def config(init_dir: str, out: str) -> TrainConfig:
+    cfg = TrainConfig(
+        init=init_dir,
+        out=out,
+        task_args={"num_steps": 2},
+        credit_method="uniform",
+        steps=1,
+        prompts_per_step=4,
+        eval_size=2,
+        eval_every=0,
+        checkpoint_every=1,
+        progress=False,
+        max_grad_norm=0.0,
+        threads=1,
+        seed=5,
+    )
+    cfg.sampling.num_generations = GROUP
+    cfg.sampling.max_new_tokens = 16
+    cfg.references.groups = "failed"
+    cfg.references.branch_rollouts = 2
+    return cfg
+
+
+def hand_credit(ids: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` advantages from each row's response tokens ``ids (B, T)`` alone (so a row gets
+    the same credit wherever it sits): a signed ramp up to a row-dependent token, then a tail of
+    0.004 (below the scenarios' floor of 0.01); 0 on rows whose reward is negative."""
+    B, T = ids.shape
+    h = (ids * torch.arange(1, T + 1) * mask.long()).sum(dim=1) % 9973
+    length = mask.sum(dim=1).long()
+    end = 1 + h % length.clamp(min=1)
+    sign = 1.0 - 2.0 * (h % 2).float()
+    size = 0.5 + 0.1 * (h % 5).float()
+    column = torch.arange(T).unsqueeze(0)
+    ramp = (sign * size)[:, None] * (1 + 0.05 * column)
+    adv = torch.where(column < end[:, None], ramp, torch.full_like(ramp, 0.004))
+    adv = adv * mask * (rewards >= 0).float()[:, None]
+    return adv
+
+
+class Replay(Trainer):
+    """A trainer whose rollout is a given batch and whose credit is :func:`hand_credit`."""
+
+    given = None
+
+    def rollout(self, problems, forward=True, keep_cache=False):
+        batch = self.given
+        stats = {"rollout/tokens": float(batch.response_mask.sum()), "rollout/skipped_samples": 0}
+        return batch, stats
+
+    def _with_references(self, batch, stats):
+        self.seen = super()._with_references(batch, stats)
+        return self.seen
+
+    def use_hand_credit(self) -> None:
+        credit_output = self.method.credit_output
+
+        def hand(*args):
+            out = credit_output(*args)
+            seen = self.seen
+            P = seen.prompt_len
+            adv = hand_credit(seen.input_ids[:, P:], seen.response_mask, seen.rewards)
+            return dataclasses.replace(out, advantages=adv.to(out.advantages.dtype))
+
+        self.method.credit_output = hand
+
+
+def scenario_batch(whole, rewards, rank: int, world: int):
+    """The rows of process ``rank`` of ``world`` (half the groups each), ``rewards`` set."""
+    R = torch.tensor([float(r) for group in rewards for r in group])
+    batch = whole.replace(rewards=R)
+    per = batch.size // world
+    return batch.select(list(range(rank * per, (rank + 1) * per)))
+
+
+def apply(trainer: Trainer, settings: dict) -> None:
+    cfg = trainer.cfg
+    for key, value in settings.items():
+        if key == "micro_batch_tokens":
+            trainer.micro_batch_tokens = value
+        elif key.startswith("references."):
+            setattr(cfg.references, key.split(".", 1)[1], value)
+        else:
+            setattr(cfg, key, value)
+
+
+def run(init_dir: str, batch_file: str, out: str) -> None:
+    trainer = Replay(config(init_dir, f"{out}/run"), log=lambda *_: None)
+    rank, world = trainer.rank, trainer.world
+    if not Path(batch_file).exists():  # the one-process run samples the batch once
+        problems = trainer.prompts_for_step(1)
+        torch.manual_seed(0)
+        whole, _ = Trainer.rollout(trainer, problems, forward=False)
+        assert whole.size == len(SCENARIOS["cut"][1]) * GROUP, "a sample was rejected"
+        torch.save(whole, batch_file)
+    whole = torch.load(batch_file, weights_only=False)
+    start = copy.deepcopy(trainer.policy.state_dict())
+    base = copy.deepcopy(trainer.cfg)
+    trainer.use_hand_credit()
+    for name, (settings, rewards) in SCENARIOS.items():
+        trainer.policy.load_state_dict(start)
+        trainer.cfg.__dict__.update(copy.deepcopy(base).__dict__)
+        trainer.micro_batch_tokens = 1 << 20
+        apply(trainer, settings)
+        trainer.given = scenario_batch(whole, rewards, rank, world)
+        record, grads = step_with_grads(trainer)
+        keys = ("update/rows_forwarded", "update/agreeing_rows_kept", "policy_loss")
+        torch.save(
+            {
+                "grads": grads,
+                "rows": trainer.seen.size,
+                "sft_rows": 0 if trainer._sft_rows is None else trainer._sft_rows.size,
+                **{k: record[k] for k in keys if k in record},
+            },
+            f"{out}/{name}_{rank}.pt",
+        )
+    trainer.release()
+
+
+def step_with_grads(trainer: Trainer):
+    """``(record, grads)`` of one step: the gradient as its optimiser step sees it."""
+    seen = []
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    handle = inner.register_step_pre_hook(
+        lambda *_: seen.append([p.grad.detach().clone() for p in trainer.policy.parameters()])
+    )
+    trainer.step = 1
+    try:
+        return trainer.train_step(1), seen[0]
+    finally:
+        handle.remove()
+
+
+if __name__ == "__main__":
+    run(*sys.argv[1:4])

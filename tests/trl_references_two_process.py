@@ -1,0 +1,128 @@
+"""One step of ``RREDCoTGRPOTrainer`` with ``references`` per mode, run by
+``test_several_processes.py`` in one process (4 completions of one prompt) and under
+``torchrun --nproc_per_node 2`` (gloo, CPU; 2 completions each, so the prompt's group spans the
+processes). Writes ``{mode}_{rank}.pt``: the gradient the optimiser step sees and what the step
+did.
+
+The completions are fixed (a ``rollout_func`` that writes the same text for the same row of the
+generation batch wherever it runs) and all wrong, so the group takes a reference: under ``sft``
+the process holding the group's first row builds it (process 1 has none and runs a stand-in
+pass), under ``luffy`` the process holding its last row puts it in place of that rollout
+(process 0 has none), and the reward functions score it on every process. ``whiten``: no
+references, the credit whitened over every token of the generation batch (both processes').
+
+Usage: ``trl_references_two_process.py MODEL_DIR OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from rredcot.integrations.trl import (  # noqa: E402
+    RREDCoTGRPOConfig,
+    RREDCoTGRPOTrainer,
+    task_reward,
+)
+from rredcot.models import build_char_tokenizer  # noqa: E402
+from rredcot.tasks import get_task  # noqa: E402
+
+GROUP = 4
+# wrong answers of different digit shares: the rewards vary inside the group, none reaches 1
+TEXTS = ["1+1=2\nA:2", "2+3=5\nabc\nA:5", "4*2=8\nA:8x", "so\nA:0"]
+
+
+def digit_share(completions, **kwargs) -> list[float]:
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def fixed_rollouts(prompts, trainer) -> dict:
+    """The same completion for the same row of the generation batch in any number of
+    processes: row ``j`` of the group gets ``TEXTS[j]``."""
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    tok = trainer.processing_class
+    first = trainer.accelerator.process_index * len(prompts)
+    completion_ids = [
+        tok(TEXTS[(first + i) % GROUP], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        for i in range(len(prompts))
+    ]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+class Gradients(TrainerCallback):
+    """The gradient as the first optimiser step sees it."""
+
+    def __init__(self) -> None:
+        self.trainer, self.grads = None, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.grads is None:
+            params = self.trainer.model.parameters()
+            self.grads = [p.grad.detach().clone() for p in params]
+
+
+def run(model_dir: str, out: str, mode: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = get_task("arithmetic", num_steps=2).train_problems(2, seed=0)
+    data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    args = RREDCoTGRPOConfig(
+        output_dir=f"{out}/{mode}",
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=GROUP // world,
+        num_generations=GROUP,
+        max_completion_length=16,
+        max_steps=1,
+        learning_rate=1e-3,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        reward_weights=[0.5, 0.5],
+        credit_method="uniform",
+        task="arithmetic",
+        task_args={"num_steps": 2},
+        references={"mode": mode if mode != "whiten" else "off"},
+        credit={"normalization": "whiten"} if mode == "whiten" else None,
+        disable_tqdm=True,
+    )
+    spy = Gradients()
+    trainer = RREDCoTGRPOTrainer(
+        model=model_dir,
+        reward_funcs=[task_reward("arithmetic", num_steps=2), digit_share],
+        args=args,
+        train_dataset=data,
+        processing_class=build_char_tokenizer(),
+        rollout_func=fixed_rollouts,
+        callbacks=[spy],
+    )
+    spy.trainer = trainer
+    trainer.train()
+    logs = {k: v for h in trainer.state.log_history for k, v in h.items() if "references" in k}
+    rank = trainer.accelerator.process_index
+    if mode == "whiten":
+        own = 0
+    elif mode == "sft":  # the reference rows this process's NLL term holds
+        term = trainer._state.references
+        own = term.rows.size if term is not None else 0
+    else:  # the rollouts this process replaced by a reference
+        task = get_task("arithmetic", num_steps=2)
+        golds = [task.gold_completion(p) for p in problems]
+        own = sum(c in golds for c in trainer.last_batch.completions)
+    torch.save(
+        {"grads": spy.grads, "logs": logs, "rows": trainer.last_batch.size, "own_references": own},
+        f"{out}/{mode}_{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    for mode in ("sft", "luffy", "whiten"):
+        run(sys.argv[1], sys.argv[2], mode)
