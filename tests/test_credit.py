@@ -876,7 +876,7 @@ def test_budgeted_rows_drawn_in_parts_equal_the_one_batch_draw():
     """Rows split across processes: each part's sizes gathered, the keep probabilities and one
     uniform draw over every row, each part applying its slice, give exactly the one-batch draw
     of the same generator (what rredcot train does under several processes)."""
-    from rredcot.credit import apply_row_draw, budget_keep_probabilities, row_credit_sizes
+    from rredcot.algebra.credit import apply_row_draw, budget_keep_probabilities, row_credit_sizes
 
     adv, mask, eligible = _budget_case()
     whole, keep = sample_rows_to_budget(adv, mask, eligible, 0.5, torch.Generator().manual_seed(7))

@@ -23,9 +23,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from rredcot.trainer import Trainer  # noqa: E402
-
 from rredcot.config import TrainConfig  # noqa: E402
+from rredcot.training.trainer import Trainer  # noqa: E402
 
 GROUP = 4  # samples per prompt
 # scenario -> (settings, rewards of the four groups: process 0 holds groups 0-1, process 1 2-3)

@@ -445,7 +445,7 @@ def compute_rredcot_advantage(
     Returns:
         advantages ``(B, T)`` (0 on padding and holes; with
         ``algorithm.rredcot.advantage_tail_floor`` > 0, 0 after each row's last token with
-        ``|A| >=`` the floor, :func:`rredcot.credit.drop_small_tails`) and returns ``(B, T)``: the
+        ``|A| >=`` the floor, :func:`rredcot.algebra.credit.drop_small_tails`) and returns ``(B, T)``: the
         critic's TD targets for ``critic``, the advantages otherwise (as verl's GRPO).
 
     Not pure: the credit method of these settings is kept between calls (module doc, "State"),
