@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+import rredcot
 import rredcot.methods.auto as credit_choice
 import rredcot.training.setup as train_setup
 import rredcot.training.trainer as trainer_module
@@ -497,7 +498,7 @@ def test_the_measurements_file_is_read_when_auto_needs_it_not_at_import(tmp_path
     import subprocess
     import sys
 
-    src = Path(credit_choice.__file__).resolve().parents[1]
+    src = Path(rredcot.__file__).resolve().parents[1]
     copy = tmp_path / "src"
     shutil.copytree(src / "rredcot", copy / "rredcot", ignore=shutil.ignore_patterns("__pycache__"))
     rows = copy / "rredcot" / "measurements" / "credit_auto.json"
