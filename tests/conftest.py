@@ -197,7 +197,7 @@ def reset_accelerator_state():
 def one_line_error(argv, capsys) -> str:
     """Run the CLI on ``argv``: it must exit 2 with exactly one ``rredcot: error:`` line and no
     traceback (transformers' own progress bars may come first); returns that line."""
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     capsys.readouterr()
     assert main(argv) == 2

@@ -26,7 +26,7 @@ from rredcot.bench.learn import (
 from rredcot.bench.overhead import PHASES, OverheadBenchConfig, run_overhead_bench
 from rredcot.bench.report import fmt, interpolate_runs, markdown_table
 from rredcot.bench.variants import parse_set, parse_variants
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.config import TrainConfig
 from rredcot.explain.scores import per_trace_spearman, sign_agreement, spearman, value_errors
 from rredcot.tasks import Verdict, register_task

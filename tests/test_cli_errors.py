@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rredcot
-from rredcot.cli.main import build_parser, main
+from rredcot.cli.commands import build_parser, main
 
 
 def _subcommands(parser: argparse.ArgumentParser, prefix=()):

@@ -11,7 +11,7 @@ import yaml
 
 from rredcot.bench.cli import bench_config
 from rredcot.bench.variants import parse_variant
-from rredcot.cli.main import build_parser
+from rredcot.cli.commands import build_parser
 from rredcot.config import (
     AnswerLikelihoodConfig,
     CreditConfig,

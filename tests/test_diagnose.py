@@ -315,7 +315,7 @@ def test_config_refuses_bad_sizes_before_loading():
 
 
 def test_cli_end_to_end_on_a_tiny_model(init_dir, tmp_path, capsys):
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     out = tmp_path / "diag"
     argv = ["diagnose", "--policy", str(init_dir), "--task.num_steps", "2", "--prompts", "3"]

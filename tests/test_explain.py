@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_rollout_batch
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.explain.model import (
     _reference_answer,
     explain_checkpoint,

@@ -148,7 +148,7 @@ def test_an_advantage_tail_floor_in_range_is_accepted():
 
 
 def test_the_help_of_keep_checkpoints_says_what_0_means(capsys):
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -364,7 +364,7 @@ def test_a_model_of_another_kind_is_refused_with_the_fix(char_tokenizer, init_di
 
 
 def test_rredcot_train_with_a_function_source(init_dir, tmp_path):
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     out = tmp_path / "run"
     argv = [

@@ -207,7 +207,7 @@ def test_answer_likelihood_packs_under_mixed_precision(real_model, task):
 
 @pytest.mark.slow
 def test_rredcot_train_two_steps_and_reload_without_the_gguf_file(tmp_path):
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     run = tmp_path / "run"
     code = main(

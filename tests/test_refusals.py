@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import micro_config, one_line_error, tiny_trl_trainer, train_error_under_file_limit
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.training import runio
 from rredcot.training.trainer import Trainer
 

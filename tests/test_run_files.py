@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import micro_config, one_line_error
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.training import runio
 from rredcot.training.trainer import Trainer
 
@@ -189,7 +189,7 @@ def killed(obj, path):  # the policy is written, trainer_state.pt is being writt
     open(path, "wb").write(b"PK half")
     os.kill(os.getpid(), signal.SIGKILL)
 runio.atomic_torch_save = killed
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 main(sys.argv[1:])
 """
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import micro_config as shared_micro_config
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
 from rredcot.training import runio
@@ -364,7 +364,7 @@ def test_out_that_is_a_file_is_refused(init_dir, tmp_path):
 
 
 def _cli_error(argv, capsys):
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

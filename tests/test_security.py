@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import one_line_error, train_error_under_file_limit
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.config import TrainConfig
 from rredcot.config.io import resume_config
 from rredcot.errors import UserError

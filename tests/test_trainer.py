@@ -217,7 +217,7 @@ def _cli(init_dir, out, steps, *extra):
     return [
         sys.executable,
         "-m",
-        "rredcot.cli.main",
+        "rredcot.cli.commands",
         "train",
         "--init",
         str(init_dir),
@@ -267,7 +267,7 @@ def save_then_die(obj, path):
         os.kill(os.getpid(), signal.SIGKILL)
     save(obj, path)
 runio.atomic_torch_save = save_then_die
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -280,7 +280,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
     subprocess.run(_cli(init_dir, full, steps), check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
-    args = _cli(init_dir, killed, steps)[3:]  # drop "python -m rredcot.cli.main"
+    args = _cli(init_dir, killed, steps)[3:]  # drop "python -m rredcot.cli.commands"
     proc = subprocess.run(
         [sys.executable, "-c", _KILLED_DURING_CHECKPOINT, *args], env=env, capture_output=True
     )
@@ -294,7 +294,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
     assert done == [0, 1, 2, 3, 4]  # step 4 was recorded, its checkpoint never completed
 
     resumed = subprocess.run(
-        [sys.executable, "-m", "rredcot.cli.main", "train", "--resume", str(killed)],
+        [sys.executable, "-m", "rredcot.cli.commands", "train", "--resume", str(killed)],
         env=env,
         capture_output=True,
         text=True,
@@ -311,7 +311,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_reproduces_the_run(init_d
 @pytest.mark.slow
 def test_runs_under_accelerate_launch(init_dir, tmp_path):
     out = tmp_path / "acc"
-    args = _cli(init_dir, out, 1)[3:]  # drop "python -m rredcot.cli.main"
+    args = _cli(init_dir, out, 1)[3:]  # drop "python -m rredcot.cli.commands"
     cmd = [
         sys.executable,
         "-m",
@@ -326,7 +326,7 @@ def test_runs_under_accelerate_launch(init_dir, tmp_path):
         "--dynamo_backend",
         "no",
         "-m",
-        "rredcot.cli.main",
+        "rredcot.cli.commands",
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

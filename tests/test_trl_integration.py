@@ -661,7 +661,7 @@ def test_scale_rewards_batch_is_trls_for_small_spread_rewards(
 def test_explain_reads_a_trl_run(tiny_model_dir, arithmetic_dataset, tmp_path, capsys):
     """`rredcot explain --run OUTPUT_DIR` (or a checkpoint-N) uses the TRL run's policy, its
     trained head (value_head.pt), its credit settings (tokens:4) and its task (rredcot_credit.json)."""
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
     from rredcot.integrations.saved import SETTINGS_FILE, read_settings
 
     trainer = make_trainer(

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import one_line_error, tiny_trl_trainer
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
 

@@ -172,7 +172,7 @@ def test_a_training_run_bills_the_teacher_on_its_steps_only(init_dir, tmp_path):
 
 
 def test_bench_credit_scores_the_distilled_head(init_dir, tmp_path, capsys):
-    from rredcot.cli.main import main
+    from rredcot.cli.commands import main
 
     out = tmp_path / "credit"
     methods = "uniform,vh_t=value_head:value_head.teacher=continuation_likelihood:lam=0"

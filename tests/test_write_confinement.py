@@ -13,7 +13,7 @@ import pytest
 
 from rredcot.bench.configs import LearnBenchConfig
 from rredcot.bench.learn import run_learn_bench
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 from rredcot.config import SFTConfig
 from rredcot.errors import UserError
 from rredcot.training.sft import run_sft

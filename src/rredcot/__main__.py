@@ -1,5 +1,5 @@
 """``python -m rredcot``: the same as the ``rredcot`` command."""
 
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 
 raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 Each subcommand's flags are generated from its config dataclass (``rredcot.bench.configs``) by
 the generator ``rredcot train`` uses, so every flag has its help text and its default from one
-place. Task parameters go as ``--task.NAME VALUE`` (``rredcot.cli.main`` pulls them out before
+place. Task parameters go as ``--task.NAME VALUE`` (``rredcot.cli.commands`` pulls them out before
 parsing). The credit settings of every method are flags as in ``rredcot train``
 (``--credit.lam 0.5``, ``--credit.value_head.lr 1e-3``); ``--set key=value`` (repeatable) overrides
 any ``TrainConfig`` / ``CreditConfig`` field for every method, e.g. ``--set
@@ -30,7 +30,7 @@ from rredcot.config.io import add_dataclass_flags, from_dict
 from rredcot.errors import UserError
 
 # name -> (config, runner module, runner, help, description). A benchmark's module imports torch
-# at its top: it is imported (importlib) only when its benchmark runs, as rredcot.cli.main.DEFERRED.
+# at its top: it is imported (importlib) only when its benchmark runs, as rredcot.cli.commands.DEFERRED.
 SUBCOMMANDS = {
     "credit": (
         CreditBenchConfig,

@@ -1,5 +1,5 @@
 """The `rredcot` command line: one module per command."""
 
-from rredcot.cli.main import main
+from rredcot.cli.commands import main
 
 __all__ = ["main"]

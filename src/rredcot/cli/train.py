@@ -1,6 +1,6 @@
 """``rredcot train`` and ``rredcot sft``: resolve the config from the flags, then train.
 
-``rredcot.cli.main`` imports this module only when one of these commands runs (its table
+``rredcot.cli.commands`` imports this module only when one of these commands runs (its table
 ``cli.DEFERRED``): the trainer's libraries (torch, transformers, accelerate) load here, at the
 top, not while the flags are built.
 """
