@@ -15,9 +15,9 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from rredcot.machine import refuse_beyond_memory, refuse_bytes_beyond_memory
 from rredcot.tasks import list_tasks
 
 # every built-in credit method -> the module that registers it (rredcot.methods.base imports
@@ -46,44 +46,6 @@ def refuse_blank_path(path: str | None, name: str = "out", what: str = "director
         raise ValueError(
             f"{name}='' names no {what} (given {str(path)!r}: blank, so the current directory or "
             f"a folder named by spaces); give --{name} PATH"
-        )
-
-
-BYTES_PER_TOKEN = 12  # the least a sampled token costs: its int64 id and float32 log-prob
-
-
-def physical_memory() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def refuse_bytes_beyond_memory(what: str, need: int, detail: str, fix: str) -> None:
-    """Refuse, before anything is loaded or built, what needs ``need`` bytes (``detail`` says
-    for what) where that exceeds this machine's physical memory, with the estimate: it would
-    fail in an allocator or swap for hours."""
-    memory = physical_memory()
-    if memory and need > memory:
-        raise ValueError(
-            f"{what}: {detail} need at least {need / 2**30:,.0f} GiB, more than this machine's "
-            f"{memory / 2**30:,.0f} GiB; {fix}"
-        )
-
-
-def refuse_beyond_memory(what: str, rows: int, tokens: int, fix: str) -> None:
-    """Refuse, before anything is loaded or sampled, a size whose token ids and log-probs alone
-    (``rows`` x ``tokens`` x :data:`BYTES_PER_TOKEN`, a lower bound of what it needs) exceed
-    this machine's physical memory, with the estimate: such a run would fail in an allocator
-    or swap for hours."""
-    memory = physical_memory()
-    need = rows * max(tokens, 1) * BYTES_PER_TOKEN
-    if memory and need > memory:
-        raise ValueError(
-            f"{what}: {rows:,} rows of at least {max(tokens, 1)} tokens need at least "
-            f"{need / 2**30:,.0f} GiB for their token ids and log-probs alone, more than this "
-            f"machine's {memory / 2**30:,.0f} GiB; {fix}"
         )
 
 
@@ -122,12 +84,6 @@ def refuse_non_finite(cfg: Any, prefix: str = "") -> None:
             refuse_non_finite(value, f"{prefix}{f.name}.")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{prefix}{f.name}={value}: give a finite number")
-
-
-def cache_root() -> Path:
-    """Where rredcot keeps what it builds once (warm-starts, dequantised GGUF models):
-    ``$RREDCOT_CACHE``, by default ``~/.cache/rredcot``."""
-    return Path(os.environ.get("RREDCOT_CACHE", Path.home() / ".cache" / "rredcot"))
 
 
 def help_field(text: str, flags: tuple[str, ...] = (), **kw: Any) -> Any:
