@@ -37,7 +37,6 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rredcot.config import cache_root
 from rredcot.errors import UserError, missing_extra_message
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -296,12 +295,18 @@ def _file_digest(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()[:12]
 
 
+def cache_root() -> Path:
+    """Where rredcot keeps what it builds once (warm-starts, dequantised GGUF models):
+    ``$RREDCOT_CACHE``, by default ``~/.cache/rredcot``."""
+    return Path(os.environ.get("RREDCOT_CACHE", Path.home() / ".cache" / "rredcot"))
+
+
 def dequantised_dir(gguf_path: str | os.PathLike, log=None) -> Path:
     """A save_pretrained directory (safetensors, tokenizer, chat template) holding the model of
     GGUF file `gguf_path`, dequantised to float32.
 
     Built once (the dequantisation is the slow part of a first load) under
-    `rredcot.config.cache_root()/gguf/`, keyed by the file's content, and reused by every later
+    `cache_root()/gguf/`, keyed by the file's content, and reused by every later
     load, which only reads it. Written atomically, so concurrent first loads are safe.
     """
 

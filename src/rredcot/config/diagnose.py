@@ -11,10 +11,10 @@ from rredcot.config import (
     help_field,
     refuse_bad_seed,
     refuse_bad_threads,
-    refuse_beyond_memory,
     refuse_blank_path,
     refuse_non_finite,
 )
+from rredcot.machine import refuse_beyond_memory
 
 DEFAULT_UNCERTAIN_P = 0.5
 """A sampled token with ``p(y_t) < 0.5`` is an uncertain decision: the policy gave the token it

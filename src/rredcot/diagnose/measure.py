@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from rredcot.algebra import credit as credit_algebra
-from rredcot.config import CreditConfig, SamplingConfig, refuse_beyond_memory
+from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config.diagnose import DiagnoseConfig
 from rredcot.config.io import brief, from_dict
 from rredcot.diagnose.figures import (
@@ -47,6 +47,7 @@ from rredcot.explain.model import (
     run_credit_config,
 )
 from rredcot.explain.scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
+from rredcot.machine import refuse_beyond_memory
 from rredcot.methods.auto import SUCCESS, policy_figures
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values

@@ -25,12 +25,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rredcot.algebra import credit
 from rredcot.algebra.normalization import group_mean_std
-from rredcot.config import (
-    CreditConfig,
-    SamplingConfig,
-    refuse_beyond_memory,
-    refuse_bytes_beyond_memory,
-)
+from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config.io import load_yaml
 from rredcot.errors import UserError
 from rredcot.explain.pictures import SegmentCredit
@@ -40,6 +35,7 @@ from rredcot.integrations.saved import (
     latest_trl_checkpoint,
     read_settings,
 )
+from rredcot.machine import refuse_beyond_memory, refuse_bytes_beyond_memory
 from rredcot.methods.auto import check_method_name
 from rredcot.methods.base import CreditContext, CreditOutput, build_credit
 from rredcot.models import load_policy, resolve_model_dir

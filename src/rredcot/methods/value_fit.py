@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rredcot.algebra.normalization import masked_mean
-from rredcot.config import HEAD_BYTES_PER_WEIGHT, ValueHeadConfig, refuse_bytes_beyond_memory
+from rredcot.config import HEAD_BYTES_PER_WEIGHT, ValueHeadConfig
+from rredcot.machine import refuse_bytes_beyond_memory
 
 __all__ = ["INIT_SEED", "ValueFit", "ValueMLP", "td_lambda_targets"]
 

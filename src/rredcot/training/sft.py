@@ -25,7 +25,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from rredcot.config import SFTConfig, cache_root
+from rredcot.config import SFTConfig
 from rredcot.config.io import brief, save_yaml, to_dict
 from rredcot.errors import UserError
 from rredcot.models import (
@@ -34,6 +34,7 @@ from rredcot.models import (
     TINY_MODEL,
     build_char_tokenizer,
     build_tiny_llama,
+    cache_root,
     count_parameters,
     shipped_model_available,
 )
