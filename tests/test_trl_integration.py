@@ -492,6 +492,27 @@ def test_task_reward_scores_with_the_verifier():
         reward([prompt], ["A:20"], solution=["20"])
 
 
+def test_the_trl_internals_the_adapter_overrides_still_exist(
+    tiny_model_dir, arithmetic_dataset, tmp_path
+):
+    """The GRPOTrainer methods the adapter overrides are listed in one place
+    (OVERRIDDEN_TRL_METHODS), the list is complete, and TRL still has each, with the private
+    attributes it reads: a TRL upgrade that renames one fails here, not in a training run."""
+    from trl import GRPOTrainer
+
+    from rredcot.integrations.trl import OVERRIDDEN_TRL_METHODS
+    from rredcot.integrations.trl.trainer import TRL_PRIVATE_ATTRIBUTES
+
+    missing = [n for n in OVERRIDDEN_TRL_METHODS if not callable(getattr(GRPOTrainer, n, None))]
+    assert missing == [], f"TRL's GRPOTrainer no longer has {missing}"
+    overridden = {
+        n for n in vars(RREDCoTGRPOTrainer) if not n.startswith("__") and hasattr(GRPOTrainer, n)
+    }
+    assert overridden == set(OVERRIDDEN_TRL_METHODS)
+    trainer = make_trainer(tiny_model_dir, arithmetic_dataset, tmp_path)
+    assert [a for a in TRL_PRIVATE_ATTRIBUTES if not hasattr(trainer, a)] == []
+
+
 @pytest.mark.slow
 def test_core_imports_neither_trl_nor_verl():
     code = (

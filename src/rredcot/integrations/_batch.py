@@ -22,12 +22,16 @@ from rredcot.segment import Segmenter, segment_completion
 from rredcot.tasks.base import Problem, Verdict
 
 __all__ = [
+    "METRICS_PREFIX",
+    "fit_columns",
     "group_ids_from_keys",
     "prompt_text",
     "rollout_batch_from_tensors",
     "segment_completions",
     "span_mask",
 ]
+
+METRICS_PREFIX = "rredcot/"  # every metric an adapter logs: rredcot/<the core's key>
 
 
 def _eos_set(tokenizer, eos_token_ids: Sequence[int] | int | None) -> set[int]:
@@ -186,3 +190,11 @@ def span_mask(response_mask: Tensor) -> Tensor:
     cols = torch.arange(T, device=mask.device).unsqueeze(0)
     last = torch.where(mask, cols, torch.full_like(cols, -1)).max(dim=1, keepdim=True).values
     return (cols <= last).to(response_mask.dtype)
+
+
+def fit_columns(t: Tensor, width: int, fill: float = 0) -> Tensor:
+    """``t`` with dim 1 padded with ``fill`` (or cut) to ``width`` columns (further dims kept)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)
+    return torch.cat([t, pad], dim=1)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rredcot.config import CreditConfig, SamplingConfig
 from rredcot.config.io import from_dict, to_dict
@@ -24,6 +25,7 @@ __all__ = [
     "CREDIT_STATE_FILE",
     "SETTINGS_FILE",
     "RunSettings",
+    "atomic_write",
     "is_trl_run",
     "latest_trl_checkpoint",
     "read_settings",
@@ -69,9 +71,17 @@ def write_settings(directory: str | Path, settings: dict[str, Any]) -> Path:
     atomically."""
     path = Path(directory) / SETTINGS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
+    return atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
+    """``write(file)`` into a new temporary file beside ``path``, then renamed over it (a link
+    planted at the temporary name is never followed); the settings and the credit state."""
+    path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with os.fdopen(create_file(tmp), "w", encoding="utf-8") as fh:  # a planted link: not followed
-        fh.write(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    with os.fdopen(create_file(tmp), "wb") as fh:
+        write(fh)
     os.replace(tmp, path)
     return path
 

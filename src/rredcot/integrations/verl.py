@@ -73,6 +73,8 @@ from rredcot.config import CreditConfig
 from rredcot.config.io import from_dict
 from rredcot.errors import require_extra
 from rredcot.integrations._batch import (
+    METRICS_PREFIX,
+    fit_columns,
     group_ids_from_keys,
     prompt_text,
     rollout_batch_from_tensors,
@@ -324,13 +326,6 @@ def critic_boundary_values(
     return torch.where(mask, values, torch.zeros_like(values)), mask
 
 
-def _fit_width(t: Tensor, width: int, fill: float) -> Tensor:
-    if t.shape[1] >= width:
-        return t[:, :width]
-    pad = t.new_full((t.shape[0], width - t.shape[1]), fill)
-    return torch.cat([t, pad], dim=1)
-
-
 def dense_prefix_rewards(
     token_level_rewards: Tensor, filled_segment_ids: Tensor, num_segments: Tensor
 ) -> Tensor:
@@ -506,7 +501,7 @@ def _verl_rows(
     B, T = response_mask.shape
     mask = response_mask.bool()
     span = span_mask(mask.long()).bool()
-    segment_ids = _fit_width(segment_ids.to(mask.device).long(), T, -1)
+    segment_ids = fit_columns(segment_ids.to(mask.device).long(), T, -1)
     segment_ids = torch.where(span, segment_ids, torch.full_like(segment_ids, -1))
     boundaries = boundaries_from_segment_ids(segment_ids, mask)
     filled = _filled_segment_ids(segment_ids, mask)
@@ -547,7 +542,7 @@ def _driver_values(
             "rredcot_segments(segment_ids, boundary_values=...))"
         )
     S1 = int(num_segments.max()) + 1 if len(num_segments) else 1
-    given = _fit_width(boundary_values.to(device).float(), S1, 0.0)
+    given = fit_columns(boundary_values.to(device).float(), S1, 0.0)
     mask = torch.arange(S1, device=device).unsqueeze(0) <= num_segments.to(device).unsqueeze(1)
     return given, mask
 
@@ -565,7 +560,7 @@ def _critic_credit(
             "critic.enable=True (or choose +algorithm.rredcot.credit_method=uniform)"
         )
     T = rows.mask.shape[1]
-    values = _fit_width(values.to(rows.mask.device).float(), T, 0.0)
+    values = fit_columns(values.to(rows.mask.device).float(), T, 0.0)
     raw, raw_mask = critic_boundary_values(values, rows.boundaries)
     out = _credit_from_values(method, raw, raw_mask, rows)
     response_mask = rows.mask.float()
@@ -888,7 +883,7 @@ def _register_trainer() -> type | None:
                 make_segmenter(cfg, self.config.algorithm),
             )
             values = data["values"] if "values" in data.keys() else None  # noqa: SIM118
-            metrics["rredcot/mean_segments"] = float(
+            metrics[f"{METRICS_PREFIX}mean_segments"] = float(
                 (segment_ids.max(dim=1).values + 1).float().mean()
             )
             with rredcot_segments(segment_ids, values):
