@@ -290,3 +290,16 @@ def train_error_under_file_limit(init_dir, out, limit_bytes: int) -> str:
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert list((Path(out) / "checkpoints").glob(".tmp_step_*")) == []
     return errors[0]
+
+
+def code_payload(tmp_path: Path) -> tuple[str, Path]:
+    """A real Python file that writes ``marker`` when imported; returns its ``file.py:score``
+    (a process-reward function a data file must never make rredcot import)."""
+    marker = tmp_path / "function_ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(
+        f"open({str(marker)!r}, 'w').write('pwned')\n"
+        "def score(prompt, completion, ends):\n"
+        "    return [0.5] * len(ends)\n"
+    )
+    return f"{evil}:score", marker

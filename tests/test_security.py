@@ -14,25 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import one_line_error, train_error_under_file_limit
+from conftest import code_payload, one_line_error, train_error_under_file_limit
 from rredcot.cli.commands import main
 from rredcot.config import TrainConfig
 from rredcot.config.io import resume_config
 from rredcot.errors import UserError
 
 QUIET = {"log": lambda *_: None}
-
-
-def _payload(tmp_path: Path) -> tuple[str, Path]:
-    """A real Python file that writes ``marker`` when imported; returns its ``file.py:score``."""
-    marker = tmp_path / "function_ran"
-    evil = tmp_path / "evil.py"
-    evil.write_text(
-        f"open({str(marker)!r}, 'w').write('pwned')\n"
-        "def score(prompt, completion, ends):\n"
-        "    return [0.5] * len(ends)\n"
-    )
-    return f"{evil}:score", marker
 
 
 def _name_function(run: Path, spec: str) -> None:
@@ -48,7 +36,7 @@ def _name_function(run: Path, spec: str) -> None:
 
 
 def test_explain_and_resume_do_not_import_a_function_the_run_names(run_copy, tmp_path, capsys):
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     _name_function(run_copy, spec)
     ckpt = run_copy / "checkpoints" / "step_000002"
     commands = {
@@ -63,7 +51,7 @@ def test_explain_and_resume_do_not_import_a_function_the_run_names(run_copy, tmp
 
 
 def test_a_restated_function_may_be_resumed(run_copy, tmp_path):
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     _name_function(run_copy, spec)
     cfg = TrainConfig(resume=str(run_copy))
     cfg.credit.process_reward.function = spec
@@ -75,7 +63,7 @@ def test_a_restated_function_may_be_resumed(run_copy, tmp_path):
 
 
 def test_explain_calls_a_function_named_on_its_command_line(run_copy, tmp_path, capsys):
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     _name_function(run_copy, spec)
     argv = ["explain", "--run", str(run_copy), "--samples", "2", "--no-color"]
     assert main([*argv, "--credit.process_reward.function", spec]) == 0
@@ -84,7 +72,7 @@ def test_explain_calls_a_function_named_on_its_command_line(run_copy, tmp_path, 
 
 
 def test_explain_does_not_import_a_function_a_trl_run_names(init_dir, tmp_path, capsys):
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     out = tmp_path / "trl_out"
     shutil.copytree(init_dir, out)
     settings = {
@@ -367,7 +355,7 @@ def test_plain_auto_train_refuses_a_measurement_row_that_names_code(
 ):
     import rredcot.methods.auto as credit_choice
 
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     rows = tmp_path / "credit_auto.json"
     rows.write_text(json.dumps({"rows": [_row_naming(spec)]}))
     monkeypatch.setattr(credit_choice, "MEASUREMENTS_FILE", rows)
@@ -411,7 +399,7 @@ def test_apply_choice_checks_what_it_sets():
 def test_record_auto_refuses_a_variant_that_names_code(tmp_path, capsys, field):
     from rredcot.methods.auto import MEASUREMENTS
 
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     report = json.loads((results / MEASUREMENTS[0].source).read_text())
     (row,) = [s for s in report["summary"] if s["variant"] == MEASUREMENTS[0].variant]
@@ -427,7 +415,7 @@ def test_record_auto_refuses_a_variant_that_names_code(tmp_path, capsys, field):
 
 
 def test_resume_does_not_count_the_runs_own_config_as_naming_its_code(run_copy, tmp_path, capsys):
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     _name_function(run_copy, spec)
     config = str(run_copy / "config.yaml")
     argv = ["train", "--resume", str(run_copy), "--config", config, "--steps", "3"]

@@ -12,24 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import one_line_error, tiny_trl_trainer
+from conftest import code_payload, one_line_error, tiny_trl_trainer
 from rredcot.cli.commands import main
 from rredcot.config import TrainConfig
 from rredcot.errors import UserError
 
 QUIET = {"log": lambda *_: None}
-
-
-def _payload(tmp_path: Path) -> tuple[str, Path]:
-    """A Python file that writes ``marker`` when imported; returns its ``file.py:score``."""
-    marker = tmp_path / "function_ran"
-    evil = tmp_path / "evil.py"
-    evil.write_text(
-        f"open({str(marker)!r}, 'w').write('pwned')\n"
-        "def score(prompt, completion, ends):\n"
-        "    return [0.5] * len(ends)\n"
-    )
-    return f"{evil}:score", marker
 
 
 def _make_auto(run: Path, choice) -> None:
@@ -79,7 +67,7 @@ def _choices(spec: str, model_dir: str):
 def test_resume_refuses_a_saved_choice_that_names_code_or_is_malformed(
     run_copy, init_dir, tmp_path, capsys, case
 ):
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     choice, expected = _choices(spec, str(init_dir))[case]
     _make_auto(run_copy, choice)
     err = one_line_error(["train", "--resume", str(run_copy), "--steps", "3"], capsys)
@@ -99,7 +87,7 @@ def test_a_valid_saved_choice_is_read(run_copy):
 def test_bench_learn_does_not_import_what_a_reused_runs_choice_names(run_copy, tmp_path):
     from rredcot.bench.learn import _check_same_config
 
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     _make_auto(run_copy, {"method": "uniform", "settings": {"process_reward.function": spec}})
     with pytest.raises(UserError, match="process_reward.function"):
         _check_same_config(run_copy, TrainConfig(credit_method="auto"))
@@ -110,7 +98,7 @@ def test_bench_learn_does_not_import_what_a_reused_runs_choice_names(run_copy, t
 @pytest.mark.usefixtures("reset_accelerator_state")
 def test_trl_resume_refuses_a_checkpoint_choice_that_names_code(init_dir, tmp_path):
     pytest.importorskip("trl")
-    spec, marker = _payload(tmp_path)
+    spec, marker = code_payload(tmp_path)
     trainer, _ = tiny_trl_trainer(
         init_dir,
         tmp_path / "out",
