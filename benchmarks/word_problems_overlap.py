@@ -14,13 +14,13 @@ import argparse
 import json
 
 from rredcot.tasks import get_task
+from rredcot.tasks.word_problems import parse_problem
 
 POOL = 4096  # train_setup._prompt_sets: max(4096, prompts_per_step * 8)
 
 
 def chain(problem) -> tuple:
-    meta = problem.meta
-    return (meta["start"], tuple(meta["operators"]), tuple(meta["operands"]))
+    return parse_problem(problem.prompt).chain
 
 
 def overlap(task, seed: int, eval_size: int) -> dict:

@@ -182,7 +182,7 @@ def test_chain_split_holds_out_chains_not_only_prompts():
     split='chain' holds the chain itself out."""
 
     def chain(p):
-        return (p.meta["start"], tuple(p.meta["operators"]), tuple(p.meta["operands"]))
+        return parse_problem(p.prompt).chain
 
     for split, overlapping in (("prompt", True), ("chain", False)):
         task = get_task("word_problems", split=split)

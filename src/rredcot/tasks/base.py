@@ -188,9 +188,15 @@ class GeneratedTask(Task):
         """One problem from `rng` (`split`, "train" or "eval", may go into its `meta`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement draw")
 
+    def split_key(self, prompt: str) -> object:
+        """What the held-out split hashes for `prompt`: its text (a task may hold out something
+        coarser, so that the same problem in other words cannot land in both splits)."""
+        return prompt
+
     def is_eval_prompt(self, prompt: str) -> bool:
-        """Whether `prompt` belongs to the held-out split (a fixed hash of prompt and seed)."""
-        u = stable_seed("split", self.params.seed, prompt) / 2.0**64
+        """Whether `prompt` belongs to the held-out split (a fixed hash of its `split_key` and
+        the seed)."""
+        u = stable_seed("split", self.params.seed, self.split_key(prompt)) / 2.0**64
         return u < self.params.eval_fraction
 
     def train_problems(self, n: int, seed: int) -> list[Problem]:

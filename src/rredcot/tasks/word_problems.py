@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass, field
 
 from rredcot.segment import DEFAULT_ANSWER_PATTERN
-from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task, stable_seed
+from rredcot.tasks.base import GeneratedTask, Problem, Verdict, register_task
 from rredcot.tasks.gsm8k_steps import UnparseableExpression, evaluate
 
 NAMES = (
@@ -180,6 +180,11 @@ class ParsedProblem:
     def values(self) -> list[int]:
         return chain_values(self.start, self.operators, self.operands)
 
+    @property
+    def chain(self) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
+        """The arithmetic the story tells, whatever the names, items and verbs."""
+        return (self.start, tuple(self.operators), tuple(self.operands))
+
 
 def parse_problem(prompt: str) -> ParsedProblem | None:
     """The chain told by a word-problem prompt, `None` if `prompt` is not one."""
@@ -271,15 +276,11 @@ class WordProblemTask(GeneratedTask):
     def render_answer(self, answer: str) -> str:
         return f"{self.answer_cue}{answer}."
 
-    def is_eval_prompt(self, prompt: str) -> bool:
-        """``split='chain'``: held out by a hash of the chain the prompt tells (start amount,
-        operations, operands), so a held-out chain never occurs in training in other words."""
+    def split_key(self, prompt: str) -> object:
+        """``split='chain'``: the chain the prompt tells (:attr:`ParsedProblem.chain`), so a
+        held-out chain never occurs in training in other words; else the prompt's text."""
         parsed = parse_problem(prompt) if self.params.split == "chain" else None
-        if parsed is None:
-            return super().is_eval_prompt(prompt)
-        chain = (parsed.start, tuple(parsed.operators), tuple(parsed.operands))
-        u = stable_seed("split", self.params.seed, chain) / 2.0**64
-        return u < self.params.eval_fraction
+        return prompt if parsed is None else parsed.chain
 
     def suggested_max_new_tokens(self) -> int:
         """BPE tokens: about 16 a step line, plus the answer line and some slack."""
