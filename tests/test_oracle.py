@@ -161,7 +161,12 @@ def test_a_row_without_a_label_gets_grpo_credit_on_every_segment(char_tokenizer,
     wrong = arithmetic_task.inject_error(problems[0], step=1)
     cut = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]  # two lines, the second cut
     batch = batch_from_texts(
-        char_tokenizer, arithmetic_task, problems * 3, [gold, wrong, cut], group_size=3
+        char_tokenizer,
+        arithmetic_task,
+        problems * 3,
+        [gold, wrong, cut],
+        group_size=3,
+        cut_rows=(2,),
     )
     verdicts = list(batch.verdicts)
     verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None)
@@ -176,3 +181,43 @@ def test_a_row_without_a_label_gets_grpo_credit_on_every_segment(char_tokenizer,
     grpo = float(batch.rewards[2] - batch.rewards.mean())
     assert out.segment_advantages[2, :n].tolist() == pytest.approx([grpo] * n)
     assert torch.isfinite(out.advantages).all() and torch.isfinite(out.values).all()
+
+
+def test_a_failed_unlabelled_trace_that_ended_is_wrong_at_its_last_line(
+    char_tokenizer, arithmetic_task
+):
+    """The same unlabelled row, but ended by EOS (it stopped without a right answer): blamed at
+    its last segment like a labelled trace (no unjudged refuge), unless ended_unlabelled=grpo;
+    cut by the token cap it keeps GRPO's credit (the test above)."""
+    problems = arithmetic_task.train_problems(1, seed=3)
+    gold = arithmetic_task.gold_completion(problems[0])
+    wrong = arithmetic_task.inject_error(problems[0], step=1)
+    stopped = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]
+    batch = batch_from_texts(
+        char_tokenizer, arithmetic_task, problems * 3, [gold, wrong, stopped], group_size=3
+    )
+    verdicts = list(batch.verdicts)
+    verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None, reward=0.0)
+    batch = batch.replace(verdicts=verdicts, rewards=torch.tensor([1.0, 0.0, 0.0]))
+    n = int(batch.num_segments[2])
+    assert n == 2
+
+    def credit(ended_unlabelled):
+        options = OracleConfig(ended_unlabelled=ended_unlabelled)
+        method = build_credit(
+            "oracle",
+            CreditConfig(normalization="none", oracle=options),
+            CreditContext(None, char_tokenizer),
+        )
+        return method.compute(batch)
+
+    blamed = credit("last_segment")
+    assert blamed.metrics["credit/oracle_labelled_fraction"] == 1.0
+    # p(0) = 1/3; p(1) = 1/3 (every row has its first line right); the stopped row's last
+    # segment holds its error: V(s_1) = p(1), V(s_2) = R = 0.
+    assert blamed.segment_advantages[2, :n].tolist() == pytest.approx([0.0, -1 / 3])
+    grpo = credit("grpo")
+    assert grpo.metrics["credit/oracle_labelled_fraction"] == pytest.approx(2 / 3)
+    assert grpo.segment_advantages[2, :n].tolist() == pytest.approx([-1 / 3] * n)
+    with pytest.raises(ValueError, match="ended_unlabelled='x'; valid: last_segment, grpo"):
+        OracleConfig(ended_unlabelled="x")

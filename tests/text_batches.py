@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline", group_size=1):
+def batch_from_texts(
+    tokenizer, task, problems, completions, segmenter="newline", group_size=1, cut_rows=()
+):
+    """``cut_rows``: rows that end without EOS (cut by the token cap); the others end with it."""
     from rredcot.algebra import credit
     from rredcot.sampling.batch import RolloutBatch
     from rredcot.sampling.rollout import encode_prompts, render_prompt
@@ -18,8 +21,9 @@ def batch_from_texts(tokenizer, task, problems, completions, segmenter="newline"
     )
     P = prompt_ids.shape[1]
     rows, boundaries, char_starts, verdicts = [], [], [], []
-    for text, problem in zip(completions, problems):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for row, (text, problem) in enumerate(zip(completions, problems)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += [] if row in cut_rows else [tokenizer.eos_token_id]
         bounds, starts, _ = segment_completion(seg, tokenizer, ids, text=text)
         rows.append(ids)
         boundaries.append(bounds)

@@ -322,6 +322,8 @@ class ContinuationLikelihoodConfig:
 
 
 ORACLE_VALUES = ("group", "pooled", "monte_carlo")
+ORACLE_ENDED_UNLABELLED = ("last_segment", "grpo")
+"""The values of ``credit.oracle.ended_unlabelled``."""
 """The values of ``credit.oracle.values``."""
 
 
@@ -341,11 +343,25 @@ class OracleConfig:
     rollouts: int = help_field(
         "Continuations per still-right prefix of values=monte_carlo (K).", default=8
     )
+    ended_unlabelled: str = help_field(
+        "A failed trace the verifier could not label (no stated answer, no wrong equation) that "
+        "ended on its own (EOS before the token cap). last_segment: it stopped without a right "
+        "answer, so its last segment holds the first error (no unjudged refuge: text the labels "
+        "cannot check is blamed like text they can); grpo: GRPO's credit on every segment, as a "
+        "trace cut by the cap always gets (the labels of the first SmolLM2 ceiling runs, under "
+        "which the policy learned to write such traces).",
+        default="last_segment",
+    )
 
     def __post_init__(self) -> None:
         if self.values not in ORACLE_VALUES:
             raise ValueError(
                 f"credit.oracle.values={self.values!r}; valid: {', '.join(ORACLE_VALUES)}"
+            )
+        if self.ended_unlabelled not in ORACLE_ENDED_UNLABELLED:
+            raise ValueError(
+                f"credit.oracle.ended_unlabelled={self.ended_unlabelled!r}; valid: "
+                f"{', '.join(ORACLE_ENDED_UNLABELLED)}"
             )
         if self.rollouts < 1:
             raise ValueError("credit.oracle.rollouts must be >= 1")

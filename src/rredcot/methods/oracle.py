@@ -17,9 +17,14 @@ Values, with no recovery after the first wrong step:
 With ``lam = 0`` (the method's default) a wrong trace's blame lands on the segment that holds its
 first wrong line, ``-p_g(m)``, and the segments before it get the small changes of ``p_g``; the
 segments after it get 0. A row whose label is unknown (``first_error_step is None``: no step
-labels, or a trace cut short before it stated an answer) gets GRPO's credit: its inner
-boundaries carry no value (NaN in the rows) and lambda 1 passes through them, so every segment
-gets ``R - mean(R_group)``, not the whole change on its last segment.
+labels, or a trace cut by the token cap before it stated an answer) gets GRPO's credit: its
+inner boundaries carry no value (NaN in the rows) and lambda 1 passes through them, so every
+segment gets ``R - mean(R_group)``, not the whole change on its last segment. A failed trace
+without a label that *ended on its own* (EOS before the cap: it stopped without a right answer)
+is wrong at its last line (``credit.oracle.ended_unlabelled=last_segment``, the default): with
+GRPO's credit there instead, text the labels cannot check (no equations, no stated answer) was a
+refuge from the blame that checkable lines get, and on SmolLM2 the policy learned to write it
+(``benchmarks/results/smollm2/ceiling/README.md``).
 
 That is ``credit.oracle.values=group``, the default. It gives no credit in a group whose rewards
 all agree (``p_g`` is 0 or 1 at every boundary), exactly where GRPO learns nothing, so it is not a
@@ -52,6 +57,7 @@ from rredcot.sampling.batch import RolloutBatch
 __all__ = [
     "OracleCredit",
     "completed_lines",
+    "ended_with_eos",
     "first_error_segment",
     "oracle_mc_values",
     "oracle_values",
@@ -82,6 +88,17 @@ def first_error_segment(text: str, segment_char_starts: list[int], first_error_l
         return n
     offset = sum(len(line) + 1 for line in lines[:first_error_line])
     return max(1, bisect.bisect_right(segment_char_starts, offset))
+
+
+def ended_with_eos(batch: RolloutBatch, eos_token_id: int | None) -> list[bool]:
+    """Per row: True when its response's last real token is ``eos_token_id`` (the trace ended
+    on its own, not at the token cap); all False without an EOS id."""
+    if eos_token_id is None:
+        return [False] * len(batch.verdicts)
+    mask = batch.response_mask
+    lengths = mask.sum(-1).long().tolist()
+    response = batch.input_ids[:, batch.prompt_len :]
+    return [n > 0 and int(response[row, n - 1]) == eos_token_id for row, n in enumerate(lengths)]
 
 
 def oracle_values(
@@ -159,11 +176,15 @@ class OracleCredit(CreditMethod):
         right_lines: list[float] = []
         error_segment: list[int | None] = []
         lines_done: list[list[int]] = []
+        blame_ended = self.options.ended_unlabelled == "last_segment"
+        ended = ended_with_eos(batch, getattr(self.context.tokenizer, "eos_token_id", None))
         for row, verdict in enumerate(batch.verdicts):
             text = batch.completions[row]
             starts = batch.segment_char_starts[row]
             lines_done.append(completed_lines(text, starts) if starts else [0])
             label = verdict.first_error_step
+            if label is None and blame_ended and ended[row] and float(verdict.reward) < 1.0:
+                label = text.count("\n")  # stopped without a right answer: its last line
             if label is None or not starts:
                 right_lines.append(math.nan)
                 error_segment.append(None)
