@@ -13,11 +13,8 @@ import credit_reference
 from credit_reference import grpo_advantages, token_advantages_from_values
 from rredcot.algebra import credit, normalization, shared_prefixes
 from rredcot.algebra.credit import (
-    agreeing_rows,
     boundaries_to_segment_ids,
-    drop_small_tails,
     redistribute,
-    sample_rows_to_budget,
     segment_advantages_from_values,
     segment_gae,
     segments_to_tokens,
@@ -32,6 +29,7 @@ from rredcot.algebra.normalization import (
     normalize_advantages,
     register_normalizer,
 )
+from rredcot.training.row_policies import agreeing_rows, drop_small_tails, sample_rows_to_budget
 
 F64 = torch.float64
 PROPS = settings(max_examples=40, deadline=None)
@@ -876,7 +874,11 @@ def test_budgeted_rows_drawn_in_parts_equal_the_one_batch_draw():
     """Rows split across processes: each part's sizes gathered, the keep probabilities and one
     uniform draw over every row, each part applying its slice, give exactly the one-batch draw
     of the same generator (what rredcot train does under several processes)."""
-    from rredcot.algebra.credit import apply_row_draw, budget_keep_probabilities, row_credit_sizes
+    from rredcot.training.row_policies import (
+        apply_row_draw,
+        budget_keep_probabilities,
+        row_credit_sizes,
+    )
 
     adv, mask, eligible = _budget_case()
     whole, keep = sample_rows_to_budget(adv, mask, eligible, 0.5, torch.Generator().manual_seed(7))

@@ -502,8 +502,8 @@ def test_a_step_bills_the_rows_and_tokens_it_trains_on(init_dir, tmp_path):
     seen = []
     with_references = trainer._with_references
 
-    def keep(batch, stats):
-        seen.append(with_references(batch, stats))
+    def keep(batch, *rest):
+        seen.append(with_references(batch, *rest))
         return seen[-1]
 
     trainer._with_references = keep
@@ -525,7 +525,7 @@ def test_agreeing_rows_drawn_to_a_budget_are_reweighted_or_skipped(init_dir, tmp
     either scaled by 1 / (its keep probability) or not at all (left out of the forward); the
     others as they were. The step records the share kept and forwards fewer tokens."""
     from conftest import micro_config
-    from rredcot.algebra.credit import agreeing_rows, sample_rows_to_budget
+    from rredcot.training.row_policies import agreeing_rows, sample_rows_to_budget
 
     seen, records = {}, {}
     for fraction in (1.0, 0.4):

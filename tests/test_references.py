@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conftest import micro_config, train_step_with_grads
 from metrics_doc import undocumented
-from rredcot.algebra.loss import policy_loss
+from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.config import ReferencesConfig, TrainConfig
 from rredcot.sampling.rollout import build_rollout_batch, policy_forward, render_prompt
 from rredcot.segment import get_segmenter, segment_completion
@@ -141,14 +141,17 @@ def test_reference_sample_loss_and_importance_weight_by_hand(tiny_policy, char_t
         old,
         advantages,
         mask,
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        loss_agg="token_mean",
+        LossSettings(
+            clip_eps_low=0.2,
+            clip_eps_high=0.28,
+            loss_agg="token_mean",
+            max_len=12,
+            off_policy_gamma=gamma,
+        ),
         num_rows=4,
         num_tokens=float(mask.sum()),
-        max_len=12,
     )
-    loss, stats = loss_of(off_policy=merged.off_policy, off_policy_gamma=gamma)
+    loss, stats = loss_of(off_policy=merged.off_policy)
     total, n_tokens, clipped, sampled_tokens = 0.0, 0, 0, 0
     lp = logprobs.detach().tolist()
     for row in range(4):
@@ -317,7 +320,7 @@ def test_sft_bills_the_reference_rows_forward_and_backward(init_dir, tmp_path):
         trainer = Trainer(cfg, log=lambda *_: None)
         trainer.step = 1
         compute[mode] = trainer.train_step(1)["compute/step"]
-        refs = trainer._sft_rows
+        refs = trainer.last_step.sft_rows
         trainer.release()
     assert refs.size == 2
     assert compute["sft"] == pytest.approx(compute["off"] + 3 * float(refs.attention_mask.sum()))

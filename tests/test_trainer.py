@@ -14,7 +14,7 @@ import torch
 
 from conftest import micro_config
 from metrics_doc import undocumented
-from rredcot.algebra.loss import policy_loss
+from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.config import TrainConfig
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
@@ -41,12 +41,9 @@ def test_policy_loss_matches_a_loop(agg):
         old,
         adv,
         mask,
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        loss_agg=agg,
+        LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, loss_agg=agg, max_len=5),
         num_rows=3,
         num_tokens=float(mask.sum()),
-        max_len=5,
     )
     per_row, total, count = [], 0.0, 0
     for b in range(3):
@@ -73,18 +70,13 @@ def test_policy_loss_matches_a_loop(agg):
 
 def test_kl_penalty_is_zero_at_the_reference_and_positive_away():
     logp, old, adv, mask = _loss_inputs()
-    kw = dict(
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
-        loss_agg="token_mean",
-        num_rows=3,
-        num_tokens=float(mask.sum()),
-        max_len=5,
-        kl_coef=0.5,
+    settings = LossSettings(
+        clip_eps_low=0.2, clip_eps_high=0.2, loss_agg="token_mean", max_len=5, kl_coef=0.5
     )
-    base, _ = policy_loss(logp, old, adv, mask, **kw, ref_logprobs=None)
-    same, st_same = policy_loss(logp, old, adv, mask, **kw, ref_logprobs=logp.clone())
-    away, st_away = policy_loss(logp, old, adv, mask, **kw, ref_logprobs=logp - 0.5)
+    kw = dict(num_rows=3, num_tokens=float(mask.sum()))
+    base, _ = policy_loss(logp, old, adv, mask, settings, **kw, ref_logprobs=None)
+    same, st_same = policy_loss(logp, old, adv, mask, settings, **kw, ref_logprobs=logp.clone())
+    away, st_away = policy_loss(logp, old, adv, mask, settings, **kw, ref_logprobs=logp - 0.5)
     assert float(same) == pytest.approx(float(base))
     assert st_same["kl"] == pytest.approx(0.0, abs=1e-7)
     assert st_away["kl"] > 0.05 and float(away) > float(base)
@@ -98,12 +90,9 @@ def test_unknown_aggregation_is_rejected():
             old,
             adv,
             mask,
-            clip_eps_low=0.2,
-            clip_eps_high=0.2,
-            loss_agg="sum",
+            LossSettings(clip_eps_low=0.2, clip_eps_high=0.2, loss_agg="sum", max_len=5),
             num_rows=3,
             num_tokens=1.0,
-            max_len=5,
         )
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import micro_config
 from metrics_doc import undocumented
 from rredcot.algebra import credit
-from rredcot.algebra.loss import policy_loss
+from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig
 from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, build_credit
@@ -191,12 +191,11 @@ def test_loss_gradient_is_the_per_node_estimator(tiny_policy, char_tokenizer, ru
         fwd.logprobs.detach(),
         weighted,
         batch.response_mask,
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
-        loss_agg="token_mean",
+        LossSettings(
+            clip_eps_low=0.2, clip_eps_high=0.2, loss_agg="token_mean", max_len=batch.response_len
+        ),
         num_rows=3,
         num_tokens=N,
-        max_len=batch.response_len,
     )
     got = torch.autograd.grad(loss, params, retain_graph=True)
 

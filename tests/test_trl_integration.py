@@ -170,8 +170,8 @@ def test_advantage_tail_floor_drops_the_small_tail_as_rredcot_train(
 ):
     """``advantage_tail_floor``: the advantages TRL's loss receives are the credit's with each
     completion's tail after its last ``|A| >= floor`` set to 0 (rredcot train's
-    ``credit.drop_small_tails``); a negative floor is refused."""
-    from rredcot.algebra.credit import drop_small_tails
+    ``row_policies.drop_small_tails``); a negative floor is refused."""
+    from rredcot.training.row_policies import drop_small_tails
 
     floor = 0.5
     trainer = make_trainer(

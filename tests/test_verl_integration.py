@@ -18,6 +18,7 @@ from prm_scores import REWARDS as SCORES
 from prm_scores import TEXTS
 from rredcot.algebra import credit, normalization
 from rredcot.config import CreditConfig
+from rredcot.training import row_policies
 
 pytestmark = pytest.mark.verl
 
@@ -576,7 +577,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
 def test_advantage_tail_floor_drops_the_small_tail_as_rredcot_train(char_tokenizer, method):
     """``algorithm.rredcot.advantage_tail_floor``: the advantages are the estimator's without it
     with each row's tail after its last ``|A| >= floor`` set to 0 (rredcot train's
-    ``credit.drop_small_tails``); the critic's returns are unchanged; a bad floor is refused."""
+    ``row_policies.drop_small_tails``); the critic's returns are unchanged; a bad floor is refused."""
     off = {"mode": "off"}
     base = {"credit_method": method, "normalization": "none", "anchor": "none", "handover": off}
     full, cut = make_data(char_tokenizer), make_data(char_tokenizer)
@@ -589,7 +590,7 @@ def test_advantage_tail_floor_drops_the_small_tail_as_rredcot_train(char_tokeniz
         cut, char_tokenizer, algo_config(**base, advantage_tail_floor=floor)
     )
     mask = full.batch["response_mask"]
-    expected = credit.drop_small_tails(adv, mask.float(), floor)
+    expected = row_policies.drop_small_tails(adv, mask.float(), floor)
     torch.testing.assert_close(cut.batch["advantages"], expected)
     assert not torch.equal(expected, adv)  # something was dropped: not a vacuous check
     if method == "critic":

@@ -168,7 +168,9 @@ def run(init_dir: str, batch_file: str, out: str) -> None:
             {
                 "grads": grads,
                 "rows": trainer.seen.size,
-                "sft_rows": 0 if trainer._sft_rows is None else trainer._sft_rows.size,
+                "sft_rows": 0
+                if trainer.last_step.sft_rows is None
+                else trainer.last_step.sft_rows.size,
                 **{k: record[k] for k in keys if k in record},
             },
             f"{out}/{name}_{rank}.pt",

@@ -2,7 +2,7 @@
 (``probe_cache_credit_time.cl_cheap``: lr 1e-4, one thread) for ``STEPS`` steps and, for each
 step's token advantages, the share of response tokens and rows the loss forward needs, and the
 share of the advantages' total magnitude dropped, with the tail of each row below each floor
-cut (``rredcot.algebra.credit.drop_small_tails``; floor 0: the exact update, every non-zero advantage).
+cut (``rredcot.training.row_policies.drop_small_tails``; floor 0: the exact update, every non-zero advantage).
 
     python benchmarks/investigations/advantage_tails.py {arith12_low,arith4_default} OUT_DIR [STEPS]
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from probe_cache_credit_time import cl_cheap
 
-from rredcot.algebra.credit import drop_small_tails
+from rredcot.training.row_policies import drop_small_tails
 from rredcot.training.trainer import Trainer
 
 FLOORS = (0.0, 0.01, 0.03, 0.1)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "LOSS_AGGREGATIONS",
+    "LossSettings",
     "aggregate",
     "clipped_pg",
     "k3_kl",
@@ -94,57 +96,67 @@ def aggregate(
     raise ValueError(f"loss_agg={loss_agg!r}: use {', '.join(LOSS_AGGREGATIONS)}")
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """A run's settings of :func:`policy_loss` (``TrainConfig.loss_settings()`` makes them)."""
+
+    clip_eps_low: float  # PPO's clip below: the ratio's floor is 1 - clip_eps_low
+    clip_eps_high: float  # and above (DAPO's clip-higher when larger)
+    loss_agg: str  # token_mean, seq_mean or dr_grpo (:func:`aggregate`)
+    max_len: int  # dr_grpo's constant: the response length cap
+    kl_coef: float = 0.0  # the k3 KL term's weight, where reference log-probs are passed
+    off_policy_gamma: float = 0.1  # LUFFY's shaping of an off-policy row (:func:`shaped_ratio`)
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    settings: LossSettings,
     *,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    loss_agg: str,
     num_rows: int,
     num_tokens: float,
-    max_len: int,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    off_policy: Tensor | None = None,
-    off_policy_gamma: float = 0.1,
     row_tokens: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    off_policy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss with an optional k3 KL penalty, aggregated by ``loss_agg``.
+    """Clipped policy-gradient loss with an optional k3 KL penalty, aggregated by
+    ``settings.loss_agg``.
 
     Args:
         logprobs, old_logprobs, advantages, response_mask: ``(b, T)`` for a micro-batch.
-        num_rows, num_tokens, max_len, row_tokens: see :func:`aggregate`.
+        settings: the clip range, aggregation, KL weight and LUFFY's gamma.
+        num_rows, num_tokens, row_tokens: see :func:`aggregate` (``max_len`` is the settings').
+        ref_logprobs: ``(b, T)``, the KL reference's; the KL term is formed where they are
+            given and ``settings.kl_coef > 0``.
         off_policy: ``(b,)`` bool, rows that are reference samples (``references.mode luffy``):
-            their PG term is LUFFY's shaped, unclipped one
-            (:func:`off_policy_pg`, ``off_policy_gamma``), not the clipped
-            ratio to ``old_logprobs``.
+            their PG term is LUFFY's shaped, unclipped one (:func:`off_policy_pg`), not the
+            clipped ratio to ``old_logprobs``.
 
     Returns:
         the loss and ``{"clip_fraction", "kl", "ratio_mean"}`` over the micro-batch's tokens
         (the clip fraction counts the PPO term alone, before the KL is added).
     """
     per_token, ratio, was_clipped = clipped_pg(
-        logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high
+        logprobs, old_logprobs, advantages, settings.clip_eps_low, settings.clip_eps_high
     )
     if off_policy is not None and bool(off_policy.any()):
         rows = off_policy.to(per_token.device)[:, None]
-        shaped = off_policy_pg(logprobs, advantages, off_policy_gamma)
+        shaped = off_policy_pg(logprobs, advantages, settings.off_policy_gamma)
         per_token = torch.where(rows, shaped, per_token)
         was_clipped = was_clipped & ~rows
     kl = torch.zeros_like(per_token)
-    if ref_logprobs is not None and kl_coef > 0:
+    if ref_logprobs is not None and settings.kl_coef > 0:
         kl = k3_kl(logprobs, ref_logprobs)
-        per_token = per_token + kl_coef * kl
+        per_token = per_token + settings.kl_coef * kl
     loss = aggregate(
         per_token,
         response_mask,
-        loss_agg,
+        settings.loss_agg,
         num_rows=num_rows,
         num_tokens=num_tokens,
-        max_len=max_len,
+        max_len=settings.max_len,
         row_tokens=row_tokens,
     )
     with torch.no_grad():

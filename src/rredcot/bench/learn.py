@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rredcot.algebra.loss import policy_loss
+from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.bench.configs import LearnBenchConfig
 from rredcot.bench.report import (
     fmt,
@@ -135,9 +135,9 @@ def group_gradients(trainer: Trainer, batch, advantages: torch.Tensor) -> torch.
             fwd.logprobs.detach(),
             advantages[idx],
             mask,
+            LossSettings(**cfg.loss_settings()),
             num_rows=len(rows),
             num_tokens=float(mask.sum()),
-            **cfg.loss_settings(),
         )
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         flat = torch.cat(

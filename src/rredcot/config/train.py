@@ -219,13 +219,14 @@ class TrainConfig:
     references: ReferencesConfig = field(default_factory=ReferencesConfig)
 
     def loss_settings(self) -> dict[str, Any]:
-        """The clipped PG term's settings, as ``loss.policy_loss`` takes them (the KL term, which
-        needs a reference, is passed on its own)."""
+        """The policy loss's settings, as ``rredcot.algebra.loss.LossSettings`` takes them."""
         return {
             "clip_eps_low": self.clip_eps_low,
             "clip_eps_high": self.clip_eps_high,
             "loss_agg": self.loss_agg,
             "max_len": self.sampling.max_new_tokens,
+            "kl_coef": self.kl_coef,
+            "off_policy_gamma": self.references.shaping_gamma,
         }
 
     def __post_init__(self) -> None:

@@ -96,6 +96,7 @@ from rredcot.sampling.batch import RolloutBatch
 from rredcot.segment import Segmenter, segmenter_from_config
 from rredcot.tasks import get_task, get_task_class
 from rredcot.tasks.base import Problem
+from rredcot.training.row_policies import drop_small_tails
 
 core_algos = require_extra(
     "verl.trainer.ppo.core_algos",
@@ -440,7 +441,7 @@ def compute_rredcot_advantage(
     Returns:
         advantages ``(B, T)`` (0 on padding and holes; with
         ``algorithm.rredcot.advantage_tail_floor`` > 0, 0 after each row's last token with
-        ``|A| >=`` the floor, :func:`rredcot.algebra.credit.drop_small_tails`) and returns ``(B, T)``: the
+        ``|A| >=`` the floor, :func:`rredcot.training.row_policies.drop_small_tails`) and returns ``(B, T)``: the
         critic's TD targets for ``critic``, the advantages otherwise (as verl's GRPO).
 
     Not pure: the credit method of these settings is kept between calls (module doc, "State"),
@@ -467,7 +468,7 @@ def compute_rredcot_advantage(
     method = _method_for(method_name, cfg, config)
     if method_name == "critic":
         advantages, returns = _critic_credit(method, rows, values, cfg.value_head.td_lambda)
-        return credit.drop_small_tails(advantages, rows.mask.float(), floor), returns
+        return drop_small_tails(advantages, rows.mask.float(), floor), returns
     if method_name == "uniform":
         given, given_mask = uniform_values(rows.rewards, rows.group_ids, rows.num_segments)
     else:
@@ -475,7 +476,7 @@ def compute_rredcot_advantage(
             method_name, boundary_values, rows.num_segments, rows.mask.device
         )
     out = _credit_from_values(method, given, given_mask, rows)
-    advantages = credit.drop_small_tails(out.advantages, rows.mask.float(), floor)
+    advantages = drop_small_tails(out.advantages, rows.mask.float(), floor)
     return advantages, advantages
 
 

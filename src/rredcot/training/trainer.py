@@ -26,15 +26,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from rredcot.algebra.credit import (
-    agreeing_rows,
-    apply_row_draw,
-    budget_keep_probabilities,
-    drop_small_tails,
-    last_positions,
-    row_credit_sizes,
-)
-from rredcot.algebra.loss import policy_loss
+from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.algebra.normalization import masked_mean
 from rredcot.config import TrainConfig
 from rredcot.config.io import resume_config
@@ -66,6 +58,7 @@ from rredcot.training.checkpoint import (
 )
 from rredcot.training.evaluation import greedy_accuracy
 from rredcot.training.plots import plot_run
+from rredcot.training.row_policies import credited_columns, update_rows
 from rredcot.training.seeding import seed_everything, step_seed
 from rredcot.training.setup import (
     build_method,
@@ -90,6 +83,48 @@ class _StepShares:
     sft_rows: int  # references.mode sft: the step's reference rows, over every process
     sft_tokens: float  # their tokens
     scale: float  # the number of processes
+
+
+@dataclass
+class _StepWork:
+    """One step's own state, made fresh by :meth:`Trainer.train_step` and passed down its stages
+    (never read by the next step)."""
+
+    trained_tokens: float = 0.0  # forwarded with grad: policy rows, sft rows (compute/step)
+    sft_rows: references.ReferenceRows | None = None  # references.mode sft: the step's references
+    own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where references join
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Which policy forwards one step runs, chosen once before the first of them
+    (:meth:`Trainer.forward_plan`).
+
+    - ``scoring_pass``: a no-grad pass fills the old log-probs (and the hidden states or
+      entropies the credit reads) before the credit; the loss forwards its own micro-batches.
+    - ``loss_forward_first``: no scoring pass; the loss forward (with grad) runs before the
+      credit, which reads its hidden states or entropies, and the update keeps its graph.
+    - ``loss_forward_after``: no scoring pass; the credit reads no forward, so the one loss
+      forward runs after it, over the credited rows and columns only.
+    Neither loss-forward flag: an on-policy update in micro-batches, each forwarded in the update.
+    """
+
+    scoring_pass: bool
+    loss_forward_first: bool
+    loss_forward_after: bool
+
+
+def plan_forward(single_pass: bool, fits_one_micro_batch: bool, reads_forward: bool) -> ForwardPlan:
+    """The :class:`ForwardPlan` of a step: the loss forward is the only pass when the update is
+    on-policy (``single_pass``) and the batch is one micro-batch (a batch in several cannot keep
+    its graph while the credit is computed); a credit that ``reads_forward`` reads it first."""
+    one_graph = single_pass and fits_one_micro_batch
+    scoring = not single_pass or (reads_forward and not one_graph)
+    return ForwardPlan(
+        scoring_pass=scoring,
+        loss_forward_first=not scoring and reads_forward,
+        loss_forward_after=one_graph and not reads_forward,
+    )
 
 
 class Trainer:
@@ -148,9 +183,7 @@ class Trainer:
         self.train_seconds = 0.0  # the steps' step_seconds summed (max_train_seconds)
         self.compute_used = 0.0  # forward-token equivalents (max_compute; step_compute)
         self.reference_tokens_trained = 0  # also charged in extra_tokens_generated
-        self._trained_tokens = 0.0  # this step's, forwarded with grad: policy rows, sft rows
-        self._sft_rows: references.ReferenceRows | None = None  # this step's, references.mode sft
-        self._own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where others join
+        self.last_step = _StepWork()  # the last step's own state, kept for inspection only
 
     def release(self) -> None:
         """Give up the run directory's lock (at the end of ``train``; idempotent)."""
@@ -243,10 +276,9 @@ class Trainer:
 
     # -- one RL step --------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
-        """One RL step, top to bottom: rollout -> forward -> credit -> loss and update -> the
-        credit method's own update -> the step's record."""
-        clock = _StepClock()
-        self._trained_tokens = 0.0
+        """One RL step, top to bottom: rollout -> forward -> credit -> the update's rows -> loss
+        and update -> the credit method's own update -> the step's record."""
+        clock, work = _StepClock(), _StepWork()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
         # sample, verify, segment; keep the decoder's cache where the credit probes prefixes
@@ -258,24 +290,17 @@ class Trainer:
             )
         if self.method is None:  # --credit auto: chosen from this batch, no extra sampling
             self.choose_credit(batch, problems)
-        batch = self._with_references(batch, stats)
+        batch = self._with_references(batch, stats, work)
         clock.lap("rollout")
         ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
         clock.lap("reference")
 
-        # The forward the credit reads: on-policy, the loss forward itself (run first only for
-        # methods that read it: hidden states, entropy cuts); otherwise a no-grad scoring pass.
-        # A batch larger than one micro-batch cannot keep its loss forward's graph while the
-        # credit is computed: the credit reads a no-grad pass, the loss forwards its own
-        # micro-batches (or, where the credit reads no forward, they are the only pass).
+        plan = self.forward_plan(batch)
         loss_forward = None
-        one_graph = self.single_pass() and len(self._micro_batches(batch)) == 1
-        reads_forward = self.method.needs_hidden_states or self.segmenter.uses_entropy
-        scoring_pass = not self.single_pass() or (reads_forward and not one_graph)
-        if scoring_pass:
+        if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
             batch = self._fill_forward(batch)
             clock.lap("old_logprobs")
-        elif reads_forward:
+        elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
             batch, loss_forward = self._loss_forward(batch)
             clock.lap("update")
 
@@ -287,53 +312,51 @@ class Trainer:
         )
         clock.lap("credit")
 
-        advantages = shared_token_weighted(
-            credit_out.advantages.detach(), batch, self.cfg.sampling.tree.shared_token_weight
-        )
-        advantages = drop_small_tails(
-            advantages, batch.response_mask, self.cfg.advantage_tail_floor
-        )
-        advantages, agreeing_kept = self._sample_agreeing_rows(batch, advantages)
-        if one_graph and loss_forward is None:
-            rows = torch.arange(batch.size)
-            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
-            credited, width = rows[columns > 0], int(columns.max()) if len(rows) else 0
-            if self.world > 1 and not len(credited):  # every process runs the loss forward:
-                credited, width = rows[:1], 1  # one token, as a stand-in of zero weight
-            batch, loss_forward = self._loss_forward(batch, credited, width)
-        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward)
-        update_stats.update(agreeing_kept)
+        advantages, row_stats = self._update_rows(batch, credit_out.advantages.detach())
+        if plan.loss_forward_after:  # the one loss forward, over the credited rows and columns
+            batch, loss_forward = self._credited_loss_forward(batch, advantages, ref_logprobs)
+        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, work)
+        update_stats.update(row_stats)
         clock.lap("update")
 
         value_stats = self.method.update(credit_rows, estimate)
         clock.lap("value_update")
+        self.last_step = work
         return self._record(
-            step, batch, stats, credit_out, update_stats, value_stats, clock, scoring_pass
+            step, batch, stats, credit_out, update_stats, value_stats, clock, plan, work
         )
 
-    def _sample_agreeing_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
-        """``agreeing_update_fraction`` < 1: the agreeing groups' rows drawn to that budget
-        (``credit.sample_rows_to_budget``, seeded by the step); returns the advantages and the
-        metric of the share of those rows kept. Under several processes the draw is over every
-        process's rows in process order (their sizes gathered, the same generator on each), and
-        each keeps its own: the draw of one process holding them all."""
-        fraction = self.cfg.agreeing_update_fraction
-        if fraction == 1:
+    def forward_plan(self, batch: RolloutBatch) -> ForwardPlan:
+        """This step's :class:`ForwardPlan` (:func:`plan_forward`)."""
+        per = self.micro_batch_tokens // max(batch.input_ids.shape[1], 1)
+        fits = batch.size <= max(1, per)  # one micro-batch (sampling.memory.micro_batches)
+        reads = self.method.needs_hidden_states or self.segmenter.uses_entropy
+        return plan_forward(self.single_pass(), fits, reads)
+
+    def _update_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
+        """The update's row policies on the token advantages ``(B, T)``: the tree's shared-token
+        weight, then ``rredcot.training.row_policies.update_rows`` (the tail floor, the agreeing
+        groups' draw over every process's rows, seeded by the step). Returns the advantages and
+        the share of the agreeing rows the draw kept (``update/agreeing_rows_kept``)."""
+        cfg = self.cfg
+        advantages = shared_token_weighted(advantages, batch, cfg.sampling.tree.shared_token_weight)
+        advantages, counts = update_rows(
+            advantages,
+            batch.response_mask,
+            batch.rewards,
+            batch.group_ids,
+            tail_floor=cfg.advantage_tail_floor,
+            agreeing_fraction=cfg.agreeing_update_fraction,
+            gather=self._gathered_rows,
+            generator=torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=31)),
+        )
+        if not counts:
             return advantages, {}
-        eligible = agreeing_rows(batch.rewards, batch.group_ids).to(advantages.device)
-        tokens, norm = row_credit_sizes(advantages, batch.response_mask)
-        start, (tokens, norm, every) = self._gathered_rows([tokens, norm, eligible])
-        keep = budget_keep_probabilities(tokens, norm, every, fraction)
-        gen = torch.Generator().manual_seed(step_seed(self.cfg.seed, self.step, salt=31))
-        draw = torch.rand(len(keep), generator=gen, dtype=torch.float64)
-        mine = slice(start, start + batch.size)
-        out = apply_row_draw(advantages, keep[mine], draw[mine])
-        credited = (advantages != 0).any(dim=1) & eligible
-        kept = (out != 0).any(dim=1) & credited
-        counts = {"kept": float(kept.sum()), "credited": float(credited.sum())}
+        counts = {k: float(v) for k, v in counts.items()}
         counts.update(self._summed_metrics(counts, ("kept", "credited")))
-        share = counts["kept"] / max(counts["credited"], 1.0)
-        return out, {"update/agreeing_rows_kept": share}
+        return advantages, {
+            "update/agreeing_rows_kept": counts["kept"] / max(counts["credited"], 1.0)
+        }
 
     def _gathered_rows(self, columns: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
         """``(start, every)``: per-row tensors ``(B,)`` of every process concatenated in process
@@ -434,7 +457,9 @@ class Trainer:
             batch = self._fill_forward(batch)
         return batch, stats
 
-    def _with_references(self, batch: RolloutBatch, stats: dict[str, float]) -> RolloutBatch:
+    def _with_references(
+        self, batch: RolloutBatch, stats: dict[str, float], work: _StepWork
+    ) -> RolloutBatch:
         """``references.mode``: this step's references (``references.step_references``), kept
         for the step's sft term and its own rows; their tokens are charged to the budget and
         counted in ``stats``."""
@@ -449,19 +474,21 @@ class Trainer:
             decoder=self.decoder,
             trained_before=self.reference_tokens_trained,
         )
-        self._sft_rows, self._own_rows = step.sft_rows, step.own_rows
+        work.sft_rows, work.own_rows = step.sft_rows, step.own_rows
         self.extra_tokens_generated += step.generated
         self.reference_tokens_trained += step.trained
         stats.update(step.stats)
         return step.batch
 
-    def _reference_sft_step(self, batch: RolloutBatch, shares: _StepShares) -> dict[str, float]:
+    def _reference_sft_step(
+        self, batch: RolloutBatch, shares: _StepShares, work: _StepWork
+    ) -> dict[str, float]:
         """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
         (``references.reference_nll``), into the gradient of the optimiser step being formed,
         aggregated over every process's references (``shares``). A process with none, while
         another has some, runs a stand-in pass of zero weight (one token of its first row), so
         that every process runs the same passes."""
-        refs = self._sft_rows
+        refs = work.sft_rows
         if shares.sft_rows == 0:
             return {}
         cfg = self.cfg
@@ -478,7 +505,7 @@ class Trainer:
             temperature=cfg.sampling.temperature,
             shared_prompt=cfg.shared_prompt_forward,
         )
-        self._trained_tokens += float(attention.sum())
+        work.trained_tokens += float(attention.sum())
         mask = refs.response_mask if weight else torch.zeros_like(fwd.logprobs)
         nll = references.reference_nll(
             fwd.logprobs,
@@ -531,6 +558,11 @@ class Trainer:
             return micro_batches(rows, batch.input_ids.shape[1], self.micro_batch_tokens)
         return micro_batches(rows, batch.prompt_len + columns, self.micro_batch_tokens)
 
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The policy loss's settings, from the run's configuration."""
+        return LossSettings(**self.cfg.loss_settings())
+
     def single_pass(self) -> bool:
         """Whether the loss forward is the step's only policy forward: an on-policy update (one
         epoch, one minibatch, no accumulation), where the old log-probs are the new ones
@@ -548,9 +580,9 @@ class Trainer:
     ) -> tuple[RolloutBatch, Any]:
         """The single pass: the loss forward (with grad) over the whole batch, or over ``rows``
         and their first ``columns`` response columns once the credit is known
-        (:meth:`_credited_columns`). Returns the batch with its detached log-probs (zero where
-        nothing was forwarded), hidden states (and entropy segments) for the credit method, and
-        the forward itself, whose graph the loss uses."""
+        (:meth:`_credited_loss_forward`). Returns the batch with its detached log-probs (zero
+        where nothing was forwarded), hidden states (and entropy segments) for the credit
+        method, and the forward itself, whose graph the loss uses."""
         train_mode_without_dropout(self.model)
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
         columns = batch.response_len if columns is None else columns
@@ -580,6 +612,17 @@ class Trainer:
             batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
         return batch, fwd
 
+    def _credited_loss_forward(self, batch: RolloutBatch, advantages, ref_logprobs):
+        """The single pass run after the credit: the loss forward over the rows with a gradient,
+        up to the last column any of them needs (:meth:`_credited_columns`). Every process runs
+        it: one with nothing to update forwards one token of its first row, of zero weight."""
+        rows = torch.arange(batch.size)
+        columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
+        credited, width = rows[columns > 0], int(columns.max()) if len(rows) else 0
+        if self.world > 1 and not len(credited):
+            credited, width = rows[:1], 1
+        return self._loss_forward(batch, credited, width)
+
     def _credited_columns(
         self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, ref_logprobs
     ) -> torch.Tensor:
@@ -592,16 +635,20 @@ class Trainer:
         aggregation (their normalisers are the whole rows', passed on their own). Under several
         processes each cuts its own rows; :meth:`_minibatch_step` evens out their passes."""
         cfg = self.cfg
-        T = batch.response_len
         kl_term = ref_logprobs is not None and cfg.kl_coef > 0
         if not cfg.skip_zero_advantage_rows or kl_term:
-            return torch.full((len(rows),), T, dtype=torch.long, device=rows.device)
-        rows_here = rows.to(advantages.device)
-        credited = (advantages[rows_here] != 0) & batch.response_mask[rows_here].bool()
-        return last_positions(credited).to(rows.device)
+            return torch.full(
+                (len(rows),), batch.response_len, dtype=torch.long, device=rows.device
+            )
+        return credited_columns(advantages, batch.response_mask, rows)
 
     def _optimise(
-        self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs, loss_forward=None
+        self,
+        batch: RolloutBatch,
+        advantages: torch.Tensor,
+        ref_logprobs,
+        loss_forward,
+        work: _StepWork,
     ) -> dict[str, float]:
         """Epochs x minibatches of optimiser steps; returns each metric's mean over the steps.
         With ``loss_forward`` (the single pass, :meth:`single_pass`) the one minibatch is the
@@ -616,7 +663,7 @@ class Trainer:
                 order = torch.arange(batch.size)
             for rows in order.chunk(cfg.minibatches):
                 steps.append(
-                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward)
+                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward, work)
                 )
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
@@ -644,7 +691,7 @@ class Trainer:
         return live, micros
 
     def _minibatch_step(
-        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward
+        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward, work
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
         and the sft references' pass (gradients are synchronised across processes on the last
@@ -658,7 +705,7 @@ class Trainer:
         rows = rows.to(self.device)
         live, micros = self._plan_micros(batch, rows, advantages, ref_logprobs, loss_forward)
         live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c, w in micros if w)
-        shares = self._step_shares(batch, rows, micros)
+        shares = self._step_shares(batch, rows, micros, work)
         if len(micros) < shares.passes:  # another process forwards more: stand-ins here
             if loss_forward is not None:
                 raise RuntimeError("the single pass ran on one process and not on another")
@@ -682,6 +729,9 @@ class Trainer:
                 loss, stats, entropy = self._policy_pass(
                     batch, micro, cols, advantages, ref_logprobs, loss_forward, shares
                 )
+                work.trained_tokens += float(
+                    batch.attention_mask[micro, : batch.prompt_len + cols].sum()
+                )
                 self.accelerator.backward(loss * (weight * shares.scale))
             rmask = batch.response_mask[micro, :cols]
             share = weight * float(rmask.sum()) / max(live_tokens, 1.0)  # its token share
@@ -689,7 +739,7 @@ class Trainer:
             totals["entropy"] += weight * float((entropy * rmask).sum()) / max(live_tokens, 1.0)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v * share
-        totals.update(self._reference_sft_step(batch, shares))
+        totals.update(self._reference_sft_step(batch, shares, work))
         totals.update(self._summed_metrics(totals, ("policy_loss", "references/sft_nll")))
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         totals["grad_norm"] = float(self.accelerator.clip_grad_norm_(params, max_norm))
@@ -703,7 +753,6 @@ class Trainer:
         aggregated with the normalisers of ``shares`` (every process's rows and tokens)."""
         cfg = self.cfg
         width = batch.prompt_len + cols
-        self._trained_tokens += float(batch.attention_mask[micro, :width].sum())
         fwd = loss_forward
         if fwd is None:
             fwd = policy_forward(
@@ -722,22 +771,22 @@ class Trainer:
             fwd.logprobs.detach() if on_policy else batch.old_logprobs[micro, :cols],
             advantages[micro, :cols],
             batch.response_mask[micro, :cols],
+            self.loss_settings,
             num_rows=shares.num_rows,
             num_tokens=shares.num_tokens,
             row_tokens=batch.response_mask[micro].sum(-1),
-            **cfg.loss_settings(),
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro, :cols],
-            kl_coef=cfg.kl_coef,
             off_policy=None if batch.off_policy is None else batch.off_policy[micro],
-            off_policy_gamma=cfg.references.shaping_gamma,
         )
         return loss, stats, fwd.entropy.detach()
 
-    def _step_shares(self, batch: RolloutBatch, rows: torch.Tensor, micros) -> _StepShares:
+    def _step_shares(
+        self, batch: RolloutBatch, rows: torch.Tensor, micros, work: _StepWork
+    ) -> _StepShares:
         """What every process's losses of one optimiser step are normalised by, agreed before
         the first backward (:class:`_StepShares`): the minibatch's rows and response tokens and
         the sft references' over every process, and the most passes any process runs."""
-        refs = self._sft_rows
+        refs = work.sft_rows
         local = [
             float(len(rows)),
             float(batch.response_mask[rows].sum()),
@@ -771,13 +820,13 @@ class Trainer:
         return dict(zip(keys, summed))
 
     def _record(
-        self, step, batch, stats, credit_out, update_stats, value_stats, clock, scoring_pass
+        self, step, batch, stats, credit_out, update_stats, value_stats, clock, plan, work
     ) -> dict[str, Any]:
         """Count the step into the run's totals and return its metrics record."""
         B = batch.size
         rewards = batch.rewards  # the policy's own samples' (reference rows, branches left out)
-        if self._own_rows is not None:
-            rewards = rewards[self._own_rows]
+        if work.own_rows is not None:
+            rewards = rewards[work.own_rows]
         self.samples_seen += rewards.numel()
         self.tokens_generated += int(stats["rollout/tokens"])
         self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
@@ -788,9 +837,9 @@ class Trainer:
         compute = step_compute(
             sampled_tokens=float(sampled.sum()),
             generated_tokens=float(stats["rollout/tokens"]),
-            scoring_passes=int(scoring_pass) + int(self.reference is not None),
+            scoring_passes=int(plan.scoring_pass) + int(self.reference is not None),
             scored_tokens=float(batch.attention_mask.sum()),
-            trained_tokens=self._trained_tokens,
+            trained_tokens=work.trained_tokens,
             credit_forward_tokens=float(credit_out.cost.extra_forward_tokens),
             credit_backward_tokens=float(credit_out.cost.extra_backward_tokens),
             credit_generated_tokens=float(credit_out.cost.extra_generated_tokens),
@@ -815,7 +864,7 @@ class Trainer:
             **stats,
             **credit_out.metrics,
             **value_stats,
-            "forward/scoring_pass": 1.0 if scoring_pass else 0.0,
+            "forward/scoring_pass": 1.0 if plan.scoring_pass else 0.0,
             **{f"time/{name}": seconds for name, seconds in clock.laps.items()},
             "step_seconds": clock.total,
             "time/train_seconds": self.train_seconds,

@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from rredcot.algebra.credit import drop_small_tails
 from rredcot.algebra.normalization import masked_mean
 from rredcot.config import CreditConfig
 from rredcot.errors import require_extra
@@ -61,6 +60,7 @@ from rredcot.methods.base import (
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict, safe_verify
+from rredcot.training.row_policies import drop_small_tails
 
 _trl = require_extra("trl", "trl", "rredcot.integrations.trl")
 GRPOTrainer = _trl.GRPOTrainer
