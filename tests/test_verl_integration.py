@@ -18,6 +18,7 @@ from prm_scores import REWARDS as SCORES
 from prm_scores import TEXTS
 from rredcot.algebra import credit, normalization
 from rredcot.config import CreditConfig
+from rredcot.integrations.verl import estimator, state
 from rredcot.training import row_policies
 
 pytestmark = pytest.mark.verl
@@ -69,7 +70,7 @@ def test_verl_imports_it_through_external_modules():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "rredcot.integrations.verl"
+    assert out.stdout.strip().splitlines()[-1] == "rredcot.integrations.verl.estimator"
 
 
 def test_uniform_matches_verls_grpo(char_tokenizer):
@@ -199,7 +200,7 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     """The critic goes through the hand-over of every rredcot value source: GRPO's credit on the
     first step, the critic's as it earns trust on later steps' outcomes; with the hand-over off,
     the critic's anchored credit at full weight, as before. Its returns never change."""
-    monkeypatch.setattr(rv, "_METHODS", {})
+    monkeypatch.setattr(state, "_METHODS", {})
     lam = 0.5
     # hand-over off: today's critic credit (anchored values, weight 1), bit for bit
     off = {"rredcot": {"lam": lam, "handover": {"mode": "off"}}}
@@ -222,14 +223,14 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     rv.compute_advantage_for_data(data, char_tokenizer, on)
     torch.testing.assert_close(data.batch["advantages"], _grpo_advantages(data))
     torch.testing.assert_close(data.batch["returns"], data_off.batch["returns"], rtol=0, atol=0)
-    method = rv._method_for("critic", rv.credit_settings(on)[1], on)
+    method = state.method_for("critic", rv.credit_settings(on)[1], on)
     assert isinstance(method, rv.CriticCredit) and method.guard.num_updates == 1
     with pytest.raises(ValueError, match="verl's critic"):
         method.boundary_values(None)
 
     # a critic whose values predict the outcomes earns trust: the weight rises above 0 and the
     # credit departs from GRPO towards the critic's, A = A_grpo + w (A_critic - A_grpo)
-    rv._METHODS.clear()
+    state._METHODS.clear()
     scores = torch.tensor(SCORES)
     mask = make_data(char_tokenizer).batch["response_mask"]
     predictive = (0.1 + 0.8 * scores)[:, None].expand_as(mask).clone()
@@ -239,7 +240,7 @@ def test_critic_hands_over_from_grpo(char_tokenizer, monkeypatch):
     for step in range(4):
         data = make_data(char_tokenizer)
         data.batch["values"] = predictive.clone()
-        method = rv._method_for("critic", rv.credit_settings(on)[1], on)
+        method = state.method_for("critic", rv.credit_settings(on)[1], on)
         w = method.guard.weight
         weights.append(w)
         rv.compute_advantage_for_data(data, char_tokenizer, on)
@@ -257,20 +258,20 @@ def test_what_the_estimator_keeps_between_calls(char_tokenizer, monkeypatch):
     """What the module doc says it keeps: one method per settings across calls (its guard's
     updates accumulate), nothing after reset_methods(), and the segments only inside
     rredcot_segments."""
-    monkeypatch.setattr(rv, "_METHODS", {})
+    monkeypatch.setattr(state, "_METHODS", {})
     on = {"rredcot": {"lam": 0.5}}
     for _ in range(2):
         rv.compute_advantage_for_data(make_data(char_tokenizer), char_tokenizer, on)
-    (method,) = rv._METHODS.values()
+    (method,) = state._METHODS.values()
     assert method.guard.num_updates == 2
     rv.reset_methods()
-    assert rv._METHODS == {}
+    assert state._METHODS == {}
     rv.compute_advantage_for_data(make_data(char_tokenizer), char_tokenizer, on)
-    (fresh,) = rv._METHODS.values()
+    (fresh,) = state._METHODS.values()
     assert fresh is not method and fresh.guard.num_updates == 1
     with rv.rredcot_segments(torch.zeros(2, 3, dtype=torch.long)):
-        assert rv._ACTIVE.get() is not None
-    assert rv._ACTIVE.get() is None
+        assert estimator._ACTIVE.get() is not None
+    assert estimator._ACTIVE.get() is None
 
 
 def test_segments_survive_verls_batch_ops(char_tokenizer):
@@ -307,7 +308,7 @@ def test_errors_name_the_fix(char_tokenizer):
         rv.credit_settings(algo_config(credit_method="value_head"))
     with pytest.raises(ValueError, match="valid keys"):
         rv.credit_settings(algo_config(lamda=0.5))
-    assert rv._ACTIVE.get() is None  # the context never leaks past its block
+    assert estimator._ACTIVE.get() is None  # the context never leaks past its block
 
 
 def test_example_config_composes_with_verls_own():
@@ -480,7 +481,7 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy, 
             "normalization": "none",
         }
     }
-    monkeypatch.setattr(rv, "_METHODS", {})
+    monkeypatch.setattr(state, "_METHODS", {})
     rv.compute_advantage_for_data(data, char_tokenizer, cfg, boundary_values=values)
     adv = data.batch["advantages"].clone()
     assert torch.isfinite(adv).all() and adv.abs().max() > 0
@@ -491,7 +492,7 @@ def test_answer_likelihood_through_actor_log_probs(char_tokenizer, tiny_policy, 
     mask = data.batch["response_mask"].bool()
     for row in range(6):
         assert torch.allclose(adv[row][mask[row]], grpo[row].expand(int(mask[row].sum())))
-    (method,) = rv._METHODS.values()
+    (method,) = state._METHODS.values()
     assert method.guard.num_updates == 1
     off = {"rredcot": {**cfg["rredcot"], "handover": {"mode": "off"}}}
     rv.compute_advantage_for_data(data, char_tokenizer, off, boundary_values=values)
@@ -519,7 +520,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
     the core method's (here by hand: lam 0, segment k gets V(s_k) - V(s_{k-1}))."""
     import prm_scores
 
-    monkeypatch.setattr(rv, "_METHODS", {})
+    monkeypatch.setattr(state, "_METHODS", {})
     settings = {
         "credit_method": "process_reward",
         "process_reward": {"function": "prm_scores:chain_scores"},
@@ -547,7 +548,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
 
     # the hand-over: GRPO on the first step, then the measured slope (update after the credit)
     reliable = {**settings, "handover": {"mode": "reliability"}, "lam": 1.0}
-    rv._METHODS.clear()  # the driver keeps one method per settings, across steps
+    state._METHODS.clear()  # the driver keeps one method per settings, across steps
     data = _probe_source(char_tokenizer)
     data.non_tensor_batch["raw_prompt"] = np.array(
         [[{"role": "user", "content": f"q{i}"}] for i in range(6)], dtype=object
@@ -561,7 +562,7 @@ def test_process_reward_scores_on_the_driver(char_tokenizer, monkeypatch):
         assert torch.allclose(
             data.batch["advantages"][row][mask[row]], grpo[row].expand(int(mask[row].sum()))
         )
-    (method,) = rv._METHODS.values()
+    (method,) = state._METHODS.values()
     assert method.guard.num_updates == 1 and method.guard.reliability > 0
     with pytest.raises(ValueError, match="process_reward_values"):
         rv.compute_rredcot_advantage(
