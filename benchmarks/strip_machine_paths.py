@@ -10,7 +10,8 @@ paths mean nothing on another machine, so committed files carry these forms inst
 
 Text files are rewritten in place; a ``.tar.gz`` is rewritten member by member (its members'
 names, sizes and times kept, the gzip header's time set to 0). Run it on new results before
-committing them (``tests/test_repository.py`` fails on a machine path in any tracked file):
+committing them (``tests/repository/test_repository.py`` fails on a machine path in any tracked
+file):
 
     python benchmarks/strip_machine_paths.py $(git ls-files benchmarks/results src/rredcot/warmstarts)
 """

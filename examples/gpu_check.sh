@@ -16,7 +16,8 @@
 #   train_ddp        rredcot train under accelerate launch (DDP): references sft, the update cut
 #                    with advantage_tail_floor, agreeing_update_fraction
 #   train_bread_ddp  rredcot train under accelerate launch (DDP): references bread, luffy
-#   equivalence      the CPU two-process equivalence tests (tests/test_several_processes.py)
+#   equivalence      the CPU two-process equivalence tests
+#                    (tests/training/test_several_processes.py)
 #   verl             verl's example with the rredcot estimator (advantage_tail_floor)
 #
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct  NGPUS=<visible GPUs, at least 2 for the several-process
@@ -86,7 +87,7 @@ check train_bread_ddp "references/branch_tokens" \
     "$NGPUS" "$OUT/train_refs" "${train[@]}" --credit_method uniform
 
 check equivalence " passed" \
-    python -m pytest "$HERE/../tests/test_several_processes.py" -q -p no:cacheprovider
+    python -m pytest "$HERE/../tests/training/test_several_processes.py" -q -p no:cacheprovider
 
 check verl "rredcot/mean_segments" \
     env NGPUS="$NGPUS" DATA="${DATA:-$HOME/data/rredcot_gsm8k}" bash "$HERE/verl/run_gsm8k.sh" \

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from conftest import micro_config, train_step_with_grads
+from helpers import micro_config, train_step_with_grads
 from rredcot.models import is_activation_checkpointing, set_activation_checkpointing
 
 DEPRECATED = r".*deprecated and will be removed in v6.*"

@@ -49,3 +49,18 @@ def batch_from_texts(
         completions=list(completions),
         verdicts=verdicts,
     )
+
+
+def traces_batch(tokenizer, task, problems, errors, rng, group_size, **kwargs):
+    """:func:`batch_from_texts` of one group per problem: for each entry of ``errors[k]`` (one
+    list per problem), problem ``k``'s gold trace (``None``) or the trace with an error injected
+    at that line (``task.inject_error(..., rng=rng)``, drawn in row order)."""
+    rows, texts = [], []
+    for problem, group in zip(problems, errors):
+        for line in group:
+            rows.append(problem)
+            if line is None:
+                texts.append(task.gold_completion(problem))
+            else:
+                texts.append(task.inject_error(problem, line, rng=rng))
+    return batch_from_texts(tokenizer, task, rows, texts, group_size=group_size, **kwargs)

@@ -1,5 +1,6 @@
 """Probe probabilities of a tiny model that thinks in tags (issue 14, item 2): the figures quoted in
-docs/answer_likelihood.md, from the model and traces of ``tests/test_answer_likelihood.py``.
+docs/answer_likelihood.md, from the model and traces of
+``tests/methods/test_answer_likelihood.py``.
 
     PYTHONPATH=src python benchmarks/investigations/answer_likelihood_probes.py
 
@@ -16,17 +17,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+TESTS = Path(__file__).resolve().parents[2] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "methods")]  # its helpers, and the test module itself
 
-from rredcot.methods.answer_likelihood import answer_values  # noqa: E402
-from rredcot.methods.answer_probes import ProbeFormat  # noqa: E402
-from rredcot.models import build_char_tokenizer  # noqa: E402
 from test_answer_likelihood import (  # noqa: E402
     _column_at,
     _think_batch,
     think_trace,
     train_think_model,
 )
+
+from rredcot.methods.answer_likelihood import answer_values  # noqa: E402
+from rredcot.methods.answer_probes import ProbeFormat  # noqa: E402
+from rredcot.models import build_char_tokenizer  # noqa: E402
 
 
 def main() -> None:

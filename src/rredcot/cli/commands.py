@@ -22,8 +22,8 @@ from rredcot.errors import UserError
 # configs, the segmenters, the explain and bench parsers); the commands that train run from
 # modules that import torch, transformers and accelerate at their top, so these are imported only
 # when their command runs: `rredcot --help`, `segment` with a text strategy and `explain --demo`
-# start in a fraction of a second (tests/test_cli_startup.py). bench runs each benchmark's module
-# the same way (bench.cli.SUBCOMMANDS).
+# start in a fraction of a second (tests/cli/test_cli_startup.py). bench runs each benchmark's
+# module the same way (bench.cli.SUBCOMMANDS).
 DEFERRED = {
     "train": "rredcot.cli.train:run_train",
     "sft": "rredcot.cli.train:run_warmstart",

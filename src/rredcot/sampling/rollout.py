@@ -156,7 +156,7 @@ def chosen_token_logprobs(
     the backward recomputes it chunk by chunk, so no full-vocabulary copy of the batch's logits
     exists besides the logits and their gradient. Values, entropies and gradients are bit-identical
     to ``F.log_softmax(logits.float() / temperature).gather(...)`` (the same kernels row by row;
-    ``tests/test_micro_batch.py``)."""
+    ``tests/sampling/test_micro_batch.py``)."""
     return _ChosenLogprobs.apply(logits, targets, float(temperature), with_entropy, chunk_bytes)
 
 

@@ -5,8 +5,8 @@ times over. Here the distinct prompts run through the layers once (their keys an
 per layer), and the responses run after them, every response attending to its own prompt's keys
 and values and causally to itself. Gradients flow back into the shared prompt computation from
 all of its samples, so the loss and its gradients are those of the plain forward (to float
-rounding; ``tests/test_shared_prompt.py``), at ``G``-fold less work on the prompt tokens. The
-output head runs only where a response token is scored.
+rounding; ``tests/sampling/test_shared_prompt.py``), at ``G``-fold less work on the prompt tokens.
+The output head runs only where a response token is scored.
 
 For the models the fast decoder supports (:func:`rredcot.sampling.decode.unsupported_reason`), without
 gradient checkpointing; :func:`forward` returns None where nothing is shared.

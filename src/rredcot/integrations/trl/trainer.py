@@ -77,7 +77,7 @@ OVERRIDDEN_TRL_METHODS = (
     "save_model",
 )
 """The ``GRPOTrainer`` methods :class:`RREDCoTGRPOTrainer` overrides (each calls TRL's own);
-tests/test_trl_integration.py checks that TRL still has each."""
+tests/integrations/trl/test_trl_integration.py checks that TRL still has each."""
 TRL_PRIVATE_ATTRIBUTES = ("_metrics", "_logs", "_step", "_tokenizer")
 """The private attributes of a ``GRPOTrainer`` the adapter reads."""
 
