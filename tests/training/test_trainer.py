@@ -374,3 +374,33 @@ def test_threads_follow_the_idle_cores(monkeypatch):
     assert choose_threads(0, torch.device("cpu")) is None
     assert choose_threads(3, torch.device("cpu")) == 3
     assert choose_threads(0, torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("method", ["uniform", "value_head"])
+def test_bfloat16_autocast_runs_the_steps_products_in_bfloat16_and_the_rest_in_float32(
+    init_dir, tmp_path, method
+):
+    """model.autocast=bfloat16: the policy's matrix products of sampling and the update come out
+    in bfloat16 (off: float32), while the weights, their gradients, the value head's update
+    and evaluation stay float32; the step trains (a finite, non-zero gradient)."""
+    seen: dict[str, set] = {}
+    for mode in ("off", "bfloat16"):
+        cfg = micro_config(init_dir, tmp_path / mode, credit_method=method, steps=1)
+        cfg.model.autocast = mode
+        trainer = Trainer(cfg, log=lambda *_: None)
+        layer = next(m for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
+        dtypes: set = set()
+        hook = layer.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+        trainer.step = 1
+        record = trainer.train_step(1)
+        seen[mode], step_dtypes = set(dtypes), set(dtypes)
+        dtypes.clear()
+        trainer.evaluate()
+        hook.remove()
+        assert dtypes == {torch.float32}  # evaluation reads the float32 policy
+        assert {p.dtype for p in trainer.policy.parameters()} == {torch.float32}
+        assert math.isfinite(record["grad_norm"]) and step_dtypes
+        trainer.release()
+    assert seen == {"off": {torch.float32}, "bfloat16": {torch.bfloat16}}
+    with pytest.raises(ValueError, match="model.autocast='fp8'; valid: off, bfloat16"):
+        micro_config(init_dir, tmp_path / "bad").model.__class__(autocast="fp8")

@@ -23,6 +23,10 @@ The other settings (KL 0, temperature 1, the task's max new tokens, 16 prompts x
 the same for both kinds."""
 
 
+AUTOCAST = ("off", "bfloat16")
+"""The values of ``model.autocast``."""
+
+
 @dataclass
 class ModelConfig:
     """The policy: which model, its dtype, LoRA and attention kernel."""
@@ -49,6 +53,13 @@ class ModelConfig:
         default="edge",
     )
     dtype: str = help_field("Policy dtype: float32, bfloat16 or float16.", default="float32")
+    autocast: str = help_field(
+        "Mixed precision of each training step's sampling and forwards: off (the dtype's own "
+        "compute), or bfloat16 (torch.autocast: matrix products in bfloat16, the weights, "
+        "optimiser, log-softmax, evaluation and the value head's update in float32). Whether it "
+        "pays depends on the processor: measure it on yours (docs/models.md, precision).",
+        default="off",
+    )
     lora_r: int = help_field("LoRA rank through peft; 0 trains all weights.", default=0)
     lora_alpha: int = help_field("LoRA alpha.", default=16)
     lora_target_modules: str = help_field(
@@ -67,6 +78,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"model.autocast={self.autocast!r}; valid: {', '.join(AUTOCAST)}")
         if self.lora_r < 0:
             raise ValueError("model.lora_r must be >= 0 (0 disables LoRA)")
         if self.tiny_warmstart not in TINY_WARMSTARTS:

@@ -281,50 +281,61 @@ class Trainer:
         clock, work = _StepClock(), _StepWork()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
-        # sample, verify, segment; keep the decoder's cache where the credit probes prefixes
-        batch, stats = self.rollout(problems, forward=False, keep_cache=self.probes_from_cache())
-        if batch.size == 0:
-            raise RuntimeError(
-                f"step {step}: the verifier rejected every sample (errors or non-finite rewards); "
-                "fix the task's verify() so that it returns a finite reward for model output"
+        with self.precision():  # model.autocast: sampling, forwards, credit and update
+            # sample, verify, segment; keep the decoder's cache where the credit probes prefixes
+            batch, stats = self.rollout(
+                problems, forward=False, keep_cache=self.probes_from_cache()
             )
-        if self.method is None:  # --credit auto: chosen from this batch, no extra sampling
-            self.choose_credit(batch, problems)
-        batch = self._with_references(batch, stats, work)
-        clock.lap("rollout")
-        ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
-        clock.lap("reference")
+            if batch.size == 0:
+                raise RuntimeError(
+                    f"step {step}: the verifier rejected every sample (errors or non-finite "
+                    "rewards); fix the task's verify() so that it returns a finite reward for "
+                    "model output"
+                )
+            if self.method is None:  # --credit auto: chosen from this batch, no extra sampling
+                self.choose_credit(batch, problems)
+            batch = self._with_references(batch, stats, work)
+            clock.lap("rollout")
+            ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
+            clock.lap("reference")
 
-        plan = self.forward_plan(batch)
-        loss_forward = None
-        if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
-            batch = self._fill_forward(batch)
-            clock.lap("old_logprobs")
-        elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
-            batch, loss_forward = self._loss_forward(batch)
+            plan = self.forward_plan(batch)
+            loss_forward = None
+            if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
+                batch = self._fill_forward(batch)
+                clock.lap("old_logprobs")
+            elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
+                batch, loss_forward = self._loss_forward(batch)
+                clock.lap("update")
+
+            credit_rows = self.method.rows(batch)
+            # the decoder's cache is read by the credit's probes only, before the update
+            batch = _without_probe_cache(batch)
+            estimate = self.method.estimate(credit_rows)
+            credit_out = self.method.credit_output(
+                credit_rows, estimate, batch.segment_ids, batch.response_mask
+            )
+            clock.lap("credit")
+
+            advantages, row_stats = self._update_rows(batch, credit_out.advantages.detach())
+            if plan.loss_forward_after:  # the one loss forward: the credited rows and columns
+                batch, loss_forward = self._credited_loss_forward(batch, advantages, ref_logprobs)
+            update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, work)
+            update_stats.update(row_stats)
             clock.lap("update")
-
-        credit_rows = self.method.rows(batch)
-        batch = _without_probe_cache(batch)  # read by the credit's probes only, before the update
-        estimate = self.method.estimate(credit_rows)
-        credit_out = self.method.credit_output(
-            credit_rows, estimate, batch.segment_ids, batch.response_mask
-        )
-        clock.lap("credit")
-
-        advantages, row_stats = self._update_rows(batch, credit_out.advantages.detach())
-        if plan.loss_forward_after:  # the one loss forward, over the credited rows and columns
-            batch, loss_forward = self._credited_loss_forward(batch, advantages, ref_logprobs)
-        update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, work)
-        update_stats.update(row_stats)
-        clock.lap("update")
-
         value_stats = self.method.update(credit_rows, estimate)
         clock.lap("value_update")
         self.last_step = work
         return self._record(
             step, batch, stats, credit_out, update_stats, value_stats, clock, plan, work
         )
+
+    def precision(self):
+        """The step's compute precision (``model.autocast``): a bfloat16 ``torch.autocast``, or
+        nothing. Evaluation and the credit method's own update run outside it."""
+        if self.cfg.model.autocast == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def forward_plan(self, batch: RolloutBatch) -> ForwardPlan:
         """This step's :class:`ForwardPlan` (:func:`plan_forward`)."""
