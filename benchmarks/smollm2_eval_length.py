@@ -10,7 +10,8 @@ evaluates at 72, the task's suggestion.
         --task-arg data=../shared/data/gsm8k --caps 256   (headroom of another testbed)
     python benchmarks/smollm2_eval_length.py OUT.json --sampled 8 --caps 224 --eval-size 16 \
         --seed 5   (training's view: 8 samples at temperature 1 per training prompt; the share
-                    that ends by each cap is read off one long cap)
+                    that ends by each cap is read off one long cap, and the share of groups
+                    all wrong or all right, where GRPO has no signal)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
         t0 = time.perf_counter()
         correct = capped = 0
         lengths, finished = [], []
+        solved = [0] * len(problems)  # per prompt: how many of its G samples are right
         # prompts per generate call: 64 greedy rows, or 32 sampled rows (the chunking fixes the
         # RNG stream, so ceiling/lengths.json is reproduced only with it)
         step = 64 if G == 1 else max(32 // G, 1)
@@ -79,6 +81,7 @@ def main() -> None:
                 text = tokenizer.decode(ids[row, P : P + n], skip_special_tokens=True)
                 verdict, ok = checked_verify(task, problem, text)
                 correct += float(verdict.reward) if ok else 0.0
+                solved[start + row // G] += int(ok and float(verdict.reward) == 1.0)
                 ended = int(ids[row, P + n - 1]) == tokenizer.eos_token_id
                 capped += int(n >= cap and not ended)
                 lengths.append(n)
@@ -93,6 +96,14 @@ def main() -> None:
                 if c <= cap
             },
             "mean_length": sum(lengths) / len(lengths),
+            **(
+                {  # the headroom of GRPO's groups: where all G agree it has no signal
+                    "groups_all_wrong": sum(k == 0 for k in solved) / len(solved),
+                    "groups_all_right": sum(k == G for k in solved) / len(solved),
+                }
+                if G > 1
+                else {}
+            ),
             "seconds": round(time.perf_counter() - t0, 1),
         }
         print(json.dumps(row), flush=True)
