@@ -107,8 +107,8 @@ class Replay(Trainer):
         stats = {"rollout/tokens": float(batch.response_mask.sum()), "rollout/skipped_samples": 0}
         return batch, stats
 
-    def _with_references(self, batch, stats):
-        self.seen = super()._with_references(batch, stats)
+    def _with_references(self, batch, stats, work):
+        self.seen = super()._with_references(batch, stats, work)
         return self.seen
 
     def use_hand_credit(self) -> None:
