@@ -42,6 +42,9 @@ def main() -> None:
         help="G samples at temperature 1 per "
         "training prompt instead of greedy evaluation (0: greedy)",
     )
+    ap.add_argument(
+        "--temperature", type=float, default=1.0, help="of --sampled rows (training's: 1.0)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -74,6 +77,7 @@ def main() -> None:
                     num_generations=G,
                     max_new_tokens=cap,
                     greedy=not args.sampled,
+                    temperature=args.temperature,
                 )
             for row in range(ids.shape[0]):
                 problem = problems[chunk][row // G]
@@ -115,6 +119,8 @@ def main() -> None:
         "eval_size": len(problems),
         "greedy": not args.sampled,
         "samples_per_prompt": G,
+        **({"task_args": task_args} if task_args else {}),
+        **({"temperature": args.temperature} if args.sampled else {}),
     }
     with open(args.out, "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
