@@ -222,3 +222,37 @@ def test_a_failed_unlabelled_trace_that_ended_is_wrong_at_its_last_line(
     assert grpo.segment_advantages[2, :n].tolist() == pytest.approx([-1 / 3] * n)
     with pytest.raises(ValueError, match="ended_unlabelled='x'; valid: last_segment, grpo"):
         OracleConfig(ended_unlabelled="x")
+
+
+def test_a_failed_unlabelled_trace_cut_by_the_cap_is_blamed_only_when_asked(
+    char_tokenizer, arithmetic_task
+):
+    """capped_unlabelled: a trace cut by the token cap (no EOS) keeps GRPO's credit by default,
+    and is blamed at its last segment with capped_unlabelled=last_segment."""
+    problems = arithmetic_task.train_problems(1, seed=3)
+    gold = arithmetic_task.gold_completion(problems[0])
+    wrong = arithmetic_task.inject_error(problems[0], step=1)
+    cut = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]
+    batch = batch_from_texts(
+        char_tokenizer,
+        arithmetic_task,
+        problems * 3,
+        [gold, wrong, cut],
+        group_size=3,
+        cut_rows=(2,),
+    )
+    verdicts = list(batch.verdicts)
+    verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None, reward=0.0)
+    batch = batch.replace(verdicts=verdicts, rewards=torch.tensor([1.0, 0.0, 0.0]))
+    n = int(batch.num_segments[2])
+
+    def segments(capped):
+        options = OracleConfig(capped_unlabelled=capped)
+        config = CreditConfig(normalization="none", oracle=options)
+        method = build_credit("oracle", config, CreditContext(None, char_tokenizer))
+        return method.compute(batch).segment_advantages[2, :n].tolist()
+
+    assert segments("grpo") == pytest.approx([-1 / 3] * n)
+    assert segments("last_segment") == pytest.approx([0.0, -1 / 3])
+    with pytest.raises(ValueError, match="capped_unlabelled='x'; valid: last_segment, grpo"):
+        OracleConfig(capped_unlabelled="x")

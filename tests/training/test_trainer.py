@@ -390,7 +390,7 @@ def test_bfloat16_autocast_runs_the_steps_products_in_bfloat16_and_the_rest_in_f
         trainer = Trainer(cfg, log=lambda *_: None)
         layer = next(m for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
         dtypes: set = set()
-        hook = layer.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+        hook = layer.register_forward_hook(lambda mod, args, out, seen=dtypes: seen.add(out.dtype))
         trainer.step = 1
         record = trainer.train_step(1)
         seen[mode], step_dtypes = set(dtypes), set(dtypes)

@@ -323,7 +323,7 @@ class ContinuationLikelihoodConfig:
 
 ORACLE_VALUES = ("group", "pooled", "monte_carlo")
 ORACLE_ENDED_UNLABELLED = ("last_segment", "grpo")
-"""The values of ``credit.oracle.ended_unlabelled``."""
+"""The values of ``credit.oracle.ended_unlabelled`` and ``capped_unlabelled``."""
 """The values of ``credit.oracle.values``."""
 
 
@@ -352,17 +352,26 @@ class OracleConfig:
         "which the policy learned to write such traces).",
         default="last_segment",
     )
+    capped_unlabelled: str = help_field(
+        "The same for a trace cut by the token cap (no EOS). grpo: GRPO's credit, since a cut "
+        "trace may have been right so far; last_segment: it ran out of tokens without a right "
+        "answer, so its last segment holds the first error (every failed trace is then blamed "
+        "somewhere: on SmolLM2 the policy learned to run to the cap when only ended traces "
+        "were).",
+        default="grpo",
+    )
 
     def __post_init__(self) -> None:
         if self.values not in ORACLE_VALUES:
             raise ValueError(
                 f"credit.oracle.values={self.values!r}; valid: {', '.join(ORACLE_VALUES)}"
             )
-        if self.ended_unlabelled not in ORACLE_ENDED_UNLABELLED:
-            raise ValueError(
-                f"credit.oracle.ended_unlabelled={self.ended_unlabelled!r}; valid: "
-                f"{', '.join(ORACLE_ENDED_UNLABELLED)}"
-            )
+        for name in ("ended_unlabelled", "capped_unlabelled"):
+            if getattr(self, name) not in ORACLE_ENDED_UNLABELLED:
+                raise ValueError(
+                    f"credit.oracle.{name}={getattr(self, name)!r}; valid: "
+                    f"{', '.join(ORACLE_ENDED_UNLABELLED)}"
+                )
         if self.rollouts < 1:
             raise ValueError("credit.oracle.rollouts must be >= 1")
         refuse_beyond_memory(

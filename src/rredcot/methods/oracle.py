@@ -24,7 +24,9 @@ without a label that *ended on its own* (EOS before the cap: it stopped without 
 is wrong at its last line (``credit.oracle.ended_unlabelled=last_segment``, the default): with
 GRPO's credit there instead, text the labels cannot check (no equations, no stated answer) was a
 refuge from the blame that checkable lines get, and on SmolLM2 the policy learned to write it
-(``benchmarks/results/smollm2/ceiling/README.md``).
+(``benchmarks/results/smollm2/ceiling/README.md``). A trace cut by the cap keeps GRPO's credit
+unless ``credit.oracle.capped_unlabelled=last_segment``: with ended traces blamed, the SmolLM2
+policy learned to run to the cap instead.
 
 That is ``credit.oracle.values=group``, the default. It gives no credit in a group whose rewards
 all agree (``p_g`` is 0 or 1 at every boundary), exactly where GRPO learns nothing, so it is not a
@@ -177,14 +179,16 @@ class OracleCredit(CreditMethod):
         error_segment: list[int | None] = []
         lines_done: list[list[int]] = []
         blame_ended = self.options.ended_unlabelled == "last_segment"
+        blame_capped = self.options.capped_unlabelled == "last_segment"
         ended = ended_with_eos(batch, getattr(self.context.tokenizer, "eos_token_id", None))
         for row, verdict in enumerate(batch.verdicts):
             text = batch.completions[row]
             starts = batch.segment_char_starts[row]
             lines_done.append(completed_lines(text, starts) if starts else [0])
             label = verdict.first_error_step
-            if label is None and blame_ended and ended[row] and float(verdict.reward) < 1.0:
-                label = text.count("\n")  # stopped without a right answer: its last line
+            blamed = blame_ended if ended[row] else blame_capped
+            if label is None and blamed and float(verdict.reward) < 1.0:
+                label = text.count("\n")  # no right answer where it stopped: its last line
             if label is None or not starts:
                 right_lines.append(math.nan)
                 error_segment.append(None)
