@@ -27,6 +27,8 @@ SPECS = {
     "answer_likelihood": "answer_likelihood",
     "oracle_pooled": "oracle:oracle.values=pooled",
     "oracle_group": "oracle:oracle.values=group",
+    # every failed trace blamed somewhere: also those cut by the cap (issue 60, ceiling labels v3)
+    "oracle_pooled_v3": "oracle:oracle.values=pooled:oracle.capped_unlabelled=last_segment",
     "oracle_mc": "oracle:oracle.values=monte_carlo:oracle.rollouts=16",
     "cl_flow": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5",
     "cl_cheap": "continuation_likelihood:lam=0:anchor=none:handover.smoothing=0.5"
