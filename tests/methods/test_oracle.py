@@ -154,28 +154,40 @@ def test_monte_carlo_oracle_in_training_reports_but_does_not_charge_its_rollouts
     assert record["tokens_generated"] == trainer.tokens_generated  # rollouts only
 
 
-def test_a_row_without_a_label_gets_grpo_credit_on_every_segment(char_tokenizer, arithmetic_task):
-    """An unknown label (a trace cut short, no step labels) is no blame on its last segment:
-    lambda 1 through its boundaries gives every segment ``R - mean(R_group)``, as GRPO does."""
+def _unlabelled_third_row(char_tokenizer, arithmetic_task, ended: bool, failed: bool):
+    """A group of three: the gold trace, one wrong at step 1, and a two-line trace whose second
+    line stops short, with no step label; ``ended``: it ends with EOS (else the cap cut it);
+    ``failed``: its reward set to 0 (the rewards then 1, 0, 0)."""
     problems = arithmetic_task.train_problems(1, seed=3)
     gold = arithmetic_task.gold_completion(problems[0])
     wrong = arithmetic_task.inject_error(problems[0], step=1)
-    cut = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]  # two lines, the second cut
+    short = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]  # two lines, the second short
     batch = batch_from_texts(
         char_tokenizer,
         arithmetic_task,
         problems * 3,
-        [gold, wrong, cut],
+        [gold, wrong, short],
         group_size=3,
-        cut_rows=(2,),
+        cut_rows=() if ended else (2,),
     )
     verdicts = list(batch.verdicts)
+    if failed:
+        verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None, reward=0.0)
+        return batch.replace(verdicts=verdicts, rewards=torch.tensor([1.0, 0.0, 0.0]))
     verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None)
-    batch = batch.replace(verdicts=verdicts)
-    method = build_credit(
-        "oracle", CreditConfig(normalization="none"), CreditContext(None, char_tokenizer)
-    )
-    out = method.compute(batch)
+    return batch.replace(verdicts=verdicts)
+
+
+def _oracle(char_tokenizer, **options):
+    config = CreditConfig(normalization="none", oracle=OracleConfig(**options))
+    return build_credit("oracle", config, CreditContext(None, char_tokenizer))
+
+
+def test_a_row_without_a_label_gets_grpo_credit_on_every_segment(char_tokenizer, arithmetic_task):
+    """An unknown label (a trace cut short, no step labels) is no blame on its last segment:
+    lambda 1 through its boundaries gives every segment ``R - mean(R_group)``, as GRPO does."""
+    batch = _unlabelled_third_row(char_tokenizer, arithmetic_task, ended=False, failed=False)
+    out = _oracle(char_tokenizer).compute(batch)
     assert out.metrics["credit/oracle_labelled_fraction"] == pytest.approx(2 / 3)
     n = int(batch.num_segments[2])
     assert n == 2
@@ -190,34 +202,15 @@ def test_a_failed_unlabelled_trace_that_ended_is_wrong_at_its_last_line(
     """The same unlabelled row, but ended by EOS (it stopped without a right answer): blamed at
     its last segment like a labelled trace (no unjudged refuge), unless ended_unlabelled=grpo;
     cut by the token cap it keeps GRPO's credit (the test above)."""
-    problems = arithmetic_task.train_problems(1, seed=3)
-    gold = arithmetic_task.gold_completion(problems[0])
-    wrong = arithmetic_task.inject_error(problems[0], step=1)
-    stopped = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]
-    batch = batch_from_texts(
-        char_tokenizer, arithmetic_task, problems * 3, [gold, wrong, stopped], group_size=3
-    )
-    verdicts = list(batch.verdicts)
-    verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None, reward=0.0)
-    batch = batch.replace(verdicts=verdicts, rewards=torch.tensor([1.0, 0.0, 0.0]))
+    batch = _unlabelled_third_row(char_tokenizer, arithmetic_task, ended=True, failed=True)
     n = int(batch.num_segments[2])
     assert n == 2
-
-    def credit(ended_unlabelled):
-        options = OracleConfig(ended_unlabelled=ended_unlabelled)
-        method = build_credit(
-            "oracle",
-            CreditConfig(normalization="none", oracle=options),
-            CreditContext(None, char_tokenizer),
-        )
-        return method.compute(batch)
-
-    blamed = credit("last_segment")
+    blamed = _oracle(char_tokenizer, ended_unlabelled="last_segment").compute(batch)
     assert blamed.metrics["credit/oracle_labelled_fraction"] == 1.0
     # p(0) = 1/3; p(1) = 1/3 (every row has its first line right); the stopped row's last
     # segment holds its error: V(s_1) = p(1), V(s_2) = R = 0.
     assert blamed.segment_advantages[2, :n].tolist() == pytest.approx([0.0, -1 / 3])
-    grpo = credit("grpo")
+    grpo = _oracle(char_tokenizer, ended_unlabelled="grpo").compute(batch)
     assert grpo.metrics["credit/oracle_labelled_fraction"] == pytest.approx(2 / 3)
     assert grpo.segment_advantages[2, :n].tolist() == pytest.approx([-1 / 3] * n)
     with pytest.raises(ValueError, match="ended_unlabelled='x'; valid: last_segment, grpo"):
@@ -229,28 +222,12 @@ def test_a_failed_unlabelled_trace_cut_by_the_cap_is_blamed_only_when_asked(
 ):
     """capped_unlabelled: a trace cut by the token cap (no EOS) keeps GRPO's credit by default,
     and is blamed at its last segment with capped_unlabelled=last_segment."""
-    problems = arithmetic_task.train_problems(1, seed=3)
-    gold = arithmetic_task.gold_completion(problems[0])
-    wrong = arithmetic_task.inject_error(problems[0], step=1)
-    cut = gold.split("\n")[0] + "\n" + gold.split("\n")[1][:2]
-    batch = batch_from_texts(
-        char_tokenizer,
-        arithmetic_task,
-        problems * 3,
-        [gold, wrong, cut],
-        group_size=3,
-        cut_rows=(2,),
-    )
-    verdicts = list(batch.verdicts)
-    verdicts[2] = dataclasses.replace(verdicts[2], first_error_step=None, reward=0.0)
-    batch = batch.replace(verdicts=verdicts, rewards=torch.tensor([1.0, 0.0, 0.0]))
+    batch = _unlabelled_third_row(char_tokenizer, arithmetic_task, ended=False, failed=True)
     n = int(batch.num_segments[2])
 
     def segments(capped):
-        options = OracleConfig(capped_unlabelled=capped)
-        config = CreditConfig(normalization="none", oracle=options)
-        method = build_credit("oracle", config, CreditContext(None, char_tokenizer))
-        return method.compute(batch).segment_advantages[2, :n].tolist()
+        out = _oracle(char_tokenizer, capped_unlabelled=capped).compute(batch)
+        return out.segment_advantages[2, :n].tolist()
 
     assert segments("grpo") == pytest.approx([-1 / 3] * n)
     assert segments("last_segment") == pytest.approx([0.0, -1 / 3])
