@@ -138,10 +138,16 @@ def micro_batches(
     padded to its longest row: rows join it while ``rows x longest`` fits."""
     if isinstance(row_tokens, torch.Tensor):
         return _packed_micro_batches(rows, row_tokens.tolist(), budget)
-    per = max(1, budget // max(row_tokens, 1))
+    per = rows_per_micro_batch(row_tokens, budget)
     if len(rows) <= per:
         return [rows]
     return list(rows.split(per))
+
+
+def rows_per_micro_batch(row_tokens: int, budget: int) -> int:
+    """How many rows of ``row_tokens`` tokens one micro-batch of :func:`micro_batches` holds:
+    as many as fit in ``budget`` tokens, at least one."""
+    return max(1, budget // max(row_tokens, 1))
 
 
 def _packed_micro_batches(rows: torch.Tensor, lengths: list[int], budget: int):

@@ -79,10 +79,7 @@ def sample_rows_to_budget(
     if fraction == 1:
         keep = torch.ones(advantages.shape[0], dtype=torch.float64, device=advantages.device)
         return advantages, keep
-    tokens, norm = row_credit_sizes(advantages, response_mask)
-    keep = budget_keep_probabilities(tokens, norm, eligible, fraction)
-    draw = torch.rand(len(keep), generator=generator, dtype=torch.float64)
-    return apply_row_draw(advantages, keep, draw), keep
+    return _drawn_to_budget(advantages, response_mask, eligible, fraction, generator, _one_process)
 
 
 def row_credit_sizes(advantages: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,12 +175,9 @@ def update_rows(
     if agreeing_fraction == 1:
         return advantages, {}
     eligible = _agreeing_rows(rewards, group_ids).to(advantages.device)
-    tokens, norm = _row_credit_sizes(advantages, response_mask)
-    start, (tokens, norm, every) = gather([tokens, norm, eligible])
-    keep = _budget_keep_probabilities(tokens, norm, every, agreeing_fraction)
-    draw = torch.rand(len(keep), generator=generator, dtype=torch.float64)
-    mine = slice(start, start + advantages.shape[0])
-    out = _apply_row_draw(advantages, keep[mine], draw[mine])
+    out, _ = _drawn_to_budget(
+        advantages, response_mask, eligible, agreeing_fraction, generator, gather
+    )
     credited = (advantages != 0).any(dim=1) & eligible
     kept = (out != 0).any(dim=1) & credited
     return out, {"kept": kept.sum(), "credited": credited.sum()}
@@ -195,6 +189,22 @@ def credited_columns(advantages: Tensor, response_mask: Tensor, rows: Tensor) ->
     here = rows.to(advantages.device)
     credited = (advantages[here] != 0) & (response_mask[here] != 0)
     return _last_positions(credited).to(rows.device)
+
+
+def _drawn_to_budget(advantages, response_mask, eligible, fraction, generator, gather):
+    """:func:`sample_rows_to_budget`'s draw over every process's rows (``gather``, as in
+    :func:`update_rows`): ``(advantages (B, T), this process's keep probabilities (B,))``."""
+    tokens, norm = _row_credit_sizes(advantages, response_mask)
+    start, (tokens, norm, every) = gather([tokens, norm, eligible])
+    keep = _budget_keep_probabilities(tokens, norm, every, fraction)
+    draw = torch.rand(len(keep), generator=generator, dtype=torch.float64)
+    mine = slice(start, start + advantages.shape[0])
+    return _apply_row_draw(advantages, keep[mine], draw[mine]), keep[mine]
+
+
+def _one_process(columns: list[Tensor]) -> tuple[int, list[Tensor]]:
+    """The ``gather`` of rows all held by one process."""
+    return 0, columns
 
 
 def _agreeing_rows(rewards: Tensor, group_ids: Tensor) -> Tensor:

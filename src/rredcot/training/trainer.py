@@ -41,7 +41,7 @@ from rredcot.methods.auto import (
 )
 from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.memory import micro_batches
+from rredcot.sampling.memory import micro_batches, rows_per_micro_batch
 from rredcot.sampling.rollout import (
     fill_forward,
     policy_forward,
@@ -339,8 +339,7 @@ class Trainer:
 
     def forward_plan(self, batch: RolloutBatch) -> ForwardPlan:
         """This step's :class:`ForwardPlan` (:func:`plan_forward`)."""
-        per = self.micro_batch_tokens // max(batch.input_ids.shape[1], 1)
-        fits = batch.size <= max(1, per)  # one micro-batch (sampling.memory.micro_batches)
+        fits = batch.size <= rows_per_micro_batch(batch.input_ids.shape[1], self.micro_batch_tokens)
         reads = self.method.needs_hidden_states or self.segmenter.uses_entropy
         return plan_forward(self.single_pass(), fits, reads)
 
