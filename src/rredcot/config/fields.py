@@ -39,6 +39,12 @@ def refuse_blank_path(path: str | None, name: str = "out", what: str = "director
         )
 
 
+def refuse_unknown(value: Any, valid: tuple[str, ...], name: str) -> None:
+    """Refuse a setting ``name`` whose ``value`` is not one of ``valid``, listing them."""
+    if value not in valid:
+        raise ValueError(f"{name}={value!r}; valid: {', '.join(valid)}")
+
+
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """The seeds torch takes (a 64-bit integer); a larger one failed with "Overflow when unpacking
 long"."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rredcot.config.fields import help_field
+from rredcot.config.fields import help_field, refuse_unknown
 from rredcot.machine import refuse_beyond_memory, refuse_bytes_beyond_memory
 
 HEAD_BYTES_PER_WEIGHT = 16
@@ -362,16 +362,9 @@ class OracleConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.values not in ORACLE_VALUES:
-            raise ValueError(
-                f"credit.oracle.values={self.values!r}; valid: {', '.join(ORACLE_VALUES)}"
-            )
+        refuse_unknown(self.values, ORACLE_VALUES, "credit.oracle.values")
         for name in ("ended_unlabelled", "capped_unlabelled"):
-            if getattr(self, name) not in ORACLE_ENDED_UNLABELLED:
-                raise ValueError(
-                    f"credit.oracle.{name}={getattr(self, name)!r}; valid: "
-                    f"{', '.join(ORACLE_ENDED_UNLABELLED)}"
-                )
+            refuse_unknown(getattr(self, name), ORACLE_ENDED_UNLABELLED, f"credit.oracle.{name}")
         if self.rollouts < 1:
             raise ValueError("credit.oracle.rollouts must be >= 1")
         refuse_beyond_memory(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rredcot.config.fields import help_field
+from rredcot.config.fields import help_field, refuse_unknown
 
 TINY_WARMSTARTS = ("edge", "low")
 """The values of ``model.tiny_warmstart`` (``rredcot.training.sft.WARMSTART_PRESETS`` holds their settings)."""
@@ -78,14 +78,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
-        if self.autocast not in AUTOCAST:
-            raise ValueError(f"model.autocast={self.autocast!r}; valid: {', '.join(AUTOCAST)}")
+        refuse_unknown(self.autocast, AUTOCAST, "model.autocast")
         if self.lora_r < 0:
             raise ValueError("model.lora_r must be >= 0 (0 disables LoRA)")
-        if self.tiny_warmstart not in TINY_WARMSTARTS:
-            raise ValueError(
-                f"model.tiny_warmstart={self.tiny_warmstart!r}; valid: {', '.join(TINY_WARMSTARTS)}"
-            )
+        refuse_unknown(self.tiny_warmstart, TINY_WARMSTARTS, "model.tiny_warmstart")
 
     def tiny_shape(self) -> dict[str, int]:
         """The tiny Llama's size, as ``rredcot sft`` (``SFTConfig``) names it."""
