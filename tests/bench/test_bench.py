@@ -13,7 +13,7 @@ import torch
 import yaml
 
 import rredcot.training.trainer as trainer_module
-from rredcot.bench.configs import LEARN_LR
+from rredcot.bench.configs import LEARN_LR, CreditBenchConfig
 from rredcot.bench.credit import credit_markdown, fit_method, merge_credit_reports, resegment
 from rredcot.bench.learn import (
     LearnBenchConfig,
@@ -61,6 +61,26 @@ class _FirstCharTask(Task):
 
 
 register_task("bench_first_char")(_FirstCharTask)
+
+
+class _FirstCharUnlabelledWrong(_FirstCharTask):
+    """The same outcome, but a wrong trace has no step label (``first_error_step`` None)."""
+
+    def verify(self, problem, completion):
+        v = super().verify(problem, completion)
+        return v if v.reward == 1.0 else Verdict(v.reward, v.answer, None, v.reason)
+
+
+class _FirstCharNoLabels(_FirstCharTask):
+    """No step labels at all."""
+
+    def verify(self, problem, completion):
+        v = super().verify(problem, completion)
+        return Verdict(v.reward, v.answer, None, v.reason)
+
+
+register_task("bench_first_char_unlabelled_wrong")(_FirstCharUnlabelledWrong)
+register_task("bench_first_char_no_labels")(_FirstCharNoLabels)
 
 QUIET = dict(log=lambda *_: None)
 
@@ -392,6 +412,64 @@ def test_bench_credit_end_to_end(init_dir, tmp_path, capsys):
     assert all(name in md for name in names)
     page = (out / report["examples"]["tokens:4"]).read_text()
     assert "ground truth V_MC" in page and "first_last" in page
+
+
+def _oracle_truth_argv(init_dir, out, task, methods="uniform,oracle"):
+    argv = ["bench", "credit", "--checkpoint", str(init_dir), "--task", task]
+    argv += ["--methods", methods, "--segmenter", "tokens:4", "--prompts", "3", "--samples", "4"]
+    argv += ["--value-fit-batches", "0", "--max-new-tokens", "12", "--out", str(out)]
+    return argv + ["--ground_truth", "oracle", "--set", "credit.oracle.values=pooled"]
+
+
+def test_bench_credit_against_the_oracle(init_dir, tmp_path, capsys):
+    out = tmp_path / "credit"
+    methods = "uniform,oracle,mc=monte_carlo:monte_carlo.rollouts=8"
+    assert main(_oracle_truth_argv(init_dir, out, "bench_first_char", methods)) == 0
+    report = json.loads((out / "credit.json").read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    gt = report["ground_truth"]["tokens:4"]
+    assert gt["ground_truth"] == "oracle, pooled values" and gt["judged_traces"] == 12
+    assert "k" not in gt and gt["extra_generated_tokens"] == 0  # the labels cost no generation
+    # the oracle method scored against its own values: exact agreement
+    oracle = rows["oracle"]
+    assert oracle["spearman_pooled"] == pytest.approx(1.0) and oracle["value_mse"] == 0.0
+    assert oracle["sign_agreement"] == 1.0 and oracle["num_traces"] == 12
+    # every wrong trace's first error is its first line: the labels blame it, uniform never does
+    assert rows["ground_truth"]["error_acc"] == 1.0 and rows["uniform"]["error_acc"] == 0.0
+    assert rows["mc"]["error_acc"] == 1.0 and rows["mc"]["extra_generated_tokens_per_trace"] > 0
+    md = (out / "credit.md").read_text()
+    assert "first-wrong-line labels (credit.oracle.values=pooled)" in md and "12 traces" in md
+    assert (
+        "ground truth oracle, pooled values" in (out / report["examples"]["tokens:4"]).read_text()
+    )
+
+
+def test_bench_credit_against_the_oracle_scores_only_judged_traces(init_dir, tmp_path):
+    # a wrong trace without a step label cut by the cap, or ended on its own with the blame of
+    # ended traces off, gets GRPO's credit from the oracle: it is no truth, and is not scored
+    out = tmp_path / "credit"
+    argv = _oracle_truth_argv(init_dir, out, "bench_first_char_unlabelled_wrong")
+    argv += ["--set", "credit.oracle.ended_unlabelled=grpo"]
+    assert main(argv) == 0
+    report = json.loads((out / "credit.json").read_text())
+    right = round(report["mean_reward"] * report["num_traces"])
+    assert 0 < right < report["num_traces"] == 12
+    assert report["ground_truth"]["tokens:4"]["judged_traces"] == right
+    for row in report["results"]:
+        assert row["num_traces"] == right, row["method"]
+
+
+def test_bench_credit_against_the_oracle_refuses_a_task_without_labels(init_dir, tmp_path, capsys):
+    out = tmp_path / "credit"
+    assert main(_oracle_truth_argv(init_dir, out, "bench_first_char_no_labels")) == 2
+    err = capsys.readouterr().err
+    assert "none of the 12 traces has step labels" in err and "--ground_truth monte_carlo" in err
+    assert not (out / "credit.json").exists()
+
+
+def test_bench_credit_refuses_an_unknown_ground_truth(tmp_path):
+    with pytest.raises(ValueError, match="ground-truth='mc'; valid: monte_carlo, oracle"):
+        CreditBenchConfig(checkpoint="x", ground_truth="mc")
 
 
 def test_bench_credit_rejects_train_overrides(init_dir, tmp_path, capsys):

@@ -38,6 +38,7 @@ LEARN_BUDGET_TOKENS = 500_000
 LEARN_EVAL_EVERY = 5
 LEARN_EVAL_SIZE = 256
 LEARN_LR = 5e-5  # chosen on tuning seeds 0-1 (benchmarks/results/long_chain/README.md)
+GROUND_TRUTHS = ("monte_carlo", "oracle")  # what `bench credit` compares the methods with
 
 
 @dataclass
@@ -58,6 +59,13 @@ class CreditBenchConfig:
     task_args: dict = field(default_factory=dict)
     prompts: int = help_field("Held-out prompts N.", default=32)
     samples: int = help_field("Completions per prompt G.", default=8)
+    ground_truth: str = help_field(
+        "What the methods are compared with: monte_carlo (V_MC from --mc_k rollouts a boundary) "
+        "or oracle (the verifier's first-wrong-line labels through the oracle method and its "
+        "credit.oracle.* settings, no generation; tasks with step labels only, and only the "
+        "traces the labels judge are scored).",
+        default="monte_carlo",
+    )
     mc_k: int = help_field("Ground-truth Monte Carlo rollouts per boundary.", default=32)
     lam: float = help_field("Lambda of every comparison (0: A_k = r_k).", default=0.0)
     out: str = help_field("Output directory.", default="bench/credit")
@@ -97,6 +105,10 @@ class CreditBenchConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0")
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"lam={self.lam} must be in [0, 1]")
+        if self.ground_truth not in GROUND_TRUTHS:
+            raise ValueError(
+                f"ground-truth={self.ground_truth!r}; valid: {', '.join(GROUND_TRUTHS)}"
+            )
 
 
 @dataclass

@@ -76,7 +76,14 @@ from rredcot.explain.model import (
     segment_credits,
 )
 from rredcot.explain.pictures import render_html
-from rredcot.explain.scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
+from rredcot.explain.scores import (
+    GroundTruth,
+    Traces,
+    comparison_advantages,
+    evaluate_method,
+    masked_rows,
+    method_scores,
+)
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
@@ -164,10 +171,20 @@ def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, 
     )
 
 
-def ground_truth(policy, tokenizer, task, traces: Traces, cfg: CreditBenchConfig) -> GroundTruth:
+def ground_truth(
+    policy, tokenizer, task, traces: Traces, cfg: CreditBenchConfig, device=None
+) -> GroundTruth:
+    """The values every method is compared with, and their advantages at ``cfg.lam``:
+    ``V_MC`` from ``cfg.mc_k`` rollouts a boundary, or the oracle's first-error values."""
+    if cfg.ground_truth == "oracle":
+        return oracle_truth(policy, tokenizer, task, traces, cfg, device)
+    return monte_carlo_truth(policy, tokenizer, task, traces, cfg)
+
+
+def monte_carlo_truth(policy, tokenizer, task, traces: Traces, cfg) -> GroundTruth:
     """``V_MC`` from ``cfg.mc_k`` rollouts per boundary and the advantages at ``cfg.lam``."""
     t0 = time.perf_counter()
-    gt = GroundTruth([], [], [], {}, 0.0)
+    gt = GroundTruth([], [], [], {}, 0.0, label=f"V_MC, K = {cfg.mc_k}")
     for c, b in enumerate(traces.batches):
         bar = tqdm(
             desc=f"ground truth {c + 1}/{len(traces.batches)}",
@@ -200,6 +217,43 @@ def ground_truth(policy, tokenizer, task, traces: Traces, cfg: CreditBenchConfig
         gt.full.append((v, m))
         for k, x in st.items():
             gt.stats[k] = gt.stats.get(k, 0.0) + x
+    gt.seconds = time.perf_counter() - t0
+    return gt
+
+
+def oracle_truth(policy, tokenizer, task, traces: Traces, cfg, device) -> GroundTruth:
+    """The oracle method's values (the verifier's first-wrong-line labels, its
+    ``credit.oracle.*`` settings from ``--set``) and their advantages at ``cfg.lam``. Only the
+    traces whose every boundary has a value are kept (``GroundTruth.keep``): a trace the labels
+    cannot judge would get GRPO's credit, which is no truth."""
+    t0 = time.perf_counter()
+    credit_cfg = Variant("oracle", "oracle").credit_config(cfg.overrides)
+    device = device if device is not None else torch.device("cpu")
+    ctx = CreditContext(policy=policy, tokenizer=tokenizer, task=task, device=device)
+    oracle = build_credit("oracle", credit_cfg, ctx)
+    label = f"oracle, {credit_cfg.oracle.values} values"
+    gt = GroundTruth([], [], [], {}, 0.0, label=label, keep=[])
+    for b in traces.batches:
+        out = oracle.compute(b)
+        v, m = out.values, out.value_mask.bool()
+        adv = comparison_advantages(out, b.rewards, cfg.lam, oracle, b)
+        gt.adv += masked_rows(adv, out.segment_mask.bool())
+        gt.values += [r[:-1] for r in masked_rows(v, m)]  # drop s_n (it is R)
+        rows = oracle.rows(b)  # a label-less row's boundaries are NaN here, before the estimate
+        unknown = rows.values.isnan() & rows.value_mask  # hands them GRPO's credit
+        gt.keep += (~unknown.any(dim=1)).tolist()
+        gt.full.append((v, m))
+        for k, x in out.metrics.items():
+            if k.startswith("credit/extra_"):
+                gt.stats[k] = gt.stats.get(k, 0.0) + float(x)
+    if not any(gt.keep):
+        raise ValueError(
+            f"--ground_truth oracle: none of the {traces.size} traces has step labels (task "
+            f"{task.name!r} reports no first wrong step for them, or every trace was cut by the "
+            "token cap); use a task with step labels (arithmetic, word_problems, gsm8k_steps), "
+            "a larger --max_new_tokens, or --ground_truth monte_carlo"
+        )
+    gt.stats["judged_traces"] = float(sum(gt.keep))
     gt.seconds = time.perf_counter() - t0
     return gt
 
@@ -304,10 +358,15 @@ def _fit_batches(bench: _Bench, variants: list[Variant]) -> list[RolloutBatch]:
     return fit_batches
 
 
+def _truth_name(cfg: CreditBenchConfig) -> str:
+    return f"K={cfg.mc_k}" if cfg.ground_truth == "monte_carlo" else "oracle (step labels)"
+
+
 def _ground_truth_summary(gt: GroundTruth, traces: Traces, cfg: CreditBenchConfig) -> dict:
     """The report's ``ground_truth`` entry of one segmentation: settings, time and cost."""
     return {
-        "k": cfg.mc_k,
+        "ground_truth": gt.label,
+        **({"k": cfg.mc_k} if cfg.ground_truth == "monte_carlo" else {}),
         "lam": cfg.lam,
         "seconds": gt.seconds,
         "segments_per_trace": sum(len(r) for r in gt.adv) / max(traces.size, 1),
@@ -319,19 +378,20 @@ def _ground_truth_row(
     gt: GroundTruth, traces: Traces, cfg: CreditBenchConfig, seg_name: str
 ) -> dict[str, Any]:
     """The ``ground_truth`` result row: it agrees with itself, and scores its localisation."""
-    n = max(traces.size, 1)
+    judged = traces.select(gt.keep)
+    n = max(judged.size, 1)
     return {
         "method": "ground_truth",
-        "base_method": f"monte_carlo K={cfg.mc_k}",
+        "base_method": gt.label,
         "segmenter": seg_name,
-        "num_traces": traces.size,
-        "num_segments": sum(len(r) for r in gt.adv),
+        "num_traces": judged.size,
+        "num_segments": sum(len(r) for r in gt.kept(gt.adv)),
         "spearman_pooled": 1.0,
         "spearman_trace_mean": 1.0,
         "sign_agreement": 1.0,
         "extra_generated_tokens_per_trace": gt.stats.get("credit/extra_generated_tokens", 0) / n,
         "extra_forward_tokens_per_trace": gt.stats.get("credit/extra_forward_tokens", 0) / n,
-        **traces.localisation(gt.adv, cfg.blame_threshold),
+        **judged.localisation(gt.kept(gt.adv), cfg.blame_threshold),
     }
 
 
@@ -346,7 +406,7 @@ def _ground_truth_pages(
         adv, _, _ = credit_algebra.segment_advantages_from_values(
             v.double(), m, b.rewards.double().to(v.device), cfg.lam
         )
-        pages[i].append((f"ground truth V_MC, K = {cfg.mc_k}", segment_credits(b, r, adv, v, m)))
+        pages[i].append((f"ground truth {gt.label}", segment_credits(b, r, adv, v, m)))
     return pages
 
 
@@ -428,10 +488,10 @@ def _score_segmentation(
         [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
     )
     # 2. ground truth
-    gt = ground_truth(policy, tokenizer, bench.task, traces, cfg)
+    gt = ground_truth(policy, tokenizer, bench.task, traces, cfg, bench.device)
     summary = _ground_truth_summary(gt, traces, cfg)
     bench.log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
-    examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv])
+    examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv], gt.keep)
     results = [_ground_truth_row(gt, traces, cfg, seg_name)]
     # 3. every method
     pages = _ground_truth_pages(gt, traces, examples, cfg)
@@ -479,7 +539,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     base_credit = Variant("base", "uniform").credit_config(cfg.overrides)
     log(
         f"credit bench: {cfg.prompts} prompts x {cfg.samples} samples of {task.name}, "
-        f"ground truth K={cfg.mc_k}, methods {', '.join(v.name for v in variants)}"
+        f"ground truth {_truth_name(cfg)}, methods {', '.join(v.name for v in variants)}"
     )
     pattern = task.answer_line_pattern
     first = segmenter_from_config(base_credit, pattern, segmenter_names[0])
@@ -546,7 +606,7 @@ DEFINITIONS = {
     "ground truth; a constant prediction scores 0",
     "sign_agreement": "share of segments with non-zero ground truth whose advantage has the same "
     "sign (a zero advantage counts 1/2)",
-    "value_mse/value_ece": "the method's V(s_k), k < n, against V_MC(s_k)",
+    "value_mse/value_ece": "the method's V(s_k), k < n, against the ground truth's",
     "seconds_per_trace": "(shared no-grad forward + method.compute) / traces",
     "comparison_lam": "every method's segment advantages (and the ground truth's) at this lambda",
 }
@@ -568,6 +628,21 @@ COLUMNS = [
     ("ms/trace", "seconds_per_trace", ".2f"),
     ("× uniform", "time_ratio_to_uniform", ".2f"),
 ]
+
+
+def _truth_text(report: dict[str, Any]) -> str:
+    config = report["config"]
+    if config.get("ground_truth", "monte_carlo") == "monte_carlo":
+        return f"V_MC from {config['mc_k']} Monte Carlo rollouts per boundary"
+    judged = {seg: int(s.get("judged_traces", 0)) for seg, s in report["ground_truth"].items()}
+    counts = ", ".join(
+        f"{n}" + (f" ({seg})" if len(judged) > 1 else "") for seg, n in judged.items()
+    )
+    return (
+        "the oracle's values from the verifier's first-wrong-line labels "
+        f"(credit.oracle.values={config['overrides'].get('credit.oracle.values', 'group')}); "
+        f"scored over the {counts} traces the labels judge"
+    )
 
 
 def credit_markdown(report: dict[str, Any]) -> str:
@@ -594,9 +669,8 @@ def credit_markdown(report: dict[str, Any]) -> str:
         "# Credit quality on a frozen policy",
         "",
         f"Policy `{report['policy']}`, task `{report['task']}`, {report['num_traces']} traces "
-        f"(mean reward {fmt(report['mean_reward'])}). Ground truth: V_MC from "
-        f"{report['config']['mc_k']} Monte Carlo rollouts per boundary; every method's segment "
-        f"advantages are compared at λ = {lam:g}"
+        f"(mean reward {fmt(report['mean_reward'])}). Ground truth: {_truth_text(report)}; "
+        f"every method's segment advantages are compared at λ = {lam:g}"
         + (" (A_k = r_k = V(s_k) − V(s_{k−1}))" if lam == 0 else "")
         + ".",
         "",
@@ -605,7 +679,8 @@ def credit_markdown(report: dict[str, Any]) -> str:
         "- ρ pooled: Spearman over all segments of all traces; ρ per trace: mean over traces with "
         "≥ 2 segments and non-constant ground truth (constant credit scores 0).",
         "- sign agr.: share of segments with non-zero ground truth whose credit has its sign.",
-        "- value MSE / ECE: the method's V(s_k) against V_MC(s_k) (methods with values only).",
+        "- value MSE / ECE: the method's V(s_k) against the ground truth's (methods with values "
+        "only).",
         "- error_acc / correct_acc / F1: first-error localisation (ProcessBench terms)"
         + (f"; random blame scores error_acc {chance_text}." if chance else "."),
         "- fwd / gen tok: extra forward and generated tokens per trace; ms/trace: shared forward + "

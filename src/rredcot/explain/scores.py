@@ -198,6 +198,20 @@ class Traces:
     def size(self) -> int:
         return len(self.completions)
 
+    def select(self, keep: list[bool] | None) -> Traces:
+        """The traces where ``keep`` is true (all of them for None), for scoring; ``batches``
+        stay whole (they locate rows for the pages)."""
+        if keep is None:
+            return self
+        rows = [i for i, k in enumerate(keep) if k]
+        return Traces(
+            self.batches,
+            self.rewards[rows],
+            [self.completions[i] for i in rows],
+            [self.first_errors[i] for i in rows],
+            [self.char_starts[i] for i in rows],
+        )
+
     @property
     def has_labels(self) -> bool:
         return any(e is not None for e in self.first_errors)
@@ -228,17 +242,25 @@ class Traces:
         scores["chance_error_acc"] = chance_error_acc(mask, self.rewards)
         return scores
 
-    def example_rows(self, count: int, num_segments: list[int]) -> list[int]:
+    def example_rows(
+        self, count: int, num_segments: list[int], keep: list[bool] | None = None
+    ) -> list[int]:
         """Up to ``count`` traces to show: incorrect ones with a known first error and >= 2
-        segments, and one correct trace."""
+        segments, and one correct trace (among the ``keep`` ones, when given)."""
+        judged = [True] * self.size if keep is None else keep
         wrong = [
             i
             for i in range(self.size)
             if float(self.rewards[i]) < 1.0
             and num_segments[i] >= 2
             and self.first_errors[i] is not None
+            and judged[i]
         ]
-        right = [i for i in range(self.size) if float(self.rewards[i]) >= 1.0 and num_segments[i]]
+        right = [
+            i
+            for i in range(self.size)
+            if float(self.rewards[i]) >= 1.0 and num_segments[i] and judged[i]
+        ]
         rows = sorted(wrong[: max(count - 1, 0)] + right[:1])[:count]
         return rows or ([0] if self.size and count else [])
 
@@ -246,10 +268,16 @@ class Traces:
 @dataclass
 class GroundTruth:
     adv: list[list[float]]  # per trace, A*_k at the comparison lambda
-    values: list[list[float]]  # per trace, V_MC(s_k) for k < n
+    values: list[list[float]]  # per trace, V*(s_k) for k < n
     full: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk (values, mask), for the pages
     stats: dict[str, float]
     seconds: float
+    label: str = "V_MC"
+    keep: list[bool] | None = None  # per trace, judged by the ground truth (None: every trace)
+
+    def kept(self, rows: list) -> list:
+        """The entries of ``rows`` (one per trace) of the traces the ground truth judges."""
+        return list(rows) if self.keep is None else [r for r, k in zip(rows, self.keep) if k]
 
 
 def evaluate_method(
@@ -298,19 +326,22 @@ def method_scores(
     col: Collected, gt: GroundTruth, traces: Traces, blame_threshold: float
 ) -> dict[str, Any]:
     """Agreement with the ground truth, localisation (blame below ``blame_threshold``) and cost
-    of one method's results."""
+    of one method's results, over the traces the ground truth judges (``gt.keep``); the cost is
+    per trace scored by the method (every trace)."""
     n = max(traces.size, 1)
-    pred = torch.tensor([x for r in col.adv for x in r], dtype=torch.float64)
-    truth = torch.tensor([x for r in gt.adv for x in r], dtype=torch.float64)
-    row: dict[str, Any] = {"num_traces": traces.size, "num_segments": int(pred.numel())}
+    judged = traces.select(gt.keep)
+    adv, truth_adv = gt.kept(col.adv), gt.kept(gt.adv)
+    pred = torch.tensor([x for r in adv for x in r], dtype=torch.float64)
+    truth = torch.tensor([x for r in truth_adv for x in r], dtype=torch.float64)
+    row: dict[str, Any] = {"num_traces": judged.size, "num_segments": int(pred.numel())}
     row["spearman_pooled"] = spearman(pred, truth)
-    row["spearman_trace_mean"], row["traces_ranked"] = per_trace_spearman(col.adv, gt.adv)
+    row["spearman_trace_mean"], row["traces_ranked"] = per_trace_spearman(adv, truth_adv)
     row["sign_agreement"] = sign_agreement(pred, truth)
     if col.values is not None:
-        row["value_mse"], row["value_ece"] = value_errors(col.values, gt.values)
+        row["value_mse"], row["value_ece"] = value_errors(gt.kept(col.values), gt.kept(gt.values))
     else:
         row["value_mse"] = row["value_ece"] = None
-    row.update(traces.localisation(col.adv, blame_threshold))
+    row.update(judged.localisation(adv, blame_threshold))
     for key in ("forward", "generated", "backward"):
         total = col.metrics.get(f"credit/extra_{key}_tokens")
         row[f"extra_{key}_tokens_per_trace"] = None if total is None else total / n
