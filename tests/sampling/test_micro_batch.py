@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from helpers import micro_config, train_step_with_grads
 from rredcot.errors import UserError
 from rredcot.sampling import memory
+from rredcot.sampling.forward import chosen_token_logprobs, policy_forward, scoring_forward
 from rredcot.sampling.memory import ModelShape, auto_micro_batch_tokens, micro_batches
-from rredcot.sampling.rollout import chosen_token_logprobs, policy_forward, scoring_forward
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
 from rredcot.training.trainer import Trainer

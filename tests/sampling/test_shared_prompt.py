@@ -10,12 +10,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from helpers import micro_config, train_step_with_grads
 from rredcot.models import set_activation_checkpointing
 from rredcot.sampling import shared_prompt
-from rredcot.sampling.rollout import (
+from rredcot.sampling.forward import (
     policy_forward,
     position_ids_from_mask,
-    sample,
     train_mode_without_dropout,
 )
+from rredcot.sampling.rollout import sample
 from rredcot.training.trainer import Trainer
 from tiny_lms import gqa_lm, lively
 

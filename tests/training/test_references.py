@@ -15,7 +15,8 @@ from helpers import FIXTURES, micro_config, train_step_with_grads
 from metrics_doc import undocumented
 from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.config import ReferencesConfig, TrainConfig
-from rredcot.sampling.rollout import build_rollout_batch, policy_forward, render_prompt
+from rredcot.sampling.forward import policy_forward
+from rredcot.sampling.rollout import build_rollout_batch, render_prompt
 from rredcot.segment import get_segmenter, segment_completion
 from rredcot.tasks import Verdict, get_task, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask

@@ -58,10 +58,10 @@ from rredcot.algebra.loss import aggregate
 from rredcot.algebra.shared_prefixes import shared_prefix_ids
 from rredcot.config import ReferencesConfig, SamplingConfig
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import checked_verify, render_prompt, sample, segment_batch
+from rredcot.sampling.rollout import render_prompt, sample, segment_batch
 from rredcot.segment import segment_completion
 from rredcot.tasks import get_task
-from rredcot.tasks.base import Problem, Task, Verdict
+from rredcot.tasks.base import Problem, Task, Verdict, checked_verify
 
 __all__ = [
     "ReferenceRows",
@@ -598,7 +598,7 @@ def _branch_batch(
 ) -> tuple[RolloutBatch, list[bool]]:
     """The sampled branches as a batch, one segment each: ``rollouts`` rows per anchor, each
     verified on prefix + completion, anchor ``i``'s rows in group ``first_group + i``. Returns
-    it and whether each row's verdict is usable (:func:`rredcot.sampling.rollout.checked_verify`)."""
+    it and whether each row's verdict is usable (:func:`rredcot.tasks.base.checked_verify`)."""
     P = prompt_len
     eos = tokenizer.eos_token_id
     lengths = response_mask.sum(-1).long().tolist()

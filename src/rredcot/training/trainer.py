@@ -41,15 +41,14 @@ from rredcot.methods.auto import (
 )
 from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.memory import micro_batches, rows_per_micro_batch
-from rredcot.sampling.rollout import (
+from rredcot.sampling.forward import (
     fill_forward,
     policy_forward,
-    sample_groups,
     scoring_forward,
-    segment_batch,
     train_mode_without_dropout,
 )
+from rredcot.sampling.memory import micro_batches, rows_per_micro_batch
+from rredcot.sampling.rollout import sample_groups, segment_batch
 from rredcot.training import references, runio
 from rredcot.training.checkpoint import (
     COUNTERS,
