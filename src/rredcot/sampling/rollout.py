@@ -13,11 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-from rredcot.algebra import credit
-from rredcot.algebra.shared_prefixes import shared_prefix_ids
 from rredcot.sampling import decode
 from rredcot.sampling import tree as tree_sampling
-from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.batch import RolloutBatch, segment_layout
 from rredcot.sampling.forward import (  # noqa: F401 - their path before sampling.forward
     LOGSOFTMAX_CHUNK_BYTES,
     ForwardOutput,
@@ -356,15 +354,7 @@ def segment_batch(
             bounds, starts = _with_branch_points(bounds, starts, branches[row], ids, tokenizer)
         boundaries.append(bounds)
         char_starts.append(starts)
-    device = batch.input_ids.device
-    return batch.replace(
-        boundaries=boundaries,
-        segment_char_starts=char_starts,
-        segment_ids=credit.boundaries_to_segment_ids(boundaries, batch.response_len).to(device),
-        prefix_ids=shared_prefix_ids(
-            batch.input_ids[:, P:], batch.response_mask, boundaries, batch.group_ids
-        ),
-    )
+    return batch.with_segments(boundaries, char_starts)
 
 
 def _with_branch_points(
@@ -542,7 +532,7 @@ def _unsegmented_batch(
         rewards=torch.tensor(checked.rewards, dtype=torch.float, device=device),
         group_ids=group_ids.to(device),
         boundaries=whole,
-        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
+        segment_ids=segment_layout(whole, response_mask)[0],
         segment_char_starts=[[0] if n else [] for n in lengths],
         problems=problems,
         completions=checked.completions,

@@ -53,11 +53,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rredcot.algebra import credit
 from rredcot.algebra.loss import aggregate
-from rredcot.algebra.shared_prefixes import shared_prefix_ids
 from rredcot.config import ReferencesConfig, SamplingConfig
-from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.batch import RolloutBatch, segment_layout
 from rredcot.sampling.rollout import render_prompt, sample, segment_batch
 from rredcot.segment import segment_completion
 from rredcot.tasks import get_task
@@ -290,7 +288,7 @@ def append_reference_samples(
         rewards=torch.cat([batch.rewards, rewards]),
         group_ids=torch.cat([batch.group_ids, refs.group_ids.to(device)]),
         boundaries=all_bounds,
-        segment_ids=credit.boundaries_to_segment_ids(all_bounds, T).to(device),
+        segment_ids=segment_layout(all_bounds, response_mask)[0],
         segment_char_starts=[*batch.segment_char_starts, *char_starts],
         problems=[*batch.problems, *refs.problems],
         completions=[*batch.completions, *refs.completions],
@@ -314,11 +312,7 @@ def append_reference_samples(
         if row == len(gids) - 1 or gids[row + 1] != gid:
             order.extend(refs_of.pop(int(gid), []))
     merged = merged.select(order)
-    return merged.replace(
-        prefix_ids=shared_prefix_ids(
-            merged.input_ids[:, P:], merged.response_mask, merged.boundaries, merged.group_ids
-        )
-    )
+    return merged.with_segments(merged.boundaries, merged.segment_char_starts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,6 +544,7 @@ def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> Rollou
     response_mask = torch.cat([ma, mb])
     input_ids = torch.cat([ia, ib])
     group_ids = torch.cat([a.group_ids, b.group_ids])
+    segment_ids, prefix_ids = segment_layout(bounds, response_mask, input_ids[:, P:], group_ids)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=torch.cat([aa, ab]),
@@ -558,12 +553,12 @@ def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> Rollou
         rewards=torch.cat([a.rewards, b.rewards]),
         group_ids=group_ids,
         boundaries=bounds,
-        segment_ids=credit.boundaries_to_segment_ids(bounds, T).to(input_ids.device),
+        segment_ids=segment_ids,
         segment_char_starts=[*a.segment_char_starts, *b.segment_char_starts],
         problems=[*a.problems, *b.problems],
         completions=[*a.completions, *b.completions],
         verdicts=[*a.verdicts, *b.verdicts],
-        prefix_ids=shared_prefix_ids(input_ids[:, P:], response_mask, bounds, group_ids),
+        prefix_ids=prefix_ids,
         off_policy=off,
     )
 
@@ -625,7 +620,7 @@ def _branch_batch(
         group_ids=first_group
         + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
         boundaries=whole,
-        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
+        segment_ids=segment_layout(whole, response_mask)[0],
         segment_char_starts=[[0] if n else [] for n in lengths],
         problems=problems,
         completions=completions,
