@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -56,12 +57,16 @@ from torch import Tensor
 from rredcot.algebra.loss import aggregate
 from rredcot.config import ReferencesConfig, SamplingConfig
 from rredcot.sampling.batch import RolloutBatch, segment_layout
+from rredcot.sampling.forward import policy_forward
 from rredcot.sampling.rollout import render_prompt, sample, segment_batch
 from rredcot.segment import segment_completion
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Problem, Task, Verdict, checked_verify
 
 __all__ = [
+    "REFERENCE_MODE_CLASSES",
+    "ReferenceMode",
+    "ReferenceParts",
     "ReferenceRows",
     "StepReferences",
     "append_reference_samples",
@@ -71,10 +76,13 @@ __all__ = [
     "choose_references",
     "chosen_groups",
     "merge_batches",
+    "reference_mode",
+    "reference_mode_class",
     "reference_nll",
     "reference_prefix",
     "reference_rows",
     "reference_samples",
+    "register_reference_mode",
     "step_references",
 ]
 
@@ -343,13 +351,214 @@ def reference_nll(
 
 
 # ---------------------------------------------------------------------------------------------
-# what the trainer calls
+# references.mode: one registered strategy per mode, what the trainer calls
+
+
+@dataclass(frozen=True)
+class ReferenceParts:
+    """What a run's references read beside a step's batch: its task and tokenizer, its
+    segmenter, and (bread) the policy, sampling settings and decoding loop its branches are
+    sampled with."""
+
+    task: Task
+    tokenizer: Any
+    segmenter: Any
+    policy: Any = None
+    sampling: SamplingConfig | None = None
+    decoder: str = "auto"
+
+
+class ReferenceMode:
+    """One ``references.mode`` (a registered strategy, :func:`reference_mode`): what it does to
+    a step's batch (:meth:`step`, the step's one call here) and the supervised term it adds to
+    each optimiser step (:meth:`supervised_loss`; sft's alone). The base is ``off``'s: the batch
+    as it is, no term."""
+
+    name: ClassVar[str] = ""
+    reads_references: ClassVar[bool] = True  # the task must give reference solutions
+
+    def __init__(self, cfg: ReferencesConfig, parts: ReferenceParts) -> None:
+        self.cfg, self.parts = cfg, parts
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        """This step's references: the batch with their rows joined, the sft rows, what to
+        charge and the metrics. ``trained_before``: the run's reference tokens trained on before
+        this step (the metric counts on from there)."""
+        return StepReferences(batch)
+
+    def supervised_loss(
+        self, model, rows: ReferenceRows | None, batch: RolloutBatch, **options
+    ) -> tuple[Tensor, float, dict[str, float]] | None:
+        """The term this mode adds to an optimiser step (None: none)."""
+        return None
+
+    def _chosen(self, batch: RolloutBatch) -> tuple[ReferenceRows, dict]:
+        """The chosen groups' references after their prompts (:func:`choose_references`) and
+        what they charge: their tokens, as generated and as trained."""
+        P = batch.prompt_len
+        refs = choose_references(
+            batch.rewards,
+            batch.group_ids,
+            batch.input_ids[:, :P],
+            batch.attention_mask[:, :P],
+            batch.problems,
+            self.cfg.groups,
+            self.parts.task,
+            self.parts.tokenizer,
+        )
+        return refs, {"generated": refs.tokens, "trained": refs.tokens}
+
+
+REFERENCE_MODE_CLASSES: dict[str, type[ReferenceMode]] = {}
+"""``references.mode`` -> its strategy (:func:`register_reference_mode`)."""
+
+
+def register_reference_mode(name: str):
+    """Register a :class:`ReferenceMode` subclass as ``references.mode`` ``name``."""
+
+    def register(cls: type[ReferenceMode]) -> type[ReferenceMode]:
+        if name in REFERENCE_MODE_CLASSES:
+            raise ValueError(f"references.mode {name!r} is registered already")
+        cls.name = name
+        REFERENCE_MODE_CLASSES[name] = cls
+        return cls
+
+    return register
+
+
+def reference_mode_class(name: str) -> type[ReferenceMode]:
+    """The strategy registered as ``references.mode`` ``name``; an unknown name is refused with
+    the valid ones."""
+    try:
+        return REFERENCE_MODE_CLASSES[name]
+    except KeyError:
+        valid = ", ".join(REFERENCE_MODE_CLASSES)
+        raise ValueError(f"unknown references.mode {name!r}; valid: {valid}") from None
+
+
+def reference_mode(cfg: ReferencesConfig, parts: ReferenceParts) -> ReferenceMode:
+    """The run's ``references.mode`` (``cfg.mode``) as its strategy, over the run's ``parts``."""
+    return reference_mode_class(cfg.mode)(cfg, parts)
+
+
+@register_reference_mode("off")
+class Off(ReferenceMode):
+    """``off``: no reference is read; the batch is left as it is."""
+
+    reads_references = False
+
+
+@register_reference_mode("sft")
+class Sft(ReferenceMode):
+    """``sft``: the chosen groups' references are kept for the supervised term every optimiser
+    step adds (:meth:`supervised_loss`)."""
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        refs, charged = self._chosen(batch)
+        stats = refs.stats(trained_before + refs.tokens)
+        return StepReferences(batch, sft_rows=refs, stats=stats, **charged)
+
+    def supervised_loss(
+        self,
+        model,
+        rows: ReferenceRows | None,
+        batch: RolloutBatch,
+        *,
+        num_rows: int,
+        num_tokens: float,
+        scale: float,
+        loss_agg: str,
+        max_len: int,
+        temperature: float,
+        shared_prompt: bool,
+    ) -> tuple[Tensor, float, dict[str, float]]:
+        """``(loss, tokens forwarded, metrics)``: ``sft_coef`` times the NLL of this process's
+        reference ``rows`` (:func:`reference_nll`), aggregated over every process's
+        (``num_rows``, ``num_tokens``) and times ``scale`` (the processes). A process with none,
+        while another has some, runs a stand-in pass of zero weight (one token of ``batch``'s
+        first row), so that every process runs the same passes."""
+        if rows is not None and rows.size:
+            ids, attention, P, weight = rows.input_ids, rows.attention_mask, rows.prompt_len, 1.0
+        else:
+            P, weight = batch.prompt_len, 0.0
+            ids, attention = batch.input_ids[:1, : P + 1], batch.attention_mask[:1, : P + 1]
+        fwd = policy_forward(
+            model, ids, attention, P, temperature=temperature, shared_prompt=shared_prompt
+        )
+        mask = rows.response_mask if weight else torch.zeros_like(fwd.logprobs)
+        nll = reference_nll(
+            fwd.logprobs, mask, loss_agg, max_len, num_rows=num_rows, num_tokens=num_tokens
+        )
+        loss = self.cfg.sft_coef * weight * scale * nll
+        return loss, float(attention.sum()), {"references/sft_nll": float(nll.detach()) * weight}
+
+
+@register_reference_mode("luffy")
+class Luffy(ReferenceMode):
+    """``luffy``: the chosen groups' references join them as off-policy samples
+    (:func:`reference_samples`)."""
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        refs, charged = self._chosen(batch)
+        stats = refs.stats(trained_before + refs.tokens)
+        parts = self.parts
+        joined = reference_samples(batch, refs, parts.task, parts.tokenizer, parts.segmenter)
+        own = None if joined.off_policy is None else ~joined.off_policy  # None: no group chose one
+        return StepReferences(joined, own_rows=own, stats=stats, **charged)
+
+
+@register_reference_mode("bread")
+class Bread(ReferenceMode):
+    """``bread``: the chosen groups' branched rollouts from a reference prefix
+    (:func:`branch_samples`), appended as groups of their own (:func:`merge_batches`; the prefix
+    is context: no reference token is trained on); their tokens are charged as generated."""
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        cfg, parts = self.cfg, self.parts
+        failed = chosen_groups(batch.rewards, batch.group_ids, "failed")
+        groups = chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
+        parts.policy.eval()
+        branch, generated = branch_samples(
+            parts.policy,
+            batch,
+            groups,
+            parts.task,
+            parts.tokenizer,
+            parts.segmenter,
+            parts.sampling,
+            parts.decoder,
+            fraction=cfg.branch_fraction,
+            rollouts=cfg.branch_rollouts or parts.sampling.num_generations,
+        )
+        stats = {
+            "references/failed_groups": float(len(failed)),
+            "references/groups": float(len(set(branch.group_ids.tolist())))
+            if branch is not None
+            else 0.0,
+            "references/branch_tokens": float(generated),
+            "references/branch_reward_mean": float(branch.rewards.mean())
+            if branch is not None
+            else 0.0,
+            "reference_tokens_trained": trained_before,
+        }
+        if branch is None:
+            return StepReferences(batch, generated=generated, stats=stats)
+        pad = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else 0
+        own = torch.cat(
+            [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
+        )
+        return StepReferences(
+            merge_batches(batch, branch, pad),
+            own_rows=own.to(batch.input_ids.device),
+            generated=generated,
+            stats=stats,
+        )
 
 
 def check_run(cfg) -> None:
-    """Refuse a run (``TrainConfig``) with ``references.mode`` on whose task has no reference
-    solutions, before a model is loaded (a few training problems are looked at)."""
-    if cfg.references.mode == "off":
+    """Refuse a run (``TrainConfig``) whose ``references.mode`` reads reference solutions but
+    whose task has none, before a model is loaded (a few training problems are looked at)."""
+    if not reference_mode_class(cfg.references.mode).reads_references:
         return
 
     task = get_task(cfg.task, **cfg.task_args)
@@ -368,94 +577,10 @@ def step_references(
     decoder: str,
     trained_before: int,
 ) -> StepReferences:
-    """``references.mode`` (``cfg``) in one step of ``rredcot train``, the
-    step's one call here: ``off`` leaves the batch as it is; ``sft`` keeps the chosen groups'
-    references for the supervised term; ``luffy`` joins them to their groups as off-policy samples
-    (:func:`reference_samples`); ``bread`` samples branched rollouts from their prefixes with
-    ``policy`` at ``sampling`` and appends them as groups of their own
-    (:func:`branch_samples`, :func:`merge_batches`). ``trained_before``: the run's reference
-    tokens trained on before this step (its metric counts on from there)."""
-    if cfg.mode == "off":
-        return StepReferences(batch)
-    if cfg.mode == "bread":
-        return _branched(
-            batch, cfg, task, tokenizer, segmenter, policy, sampling, decoder, trained_before
-        )
-    P = batch.prompt_len
-    refs = choose_references(
-        batch.rewards,
-        batch.group_ids,
-        batch.input_ids[:, :P],
-        batch.attention_mask[:, :P],
-        batch.problems,
-        cfg.groups,
-        task,
-        tokenizer,
-    )
-    charged = {
-        "generated": refs.tokens,
-        "trained": refs.tokens,
-        "stats": refs.stats(trained_before + refs.tokens),
-    }
-    if cfg.mode == "sft":
-        return StepReferences(batch, sft_rows=refs, **charged)
-    joined = reference_samples(batch, refs, task, tokenizer, segmenter)
-    own = None if joined.off_policy is None else ~joined.off_policy  # None: no group chose one
-    return StepReferences(joined, own_rows=own, **charged)
-
-
-def _branched(
-    batch: RolloutBatch,
-    cfg: ReferencesConfig,
-    task: Task,
-    tokenizer,
-    segmenter,
-    policy,
-    sampling: SamplingConfig,
-    decoder: str,
-    trained_before: int,
-) -> StepReferences:
-    """``references.mode`` bread in a step: the chosen groups' branched rollouts from a
-    reference prefix (:func:`branch_samples`), appended as groups of their own (the prefix is
-    context: no reference token is trained on); their tokens are charged as generated."""
-    failed = chosen_groups(batch.rewards, batch.group_ids, "failed")
-    groups = chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
-    policy.eval()
-    branch, generated = branch_samples(
-        policy,
-        batch,
-        groups,
-        task,
-        tokenizer,
-        segmenter,
-        sampling,
-        decoder,
-        fraction=cfg.branch_fraction,
-        rollouts=cfg.branch_rollouts or sampling.num_generations,
-    )
-    stats = {
-        "references/failed_groups": float(len(failed)),
-        "references/groups": float(len(set(branch.group_ids.tolist())))
-        if branch is not None
-        else 0.0,
-        "references/branch_tokens": float(generated),
-        "references/branch_reward_mean": float(branch.rewards.mean())
-        if branch is not None
-        else 0.0,
-        "reference_tokens_trained": trained_before,
-    }
-    if branch is None:
-        return StepReferences(batch, generated=generated, stats=stats)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    own = torch.cat(
-        [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
-    )
-    return StepReferences(
-        merge_batches(batch, branch, pad),
-        own_rows=own.to(batch.input_ids.device),
-        generated=generated,
-        stats=stats,
-    )
+    """``references.mode`` (``cfg``) in one step: :meth:`ReferenceMode.step` of its strategy
+    (:func:`reference_mode`), built for this call."""
+    parts = ReferenceParts(task, tokenizer, segmenter, policy, sampling, decoder)
+    return reference_mode(cfg, parts).step(batch, trained_before)
 
 
 def reference_samples(

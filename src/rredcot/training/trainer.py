@@ -47,7 +47,11 @@ from rredcot.sampling.forward import (
     scoring_forward,
     train_mode_without_dropout,
 )
-from rredcot.sampling.memory import micro_batches, rows_per_micro_batch
+from rredcot.sampling.memory import (  # noqa: F401 - ForwardPlan: its path before memory
+    ForwardPlan,
+    forward_plan,
+    micro_batches,
+)
 from rredcot.sampling.rollout import sample_groups, segment_batch
 from rredcot.training import references, runio
 from rredcot.training.checkpoint import (
@@ -94,38 +98,6 @@ class _StepWork:
     own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where references join
 
 
-@dataclass(frozen=True)
-class ForwardPlan:
-    """Which policy forwards one step runs, chosen once before the first of them
-    (:meth:`Trainer.forward_plan`).
-
-    - ``scoring_pass``: a no-grad pass fills the old log-probs (and the hidden states or
-      entropies the credit reads) before the credit; the loss forwards its own micro-batches.
-    - ``loss_forward_first``: no scoring pass; the loss forward (with grad) runs before the
-      credit, which reads its hidden states or entropies, and the update keeps its graph.
-    - ``loss_forward_after``: no scoring pass; the credit reads no forward, so the one loss
-      forward runs after it, over the credited rows and columns only.
-    Neither loss-forward flag: an on-policy update in micro-batches, each forwarded in the update.
-    """
-
-    scoring_pass: bool
-    loss_forward_first: bool
-    loss_forward_after: bool
-
-
-def plan_forward(single_pass: bool, fits_one_micro_batch: bool, reads_forward: bool) -> ForwardPlan:
-    """The :class:`ForwardPlan` of a step: the loss forward is the only pass when the update is
-    on-policy (``single_pass``) and the batch is one micro-batch (a batch in several cannot keep
-    its graph while the credit is computed); a credit that ``reads_forward`` reads it first."""
-    one_graph = single_pass and fits_one_micro_batch
-    scoring = not single_pass or (reads_forward and not one_graph)
-    return ForwardPlan(
-        scoring_pass=scoring,
-        loss_forward_first=not scoring and reads_forward,
-        loss_forward_after=one_graph and not reads_forward,
-    )
-
-
 class Trainer:
     """``rredcot train``: the RL loop over the parts of one run (``train_setup.TrainParts``)
     and its run directory."""
@@ -165,6 +137,12 @@ class Trainer:
         self.policy, self.model, self.tokenizer = parts.policy, parts.model, parts.tokenizer
         self.decoder = parts.decoder
         self.reference, self.segmenter, self.method = parts.reference, parts.segmenter, parts.method
+        self.reference_mode = references.reference_mode(  # references.mode, as its strategy
+            cfg.references,
+            references.ReferenceParts(
+                self.task, self.tokenizer, self.segmenter, self.policy, cfg.sampling, self.decoder
+            ),
+        )
         self.credit_choice: CreditChoice | None = None  # --credit auto's, once step 1 chose
         self._method_rng = parts.method_rng
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
@@ -298,7 +276,13 @@ class Trainer:
             ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
             clock.lap("reference")
 
-            plan = self.forward_plan(batch)
+            plan = forward_plan(  # which policy forwards: memory.ForwardPlan
+                batch.size,
+                batch.input_ids.shape[1],
+                self.micro_batch_tokens,
+                single_pass=self.single_pass(),
+                reads_forward=self.reads_forward(),
+            )
             loss_forward = None
             if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
                 batch = self._fill_forward(batch)
@@ -336,11 +320,10 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def forward_plan(self, batch: RolloutBatch) -> ForwardPlan:
-        """This step's :class:`ForwardPlan` (:func:`plan_forward`)."""
-        fits = batch.size <= rows_per_micro_batch(batch.input_ids.shape[1], self.micro_batch_tokens)
-        reads = self.method.needs_hidden_states or self.segmenter.uses_entropy
-        return plan_forward(self.single_pass(), fits, reads)
+    def reads_forward(self) -> bool:
+        """Whether the credit reads a policy forward of the batch: the hidden states the
+        method reads, or the entropies the segmenter cuts at."""
+        return self.method.needs_hidden_states or self.segmenter.uses_entropy
 
     def _update_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
         """The update's row policies on the token advantages ``(B, T)``: the tree's shared-token
@@ -469,20 +452,10 @@ class Trainer:
     def _with_references(
         self, batch: RolloutBatch, stats: dict[str, float], work: _StepWork
     ) -> RolloutBatch:
-        """``references.mode``: this step's references (``references.step_references``), kept
-        for the step's sft term and its own rows; their tokens are charged to the budget and
-        counted in ``stats``."""
-        step = references.step_references(
-            batch,
-            self.cfg.references,
-            self.task,
-            self.tokenizer,
-            self.segmenter,
-            policy=self.policy,
-            sampling=self.cfg.sampling,
-            decoder=self.decoder,
-            trained_before=self.reference_tokens_trained,
-        )
+        """``references.mode``: this step's references (its strategy's
+        ``references.ReferenceMode.step``), kept for the step's sft term and its own rows; their
+        tokens are charged to the budget and counted in ``stats``."""
+        step = self.reference_mode.step(batch, self.reference_tokens_trained)
         work.sft_rows, work.own_rows = step.sft_rows, step.own_rows
         self.extra_tokens_generated += step.generated
         self.reference_tokens_trained += step.trained
@@ -492,40 +465,28 @@ class Trainer:
     def _reference_sft_step(
         self, batch: RolloutBatch, shares: _StepShares, work: _StepWork
     ) -> dict[str, float]:
-        """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
-        (``references.reference_nll``), into the gradient of the optimiser step being formed,
-        aggregated over every process's references (``shares``). A process with none, while
-        another has some, runs a stand-in pass of zero weight (one token of its first row), so
-        that every process runs the same passes."""
-        refs = work.sft_rows
+        """The references' supervised term (references.mode sft: ``sft_coef`` times the NLL of
+        this step's references, ``references.Sft.supervised_loss``) back-propagated into the
+        gradient of the optimiser step being formed, aggregated over every process's references
+        (``shares``); every process runs its pass, a stand-in of zero weight where it has none."""
         if shares.sft_rows == 0:
             return {}
         cfg = self.cfg
-        if refs is not None and refs.size:
-            ids, attention, P, weight = refs.input_ids, refs.attention_mask, refs.prompt_len, 1.0
-        else:
-            P, weight = batch.prompt_len, 0.0
-            ids, attention = batch.input_ids[:1, : P + 1], batch.attention_mask[:1, : P + 1]
-        fwd = policy_forward(
+        loss, tokens, metrics = self.reference_mode.supervised_loss(
             self.model,
-            ids,
-            attention,
-            P,
+            work.sft_rows,
+            batch,
+            num_rows=shares.sft_rows,
+            num_tokens=shares.sft_tokens,
+            scale=shares.scale,
+            loss_agg=cfg.loss_agg,
+            max_len=cfg.sampling.max_new_tokens,
             temperature=cfg.sampling.temperature,
             shared_prompt=cfg.shared_prompt_forward,
         )
-        work.trained_tokens += float(attention.sum())
-        mask = refs.response_mask if weight else torch.zeros_like(fwd.logprobs)
-        nll = references.reference_nll(
-            fwd.logprobs,
-            mask,
-            cfg.loss_agg,
-            cfg.sampling.max_new_tokens,
-            num_rows=shares.sft_rows,
-            num_tokens=shares.sft_tokens,
-        )
-        self.accelerator.backward(cfg.references.sft_coef * weight * shares.scale * nll)
-        return {"references/sft_nll": float(nll.detach()) * weight}
+        work.trained_tokens += tokens
+        self.accelerator.backward(loss)
+        return metrics
 
     def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
         """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
