@@ -61,7 +61,7 @@ from rredcot.training.checkpoint import (
 )
 from rredcot.training.evaluation import greedy_accuracy
 from rredcot.training.plots import plot_run
-from rredcot.training.row_policies import credited_columns, update_rows
+from rredcot.training.row_policies import forwarded_columns, update_rows
 from rredcot.training.seeding import seed_everything, step_seed
 from rredcot.training.setup import (
     build_method,
@@ -300,10 +300,14 @@ class Trainer:
             )
             clock.lap("credit")
 
-            advantages, row_stats = self._update_rows(batch, credit_out.advantages.detach())
+            advantages, columns, row_stats = self._update_rows(
+                batch, credit_out.advantages.detach(), ref_logprobs
+            )
             if plan.loss_forward_after:  # the one loss forward: the credited rows and columns
-                batch, loss_forward = self._credited_loss_forward(batch, advantages, ref_logprobs)
-            update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, work)
+                batch, loss_forward = self._credited_loss_forward(batch, columns)
+            update_stats = self._optimise(
+                batch, advantages, columns, ref_logprobs, loss_forward, work
+            )
             update_stats.update(row_stats)
             clock.lap("update")
         value_stats = self.method.update(credit_rows, estimate)
@@ -325,11 +329,14 @@ class Trainer:
         method reads, or the entropies the segmenter cuts at."""
         return self.method.needs_hidden_states or self.segmenter.uses_entropy
 
-    def _update_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
+    def _update_rows(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs):
         """The update's row policies on the token advantages ``(B, T)``: the tree's shared-token
         weight, then ``rredcot.training.row_policies.update_rows`` (the tail floor, the agreeing
-        groups' draw over every process's rows, seeded by the step). Returns the advantages and
-        the share of the agreeing rows the draw kept (``update/agreeing_rows_kept``)."""
+        groups' draw over every process's rows, seeded by the step) and the response columns the
+        update forwards of each row (``row_policies.forwarded_columns``: cut after a row's last
+        non-zero advantage under ``skip_zero_advantage_rows`` where no KL term is formed).
+        Returns the advantages, the columns ``(B,)`` and the share of the agreeing rows the draw
+        kept (``update/agreeing_rows_kept``)."""
         cfg = self.cfg
         advantages = shared_token_weighted(advantages, batch, cfg.sampling.tree.shared_token_weight)
         advantages, counts = update_rows(
@@ -342,13 +349,18 @@ class Trainer:
             gather=self._gathered_rows,
             generator=torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=31)),
         )
+        kl_term = ref_logprobs is not None and cfg.kl_coef > 0
+        cut = cfg.skip_zero_advantage_rows and not kl_term
+        columns = forwarded_columns(advantages, batch.response_mask, cut=cut)
         if not counts:
-            return advantages, {}
+            return advantages, columns, {}
         counts = {k: float(v) for k, v in counts.items()}
         counts.update(self._summed_metrics(counts, ("kept", "credited")))
-        return advantages, {
-            "update/agreeing_rows_kept": counts["kept"] / max(counts["credited"], 1.0)
-        }
+        return (
+            advantages,
+            columns,
+            {"update/agreeing_rows_kept": counts["kept"] / max(counts["credited"], 1.0)},
+        )
 
     def _gathered_rows(self, columns: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
         """``(start, every)``: per-row tensors ``(B,)`` of every process concatenated in process
@@ -582,47 +594,29 @@ class Trainer:
             batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
         return batch, fwd
 
-    def _credited_loss_forward(self, batch: RolloutBatch, advantages, ref_logprobs):
+    def _credited_loss_forward(self, batch: RolloutBatch, columns: torch.Tensor):
         """The single pass run after the credit: the loss forward over the rows with a gradient,
-        up to the last column any of them needs (:meth:`_credited_columns`). Every process runs
+        up to the last of their ``columns`` (``(B,)``, :meth:`_update_rows`). Every process runs
         it: one with nothing to update forwards one token of its first row, of zero weight."""
         rows = torch.arange(batch.size)
-        columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
         credited, width = rows[columns > 0], int(columns.max()) if len(rows) else 0
         if self.world > 1 and not len(credited):
             credited, width = rows[:1], 1
         return self._loss_forward(batch, credited, width)
 
-    def _credited_columns(
-        self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, ref_logprobs
-    ) -> torch.Tensor:
-        """``(len(rows),)``: how many response columns of each row the loss forward needs. All
-        of them, unless ``skip_zero_advantage_rows`` holds and no KL term is formed; then a row
-        is forwarded up to its last token with a non-zero advantage, and a row with none gets
-        0 (left out). Past that token the PG term is zero in both branches (``ratio * 0``;
-        LUFFY's shaped term ``-0 * f``), and a causal model's earlier tokens never read the
-        later ones, so the cut adds nothing to the loss or any gradient under every
-        aggregation (their normalisers are the whole rows', passed on their own). Under several
-        processes each cuts its own rows; :meth:`_minibatch_step` evens out their passes."""
-        cfg = self.cfg
-        kl_term = ref_logprobs is not None and cfg.kl_coef > 0
-        if not cfg.skip_zero_advantage_rows or kl_term:
-            return torch.full(
-                (len(rows),), batch.response_len, dtype=torch.long, device=rows.device
-            )
-        return credited_columns(advantages, batch.response_mask, rows)
-
     def _optimise(
         self,
         batch: RolloutBatch,
         advantages: torch.Tensor,
+        columns: torch.Tensor,
         ref_logprobs,
         loss_forward,
         work: _StepWork,
     ) -> dict[str, float]:
         """Epochs x minibatches of optimiser steps; returns each metric's mean over the steps.
         With ``loss_forward`` (the single pass, :meth:`single_pass`) the one minibatch is the
-        whole batch in its own order and its graph is that forward's."""
+        whole batch in its own order and its graph is that forward's. ``columns`` ``(B,)``: the
+        response columns the update forwards of each row (:meth:`_update_rows`)."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -633,20 +627,23 @@ class Trainer:
                 order = torch.arange(batch.size)
             for rows in order.chunk(cfg.minibatches):
                 steps.append(
-                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward, work)
+                    self._minibatch_step(
+                        batch, rows, advantages, columns, ref_logprobs, loss_forward, work
+                    )
                 )
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
-    def _plan_micros(self, batch: RolloutBatch, rows, advantages, ref_logprobs, loss_forward):
+    def _plan_micros(self, batch: RolloutBatch, rows, columns, loss_forward):
         """``(live rows, micro-batches)``: the rows with a gradient and, per micro-batch, its rows,
         the response columns it forwards and its weight (``grad_accumulation`` chunks, each split
         to fit ``micro_batch_tokens``; one chunk per ``loss_forward`` already run; weight 0 for
-        a ``loss_forward`` that stood in for a process with no row to update)."""
+        a ``loss_forward`` that stood in for a process with no row to update). ``columns``
+        ``(B,)``: the response columns of every row of the batch."""
         if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
             live = rows
             columns = torch.full((len(rows),), loss_forward.logprobs.shape[1], device=self.device)
         else:
-            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
+            columns = columns[rows.cpu()].to(rows.device)
             live, columns = rows[columns > 0], columns[columns > 0]
         micros = []  # (rows, response columns, weight)
         chunks = torch.arange(len(live)).chunk(self.cfg.grad_accumulation) if len(live) else ()
@@ -661,19 +658,26 @@ class Trainer:
         return live, micros
 
     def _minibatch_step(
-        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward, work
+        self,
+        batch: RolloutBatch,
+        rows: torch.Tensor,
+        advantages,
+        columns,
+        ref_logprobs,
+        loss_forward,
+        work,
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
         and the sft references' pass (gradients are synchronised across processes on the last
-        pass only). Only the rows and columns with a gradient are forwarded
-        (:meth:`_credited_columns`); a ``loss_forward`` ran before (over every row, before the
+        pass only). Only the rows and ``columns`` with a gradient are forwarded
+        (:meth:`_update_rows`); a ``loss_forward`` ran before (over every row, before the
         credit was known, or over the credited ones). Under several processes every process
         runs as many passes as the busiest one (stand-ins of zero weight) and the loss uses the
         rows and tokens of every process (:meth:`_step_shares`): the averaged gradient is one
         process's over the union of their rows."""
         cfg = self.cfg
         rows = rows.to(self.device)
-        live, micros = self._plan_micros(batch, rows, advantages, ref_logprobs, loss_forward)
+        live, micros = self._plan_micros(batch, rows, columns, loss_forward)
         live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c, w in micros if w)
         shares = self._step_shares(batch, rows, micros, work)
         if len(micros) < shares.passes:  # another process forwards more: stand-ins here
