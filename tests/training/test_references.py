@@ -526,3 +526,31 @@ def test_bread_run_charges_its_rollouts_and_learns_from_them(init_dir, tmp_path)
 def test_bread_needs_uniform_credit():
     with pytest.raises(ValueError, match="bread runs with credit_method uniform"):
         TrainConfig(credit_method="value_head", references=ReferencesConfig(mode="bread"))
+
+
+def test_every_references_mode_is_a_registered_strategy():
+    """The config's modes are the registry's, each a ReferenceMode; off alone reads none."""
+    from rredcot.config import REFERENCE_MODES
+
+    assert tuple(references.REFERENCE_MODE_CLASSES) == REFERENCE_MODES
+    for name, cls in references.REFERENCE_MODE_CLASSES.items():
+        assert issubclass(cls, references.ReferenceMode) and cls.name == name
+        assert cls.reads_references == (name != "off")
+
+
+def test_an_unknown_references_mode_is_refused_with_the_valid_ones():
+    valid = "unknown references.mode 'dpo'; valid: off, sft, luffy, bread"
+    with pytest.raises(ValueError, match=valid):
+        references.reference_mode_class("dpo")
+    with pytest.raises(ValueError, match="registered already"):
+        references.register_reference_mode("sft")(references.Sft)
+
+
+def test_references_off_leaves_the_batch_and_adds_no_term(tiny_policy, char_tokenizer):
+    task = ArithmeticTask()
+    batch = _wrong_batch(tiny_policy, char_tokenizer, task)
+    parts = references.ReferenceParts(task, char_tokenizer, get_segmenter("newline"))
+    off = references.reference_mode(ReferencesConfig(mode="off"), parts)
+    step = off.step(batch, trained_before=7)
+    assert step.batch is batch and step.sft_rows is None and step.generated == 0
+    assert off.supervised_loss(tiny_policy, None, batch) is None
