@@ -38,11 +38,15 @@ Each is charged to the token budget (``extra_tokens_generated``): every referenc
 in a step counts once (and in ``reference_tokens_trained``), and so does every token of a branched
 rollout.
 
-``rredcot train``'s step calls this module once (:func:`step_references`: the step's batch with
-the rows joined, the sft rows, what to charge, the metrics); the TRL adapter builds its
-references with the same :func:`choose_references` on its rewards, prompt ids and mask. Both train
-the sft term with :meth:`ReferenceRows.nll` and luffy's rows through an ``off_policy`` row mask,
-which ``rredcot.algebra.loss.policy_loss`` (or ``rredcot.algebra.loss.off_policy_pg`` in TRL's loss) reads.
+Each mode is a registered strategy (:class:`ReferenceMode`: :class:`Off`, :class:`Sft`,
+:class:`Luffy`, :class:`Bread`; :func:`register_reference_mode`, and :func:`reference_mode`, whose
+lookup error lists the valid modes). ``rredcot train`` builds the run's once and its step calls it
+once (:meth:`ReferenceMode.step`: the step's batch with the rows joined, the sft rows, what to
+charge, the metrics), each optimiser step adding sft's term (:meth:`Sft.supervised_loss`); the TRL
+adapter builds its references with the same :func:`choose_references` on its rewards, prompt ids
+and mask. Both train the sft term's NLL as :func:`reference_nll` aggregates it and luffy's rows
+through an ``off_policy`` row mask, which ``rredcot.algebra.loss.policy_loss`` (or
+``rredcot.algebra.loss.off_policy_pg`` in TRL's loss) reads.
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ class ReferenceRows:
 
 @dataclass(frozen=True)
 class StepReferences:
-    """What ``references.mode`` gives one step of ``rredcot train`` (:func:`step_references`)."""
+    """What ``references.mode`` gives one step of ``rredcot train`` (:meth:`ReferenceMode.step`)."""
 
     batch: RolloutBatch  # the step's batch, its reference (luffy) or branch (bread) rows joined
     sft_rows: ReferenceRows | None = None  # sft: the rows whose NLL the optimiser steps add
