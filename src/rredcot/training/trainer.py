@@ -94,6 +94,7 @@ class _StepWork:
     (never read by the next step)."""
 
     trained_tokens: float = 0.0  # forwarded with grad: policy rows, sft rows (compute/step)
+    reference_mode: references.ReferenceMode | None = None  # references.mode, its strategy
     sft_rows: references.ReferenceRows | None = None  # references.mode sft: the step's references
     own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where references join
 
@@ -137,12 +138,6 @@ class Trainer:
         self.policy, self.model, self.tokenizer = parts.policy, parts.model, parts.tokenizer
         self.decoder = parts.decoder
         self.reference, self.segmenter, self.method = parts.reference, parts.segmenter, parts.method
-        self.reference_mode = references.reference_mode(  # references.mode, as its strategy
-            cfg.references,
-            references.ReferenceParts(
-                self.task, self.tokenizer, self.segmenter, self.policy, cfg.sampling, self.decoder
-            ),
-        )
         self.credit_choice: CreditChoice | None = None  # --credit auto's, once step 1 chose
         self._method_rng = parts.method_rng
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
@@ -465,9 +460,14 @@ class Trainer:
         self, batch: RolloutBatch, stats: dict[str, float], work: _StepWork
     ) -> RolloutBatch:
         """``references.mode``: this step's references (its strategy's
-        ``references.ReferenceMode.step``), kept for the step's sft term and its own rows; their
-        tokens are charged to the budget and counted in ``stats``."""
-        step = self.reference_mode.step(batch, self.reference_tokens_trained)
+        ``references.ReferenceMode.step``, the strategy kept for the step's sft term), and the
+        step's own rows; their tokens are charged to the budget and counted in ``stats``."""
+        cfg = self.cfg
+        parts = references.ReferenceParts(
+            self.task, self.tokenizer, self.segmenter, self.policy, cfg.sampling, self.decoder
+        )
+        work.reference_mode = references.reference_mode(cfg.references, parts)
+        step = work.reference_mode.step(batch, self.reference_tokens_trained)
         work.sft_rows, work.own_rows = step.sft_rows, step.own_rows
         self.extra_tokens_generated += step.generated
         self.reference_tokens_trained += step.trained
@@ -484,7 +484,7 @@ class Trainer:
         if shares.sft_rows == 0:
             return {}
         cfg = self.cfg
-        loss, tokens, metrics = self.reference_mode.supervised_loss(
+        loss, tokens, metrics = work.reference_mode.supervised_loss(
             self.model,
             work.sft_rows,
             batch,
