@@ -47,7 +47,7 @@ from rredcot.sampling.forward import (
     scoring_forward,
     train_mode_without_dropout,
 )
-from rredcot.sampling.memory import (  # noqa: F401 - ForwardPlan: its path before memory
+from rredcot.sampling.memory import (
     ForwardPlan,
     forward_plan,
     micro_batches,
@@ -86,6 +86,10 @@ class _StepShares:
     sft_rows: int  # references.mode sft: the step's reference rows, over every process
     sft_tokens: float  # their tokens
     scale: float  # the number of processes
+
+
+SCORING_PASS = ForwardPlan(scoring_pass=True, loss_forward_first=False, loss_forward_after=False)
+"""The plan of a batch scored outside a step (:meth:`Trainer.rollout` with ``forward``)."""
 
 
 @dataclass
@@ -278,13 +282,7 @@ class Trainer:
                 single_pass=self.single_pass(),
                 reads_forward=self.reads_forward(),
             )
-            loss_forward = None
-            if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
-                batch = self._fill_forward(batch)
-                clock.lap("old_logprobs")
-            elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
-                batch, loss_forward = self._loss_forward(batch)
-                clock.lap("update")
+            batch, loss_forward = self._credit_forward(batch, plan, clock)
 
             credit_rows = self.method.rows(batch)
             # the decoder's cache is read by the credit's probes only, before the update
@@ -453,7 +451,7 @@ class Trainer:
             keep_cache=keep_cache,
         )
         if forward:
-            batch = self._fill_forward(batch)
+            batch, _ = self._credit_forward(batch, SCORING_PASS)
         return batch, stats
 
     def _with_references(
@@ -500,10 +498,31 @@ class Trainer:
         self.accelerator.backward(loss)
         return metrics
 
+    def _credit_forward(
+        self, batch: RolloutBatch, plan: ForwardPlan, clock: _StepClock | None = None
+    ) -> tuple[RolloutBatch, Any]:
+        """The policy forward the credit reads, as ``plan`` says: the no-grad scoring pass
+        (:meth:`_fill_forward`), or the loss forward whose graph the update keeps
+        (:meth:`_loss_forward`), or none (the loss forward runs after the credit); then an
+        entropy segmenter's cuts, at the entropies that forward computed. Returns the batch and
+        the loss forward (None unless it ran); ``clock`` times the forward's phase."""
+        loss_forward = None
+        if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
+            batch, phase = self._fill_forward(batch), "old_logprobs"
+        elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
+            (batch, loss_forward), phase = self._loss_forward(batch), "update"
+        else:
+            return batch, None
+        if self.segmenter.uses_entropy:  # the entropy cuts, after the forward that has them
+            batch = segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
+        if clock is not None:
+            clock.lap(phase)
+        return batch, loss_forward
+
     def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
         """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        batch = fill_forward(
+        return fill_forward(
             self.policy,
             batch,
             hidden_layers=layers,
@@ -512,9 +531,6 @@ class Trainer:
             with_entropy=self.segmenter.uses_entropy,
             micro_batch_tokens=self.micro_batch_tokens,
         )
-        if self.segmenter.uses_entropy:
-            batch = segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
-        return batch
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         if self.reference is None:
@@ -589,9 +605,9 @@ class Trainer:
             old[rows, :columns] = fwd.logprobs.detach()
             return batch.replace(old_logprobs=old), fwd
         hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
-        batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
-        if self.segmenter.uses_entropy:
-            batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
+        batch = batch.replace(
+            old_logprobs=fwd.logprobs.detach(), hidden_states=hidden, entropies=fwd.entropy.detach()
+        )
         return batch, fwd
 
     def _credited_loss_forward(self, batch: RolloutBatch, columns: torch.Tensor):
