@@ -61,7 +61,6 @@ from torch import Tensor
 from rredcot.algebra.loss import aggregate
 from rredcot.config import ReferencesConfig, SamplingConfig
 from rredcot.sampling.batch import RolloutBatch, segment_layout
-from rredcot.sampling.forward import policy_forward
 from rredcot.sampling.rollout import render_prompt, sample, segment_batch
 from rredcot.segment import segment_completion
 from rredcot.tasks import get_task
@@ -391,9 +390,10 @@ class ReferenceMode:
         return StepReferences(batch)
 
     def supervised_loss(
-        self, model, rows: ReferenceRows | None, batch: RolloutBatch, **options
-    ) -> tuple[Tensor, float, dict[str, float]] | None:
-        """The term this mode adds to an optimiser step (None: none)."""
+        self, logprobs: Tensor, response_mask: Tensor | None, **options
+    ) -> tuple[Tensor, dict[str, float]] | None:
+        """The term this mode adds to an optimiser step, from the policy's log-probs of the
+        step's references (None: none)."""
         return None
 
     def _chosen(self, batch: RolloutBatch) -> tuple[ReferenceRows, dict]:
@@ -464,37 +464,28 @@ class Sft(ReferenceMode):
 
     def supervised_loss(
         self,
-        model,
-        rows: ReferenceRows | None,
-        batch: RolloutBatch,
+        logprobs: Tensor,
+        response_mask: Tensor | None,
         *,
         num_rows: int,
         num_tokens: float,
         scale: float,
         loss_agg: str,
         max_len: int,
-        temperature: float,
-        shared_prompt: bool,
-    ) -> tuple[Tensor, float, dict[str, float]]:
-        """``(loss, tokens forwarded, metrics)``: ``sft_coef`` times the NLL of this process's
-        reference ``rows`` (:func:`reference_nll`), aggregated over every process's
-        (``num_rows``, ``num_tokens``) and times ``scale`` (the processes). A process with none,
-        while another has some, runs a stand-in pass of zero weight (one token of ``batch``'s
-        first row), so that every process runs the same passes."""
-        if rows is not None and rows.size:
-            ids, attention, P, weight = rows.input_ids, rows.attention_mask, rows.prompt_len, 1.0
-        else:
-            P, weight = batch.prompt_len, 0.0
-            ids, attention = batch.input_ids[:1, : P + 1], batch.attention_mask[:1, : P + 1]
-        fwd = policy_forward(
-            model, ids, attention, P, temperature=temperature, shared_prompt=shared_prompt
-        )
-        mask = rows.response_mask if weight else torch.zeros_like(fwd.logprobs)
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``(loss, metrics)``: ``sft_coef`` times the NLL (:func:`reference_nll`) of this
+        process's references, the policy's ``logprobs (R, T)`` of their tokens
+        (``response_mask``), aggregated over every process's (``num_rows``, ``num_tokens``) and
+        times ``scale`` (the processes). ``response_mask`` None: a process with no reference,
+        while another has some, gives a stand-in pass (``logprobs`` of any token) weight 0, so
+        that every process runs the same passes."""
+        weight = 0.0 if response_mask is None else 1.0
+        mask = response_mask if weight else torch.zeros_like(logprobs)
         nll = reference_nll(
-            fwd.logprobs, mask, loss_agg, max_len, num_rows=num_rows, num_tokens=num_tokens
+            logprobs, mask, loss_agg, max_len, num_rows=num_rows, num_tokens=num_tokens
         )
         loss = self.cfg.sft_coef * weight * scale * nll
-        return loss, float(attention.sum()), {"references/sft_nll": float(nll.detach()) * weight}
+        return loss, {"references/sft_nll": float(nll.detach()) * weight}
 
 
 @register_reference_mode("luffy")

@@ -476,25 +476,39 @@ class Trainer:
         self, batch: RolloutBatch, shares: _StepShares, work: _StepWork
     ) -> dict[str, float]:
         """The references' supervised term (references.mode sft: ``sft_coef`` times the NLL of
-        this step's references, ``references.Sft.supervised_loss``) back-propagated into the
-        gradient of the optimiser step being formed, aggregated over every process's references
-        (``shares``); every process runs its pass, a stand-in of zero weight where it has none."""
+        this step's references, ``references.Sft.supervised_loss``, of their policy forward)
+        back-propagated into the gradient of the optimiser step being formed, aggregated over
+        every process's references (``shares``). A process with none, while another has some,
+        runs a stand-in pass of zero weight (one token of its first row), so that every process
+        runs the same passes."""
+        refs = work.sft_rows
         if shares.sft_rows == 0:
             return {}
         cfg = self.cfg
-        loss, tokens, metrics = work.reference_mode.supervised_loss(
+        if refs is not None and refs.size:
+            ids, attention, P = refs.input_ids, refs.attention_mask, refs.prompt_len
+            mask = refs.response_mask
+        else:
+            P, mask = batch.prompt_len, None
+            ids, attention = batch.input_ids[:1, : P + 1], batch.attention_mask[:1, : P + 1]
+        fwd = policy_forward(
             self.model,
-            work.sft_rows,
-            batch,
+            ids,
+            attention,
+            P,
+            temperature=cfg.sampling.temperature,
+            shared_prompt=cfg.shared_prompt_forward,
+        )
+        work.trained_tokens += float(attention.sum())
+        loss, metrics = work.reference_mode.supervised_loss(
+            fwd.logprobs,
+            mask,
             num_rows=shares.sft_rows,
             num_tokens=shares.sft_tokens,
             scale=shares.scale,
             loss_agg=cfg.loss_agg,
             max_len=cfg.sampling.max_new_tokens,
-            temperature=cfg.sampling.temperature,
-            shared_prompt=cfg.shared_prompt_forward,
         )
-        work.trained_tokens += tokens
         self.accelerator.backward(loss)
         return metrics
 
