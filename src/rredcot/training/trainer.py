@@ -522,9 +522,11 @@ class Trainer:
         the loss forward (None unless it ran); ``clock`` times the forward's phase."""
         loss_forward = None
         if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
-            batch, phase = self._fill_forward(batch), "old_logprobs"
+            batch = self._fill_forward(batch)
+            phase = "old_logprobs"
         elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
-            (batch, loss_forward), phase = self._loss_forward(batch), "update"
+            batch, loss_forward = self._loss_forward(batch)
+            phase = "update"
         else:
             return batch, None
         if self.segmenter.uses_entropy:  # the entropy cuts, after the forward that has them
