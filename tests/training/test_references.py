@@ -553,4 +553,20 @@ def test_references_off_leaves_the_batch_and_adds_no_term(tiny_policy, char_toke
     off = references.reference_mode(ReferencesConfig(mode="off"), parts)
     step = off.step(batch, trained_before=7)
     assert step.batch is batch and step.sft_rows is None and step.generated == 0
-    assert off.supervised_loss(tiny_policy, None, batch) is None
+    assert off.supervised_loss(torch.zeros(1, 1), None) is None
+
+
+def test_the_sft_term_is_its_weight_times_the_references_nll():
+    sft = references.reference_mode(
+        ReferencesConfig(mode="sft", sft_coef=0.3), references.ReferenceParts(None, None, None)
+    )
+    logprobs = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -0.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    options = dict(num_rows=4, num_tokens=10.0, scale=2.0, loss_agg="token_mean", max_len=3)
+    loss, metrics = sft.supervised_loss(logprobs, mask, **options)
+    nll = references.reference_nll(logprobs, mask, "token_mean", 3, num_rows=4, num_tokens=10.0)
+    assert float(nll) == pytest.approx(8.0 / 10.0)
+    assert float(loss) == pytest.approx(0.3 * 2.0 * float(nll))
+    assert metrics == {"references/sft_nll": pytest.approx(float(nll))}
+    stand_in, metrics = sft.supervised_loss(logprobs[:1, :1], None, **options)  # no reference
+    assert float(stand_in) == 0.0 and metrics["references/sft_nll"] == 0.0
