@@ -23,8 +23,9 @@ import time
 import torch
 
 from rredcot.models import load_policy
-from rredcot.sampling.rollout import checked_verify, render_prompt, sample
+from rredcot.sampling.rollout import render_prompt, sample
 from rredcot.tasks import get_task
+from rredcot.tasks.base import checked_verify
 
 
 def main() -> None:

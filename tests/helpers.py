@@ -88,7 +88,8 @@ def make_rollout_batch(
     seed: int = 0,
 ):
     """A real RolloutBatch: sampled, verified, segmented, with old log-probs and hidden states."""
-    from rredcot.sampling.rollout import build_rollout_batch, fill_forward
+    from rredcot.sampling.forward import fill_forward
+    from rredcot.sampling.rollout import build_rollout_batch
     from rredcot.segment import get_segmenter
 
     torch.manual_seed(seed)

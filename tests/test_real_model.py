@@ -105,7 +105,7 @@ def test_segmentation_through_bpe_offsets_on_chat_template_output(real_model, ta
 
 
 def test_value_head_is_sized_and_fed_from_the_models_hidden_states(real_model, task, trace_batch):
-    from rredcot.sampling.rollout import fill_forward
+    from rredcot.sampling.forward import fill_forward
 
     model, tokenizer = real_model
     ctx = CreditContext(

@@ -44,13 +44,14 @@ def tail_figures(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, dict
 def main(testbed: str, out: Path, steps: int = 6) -> None:
     trainer = Trainer(cl_cheap(testbed, out), log=lambda *_: None)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    credited_columns = trainer._credited_columns
+    update_rows = trainer._update_rows  # the update's advantages, once per step
 
-    def record(batch, rows, advantages, ref_logprobs):
+    def record(batch, *rest):
+        advantages, columns, stats = update_rows(batch, *rest)
         seen.append((advantages.detach().cpu(), batch.response_mask.cpu()))
-        return credited_columns(batch, rows, advantages, ref_logprobs)
+        return advantages, columns, stats
 
-    trainer._credited_columns = record
+    trainer._update_rows = record
     per_step = []
     for step in range(1, steps + 1):
         trainer.step = step

@@ -16,12 +16,8 @@ import torch
 
 from rredcot.config import TreeSamplingConfig
 from rredcot.models import DEFAULT_REAL_MODEL, load_policy
-from rredcot.sampling.rollout import (
-    build_rollout_batch,
-    policy_forward,
-    render_prompt,
-    sample_tree_group,
-)
+from rredcot.sampling.forward import policy_forward
+from rredcot.sampling.rollout import build_rollout_batch, render_prompt, sample_tree_group
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 

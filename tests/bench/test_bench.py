@@ -266,7 +266,8 @@ def test_resegment_with_an_entropy_strategy_reads_the_policys_entropies(
 ):
     """The credit bench cuts entropy strategies at the entropies the trainer reads from its
     forward (at the sampling temperature); without the policy it says what is missing."""
-    from rredcot.sampling.rollout import policy_forward, segment_batch
+    from rredcot.sampling.forward import policy_forward
+    from rredcot.sampling.rollout import segment_batch
     from rredcot.segment import get_segmenter
 
     batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=3)
@@ -291,7 +292,8 @@ def test_fit_batches_are_cut_and_scored_at_the_sampling_temperature(tiny_policy,
     """A learned method is fitted on batches cut by the entropy strategy and carrying the old
     log-probs and hidden states of one scoring pass at the sampling temperature, as in training."""
     from rredcot.bench.configs import CreditBenchConfig
-    from rredcot.sampling.rollout import policy_forward, segment_batch
+    from rredcot.sampling.forward import policy_forward
+    from rredcot.sampling.rollout import segment_batch
     from rredcot.segment import get_segmenter
 
     batch = _sampled_at_0_7(tiny_policy, char_tokenizer, seed=4)

@@ -769,7 +769,7 @@ class _FullLogits(torch.nn.Module):
 
 def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_model, think_groups):
     from rredcot.methods.value_head import NUM_LOGPROB_FEATURES
-    from rredcot.sampling.rollout import fill_forward
+    from rredcot.sampling.forward import fill_forward
 
     model, task = think_model
     batch = fill_forward(model, copy.copy(think_groups), hidden_layers=(-1,))

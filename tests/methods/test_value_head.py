@@ -36,7 +36,7 @@ from rredcot.methods.value_head import (
     prediction_slope,
     td_lambda_targets,
 )
-from rredcot.sampling.rollout import fill_forward
+from rredcot.sampling.forward import fill_forward
 
 
 def make_method(policy, tokenizer, **overrides) -> ValueHeadCredit:

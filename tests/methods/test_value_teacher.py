@@ -15,7 +15,7 @@ from rredcot.config import CreditConfig
 from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.models import build_tiny_llama
-from rredcot.sampling.rollout import fill_forward
+from rredcot.sampling.forward import fill_forward
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 from text_batches import traces_batch

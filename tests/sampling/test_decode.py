@@ -17,7 +17,8 @@ from transformers import (
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from rredcot.sampling import decode
-from rredcot.sampling.rollout import encode_prompts, policy_forward, resolve_decoder, sample
+from rredcot.sampling.forward import policy_forward
+from rredcot.sampling.rollout import encode_prompts, resolve_decoder, sample
 from tiny_lms import gqa_lm, lively
 
 PROMPTS = ["1+2=?\n", "12*34+5=?\n", "7\n", "(3+4)*5-6=?\n"]  # different lengths: left padding

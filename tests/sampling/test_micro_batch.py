@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from helpers import micro_config, train_step_with_grads
 from rredcot.errors import UserError
 from rredcot.sampling import memory
+from rredcot.sampling.forward import chosen_token_logprobs, policy_forward, scoring_forward
 from rredcot.sampling.memory import ModelShape, auto_micro_batch_tokens, micro_batches
-from rredcot.sampling.rollout import chosen_token_logprobs, policy_forward, scoring_forward
 from rredcot.tasks import Verdict, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
 from rredcot.training.trainer import Trainer
@@ -298,3 +298,20 @@ def test_bench_memory_fails_when_a_measurement_fails(tmp_path, monkeypatch):
     assert "exit 1: OSError: no model" in table and "timed out after 5 s" in table
     outcomes = iter([{"error": "timed out after 5 s"}] * 2)  # timeouts alone: no failure
     memory.run_memory_bench(cfg, log=lambda *_: None)
+
+
+@pytest.mark.parametrize(
+    ("single_pass", "rows", "reads", "plan"),
+    [
+        (False, 2, False, (True, False, False)),  # off-policy: always a scoring pass
+        (True, 2, True, (False, True, False)),  # one micro-batch, the credit reads the forward
+        (True, 2, False, (False, False, True)),  # one micro-batch, the credit reads none
+        (True, 9, True, (True, False, False)),  # several: the graph cannot wait for the credit
+        (True, 9, False, (False, False, False)),  # several, nothing read: forwarded in the update
+    ],
+)
+def test_a_steps_forward_plan(single_pass, rows, reads, plan):
+    from rredcot.sampling.memory import forward_plan
+
+    got = forward_plan(rows, 10, 40, single_pass=single_pass, reads_forward=reads)
+    assert (got.scoring_pass, got.loss_forward_first, got.loss_forward_after) == plan

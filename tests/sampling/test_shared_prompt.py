@@ -1,4 +1,4 @@
-"""The policy forward that computes each distinct prompt once (rredcot.sampling.shared_prompt) gives the
+"""The policy forward that computes each distinct prompt once (rredcot.sampling.forward.shared_prompt_forward) gives the
 plain forward's log-probs, entropies, hidden states, loss and gradients to float rounding."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from helpers import micro_config, train_step_with_grads
 from rredcot.models import set_activation_checkpointing
-from rredcot.sampling import shared_prompt
-from rredcot.sampling.rollout import (
+from rredcot.sampling import forward, shared_prompt
+from rredcot.sampling.forward import (
     policy_forward,
     position_ids_from_mask,
-    sample,
     train_mode_without_dropout,
 )
+from rredcot.sampling.rollout import sample
 from rredcot.training.trainer import Trainer
 from tiny_lms import gqa_lm, lively
 
@@ -78,7 +78,7 @@ def test_loss_and_gradients_equal_the_plain_forward(tiny_policy, char_tokenizer,
     batch = _batch(model, char_tokenizer)
     input_ids, attention_mask, P, response_mask = batch
     assert not response_mask.bool().all()  # some responses end early
-    assert shared_prompt.forward(model, input_ids, attention_mask, P) is not None  # it ran
+    assert forward.shared_prompt_forward(model, input_ids, attention_mask, P) is not None  # it ran
     layers = (0, 1, -1)
     fast, fast_loss, fast_grads = _loss_and_grads(model, batch, True, layers)
     plain, plain_loss, plain_grads = _loss_and_grads(model, batch, False, layers)
@@ -105,7 +105,7 @@ def test_lora_gradients_equal_the_plain_forward(tiny_policy, char_tokenizer):
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.3)
-    assert shared_prompt.unsupported_reason(model) is None
+    assert forward.shared_prompt_unsupported_reason(model) is None
     batch = _batch(model, char_tokenizer)
     fast, fast_loss, fast_grads = _loss_and_grads(model, batch, True)
     plain, plain_loss, plain_grads = _loss_and_grads(model, batch, False)
@@ -118,7 +118,7 @@ def test_lora_gradients_equal_the_plain_forward(tiny_policy, char_tokenizer):
 def test_prompt_groups_find_every_distinct_prompt():
     ids = torch.tensor([[0, 5, 6, 9], [0, 5, 6, 8], [7, 5, 6, 9], [0, 5, 6, 1], [7, 5, 6, 2]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
-    first, inverse = shared_prompt.prompt_groups(ids, mask, prompt_len=3)
+    first, inverse = forward.prompt_groups(ids, mask, prompt_len=3)
     assert len(first) == 2
     assert torch.equal(inverse[[0, 1, 3]], inverse[[0, 0, 0]]) and inverse[2] == inverse[4]
     assert inverse[0] != inverse[2]
@@ -129,9 +129,11 @@ def test_prompt_groups_find_every_distinct_prompt():
 def test_nothing_shared_or_unsupported_falls_back_to_the_plain_forward(tiny_policy, char_tokenizer):
     model = lively(tiny_policy)
     input_ids, attention_mask, P, _ = _batch(model, char_tokenizer, G=1)
-    assert shared_prompt.forward(model, input_ids, attention_mask, P) is None  # one per prompt
+    assert (
+        forward.shared_prompt_forward(model, input_ids, attention_mask, P) is None
+    )  # one per prompt
     set_activation_checkpointing(model, True)
-    assert shared_prompt.unsupported_reason(model) == "gradient checkpointing"
+    assert forward.shared_prompt_unsupported_reason(model) == "gradient checkpointing"
 
 
 @pytest.mark.parametrize("method", ["uniform", "value_head"])
@@ -168,3 +170,9 @@ def test_the_plain_forward_scores_only_response_positions_exactly(tiny_policy, c
     want = full.gather(-1, input_ids[:, P:, None]).squeeze(-1)
     valid = response_mask.bool()
     torch.testing.assert_close(fwd.logprobs[valid], want[valid], atol=1e-6, rtol=1e-6)
+
+
+def test_the_shared_prompt_forward_keeps_its_path_before_sampling_forward():
+    assert shared_prompt.forward is forward.shared_prompt_forward
+    assert shared_prompt.unsupported_reason is forward.shared_prompt_unsupported_reason
+    assert shared_prompt.prompt_groups is forward.prompt_groups

@@ -15,12 +15,8 @@ from rredcot.config import CreditConfig, TrainConfig, TreeSamplingConfig
 from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import (
-    encode_prompts,
-    policy_forward,
-    sample_tree_group,
-    segment_batch,
-)
+from rredcot.sampling.forward import policy_forward
+from rredcot.sampling.rollout import encode_prompts, sample_tree_group, segment_batch
 from rredcot.sampling.tree import branch_points, pick_forks, token_share_counts
 from rredcot.segment import get_segmenter
 from rredcot.tasks import Verdict, register_task

@@ -15,7 +15,8 @@ from helpers import FIXTURES, micro_config, train_step_with_grads
 from metrics_doc import undocumented
 from rredcot.algebra.loss import LossSettings, policy_loss
 from rredcot.config import ReferencesConfig, TrainConfig
-from rredcot.sampling.rollout import build_rollout_batch, policy_forward, render_prompt
+from rredcot.sampling.forward import policy_forward
+from rredcot.sampling.rollout import build_rollout_batch, render_prompt
 from rredcot.segment import get_segmenter, segment_completion
 from rredcot.tasks import Verdict, get_task, register_task
 from rredcot.tasks.arithmetic import ArithmeticTask
@@ -525,3 +526,47 @@ def test_bread_run_charges_its_rollouts_and_learns_from_them(init_dir, tmp_path)
 def test_bread_needs_uniform_credit():
     with pytest.raises(ValueError, match="bread runs with credit_method uniform"):
         TrainConfig(credit_method="value_head", references=ReferencesConfig(mode="bread"))
+
+
+def test_every_references_mode_is_a_registered_strategy():
+    """The config's modes are the registry's, each a ReferenceMode; off alone reads none."""
+    from rredcot.config import REFERENCE_MODES
+
+    assert tuple(references.REFERENCE_MODE_CLASSES) == REFERENCE_MODES
+    for name, cls in references.REFERENCE_MODE_CLASSES.items():
+        assert issubclass(cls, references.ReferenceMode) and cls.name == name
+        assert cls.reads_references == (name != "off")
+
+
+def test_an_unknown_references_mode_is_refused_with_the_valid_ones():
+    valid = "unknown references.mode 'dpo'; valid: off, sft, luffy, bread"
+    with pytest.raises(ValueError, match=valid):
+        references.reference_mode_class("dpo")
+    with pytest.raises(ValueError, match="registered already"):
+        references.register_reference_mode("sft")(references.Sft)
+
+
+def test_references_off_leaves_the_batch_and_adds_no_term(tiny_policy, char_tokenizer):
+    task = ArithmeticTask()
+    batch = _wrong_batch(tiny_policy, char_tokenizer, task)
+    parts = references.ReferenceParts(task, char_tokenizer, get_segmenter("newline"))
+    off = references.reference_mode(ReferencesConfig(mode="off"), parts)
+    step = off.step(batch, trained_before=7)
+    assert step.batch is batch and step.sft_rows is None and step.generated == 0
+    assert off.supervised_loss(torch.zeros(1, 1), None) is None
+
+
+def test_the_sft_term_is_its_weight_times_the_references_nll():
+    sft = references.reference_mode(
+        ReferencesConfig(mode="sft", sft_coef=0.3), references.ReferenceParts(None, None, None)
+    )
+    logprobs = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -0.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    options = dict(num_rows=4, num_tokens=10.0, scale=2.0, loss_agg="token_mean", max_len=3)
+    loss, metrics = sft.supervised_loss(logprobs, mask, **options)
+    nll = references.reference_nll(logprobs, mask, "token_mean", 3, num_rows=4, num_tokens=10.0)
+    assert float(nll) == pytest.approx(8.0 / 10.0)
+    assert float(loss) == pytest.approx(0.3 * 2.0 * float(nll))
+    assert metrics == {"references/sft_nll": pytest.approx(float(nll))}
+    stand_in, metrics = sft.supervised_loss(logprobs[:1, :1], None, **options)  # no reference
+    assert float(stand_in) == 0.0 and metrics["references/sft_nll"] == 0.0

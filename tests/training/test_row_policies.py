@@ -12,6 +12,7 @@ from rredcot.training.row_policies import (
     budget_keep_probabilities,
     credited_columns,
     drop_small_tails,
+    forwarded_columns,
     last_positions,
     row_credit_sizes,
     sample_rows_to_budget,
@@ -171,3 +172,11 @@ def test_credited_columns_reach_each_rows_last_credited_token():
     rows = torch.tensor([4, 0, 2, 3])
     expected = last_positions((adv[rows] != 0) & (mask[rows] != 0))
     assert credited_columns(adv, mask, rows).tolist() == expected.tolist() == [4, 4, 3, 0]
+
+
+def test_forwarded_columns_are_every_column_or_cut_after_the_last_credited_token():
+    adv = torch.tensor([[0.5, 0.0, 0.2, 0.0, 0.0], [0.0] * 5, [0.1, 0.1, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0] * 5, [1.0] * 5, [1.0, 1.0, 1.0, 0.0, 0.0]])
+    assert forwarded_columns(adv, mask, cut=False).tolist() == [5, 5, 5]
+    cut = forwarded_columns(adv, mask, cut=True)
+    assert cut.tolist() == credited_columns(adv, mask, torch.arange(3)).tolist() == [3, 0, 2]

@@ -89,12 +89,8 @@ from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
 from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import (
-    build_rollout_batch,
-    fill_forward,
-    policy_forward,
-    segment_batch,
-)
+from rredcot.sampling.forward import fill_forward, policy_forward
+from rredcot.sampling.rollout import build_rollout_batch, segment_batch
 from rredcot.segment import Segmenter, get_segmenter, segmenter_from_config
 from rredcot.training.setup import resolve_device
 

@@ -67,7 +67,7 @@ from rredcot.safe_fs import (
     read_json_file,
     read_regular,
 )
-from rredcot.sampling.rollout import policy_forward
+from rredcot.sampling.forward import policy_forward
 from rredcot.tasks import get_task
 from rredcot.training import runio
 from rredcot.training.runio import MetricsLog

@@ -133,7 +133,7 @@ def token_entropies(
     model: Any, tokenizer: Any, text: str, prompt: str = ""
 ) -> tuple[list[Span], list[float]]:
     """Token offsets of ``text`` and the policy's entropy (nats) at each of its tokens, scored
-    after ``prompt`` as training scores a completion (``rollout.policy_forward``, temperature 1).
+    after ``prompt`` as training scores a completion (``forward.policy_forward``, temperature 1).
 
     The prompt goes through the chat template when the tokenizer has one and gets the tokenizer's
     special tokens otherwise; an empty prompt that encodes to nothing is replaced by the bos (else
@@ -142,9 +142,9 @@ def token_entropies(
     # lazy: CLI start-up (the entropy strategies alone need torch; the text ones start without it)
     import torch
 
+    from rredcot.sampling.forward import policy_forward  # lazy: as torch
     from rredcot.sampling.rollout import (  # lazy: as torch
         context_limit,
-        policy_forward,
         prompt_special_tokens,
         render_prompt,
     )

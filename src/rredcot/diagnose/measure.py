@@ -53,13 +53,8 @@ from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import (
-    build_rollout_batch,
-    context_limit,
-    eval_mode,
-    policy_forward,
-    segment_batch,
-)
+from rredcot.sampling.forward import eval_mode, policy_forward
+from rredcot.sampling.rollout import build_rollout_batch, context_limit, segment_batch
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task, read_task_data

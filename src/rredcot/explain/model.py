@@ -41,12 +41,8 @@ from rredcot.methods.base import CreditContext, CreditOutput, build_credit
 from rredcot.models import load_policy, resolve_model_dir
 from rredcot.safe_fs import read_json_file
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import (
-    build_rollout_batch,
-    fill_forward,
-    prompt_special_tokens,
-    render_prompt,
-)
+from rredcot.sampling.forward import fill_forward
+from rredcot.sampling.rollout import build_rollout_batch, prompt_special_tokens, render_prompt
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.arithmetic import chain_results, format_prompt, parse_prompt

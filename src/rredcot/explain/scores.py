@@ -28,7 +28,7 @@ from rredcot.algebra.normalization import group_mean_std
 from rredcot.explain.model import segment_credits
 from rredcot.methods.value_head import expected_calibration_error
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import fill_forward
+from rredcot.sampling.forward import fill_forward
 
 __all__ = [
     "Collected",

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot.algebra import credit
-from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.batch import RolloutBatch, segment_layout
 from rredcot.segment import Segmenter, segment_completion
 from rredcot.tasks.base import Problem, Verdict
 
@@ -171,7 +170,7 @@ def rollout_batch_from_tensors(
         rewards=rewards.to(device=device, dtype=torch.float),
         group_ids=group_ids.to(device=device, dtype=torch.long),
         boundaries=boundaries,
-        segment_ids=credit.boundaries_to_segment_ids(boundaries, T, device=device),
+        segment_ids=segment_layout(boundaries, response_mask)[0],
         segment_char_starts=char_starts,
         problems=list(problems or []),
         completions=texts,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from rredcot.algebra.credit import Cost
 from rredcot.methods.base import CreditMethod, CreditRows, register_credit
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import position_ids_from_mask
+from rredcot.sampling.forward import position_ids_from_mask
 from rredcot.segment import decode_with_offsets
 
 __all__ = [

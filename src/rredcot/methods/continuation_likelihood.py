@@ -89,7 +89,7 @@ from rredcot.methods.probe_logprobs import (
 )
 from rredcot.methods.value_source import ValueSourceCredit
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import eval_mode
+from rredcot.sampling.forward import eval_mode
 from rredcot.segment import Segmenter, segment_completion
 
 ESTIMATORS = ("importance", "sum")

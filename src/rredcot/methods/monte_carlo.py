@@ -37,8 +37,10 @@ from rredcot.algebra.credit import Cost
 from rredcot.config import MonteCarloConfig, SamplingConfig
 from rredcot.methods.base import CreditContext, CreditMethod, CreditRows, register_credit
 from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.forward import eval_mode
 from rredcot.sampling.memory import ModelShape, generation_rows
-from rredcot.sampling.rollout import checked_verify, eval_mode, response_mask_from_ids
+from rredcot.sampling.rollout import response_mask_from_ids
+from rredcot.tasks.base import checked_verify
 
 
 def estimated_boundaries(n: int, max_boundaries: int = 0) -> list[int]:

@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.decode import score_probes
+from rredcot.sampling.forward import eval_mode, position_ids_from_mask
 from rredcot.sampling.memory import token_chunks
-from rredcot.sampling.rollout import eval_mode, position_ids_from_mask
 
 _PACKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a custom 4D mask
 PACKING_MODES = ("auto", "packed", "unpacked")

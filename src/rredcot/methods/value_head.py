@@ -433,7 +433,7 @@ class ValueHeadCredit(CreditMethod):
         if batch.hidden_states is None or (needs_logprobs and batch.old_logprobs is None):
             raise ValueError(
                 "value_head needs batch.hidden_states and batch.old_logprobs: run "
-                "rollout.fill_forward(policy, batch, hidden_layers=method.hidden_layers) before "
+                "forward.fill_forward(policy, batch, hidden_layers=method.hidden_layers) before "
                 "compute/update"
             )
         positions, mask = batch.boundary_positions()

@@ -15,9 +15,34 @@ from typing import Any
 
 import torch
 
+from rredcot.algebra.credit import boundaries_to_segment_ids
+from rredcot.algebra.shared_prefixes import shared_prefix_ids
 from rredcot.tasks.base import Problem, Verdict
 
-__all__ = ["RolloutBatch"]
+__all__ = ["RolloutBatch", "segment_layout"]
+
+
+def segment_layout(
+    boundaries: list[list[int]],
+    response_mask: torch.Tensor,
+    response_ids: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one layout of rows' segments over their responses ``response_mask (B, T)``:
+    ``(segment_ids (B, T), prefix_ids (B, S+1) | None)``, on ``response_mask``'s device.
+
+    ``segment_ids``: token ``t`` of a row in segment ``k - 1`` when ``b_{k-1} <= t < b_k``, -1 on
+    padding (:func:`rredcot.algebra.credit.boundaries_to_segment_ids`). ``prefix_ids``: with the
+    rows' ``response_ids (B, T)`` and ``group_ids (B,)``, an id per prefix ``s_k``, shared by the
+    rows of a group whose first ``b_k`` tokens agree
+    (:func:`rredcot.algebra.shared_prefixes.shared_prefix_ids`); None without them (rows not yet
+    cut, or another trainer's rows)."""
+    segment_ids = boundaries_to_segment_ids(boundaries, response_mask.shape[1]).to(
+        response_mask.device
+    )
+    if response_ids is None or group_ids is None:
+        return segment_ids, None
+    return segment_ids, shared_prefix_ids(response_ids, response_mask, boundaries, group_ids)
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,22 @@ class RolloutBatch:
     def replace(self, **changes: Any) -> RolloutBatch:
         """A copy with the given fields changed (tensors are shared, not copied)."""
         return dataclasses.replace(self, **changes)
+
+    def with_segments(
+        self, boundaries: list[list[int]], char_starts: list[list[int]]
+    ) -> RolloutBatch:
+        """A copy whose rows are cut at ``boundaries`` (per row ``[0, b_1, ..., b_n]``, response
+        tokens), each segment starting at ``char_starts`` in its row's text, with its
+        ``segment_ids`` and ``prefix_ids`` laid out (:func:`segment_layout`)."""
+        segment_ids, prefix_ids = segment_layout(
+            boundaries, self.response_mask, self.input_ids[:, self.prompt_len :], self.group_ids
+        )
+        return self.replace(
+            boundaries=boundaries,
+            segment_char_starts=char_starts,
+            segment_ids=segment_ids,
+            prefix_ids=prefix_ids,
+        )
 
     @property
     def size(self) -> int:

@@ -3,8 +3,9 @@
 The trainer's passes over a batch (the policy update, the old-log-prob and reference passes)
 forward it ``micro_batch_tokens`` tokens (rows x padded length) at a time, and sampling generates
 :func:`generation_rows` rows at a time, so their memory grows with the micro-batch, not the batch
-(the credit methods' probe passes have token budgets of their own). Unset, the budget is chosen
-from the model's size and the free memory (:func:`auto_micro_batch_tokens`). A run whose batch
+(the credit methods' probe passes have token budgets of their own); whether a step's loss forward
+can keep its graph while the credit is computed is its :func:`forward_plan`. Unset, the budget is
+chosen from the model's size and the free memory (:func:`auto_micro_batch_tokens`). A run whose batch
 would not fit is refused before it samples (:func:`check_run_fits`), naming the flag to change.
 """
 
@@ -148,6 +149,42 @@ def rows_per_micro_batch(row_tokens: int, budget: int) -> int:
     """How many rows of ``row_tokens`` tokens one micro-batch of :func:`micro_batches` holds:
     as many as fit in ``budget`` tokens, at least one."""
     return max(1, budget // max(row_tokens, 1))
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Which policy forwards one training step runs over its batch, chosen once before the first
+    of them (:func:`forward_plan`).
+
+    - ``scoring_pass``: a no-grad pass fills the old log-probs (and the hidden states or
+      entropies the credit reads) before the credit; the loss forwards its own micro-batches.
+    - ``loss_forward_first``: no scoring pass; the loss forward (with grad) runs before the
+      credit, which reads its hidden states or entropies, and the update keeps its graph.
+    - ``loss_forward_after``: no scoring pass; the credit reads no forward, so the one loss
+      forward runs after it, over the credited rows and columns only.
+    Neither loss-forward flag: an on-policy update in micro-batches, each forwarded in the update.
+    """
+
+    scoring_pass: bool
+    loss_forward_first: bool
+    loss_forward_after: bool
+
+
+def forward_plan(
+    rows: int, row_tokens: int, budget: int, *, single_pass: bool, reads_forward: bool
+) -> ForwardPlan:
+    """The :class:`ForwardPlan` of a step's ``rows`` of ``row_tokens`` tokens under a ``budget``
+    of tokens per micro-batch: the loss forward is the only pass when the update is on-policy
+    (``single_pass``) and the rows are one micro-batch (:func:`rows_per_micro_batch`: a batch in
+    several cannot keep its graph while the credit is computed); a credit that ``reads_forward``
+    reads it first."""
+    one_graph = single_pass and rows <= rows_per_micro_batch(row_tokens, budget)
+    scoring = not single_pass or (reads_forward and not one_graph)
+    return ForwardPlan(
+        scoring_pass=scoring,
+        loss_forward_first=not scoring and reads_forward,
+        loss_forward_after=one_graph and not reads_forward,
+    )
 
 
 def _packed_micro_batches(rows: torch.Tensor, lengths: list[int], budget: int):

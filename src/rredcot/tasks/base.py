@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import math
 import random
 import typing
 from dataclasses import dataclass, field
@@ -242,6 +243,23 @@ def safe_verify(task: Task, problem: Problem, completion: str) -> Verdict:
         return task.verify(problem, completion)
     except Exception as e:  # the point is to never crash a training run
         return Verdict(0.0, None, None, f"verifier error: {type(e).__name__}: {e}")
+
+
+def checked_verify(task: Task, problem: Problem, completion: str) -> tuple[Verdict, bool]:
+    """Verify one completion; a verifier that raises or returns a non-number or non-finite reward
+    marks the sample bad (skipped and counted) instead of killing the run."""
+    verdict = safe_verify(task, problem, completion)
+    if verdict.reason.startswith("verifier error"):
+        return verdict, False
+    try:
+        reward = float(verdict.reward)
+    except (TypeError, ValueError):
+        return Verdict(
+            0.0, verdict.answer, None, f"reward is not a number: {verdict.reward!r}"
+        ), False
+    if not math.isfinite(reward):
+        return Verdict(0.0, verdict.answer, None, f"non-finite reward {reward}"), False
+    return verdict, True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from rredcot.sampling.rollout import checked_verify, render_prompt, sample
-from rredcot.tasks.base import Problem, Task
+from rredcot.sampling.rollout import render_prompt, sample
+from rredcot.tasks.base import Problem, Task, checked_verify
 
 
 @torch.no_grad()

@@ -38,32 +38,38 @@ Each is charged to the token budget (``extra_tokens_generated``): every referenc
 in a step counts once (and in ``reference_tokens_trained``), and so does every token of a branched
 rollout.
 
-``rredcot train``'s step calls this module once (:func:`step_references`: the step's batch with
-the rows joined, the sft rows, what to charge, the metrics); the TRL adapter builds its
-references with the same :func:`choose_references` on its rewards, prompt ids and mask. Both train
-the sft term with :meth:`ReferenceRows.nll` and luffy's rows through an ``off_policy`` row mask,
-which ``rredcot.algebra.loss.policy_loss`` (or ``rredcot.algebra.loss.off_policy_pg`` in TRL's loss) reads.
+Each mode is a registered strategy (:class:`ReferenceMode`: :class:`Off`, :class:`Sft`,
+:class:`Luffy`, :class:`Bread`; :func:`register_reference_mode`, and :func:`reference_mode`, whose
+lookup error lists the valid modes). ``rredcot train`` builds the run's once and its step calls it
+once (:meth:`ReferenceMode.step`: the step's batch with the rows joined, the sft rows, what to
+charge, the metrics), each optimiser step adding sft's term (:meth:`Sft.supervised_loss`); the TRL
+adapter builds its references with the same :func:`choose_references` on its rewards, prompt ids
+and mask. Both train the sft term's NLL as :func:`reference_nll` aggregates it and luffy's rows
+through an ``off_policy`` row mask, which ``rredcot.algebra.loss.policy_loss`` (or
+``rredcot.algebra.loss.off_policy_pg`` in TRL's loss) reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from rredcot.algebra import credit
 from rredcot.algebra.loss import aggregate
-from rredcot.algebra.shared_prefixes import shared_prefix_ids
 from rredcot.config import ReferencesConfig, SamplingConfig
-from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.rollout import checked_verify, render_prompt, sample, segment_batch
+from rredcot.sampling.batch import RolloutBatch, segment_layout
+from rredcot.sampling.rollout import render_prompt, sample, segment_batch
 from rredcot.segment import segment_completion
 from rredcot.tasks import get_task
-from rredcot.tasks.base import Problem, Task, Verdict
+from rredcot.tasks.base import Problem, Task, Verdict, checked_verify
 
 __all__ = [
+    "REFERENCE_MODE_CLASSES",
+    "ReferenceMode",
+    "ReferenceParts",
     "ReferenceRows",
     "StepReferences",
     "append_reference_samples",
@@ -73,10 +79,13 @@ __all__ = [
     "choose_references",
     "chosen_groups",
     "merge_batches",
+    "reference_mode",
+    "reference_mode_class",
     "reference_nll",
     "reference_prefix",
     "reference_rows",
     "reference_samples",
+    "register_reference_mode",
     "step_references",
 ]
 
@@ -137,7 +146,7 @@ class ReferenceRows:
 
 @dataclass(frozen=True)
 class StepReferences:
-    """What ``references.mode`` gives one step of ``rredcot train`` (:func:`step_references`)."""
+    """What ``references.mode`` gives one step of ``rredcot train`` (:meth:`ReferenceMode.step`)."""
 
     batch: RolloutBatch  # the step's batch, its reference (luffy) or branch (bread) rows joined
     sft_rows: ReferenceRows | None = None  # sft: the rows whose NLL the optimiser steps add
@@ -290,7 +299,7 @@ def append_reference_samples(
         rewards=torch.cat([batch.rewards, rewards]),
         group_ids=torch.cat([batch.group_ids, refs.group_ids.to(device)]),
         boundaries=all_bounds,
-        segment_ids=credit.boundaries_to_segment_ids(all_bounds, T).to(device),
+        segment_ids=segment_layout(all_bounds, response_mask)[0],
         segment_char_starts=[*batch.segment_char_starts, *char_starts],
         problems=[*batch.problems, *refs.problems],
         completions=[*batch.completions, *refs.completions],
@@ -314,11 +323,7 @@ def append_reference_samples(
         if row == len(gids) - 1 or gids[row + 1] != gid:
             order.extend(refs_of.pop(int(gid), []))
     merged = merged.select(order)
-    return merged.replace(
-        prefix_ids=shared_prefix_ids(
-            merged.input_ids[:, P:], merged.response_mask, merged.boundaries, merged.group_ids
-        )
-    )
+    return merged.with_segments(merged.boundaries, merged.segment_char_starts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,13 +354,206 @@ def reference_nll(
 
 
 # ---------------------------------------------------------------------------------------------
-# what the trainer calls
+# references.mode: one registered strategy per mode, what the trainer calls
+
+
+@dataclass(frozen=True)
+class ReferenceParts:
+    """What a run's references read beside a step's batch: its task and tokenizer, its
+    segmenter, and (bread) the policy, sampling settings and decoding loop its branches are
+    sampled with."""
+
+    task: Task
+    tokenizer: Any
+    segmenter: Any
+    policy: Any = None
+    sampling: SamplingConfig | None = None
+    decoder: str = "auto"
+
+
+class ReferenceMode:
+    """One ``references.mode`` (a registered strategy, :func:`reference_mode`): what it does to
+    a step's batch (:meth:`step`, the step's one call here) and the supervised term it adds to
+    each optimiser step (:meth:`supervised_loss`; sft's alone). The base is ``off``'s: the batch
+    as it is, no term."""
+
+    name: ClassVar[str] = ""
+    reads_references: ClassVar[bool] = True  # the task must give reference solutions
+
+    def __init__(self, cfg: ReferencesConfig, parts: ReferenceParts) -> None:
+        self.cfg, self.parts = cfg, parts
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        """This step's references: the batch with their rows joined, the sft rows, what to
+        charge and the metrics. ``trained_before``: the run's reference tokens trained on before
+        this step (the metric counts on from there)."""
+        return StepReferences(batch)
+
+    def supervised_loss(
+        self, logprobs: Tensor, response_mask: Tensor | None, **options
+    ) -> tuple[Tensor, dict[str, float]] | None:
+        """The term this mode adds to an optimiser step, from the policy's log-probs of the
+        step's references (None: none)."""
+        return None
+
+    def _chosen(self, batch: RolloutBatch) -> tuple[ReferenceRows, dict]:
+        """The chosen groups' references after their prompts (:func:`choose_references`) and
+        what they charge: their tokens, as generated and as trained."""
+        P = batch.prompt_len
+        refs = choose_references(
+            batch.rewards,
+            batch.group_ids,
+            batch.input_ids[:, :P],
+            batch.attention_mask[:, :P],
+            batch.problems,
+            self.cfg.groups,
+            self.parts.task,
+            self.parts.tokenizer,
+        )
+        return refs, {"generated": refs.tokens, "trained": refs.tokens}
+
+
+REFERENCE_MODE_CLASSES: dict[str, type[ReferenceMode]] = {}
+"""``references.mode`` -> its strategy (:func:`register_reference_mode`)."""
+
+
+def register_reference_mode(name: str):
+    """Register a :class:`ReferenceMode` subclass as ``references.mode`` ``name``."""
+
+    def register(cls: type[ReferenceMode]) -> type[ReferenceMode]:
+        if name in REFERENCE_MODE_CLASSES:
+            raise ValueError(f"references.mode {name!r} is registered already")
+        cls.name = name
+        REFERENCE_MODE_CLASSES[name] = cls
+        return cls
+
+    return register
+
+
+def reference_mode_class(name: str) -> type[ReferenceMode]:
+    """The strategy registered as ``references.mode`` ``name``; an unknown name is refused with
+    the valid ones."""
+    try:
+        return REFERENCE_MODE_CLASSES[name]
+    except KeyError:
+        valid = ", ".join(REFERENCE_MODE_CLASSES)
+        raise ValueError(f"unknown references.mode {name!r}; valid: {valid}") from None
+
+
+def reference_mode(cfg: ReferencesConfig, parts: ReferenceParts) -> ReferenceMode:
+    """The run's ``references.mode`` (``cfg.mode``) as its strategy, over the run's ``parts``."""
+    return reference_mode_class(cfg.mode)(cfg, parts)
+
+
+@register_reference_mode("off")
+class Off(ReferenceMode):
+    """``off``: no reference is read; the batch is left as it is."""
+
+    reads_references = False
+
+
+@register_reference_mode("sft")
+class Sft(ReferenceMode):
+    """``sft``: the chosen groups' references are kept for the supervised term every optimiser
+    step adds (:meth:`supervised_loss`)."""
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        refs, charged = self._chosen(batch)
+        stats = refs.stats(trained_before + refs.tokens)
+        return StepReferences(batch, sft_rows=refs, stats=stats, **charged)
+
+    def supervised_loss(
+        self,
+        logprobs: Tensor,
+        response_mask: Tensor | None,
+        *,
+        num_rows: int,
+        num_tokens: float,
+        scale: float,
+        loss_agg: str,
+        max_len: int,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``(loss, metrics)``: ``sft_coef`` times the NLL (:func:`reference_nll`) of this
+        process's references, the policy's ``logprobs (R, T)`` of their tokens
+        (``response_mask``), aggregated over every process's (``num_rows``, ``num_tokens``) and
+        times ``scale`` (the processes). ``response_mask`` None: a process with no reference,
+        while another has some, gives a stand-in pass (``logprobs`` of any token) weight 0, so
+        that every process runs the same passes."""
+        weight = 0.0 if response_mask is None else 1.0
+        mask = response_mask if weight else torch.zeros_like(logprobs)
+        nll = reference_nll(
+            logprobs, mask, loss_agg, max_len, num_rows=num_rows, num_tokens=num_tokens
+        )
+        loss = self.cfg.sft_coef * weight * scale * nll
+        return loss, {"references/sft_nll": float(nll.detach()) * weight}
+
+
+@register_reference_mode("luffy")
+class Luffy(ReferenceMode):
+    """``luffy``: the chosen groups' references join them as off-policy samples
+    (:func:`reference_samples`)."""
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        refs, charged = self._chosen(batch)
+        stats = refs.stats(trained_before + refs.tokens)
+        parts = self.parts
+        joined = reference_samples(batch, refs, parts.task, parts.tokenizer, parts.segmenter)
+        own = None if joined.off_policy is None else ~joined.off_policy  # None: no group chose one
+        return StepReferences(joined, own_rows=own, stats=stats, **charged)
+
+
+@register_reference_mode("bread")
+class Bread(ReferenceMode):
+    """``bread``: the chosen groups' branched rollouts from a reference prefix
+    (:func:`branch_samples`), appended as groups of their own (:func:`merge_batches`; the prefix
+    is context: no reference token is trained on); their tokens are charged as generated."""
+
+    def step(self, batch: RolloutBatch, trained_before: int) -> StepReferences:
+        cfg, parts = self.cfg, self.parts
+        failed = chosen_groups(batch.rewards, batch.group_ids, "failed")
+        groups = chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
+        parts.policy.eval()
+        branch, generated = branch_samples(
+            parts.policy,
+            batch,
+            groups,
+            parts.task,
+            parts.tokenizer,
+            parts.segmenter,
+            parts.sampling,
+            parts.decoder,
+            fraction=cfg.branch_fraction,
+            rollouts=cfg.branch_rollouts or parts.sampling.num_generations,
+        )
+        stats = {
+            "references/failed_groups": float(len(failed)),
+            "references/groups": float(len(set(branch.group_ids.tolist())))
+            if branch is not None
+            else 0.0,
+            "references/branch_tokens": float(generated),
+            "references/branch_reward_mean": float(branch.rewards.mean())
+            if branch is not None
+            else 0.0,
+            "reference_tokens_trained": trained_before,
+        }
+        if branch is None:
+            return StepReferences(batch, generated=generated, stats=stats)
+        pad = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else 0
+        own = torch.cat(
+            [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
+        )
+        return StepReferences(
+            merge_batches(batch, branch, pad),
+            own_rows=own.to(batch.input_ids.device),
+            generated=generated,
+            stats=stats,
+        )
 
 
 def check_run(cfg) -> None:
-    """Refuse a run (``TrainConfig``) with ``references.mode`` on whose task has no reference
-    solutions, before a model is loaded (a few training problems are looked at)."""
-    if cfg.references.mode == "off":
+    """Refuse a run (``TrainConfig``) whose ``references.mode`` reads reference solutions but
+    whose task has none, before a model is loaded (a few training problems are looked at)."""
+    if not reference_mode_class(cfg.references.mode).reads_references:
         return
 
     task = get_task(cfg.task, **cfg.task_args)
@@ -374,94 +572,10 @@ def step_references(
     decoder: str,
     trained_before: int,
 ) -> StepReferences:
-    """``references.mode`` (``cfg``) in one step of ``rredcot train``, the
-    step's one call here: ``off`` leaves the batch as it is; ``sft`` keeps the chosen groups'
-    references for the supervised term; ``luffy`` joins them to their groups as off-policy samples
-    (:func:`reference_samples`); ``bread`` samples branched rollouts from their prefixes with
-    ``policy`` at ``sampling`` and appends them as groups of their own
-    (:func:`branch_samples`, :func:`merge_batches`). ``trained_before``: the run's reference
-    tokens trained on before this step (its metric counts on from there)."""
-    if cfg.mode == "off":
-        return StepReferences(batch)
-    if cfg.mode == "bread":
-        return _branched(
-            batch, cfg, task, tokenizer, segmenter, policy, sampling, decoder, trained_before
-        )
-    P = batch.prompt_len
-    refs = choose_references(
-        batch.rewards,
-        batch.group_ids,
-        batch.input_ids[:, :P],
-        batch.attention_mask[:, :P],
-        batch.problems,
-        cfg.groups,
-        task,
-        tokenizer,
-    )
-    charged = {
-        "generated": refs.tokens,
-        "trained": refs.tokens,
-        "stats": refs.stats(trained_before + refs.tokens),
-    }
-    if cfg.mode == "sft":
-        return StepReferences(batch, sft_rows=refs, **charged)
-    joined = reference_samples(batch, refs, task, tokenizer, segmenter)
-    own = None if joined.off_policy is None else ~joined.off_policy  # None: no group chose one
-    return StepReferences(joined, own_rows=own, **charged)
-
-
-def _branched(
-    batch: RolloutBatch,
-    cfg: ReferencesConfig,
-    task: Task,
-    tokenizer,
-    segmenter,
-    policy,
-    sampling: SamplingConfig,
-    decoder: str,
-    trained_before: int,
-) -> StepReferences:
-    """``references.mode`` bread in a step: the chosen groups' branched rollouts from a
-    reference prefix (:func:`branch_samples`), appended as groups of their own (the prefix is
-    context: no reference token is trained on); their tokens are charged as generated."""
-    failed = chosen_groups(batch.rewards, batch.group_ids, "failed")
-    groups = chosen_groups(batch.rewards, batch.group_ids, cfg.groups)
-    policy.eval()
-    branch, generated = branch_samples(
-        policy,
-        batch,
-        groups,
-        task,
-        tokenizer,
-        segmenter,
-        sampling,
-        decoder,
-        fraction=cfg.branch_fraction,
-        rollouts=cfg.branch_rollouts or sampling.num_generations,
-    )
-    stats = {
-        "references/failed_groups": float(len(failed)),
-        "references/groups": float(len(set(branch.group_ids.tolist())))
-        if branch is not None
-        else 0.0,
-        "references/branch_tokens": float(generated),
-        "references/branch_reward_mean": float(branch.rewards.mean())
-        if branch is not None
-        else 0.0,
-        "reference_tokens_trained": trained_before,
-    }
-    if branch is None:
-        return StepReferences(batch, generated=generated, stats=stats)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    own = torch.cat(
-        [torch.ones(batch.size, dtype=torch.bool), torch.zeros(branch.size, dtype=torch.bool)]
-    )
-    return StepReferences(
-        merge_batches(batch, branch, pad),
-        own_rows=own.to(batch.input_ids.device),
-        generated=generated,
-        stats=stats,
-    )
+    """``references.mode`` (``cfg``) in one step: :meth:`ReferenceMode.step` of its strategy
+    (:func:`reference_mode`), built for this call."""
+    parts = ReferenceParts(task, tokenizer, segmenter, policy, sampling, decoder)
+    return reference_mode(cfg, parts).step(batch, trained_before)
 
 
 def reference_samples(
@@ -550,6 +664,7 @@ def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> Rollou
     response_mask = torch.cat([ma, mb])
     input_ids = torch.cat([ia, ib])
     group_ids = torch.cat([a.group_ids, b.group_ids])
+    segment_ids, prefix_ids = segment_layout(bounds, response_mask, input_ids[:, P:], group_ids)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=torch.cat([aa, ab]),
@@ -558,12 +673,12 @@ def merge_batches(a: RolloutBatch, b: RolloutBatch, pad_token_id: int) -> Rollou
         rewards=torch.cat([a.rewards, b.rewards]),
         group_ids=group_ids,
         boundaries=bounds,
-        segment_ids=credit.boundaries_to_segment_ids(bounds, T).to(input_ids.device),
+        segment_ids=segment_ids,
         segment_char_starts=[*a.segment_char_starts, *b.segment_char_starts],
         problems=[*a.problems, *b.problems],
         completions=[*a.completions, *b.completions],
         verdicts=[*a.verdicts, *b.verdicts],
-        prefix_ids=shared_prefix_ids(input_ids[:, P:], response_mask, bounds, group_ids),
+        prefix_ids=prefix_ids,
         off_policy=off,
     )
 
@@ -598,7 +713,7 @@ def _branch_batch(
 ) -> tuple[RolloutBatch, list[bool]]:
     """The sampled branches as a batch, one segment each: ``rollouts`` rows per anchor, each
     verified on prefix + completion, anchor ``i``'s rows in group ``first_group + i``. Returns
-    it and whether each row's verdict is usable (:func:`rredcot.sampling.rollout.checked_verify`)."""
+    it and whether each row's verdict is usable (:func:`rredcot.tasks.base.checked_verify`)."""
     P = prompt_len
     eos = tokenizer.eos_token_id
     lengths = response_mask.sum(-1).long().tolist()
@@ -625,7 +740,7 @@ def _branch_batch(
         group_ids=first_group
         + torch.arange(len(anchors), device=device).repeat_interleave(rollouts),
         boundaries=whole,
-        segment_ids=credit.boundaries_to_segment_ids(whole, response_mask.shape[1]).to(device),
+        segment_ids=segment_layout(whole, response_mask)[0],
         segment_char_starts=[[0] if n else [] for n in lengths],
         problems=problems,
         completions=completions,

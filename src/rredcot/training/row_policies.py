@@ -22,6 +22,7 @@ from rredcot.algebra.tensor_checks import check_ndim, check_shape
 __all__ = [
     "agreeing_rows",
     "credited_columns",
+    "forwarded_columns",
     "update_rows",
     "apply_row_draw",
     "budget_keep_probabilities",
@@ -181,6 +182,22 @@ def update_rows(
     credited = (advantages != 0).any(dim=1) & eligible
     kept = (out != 0).any(dim=1) & credited
     return out, {"kept": kept.sum(), "credited": credited.sum()}
+
+
+def forwarded_columns(advantages: Tensor, response_mask: Tensor, *, cut: bool) -> Tensor:
+    """``(B,)`` long, on the CPU: how many response columns of each row the update forwards,
+    computed once per step from its advantages ``(B, T)``. All of them, unless ``cut``
+    (``skip_zero_advantage_rows`` where no KL term is formed); then a row is forwarded up to its
+    last token with a non-zero advantage, and a row with none gets 0 (left out;
+    :func:`credited_columns`). Past that token the PG term is zero in both branches
+    (``ratio * 0``; LUFFY's shaped term ``-0 * f``), and a causal model's earlier tokens never
+    read the later ones, so the cut adds nothing to the loss or any gradient under every
+    aggregation (their normalisers are the whole rows', passed on their own). Under several
+    processes each cuts its own rows (the trainer evens out their passes)."""
+    rows = torch.arange(advantages.shape[0])
+    if not cut:
+        return torch.full((len(rows),), response_mask.shape[1], dtype=torch.long)
+    return credited_columns(advantages, response_mask, rows)
 
 
 def credited_columns(advantages: Tensor, response_mask: Tensor, rows: Tensor) -> Tensor:

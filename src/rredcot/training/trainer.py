@@ -41,15 +41,18 @@ from rredcot.methods.auto import (
 )
 from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
-from rredcot.sampling.memory import micro_batches, rows_per_micro_batch
-from rredcot.sampling.rollout import (
+from rredcot.sampling.forward import (
     fill_forward,
     policy_forward,
-    sample_groups,
     scoring_forward,
-    segment_batch,
     train_mode_without_dropout,
 )
+from rredcot.sampling.memory import (
+    ForwardPlan,
+    forward_plan,
+    micro_batches,
+)
+from rredcot.sampling.rollout import sample_groups, segment_batch
 from rredcot.training import references, runio
 from rredcot.training.checkpoint import (
     COUNTERS,
@@ -58,7 +61,7 @@ from rredcot.training.checkpoint import (
 )
 from rredcot.training.evaluation import greedy_accuracy
 from rredcot.training.plots import plot_run
-from rredcot.training.row_policies import credited_columns, update_rows
+from rredcot.training.row_policies import forwarded_columns, update_rows
 from rredcot.training.seeding import seed_everything, step_seed
 from rredcot.training.setup import (
     build_method,
@@ -85,46 +88,19 @@ class _StepShares:
     scale: float  # the number of processes
 
 
+SCORING_PASS = ForwardPlan(scoring_pass=True, loss_forward_first=False, loss_forward_after=False)
+"""The plan of a batch scored outside a step (:meth:`Trainer.rollout` with ``forward``)."""
+
+
 @dataclass
 class _StepWork:
     """One step's own state, made fresh by :meth:`Trainer.train_step` and passed down its stages
     (never read by the next step)."""
 
     trained_tokens: float = 0.0  # forwarded with grad: policy rows, sft rows (compute/step)
+    reference_mode: references.ReferenceMode | None = None  # references.mode, its strategy
     sft_rows: references.ReferenceRows | None = None  # references.mode sft: the step's references
     own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where references join
-
-
-@dataclass(frozen=True)
-class ForwardPlan:
-    """Which policy forwards one step runs, chosen once before the first of them
-    (:meth:`Trainer.forward_plan`).
-
-    - ``scoring_pass``: a no-grad pass fills the old log-probs (and the hidden states or
-      entropies the credit reads) before the credit; the loss forwards its own micro-batches.
-    - ``loss_forward_first``: no scoring pass; the loss forward (with grad) runs before the
-      credit, which reads its hidden states or entropies, and the update keeps its graph.
-    - ``loss_forward_after``: no scoring pass; the credit reads no forward, so the one loss
-      forward runs after it, over the credited rows and columns only.
-    Neither loss-forward flag: an on-policy update in micro-batches, each forwarded in the update.
-    """
-
-    scoring_pass: bool
-    loss_forward_first: bool
-    loss_forward_after: bool
-
-
-def plan_forward(single_pass: bool, fits_one_micro_batch: bool, reads_forward: bool) -> ForwardPlan:
-    """The :class:`ForwardPlan` of a step: the loss forward is the only pass when the update is
-    on-policy (``single_pass``) and the batch is one micro-batch (a batch in several cannot keep
-    its graph while the credit is computed); a credit that ``reads_forward`` reads it first."""
-    one_graph = single_pass and fits_one_micro_batch
-    scoring = not single_pass or (reads_forward and not one_graph)
-    return ForwardPlan(
-        scoring_pass=scoring,
-        loss_forward_first=not scoring and reads_forward,
-        loss_forward_after=one_graph and not reads_forward,
-    )
 
 
 class Trainer:
@@ -299,14 +275,14 @@ class Trainer:
             ref_logprobs = self._reference_logprobs(batch)  # the KL reference's own forward
             clock.lap("reference")
 
-            plan = self.forward_plan(batch)
-            loss_forward = None
-            if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
-                batch = self._fill_forward(batch)
-                clock.lap("old_logprobs")
-            elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
-                batch, loss_forward = self._loss_forward(batch)
-                clock.lap("update")
+            plan = forward_plan(  # which policy forwards: memory.ForwardPlan
+                batch.size,
+                batch.input_ids.shape[1],
+                self.micro_batch_tokens,
+                single_pass=self.single_pass(),
+                reads_forward=self.reads_forward(),
+            )
+            batch, loss_forward = self._credit_forward(batch, plan, clock)
 
             credit_rows = self.method.rows(batch)
             # the decoder's cache is read by the credit's probes only, before the update
@@ -317,10 +293,14 @@ class Trainer:
             )
             clock.lap("credit")
 
-            advantages, row_stats = self._update_rows(batch, credit_out.advantages.detach())
+            advantages, columns, row_stats = self._update_rows(
+                batch, credit_out.advantages.detach(), ref_logprobs
+            )
             if plan.loss_forward_after:  # the one loss forward: the credited rows and columns
-                batch, loss_forward = self._credited_loss_forward(batch, advantages, ref_logprobs)
-            update_stats = self._optimise(batch, advantages, ref_logprobs, loss_forward, work)
+                batch, loss_forward = self._credited_loss_forward(batch, columns)
+            update_stats = self._optimise(
+                batch, advantages, columns, ref_logprobs, loss_forward, work
+            )
             update_stats.update(row_stats)
             clock.lap("update")
         value_stats = self.method.update(credit_rows, estimate)
@@ -337,17 +317,19 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def forward_plan(self, batch: RolloutBatch) -> ForwardPlan:
-        """This step's :class:`ForwardPlan` (:func:`plan_forward`)."""
-        fits = batch.size <= rows_per_micro_batch(batch.input_ids.shape[1], self.micro_batch_tokens)
-        reads = self.method.needs_hidden_states or self.segmenter.uses_entropy
-        return plan_forward(self.single_pass(), fits, reads)
+    def reads_forward(self) -> bool:
+        """Whether the credit reads a policy forward of the batch: the hidden states the
+        method reads, or the entropies the segmenter cuts at."""
+        return self.method.needs_hidden_states or self.segmenter.uses_entropy
 
-    def _update_rows(self, batch: RolloutBatch, advantages: torch.Tensor):
+    def _update_rows(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs):
         """The update's row policies on the token advantages ``(B, T)``: the tree's shared-token
         weight, then ``rredcot.training.row_policies.update_rows`` (the tail floor, the agreeing
-        groups' draw over every process's rows, seeded by the step). Returns the advantages and
-        the share of the agreeing rows the draw kept (``update/agreeing_rows_kept``)."""
+        groups' draw over every process's rows, seeded by the step) and the response columns the
+        update forwards of each row (``row_policies.forwarded_columns``: cut after a row's last
+        non-zero advantage under ``skip_zero_advantage_rows`` where no KL term is formed).
+        Returns the advantages, the columns ``(B,)`` and the share of the agreeing rows the draw
+        kept (``update/agreeing_rows_kept``)."""
         cfg = self.cfg
         advantages = shared_token_weighted(advantages, batch, cfg.sampling.tree.shared_token_weight)
         advantages, counts = update_rows(
@@ -360,13 +342,18 @@ class Trainer:
             gather=self._gathered_rows,
             generator=torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=31)),
         )
+        kl_term = ref_logprobs is not None and cfg.kl_coef > 0
+        cut = cfg.skip_zero_advantage_rows and not kl_term
+        columns = forwarded_columns(advantages, batch.response_mask, cut=cut)
         if not counts:
-            return advantages, {}
+            return advantages, columns, {}
         counts = {k: float(v) for k, v in counts.items()}
         counts.update(self._summed_metrics(counts, ("kept", "credited")))
-        return advantages, {
-            "update/agreeing_rows_kept": counts["kept"] / max(counts["credited"], 1.0)
-        }
+        return (
+            advantages,
+            columns,
+            {"update/agreeing_rows_kept": counts["kept"] / max(counts["credited"], 1.0)},
+        )
 
     def _gathered_rows(self, columns: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
         """``(start, every)``: per-row tensors ``(B,)`` of every process concatenated in process
@@ -464,26 +451,21 @@ class Trainer:
             keep_cache=keep_cache,
         )
         if forward:
-            batch = self._fill_forward(batch)
+            batch, _ = self._credit_forward(batch, SCORING_PASS)
         return batch, stats
 
     def _with_references(
         self, batch: RolloutBatch, stats: dict[str, float], work: _StepWork
     ) -> RolloutBatch:
-        """``references.mode``: this step's references (``references.step_references``), kept
-        for the step's sft term and its own rows; their tokens are charged to the budget and
-        counted in ``stats``."""
-        step = references.step_references(
-            batch,
-            self.cfg.references,
-            self.task,
-            self.tokenizer,
-            self.segmenter,
-            policy=self.policy,
-            sampling=self.cfg.sampling,
-            decoder=self.decoder,
-            trained_before=self.reference_tokens_trained,
+        """``references.mode``: this step's references (its strategy's
+        ``references.ReferenceMode.step``, the strategy kept for the step's sft term), and the
+        step's own rows; their tokens are charged to the budget and counted in ``stats``."""
+        cfg = self.cfg
+        parts = references.ReferenceParts(
+            self.task, self.tokenizer, self.segmenter, self.policy, cfg.sampling, self.decoder
         )
+        work.reference_mode = references.reference_mode(cfg.references, parts)
+        step = work.reference_mode.step(batch, self.reference_tokens_trained)
         work.sft_rows, work.own_rows = step.sft_rows, step.own_rows
         self.extra_tokens_generated += step.generated
         self.reference_tokens_trained += step.trained
@@ -493,19 +475,21 @@ class Trainer:
     def _reference_sft_step(
         self, batch: RolloutBatch, shares: _StepShares, work: _StepWork
     ) -> dict[str, float]:
-        """references.mode sft: backward of ``sft_coef`` times the NLL of this step's references
-        (``references.reference_nll``), into the gradient of the optimiser step being formed,
-        aggregated over every process's references (``shares``). A process with none, while
-        another has some, runs a stand-in pass of zero weight (one token of its first row), so
-        that every process runs the same passes."""
+        """The references' supervised term (references.mode sft: ``sft_coef`` times the NLL of
+        this step's references, ``references.Sft.supervised_loss``, of their policy forward)
+        back-propagated into the gradient of the optimiser step being formed, aggregated over
+        every process's references (``shares``). A process with none, while another has some,
+        runs a stand-in pass of zero weight (one token of its first row), so that every process
+        runs the same passes."""
         refs = work.sft_rows
         if shares.sft_rows == 0:
             return {}
         cfg = self.cfg
         if refs is not None and refs.size:
-            ids, attention, P, weight = refs.input_ids, refs.attention_mask, refs.prompt_len, 1.0
+            ids, attention, P = refs.input_ids, refs.attention_mask, refs.prompt_len
+            mask = refs.response_mask
         else:
-            P, weight = batch.prompt_len, 0.0
+            P, mask = batch.prompt_len, None
             ids, attention = batch.input_ids[:1, : P + 1], batch.attention_mask[:1, : P + 1]
         fwd = policy_forward(
             self.model,
@@ -516,22 +500,45 @@ class Trainer:
             shared_prompt=cfg.shared_prompt_forward,
         )
         work.trained_tokens += float(attention.sum())
-        mask = refs.response_mask if weight else torch.zeros_like(fwd.logprobs)
-        nll = references.reference_nll(
+        loss, metrics = work.reference_mode.supervised_loss(
             fwd.logprobs,
             mask,
-            cfg.loss_agg,
-            cfg.sampling.max_new_tokens,
             num_rows=shares.sft_rows,
             num_tokens=shares.sft_tokens,
+            scale=shares.scale,
+            loss_agg=cfg.loss_agg,
+            max_len=cfg.sampling.max_new_tokens,
         )
-        self.accelerator.backward(cfg.references.sft_coef * weight * shares.scale * nll)
-        return {"references/sft_nll": float(nll.detach()) * weight}
+        self.accelerator.backward(loss)
+        return metrics
+
+    def _credit_forward(
+        self, batch: RolloutBatch, plan: ForwardPlan, clock: _StepClock | None = None
+    ) -> tuple[RolloutBatch, Any]:
+        """The policy forward the credit reads, as ``plan`` says: the no-grad scoring pass
+        (:meth:`_fill_forward`), or the loss forward whose graph the update keeps
+        (:meth:`_loss_forward`), or none (the loss forward runs after the credit); then an
+        entropy segmenter's cuts, at the entropies that forward computed. Returns the batch and
+        the loss forward (None unless it ran); ``clock`` times the forward's phase."""
+        loss_forward = None
+        if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
+            batch = self._fill_forward(batch)
+            phase = "old_logprobs"
+        elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
+            batch, loss_forward = self._loss_forward(batch)
+            phase = "update"
+        else:
+            return batch, None
+        if self.segmenter.uses_entropy:  # the entropy cuts, after the forward that has them
+            batch = segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
+        if clock is not None:
+            clock.lap(phase)
+        return batch, loss_forward
 
     def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
         """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
         layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        batch = fill_forward(
+        return fill_forward(
             self.policy,
             batch,
             hidden_layers=layers,
@@ -540,9 +547,6 @@ class Trainer:
             with_entropy=self.segmenter.uses_entropy,
             micro_batch_tokens=self.micro_batch_tokens,
         )
-        if self.segmenter.uses_entropy:
-            batch = segment_batch(batch, self.tokenizer, self.segmenter, batch.entropies)
-        return batch
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         if self.reference is None:
@@ -617,52 +621,34 @@ class Trainer:
             old[rows, :columns] = fwd.logprobs.detach()
             return batch.replace(old_logprobs=old), fwd
         hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
-        batch = batch.replace(old_logprobs=fwd.logprobs.detach(), hidden_states=hidden)
-        if self.segmenter.uses_entropy:
-            batch = segment_batch(batch, self.tokenizer, self.segmenter, fwd.entropy.detach())
+        batch = batch.replace(
+            old_logprobs=fwd.logprobs.detach(), hidden_states=hidden, entropies=fwd.entropy.detach()
+        )
         return batch, fwd
 
-    def _credited_loss_forward(self, batch: RolloutBatch, advantages, ref_logprobs):
+    def _credited_loss_forward(self, batch: RolloutBatch, columns: torch.Tensor):
         """The single pass run after the credit: the loss forward over the rows with a gradient,
-        up to the last column any of them needs (:meth:`_credited_columns`). Every process runs
+        up to the last of their ``columns`` (``(B,)``, :meth:`_update_rows`). Every process runs
         it: one with nothing to update forwards one token of its first row, of zero weight."""
         rows = torch.arange(batch.size)
-        columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
         credited, width = rows[columns > 0], int(columns.max()) if len(rows) else 0
         if self.world > 1 and not len(credited):
             credited, width = rows[:1], 1
         return self._loss_forward(batch, credited, width)
 
-    def _credited_columns(
-        self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, ref_logprobs
-    ) -> torch.Tensor:
-        """``(len(rows),)``: how many response columns of each row the loss forward needs. All
-        of them, unless ``skip_zero_advantage_rows`` holds and no KL term is formed; then a row
-        is forwarded up to its last token with a non-zero advantage, and a row with none gets
-        0 (left out). Past that token the PG term is zero in both branches (``ratio * 0``;
-        LUFFY's shaped term ``-0 * f``), and a causal model's earlier tokens never read the
-        later ones, so the cut adds nothing to the loss or any gradient under every
-        aggregation (their normalisers are the whole rows', passed on their own). Under several
-        processes each cuts its own rows; :meth:`_minibatch_step` evens out their passes."""
-        cfg = self.cfg
-        kl_term = ref_logprobs is not None and cfg.kl_coef > 0
-        if not cfg.skip_zero_advantage_rows or kl_term:
-            return torch.full(
-                (len(rows),), batch.response_len, dtype=torch.long, device=rows.device
-            )
-        return credited_columns(advantages, batch.response_mask, rows)
-
     def _optimise(
         self,
         batch: RolloutBatch,
         advantages: torch.Tensor,
+        columns: torch.Tensor,
         ref_logprobs,
         loss_forward,
         work: _StepWork,
     ) -> dict[str, float]:
         """Epochs x minibatches of optimiser steps; returns each metric's mean over the steps.
         With ``loss_forward`` (the single pass, :meth:`single_pass`) the one minibatch is the
-        whole batch in its own order and its graph is that forward's."""
+        whole batch in its own order and its graph is that forward's. ``columns`` ``(B,)``: the
+        response columns the update forwards of each row (:meth:`_update_rows`)."""
         cfg = self.cfg
         train_mode_without_dropout(self.model)
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, self.step, salt=29))
@@ -673,20 +659,23 @@ class Trainer:
                 order = torch.arange(batch.size)
             for rows in order.chunk(cfg.minibatches):
                 steps.append(
-                    self._minibatch_step(batch, rows, advantages, ref_logprobs, loss_forward, work)
+                    self._minibatch_step(
+                        batch, rows, advantages, columns, ref_logprobs, loss_forward, work
+                    )
                 )
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
-    def _plan_micros(self, batch: RolloutBatch, rows, advantages, ref_logprobs, loss_forward):
+    def _plan_micros(self, batch: RolloutBatch, rows, columns, loss_forward):
         """``(live rows, micro-batches)``: the rows with a gradient and, per micro-batch, its rows,
         the response columns it forwards and its weight (``grad_accumulation`` chunks, each split
         to fit ``micro_batch_tokens``; one chunk per ``loss_forward`` already run; weight 0 for
-        a ``loss_forward`` that stood in for a process with no row to update)."""
+        a ``loss_forward`` that stood in for a process with no row to update). ``columns``
+        ``(B,)``: the response columns of every row of the batch."""
         if loss_forward is not None and loss_forward.logprobs.shape[0] == len(rows):
             live = rows
             columns = torch.full((len(rows),), loss_forward.logprobs.shape[1], device=self.device)
         else:
-            columns = self._credited_columns(batch, rows, advantages, ref_logprobs)
+            columns = columns[rows.cpu()].to(rows.device)
             live, columns = rows[columns > 0], columns[columns > 0]
         micros = []  # (rows, response columns, weight)
         chunks = torch.arange(len(live)).chunk(self.cfg.grad_accumulation) if len(live) else ()
@@ -701,19 +690,26 @@ class Trainer:
         return live, micros
 
     def _minibatch_step(
-        self, batch: RolloutBatch, rows: torch.Tensor, advantages, ref_logprobs, loss_forward, work
+        self,
+        batch: RolloutBatch,
+        rows: torch.Tensor,
+        advantages,
+        columns,
+        ref_logprobs,
+        loss_forward,
+        work,
     ) -> dict[str, float]:
         """One optimiser step on ``rows``, accumulated over ``grad_accumulation`` micro-batches
         and the sft references' pass (gradients are synchronised across processes on the last
-        pass only). Only the rows and columns with a gradient are forwarded
-        (:meth:`_credited_columns`); a ``loss_forward`` ran before (over every row, before the
+        pass only). Only the rows and ``columns`` with a gradient are forwarded
+        (:meth:`_update_rows`); a ``loss_forward`` ran before (over every row, before the
         credit was known, or over the credited ones). Under several processes every process
         runs as many passes as the busiest one (stand-ins of zero weight) and the loss uses the
         rows and tokens of every process (:meth:`_step_shares`): the averaged gradient is one
         process's over the union of their rows."""
         cfg = self.cfg
         rows = rows.to(self.device)
-        live, micros = self._plan_micros(batch, rows, advantages, ref_logprobs, loss_forward)
+        live, micros = self._plan_micros(batch, rows, columns, loss_forward)
         live_tokens = sum(float(batch.response_mask[m, :c].sum()) for m, c, w in micros if w)
         shares = self._step_shares(batch, rows, micros, work)
         if len(micros) < shares.passes:  # another process forwards more: stand-ins here

@@ -24,7 +24,8 @@ from rredcot.integrations.trl import (
     task_reward,
 )
 from rredcot.methods.base import CreditContext, CreditRows, build_credit, credit_names
-from rredcot.sampling.rollout import fill_forward, segment_batch
+from rredcot.sampling.forward import fill_forward
+from rredcot.sampling.rollout import segment_batch
 from trl_trainers import SpyTrainer, digit_share, make_trainer
 
 pytestmark = pytest.mark.trl
@@ -148,7 +149,7 @@ def test_hidden_states_come_from_trls_own_forward(tiny_model_dir, arithmetic_dat
 def test_value_head_features_equal_the_trainers(tiny_model_dir, arithmetic_dataset, tmp_path):
     """With ``credit.value_head.logprob_features`` the TRL path's value head reads what rredcot's own
     trainer gives it for the same completions: the same segments, and the same boundary features
-    (hidden states at the prefix ends, then the log-prob features) as ``rollout.fill_forward``."""
+    (hidden states at the prefix ends, then the log-prob features) as ``forward.fill_forward``."""
 
     class Compare(SpyTrainer):
         def _apply_credit(self, inputs, output):

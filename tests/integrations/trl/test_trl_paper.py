@@ -64,7 +64,8 @@ def test_entropy_segmenters_cut_with_the_policys_entropies(
 ):
     """The entropy strategies (newline+merge among them) get the policy's next-token entropies
     from an extra no-grad forward: the cuts equal those of a fresh forward's entropies."""
-    from rredcot.sampling.rollout import policy_forward, segment_batch
+    from rredcot.sampling.forward import policy_forward
+    from rredcot.sampling.rollout import segment_batch
 
     trainer = make_trainer(
         tiny_model_dir,

@@ -12,7 +12,8 @@ from torch import Tensor
 from rredcot.integrations.trl.gather import Collective
 from rredcot.methods.base import CreditMethod, CreditRows, RolloutBatch
 from rredcot.models import is_activation_checkpointing, set_activation_checkpointing
-from rredcot.sampling.rollout import eval_mode, policy_forward, segment_batch
+from rredcot.sampling.forward import eval_mode, policy_forward
+from rredcot.sampling.rollout import segment_batch
 from rredcot.segment import Segmenter
 
 __all__ = [

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot.algebra import credit
 from rredcot.integrations._batch import segment_completions, span_mask
+from rredcot.sampling.batch import segment_layout
 from rredcot.segment import Segmenter
 
 __all__ = [
@@ -42,7 +42,7 @@ def segment_responses(
     """
     span = span_mask(response_mask)
     boundaries, _, _ = segment_completions(responses, span, tokenizer, segmenter, eos_token_ids)
-    return credit.boundaries_to_segment_ids(boundaries, responses.shape[1], device=responses.device)
+    return segment_layout(boundaries, span.to(responses.device))[0]
 
 
 def fill_segment_holes(segment_ids: Tensor, response_mask: Tensor) -> Tensor:

@@ -1,0 +1,61 @@
+"""rredcot.sampling.batch: the one layout of a batch's segments (segment_layout,
+RolloutBatch.with_segments), and the old import paths of what left rollout.py."""
+
+from __future__ import annotations
+
+import torch
+
+from rredcot.algebra.credit import boundaries_to_segment_ids
+from rredcot.algebra.shared_prefixes import shared_prefix_ids
+from rredcot.sampling import forward, rollout
+from rredcot.sampling.batch import RolloutBatch, segment_layout
+from rredcot.tasks import base
+
+
+def _rows():
+    response_ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 9], [4, 4, 0, 0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    boundaries = [[0, 2, 3], [0, 2, 4], [0, 2]]
+    group_ids = torch.tensor([0, 0, 1])
+    return response_ids, mask, boundaries, group_ids
+
+
+def test_segment_layout_is_segment_ids_and_the_groups_shared_prefixes():
+    ids, mask, bounds, groups = _rows()
+    segment_ids, prefix_ids = segment_layout(bounds, mask, ids, groups)
+    assert segment_ids.equal(boundaries_to_segment_ids(bounds, 4))
+    assert prefix_ids.equal(shared_prefix_ids(ids, mask, bounds, groups))
+    assert prefix_ids[0, 1] == prefix_ids[1, 1]  # the two rows of group 0 share "5 6"
+    only_ids, none = segment_layout(bounds, mask)  # rows not laid out as a group's
+    assert only_ids.equal(segment_ids) and none is None
+
+
+def test_with_segments_lays_out_every_segment_field():
+    ids, mask, bounds, groups = _rows()
+    P = 2
+    prompt = torch.ones(3, P, dtype=torch.long)
+    whole = [[0, int(n)] for n in mask.sum(-1)]
+    batch = RolloutBatch(
+        input_ids=torch.cat([prompt, ids], dim=1),
+        attention_mask=torch.cat([prompt, mask.long()], dim=1),
+        prompt_len=P,
+        response_mask=mask,
+        rewards=torch.zeros(3),
+        group_ids=groups,
+        boundaries=whole,
+        segment_ids=segment_layout(whole, mask)[0],
+    )
+    starts = [[0, 2, 3], [0, 2, 4], [0]]
+    cut = batch.with_segments(bounds, starts)
+    assert cut.boundaries == bounds and cut.segment_char_starts == starts
+    segment_ids, prefix_ids = segment_layout(bounds, mask, ids, groups)
+    assert cut.segment_ids.equal(segment_ids) and cut.prefix_ids.equal(prefix_ids)
+    assert batch.prefix_ids is None  # frozen: the batch it came from is unchanged
+
+
+def test_what_left_rollout_keeps_its_path_there():
+    for name in forward.__all__:
+        if name in ("prompt_groups", "shared_prompt_forward", "shared_prompt_unsupported_reason"):
+            continue
+        assert getattr(rollout, name) is getattr(forward, name), name
+    assert rollout.checked_verify is base.checked_verify
