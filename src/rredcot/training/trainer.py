@@ -27,7 +27,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from rredcot.algebra.loss import LossSettings, policy_loss
-from rredcot.algebra.normalization import masked_mean
+from rredcot.algebra.normalization import masked_mean, zero_variance_groups
 from rredcot.config import TrainConfig
 from rredcot.config.io import resume_config
 from rredcot.methods.auto import (
@@ -256,11 +256,14 @@ class Trainer:
         and update -> the credit method's own update -> the step's record."""
         clock, work = _StepClock(), _StepWork()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
-        seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
         with self.precision():  # model.autocast: sampling, forwards, credit and update
-            # sample, verify, segment; keep the decoder's cache where the credit probes prefixes
+            # seed, sample, verify, segment; keep the decoder's cache where the credit probes
+            # prefixes
             batch, stats = self.rollout(
-                problems, forward=False, keep_cache=self.probes_from_cache()
+                problems,
+                seed=step_seed(self.cfg.seed, step, salt=self.rank),
+                forward=False,
+                keep_cache=self.probes_from_cache(),
             )
             if batch.size == 0:
                 raise RuntimeError(
@@ -433,11 +436,18 @@ class Trainer:
         return self.cfg.probe_from_cache and bool(getattr(self.method, "probes_prefixes", False))
 
     def rollout(
-        self, problems, forward: bool = True, keep_cache: bool = False
+        self,
+        problems,
+        seed: int | None = None,
+        forward: bool = True,
+        keep_cache: bool = False,
     ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sample, verify and segment G completions per problem with the current policy (the
-        caller seeds); with ``forward`` also fill the old log-probs and hidden states;
-        ``keep_cache``: the batch carries the decoder's cache (``batch.probe_cache``)."""
+        """Sample, verify and segment G completions per problem with the current policy, every
+        generator seeded by ``seed`` first (``seeding.seed_everything``; None: the caller
+        seeds); with ``forward`` also fill the old log-probs and hidden states; ``keep_cache``:
+        the batch carries the decoder's cache (``batch.probe_cache``)."""
+        if seed is not None:
+            seed_everything(seed)
         self.policy.eval()
         batch, stats = sample_groups(
             self.policy,
@@ -853,8 +863,11 @@ class Trainer:
         self.compute_used += compute
         self.train_seconds += clock.total
         stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / B
+        # the batch's group statistics (algebra.normalization), every row's
+        zero_variance = zero_variance_groups(batch.rewards, batch.group_ids)
         mask = batch.response_mask
         advantages = credit_out.advantages.detach()
+        advantage_abs_mean = float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0
         return {
             "step": step,
             "samples_seen": self.samples_seen,
@@ -863,8 +876,8 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             **update_stats,
-            "advantage_abs_mean": float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0,
-            "zero_variance_groups": _zero_variance_groups(batch.rewards, batch.group_ids),
+            "advantage_abs_mean": advantage_abs_mean,
+            "zero_variance_groups": zero_variance,
             "skipped_samples_total": self.skipped_total,
             "lr": self.scheduler.get_last_lr()[0],
             **stats,
@@ -894,8 +907,7 @@ class Trainer:
             i = next(counter)
             # Negative "steps": a prompt and sampling stream disjoint from the RL steps'.
             problems = self.prompts_for_step(-i)[self.rank :: self.world]
-            seed_everything(step_seed(cfg.seed, -i, salt=self.rank))
-            batch, stats = self.rollout(problems)
+            batch, stats = self.rollout(problems, seed=step_seed(cfg.seed, -i, salt=self.rank))
             # Samples drawn for the credit method, not the policy: paid from the token budget.
             self.extra_tokens_generated += int(stats["rollout/tokens"])
             return batch
@@ -1041,13 +1053,6 @@ def shared_token_weighted(advantages: torch.Tensor, batch: RolloutBatch, rule: s
         return advantages
     counts = batch.token_share_counts.to(advantages.device).clamp_min(1.0)
     return advantages / counts
-
-
-def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
-    """Fraction of prompt groups whose G rewards are all equal (no GRPO signal)."""
-    groups = group_ids.unique()
-    zero = sum(int(rewards[group_ids == g].std(unbiased=False) == 0) for g in groups)
-    return zero / max(len(groups), 1)
 
 
 def planned_saves(cfg: TrainConfig, start: int) -> list[int]:
