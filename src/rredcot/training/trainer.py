@@ -525,18 +525,26 @@ class Trainer:
     def _credit_forward(
         self, batch: RolloutBatch, plan: ForwardPlan, clock: _StepClock | None = None
     ) -> tuple[RolloutBatch, Any]:
-        """The policy forward the credit reads, as ``plan`` says: the no-grad scoring pass
-        (:meth:`_fill_forward`), or the loss forward whose graph the update keeps
-        (:meth:`_loss_forward`), or none (the loss forward runs after the credit); then an
-        entropy segmenter's cuts, at the entropies that forward computed. Returns the batch and
-        the loss forward (None unless it ran); ``clock`` times the forward's phase."""
+        """The policy forward the credit reads, as ``plan`` says: the loss forward whose graph
+        the update keeps (:meth:`_loss_forward`), or the no-grad scoring pass
+        (``sampling.forward.fill_forward``), or none (the loss forward runs after the credit);
+        then an entropy segmenter's cuts, at the entropies that forward computed. Returns the
+        batch and the loss forward (None unless it ran); ``clock`` times the forward's phase."""
         loss_forward = None
-        if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
-            batch = self._fill_forward(batch)
-            phase = "old_logprobs"
-        elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
+        if plan.loss_forward_first:  # the credit reads the loss forward's hidden states
             batch, loss_forward = self._loss_forward(batch)
             phase = "update"
+        elif plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
+            batch = fill_forward(
+                self.policy,
+                batch,
+                hidden_layers=self.hidden_layers(),
+                temperature=self.cfg.sampling.temperature,
+                shared_prompt=self.cfg.shared_prompt_forward,
+                with_entropy=self.segmenter.uses_entropy,
+                micro_batch_tokens=self.micro_batch_tokens,
+            )
+            phase = "old_logprobs"
         else:
             return batch, None
         if self.segmenter.uses_entropy:  # the entropy cuts, after the forward that has them
@@ -545,18 +553,10 @@ class Trainer:
             clock.lap(phase)
         return batch, loss_forward
 
-    def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
-        """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
-        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        return fill_forward(
-            self.policy,
-            batch,
-            hidden_layers=layers,
-            temperature=self.cfg.sampling.temperature,
-            shared_prompt=self.cfg.shared_prompt_forward,
-            with_entropy=self.segmenter.uses_entropy,
-            micro_batch_tokens=self.micro_batch_tokens,
-        )
+    def hidden_layers(self) -> tuple[int, ...] | None:
+        """The layers whose hidden states the credit method reads of the policy's forward (None:
+        it reads none)."""
+        return self.method.hidden_layers if self.method.needs_hidden_states else None
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         if self.reference is None:
@@ -604,37 +604,41 @@ class Trainer:
     ) -> tuple[RolloutBatch, Any]:
         """The single pass: the loss forward (with grad) over the whole batch, or over ``rows``
         and their first ``columns`` response columns once the credit is known
-        (:meth:`_credited_loss_forward`). Returns the batch with its detached log-probs (zero
-        where nothing was forwarded), hidden states (and entropy segments) for the credit
-        method, and the forward itself, whose graph the loss uses."""
+        (:meth:`_credited_loss_forward`; nothing is forwarded where no row has a gradient).
+        Returns the batch with its detached log-probs (zero where nothing was forwarded), and,
+        of a whole batch's forward, its hidden states and entropies (and entropy segments) for
+        the credit method; and the forward itself (None where nothing was forwarded), whose
+        graph the loss uses."""
         train_mode_without_dropout(self.model)
-        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
+        rows = torch.arange(batch.size) if rows is None else rows
         columns = batch.response_len if columns is None else columns
-        whole = (rows is None or len(rows) == batch.size) and columns == batch.response_len
-        if not whole and (len(rows) == 0 or columns == 0):  # no gradient: nothing to forward
-            return batch.replace(old_logprobs=torch.zeros_like(batch.response_mask.float())), None
-        if rows is None:
-            rows = torch.arange(batch.size)
+        whole = len(rows) == batch.size and columns == batch.response_len
         width = batch.prompt_len + columns
-        fwd = policy_forward(
-            self.model,
-            batch.input_ids if whole else batch.input_ids[rows, :width],
-            batch.attention_mask if whole else batch.attention_mask[rows, :width],
-            batch.prompt_len,
-            with_entropy=True,
-            hidden_layers=layers,
-            temperature=self.cfg.sampling.temperature,
-            shared_prompt=self.cfg.shared_prompt_forward,
-        )
-        if not whole:
-            old = torch.zeros_like(batch.response_mask, dtype=fwd.logprobs.dtype)
+        fwd = None
+        if len(rows) and columns:
+            fwd = policy_forward(
+                self.model,
+                batch.input_ids if whole else batch.input_ids[rows, :width],
+                batch.attention_mask if whole else batch.attention_mask[rows, :width],
+                batch.prompt_len,
+                with_entropy=True,
+                hidden_layers=self.hidden_layers(),
+                temperature=self.cfg.sampling.temperature,
+                shared_prompt=self.cfg.shared_prompt_forward,
+            )
+        if whole:
+            hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
+            batch = batch.replace(
+                old_logprobs=fwd.logprobs.detach(),
+                hidden_states=hidden,
+                entropies=fwd.entropy.detach(),
+            )
+            return batch, fwd
+        dtype = torch.float32 if fwd is None else fwd.logprobs.dtype
+        old = torch.zeros_like(batch.response_mask, dtype=dtype)
+        if fwd is not None:
             old[rows, :columns] = fwd.logprobs.detach()
-            return batch.replace(old_logprobs=old), fwd
-        hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
-        batch = batch.replace(
-            old_logprobs=fwd.logprobs.detach(), hidden_states=hidden, entropies=fwd.entropy.detach()
-        )
-        return batch, fwd
+        return batch.replace(old_logprobs=old), fwd
 
     def _credited_loss_forward(self, batch: RolloutBatch, columns: torch.Tensor):
         """The single pass run after the credit: the loss forward over the rows with a gradient,
