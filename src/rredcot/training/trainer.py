@@ -261,9 +261,9 @@ class Trainer:
             # prefixes
             batch, stats = self.rollout(
                 problems,
-                seed=step_seed(self.cfg.seed, step, salt=self.rank),
                 forward=False,
                 keep_cache=self.probes_from_cache(),
+                seed=step_seed(self.cfg.seed, step, salt=self.rank),
             )
             if batch.size == 0:
                 raise RuntimeError(
@@ -438,9 +438,9 @@ class Trainer:
     def rollout(
         self,
         problems,
-        seed: int | None = None,
         forward: bool = True,
         keep_cache: bool = False,
+        seed: int | None = None,
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample, verify and segment G completions per problem with the current policy, every
         generator seeded by ``seed`` first (``seeding.seed_everything``; None: the caller
