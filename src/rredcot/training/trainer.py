@@ -257,8 +257,7 @@ class Trainer:
         clock, work = _StepClock(), _StepWork()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
         with self.precision():  # model.autocast: sampling, forwards, credit and update
-            # seed, sample, verify, segment; keep the decoder's cache where the credit probes
-            # prefixes
+            # seed, sample, verify, segment (the decoder's cache kept for the credit's probes)
             batch, stats = self.rollout(
                 problems,
                 forward=False,
@@ -615,7 +614,7 @@ class Trainer:
         whole = len(rows) == batch.size and columns == batch.response_len
         width = batch.prompt_len + columns
         fwd = None
-        if len(rows) and columns:
+        if whole or (len(rows) and columns):  # nothing to forward where no row has a gradient
             fwd = policy_forward(
                 self.model,
                 batch.input_ids if whole else batch.input_ids[rows, :width],
