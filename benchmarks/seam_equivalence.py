@@ -1,8 +1,10 @@
 """Seeded short runs of every credit method, for showing that a refactor changed no behaviour.
 
-Runs ``rredcot train`` for a few steps with each credit method (and the variants below) on the
-default task and warm-start, one thread, a fixed seed, and writes every run's ``metrics.jsonl``
-without its wall-clock keys into one JSON file. Run it before and after a change and compare:
+Runs ``rredcot train`` for a few steps with each credit method and the variants below (tree
+groups, the references' modes, the entropy segmenter, micro-batches, the KL reference, off-policy
+epochs, two forwards, every row updated) on the default task and warm-start, one thread, a fixed
+seed, and writes every run's ``metrics.jsonl`` without its wall-clock keys into one JSON file.
+Run it before and after a change and compare:
 
     python benchmarks/seam_equivalence.py --out before.json        # on the old commit
     python benchmarks/seam_equivalence.py --out after.json         # on the new one
@@ -65,6 +67,56 @@ VARIANTS: dict[str, list[str]] = {
         "--sampling.tree.enabled",
         "true",
     ],
+    # the references' modes, the entropy segmenter, micro-batches, the KL reference, off-policy
+    # epochs, two forwards, and every row updated
+    "refs_sft": [
+        "--credit_method",
+        "uniform",
+        "--references.mode",
+        "sft",
+        "--references.groups",
+        "all",
+    ],
+    "refs_sft_failed": ["--credit_method", "value_head", "--references.mode", "sft"],
+    "refs_luffy": [
+        "--credit_method",
+        "uniform",
+        "--references.mode",
+        "luffy",
+        "--references.groups",
+        "all",
+    ],
+    "refs_luffy_vh": [
+        "--credit_method",
+        "value_head",
+        "--references.mode",
+        "luffy",
+        "--references.groups",
+        "all",
+    ],
+    "refs_bread": [
+        "--credit_method",
+        "uniform",
+        "--references.mode",
+        "bread",
+        "--references.groups",
+        "all",
+    ],
+    "entropy_seg": ["--credit_method", "value_head", "--credit.segmenter", "entropy"],
+    "entropy_seg_single": [
+        "--credit_method",
+        "uniform",
+        "--credit.segmenter",
+        "entropy",
+        "--micro_batch_tokens",
+        "256",
+    ],
+    "micro_batches": ["--credit_method", "value_head", "--micro_batch_tokens", "256"],
+    "micro_uniform": ["--credit_method", "uniform", "--micro_batch_tokens", "256"],
+    "kl_ref": ["--credit_method", "uniform", "--kl_coef", "0.05"],
+    "offpolicy": ["--credit_method", "value_head", "--epochs_per_batch", "2", "--minibatches", "2"],
+    "no_single": ["--credit_method", "uniform", "--single_forward", "false"],
+    "skip_rows_off": ["--credit_method", "first_last", "--skip_zero_advantage_rows", "false"],
 }
 
 COMMON = [

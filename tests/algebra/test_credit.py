@@ -13,13 +13,12 @@ import credit_reference
 from credit_reference import grpo_advantages, token_advantages_from_values
 from rredcot.algebra import credit, normalization, shared_prefixes
 from rredcot.algebra.credit import (
-    boundaries_to_segment_ids,
     redistribute,
     segment_advantages_from_values,
     segment_gae,
-    segments_to_tokens,
     weights_to_segment_rewards,
 )
+from rredcot.algebra.layout import boundaries_to_segment_ids, segments_to_tokens
 from rredcot.algebra.normalization import (
     get_normalizer,
     group_mean_std,
@@ -218,34 +217,6 @@ def test_segment_ids_cover_every_token_once(batch, data):
             i = int(ids[b, t])
             expected = float(seg_values[b, i]) if mask[b, t] and i >= 0 else 0.0
             assert float(tokens[b, t]) == expected
-
-
-def test_boundaries_edge_cases():
-    ids = boundaries_to_segment_ids([[0], [], [0, 3]], 3)
-    assert ids.tolist() == [[-1, -1, -1], [-1, -1, -1], [0, 0, 0]]
-    assert boundaries_to_segment_ids([], 4).shape == (0, 4)
-    assert boundaries_to_segment_ids([[0, 1]], 0 + 1).tolist() == [[0]]
-
-
-@pytest.mark.parametrize(
-    "bounds, match",
-    [
-        ([[1, 3]], "start at 0"),
-        ([[0, 2, 2]], "strictly increasing"),
-        ([[0, 3, 2]], "strictly increasing"),
-        ([[0, 5]], "beyond response_len"),
-    ],
-)
-def test_boundaries_validation(bounds, match):
-    with pytest.raises(ValueError, match=match):
-        boundaries_to_segment_ids(bounds, 4)
-
-
-def test_segments_to_tokens_rejects_out_of_range_ids():
-    with pytest.raises(ValueError, match=r"\[-1, S\)"):
-        segments_to_tokens(torch.zeros(1, 2), torch.tensor([[0, 2]]), torch.ones(1, 2))
-    with pytest.raises(TypeError, match="integer"):
-        segments_to_tokens(torch.zeros(1, 2), torch.tensor([[0.0, 1.0]]), torch.ones(1, 2))
 
 
 # --------------------------------------------------------------------------------------

@@ -56,19 +56,6 @@ def test_shared_prefix_values_match_a_plain_loop(seed):
     assert torch.allclose(values[:, 0], mean)
 
 
-def test_prefixes_of_different_groups_are_never_shared():
-    ids = torch.tensor([[1, 2], [1, 2]])
-    mask = torch.ones(2, 2)
-    prefix_ids = shared_prefixes.shared_prefix_ids(
-        ids, mask, [[0, 1, 2], [0, 1, 2]], torch.tensor([0, 1])
-    )
-    assert set(prefix_ids[0].tolist()).isdisjoint(prefix_ids[1].tolist())
-    with pytest.raises(ValueError, match="past its"):
-        shared_prefixes.shared_prefix_ids(
-            ids, torch.tensor([[1, 0], [1, 1]]), [[0, 2], [0, 2]], torch.tensor([0, 0])
-        )
-
-
 @pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
 def test_segment_gae_with_a_constant_lambda_tensor_equals_the_float(lam):
     torch.manual_seed(0)

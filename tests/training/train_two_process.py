@@ -24,6 +24,7 @@ import torch
 torch.set_num_threads(1)
 
 from rredcot.config import TrainConfig  # noqa: E402
+from rredcot.training.seeding import seed_everything  # noqa: E402
 from rredcot.training.trainer import Trainer  # noqa: E402
 
 GROUP = 4  # samples per prompt
@@ -102,7 +103,9 @@ class Replay(Trainer):
 
     given = None
 
-    def rollout(self, problems, forward=True, keep_cache=False):
+    def rollout(self, problems, forward=True, keep_cache=False, seed=None):
+        if seed is not None:  # seeded as the step's own rollout is
+            seed_everything(seed)
         batch = self.given
         stats = {"rollout/tokens": float(batch.response_mask.sum()), "rollout/skipped_samples": 0}
         return batch, stats

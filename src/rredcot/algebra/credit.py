@@ -36,6 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rredcot.algebra.layout import (  # re-exported: their paths before algebra.layout
+    boundaries_to_segment_ids,
+    segment_token_counts,
+    segments_to_tokens,
+)
 from rredcot.algebra.normalization import Scale, apply_scale, divide_rows, group_mean_std
 from rredcot.algebra.tensor_checks import (
     as_bool,
@@ -338,112 +343,11 @@ def weights_to_segment_rewards(
 
 
 # --------------------------------------------------------------------------------------
-# Segments <-> tokens
-# --------------------------------------------------------------------------------------
-
-
-def boundaries_to_segment_ids(
-    boundaries: list[list[int]], response_len: int, device: torch.device | str | None = None
-) -> Tensor:
-    """Map token boundaries to a per-token segment index.
-
-    Token ``t`` of row ``b`` gets ``k-1`` when ``b_{k-1} <= t < b_k``, and ``-1`` at or beyond
-    the row's last boundary (padding). A row ``[0]`` (or ``[]``) is an empty response.
-
-    Args:
-        boundaries: per row ``[0, b_1, ..., b_n]``, strictly increasing, ``b_n <= response_len``.
-        response_len: ``T``, the padded response length.
-        device: where to put the result.
-
-    Returns:
-        segment_ids ``(B, T)`` long.
-    """
-    if isinstance(response_len, bool) or not isinstance(response_len, int) or response_len < 0:
-        raise ValueError(f"response_len must be a non-negative int, got {response_len!r}")
-    segment_ids = torch.full((len(boundaries), response_len), -1, dtype=torch.long)
-    for row, bounds in enumerate(boundaries):
-        bounds = list(bounds)
-        if not bounds:
-            continue
-        if bounds[0] != 0:
-            raise ValueError(f"boundaries[{row}] must start at 0, got {bounds}")
-        if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
-            raise ValueError(
-                f"boundaries[{row}] must be strictly increasing (empty segments are dropped "
-                f"when spans become boundaries), got {bounds}"
-            )
-        if bounds[-1] > response_len:
-            raise ValueError(
-                f"boundaries[{row}] ends at {bounds[-1]}, beyond response_len={response_len}"
-            )
-        lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.long)
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        segment_ids[row, : bounds[-1]] = ids
-    return segment_ids.to(device) if device is not None else segment_ids
-
-
-def segments_to_tokens(
-    segment_values: Tensor, segment_ids: Tensor, response_mask: Tensor
-) -> Tensor:
-    """Give every response token the value of its segment.
-
-    Args:
-        segment_values: ``(B, S)``.
-        segment_ids: ``(B, T)`` long, in ``[-1, S)``.
-        response_mask: ``(B, T)``.
-
-    Returns:
-        token_values ``(B, T)``: ``segment_values[b, segment_ids[b, t]]``, 0 where the mask is
-        False or ``segment_ids == -1``.
-    """
-    check_ndim(segment_values, 2, "segment_values", "(B, S)")
-    check_ndim(segment_ids, 2, "segment_ids", "(B, T)")
-    if segment_ids.shape[0] != segment_values.shape[0]:
-        raise ValueError(
-            f"segment_ids (B, T) = {tuple(segment_ids.shape)} and segment_values (B, S) = "
-            f"{tuple(segment_values.shape)} disagree on B"
-        )
-    check_shape(response_mask, tuple(segment_ids.shape), "response_mask", "(B, T)")
-    if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
-        raise TypeError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
-    num_segments = segment_values.shape[1]
-    if segment_ids.numel() and (
-        int(segment_ids.min()) < -1 or int(segment_ids.max()) >= num_segments
-    ):
-        raise ValueError(
-            f"segment_ids must lie in [-1, S) = [-1, {num_segments}), got range "
-            f"[{int(segment_ids.min())}, {int(segment_ids.max())}]"
-        )
-    valid = as_bool(response_mask) & (segment_ids >= 0)
-    if num_segments == 0:
-        return torch.zeros(segment_ids.shape, dtype=segment_values.dtype, device=segment_ids.device)
-    gathered = segment_values.gather(1, segment_ids.clamp_min(0).long())
-    return torch.where(valid, gathered, torch.zeros_like(gathered))
-
-
-# --------------------------------------------------------------------------------------
 # Reweighting GRPO by segment (credit.form = reweight)
 # --------------------------------------------------------------------------------------
 
 SIGMA_RULES = ("softmax", "linear", "rank")
 """How :func:`reweight_coefficients` turns aligned value changes into weights (docs/method.md)."""
-
-
-def segment_token_counts(segment_ids: Tensor, response_mask: Tensor, num_segments: int) -> Tensor:
-    """How many response tokens each segment holds.
-
-    Args:
-        segment_ids: ``(B, T)`` long, ``-1`` on padding; response_mask: ``(B, T)``.
-        num_segments: ``S``.
-
-    Returns:
-        counts ``(B, S)`` float (0 for segments a row does not have).
-    """
-    check_ndim(segment_ids, 2, "segment_ids", "(B, T)")
-    check_shape(response_mask, tuple(segment_ids.shape), "response_mask", "(B, T)")
-    valid = as_bool(response_mask) & (segment_ids >= 0)
-    counts = torch.zeros(segment_ids.shape[0], num_segments, device=segment_ids.device)
-    return counts.scatter_add(1, segment_ids.clamp_min(0).long(), valid.to(counts.dtype))
 
 
 def reweight_coefficients(

@@ -29,6 +29,7 @@ __all__ = [
     "normalize_advantages",
     "normalizer_names",
     "register_normalizer",
+    "zero_variance_groups",
 ]
 
 
@@ -135,6 +136,14 @@ def group_mean_std(
         others = (count - 1).clamp_min(1)
         mean = torch.where(count > 1, (total - rewards) / others, rewards)
     return mean, std
+
+
+def zero_variance_groups(rewards: Tensor, group_ids: Tensor) -> float:
+    """The fraction of prompt groups whose rewards are all equal (no GRPO signal: every row's
+    advantage against its group's mean is 0). ``rewards``, ``group_ids``: ``(B,)``."""
+    groups = group_ids.unique()
+    zero = sum(int(rewards[group_ids == g].std(unbiased=False) == 0) for g in groups)
+    return zero / max(len(groups), 1)
 
 
 def batch_std(rewards: Tensor) -> Tensor:

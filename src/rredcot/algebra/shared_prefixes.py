@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rredcot.algebra.layout import shared_prefix_ids  # re-exported: its path before
 from rredcot.algebra.tensor_checks import (
     as_bool,
     as_float,
@@ -27,42 +28,6 @@ __all__ = [
     "shared_prefix_ids",
     "shared_prefix_values",
 ]
-
-
-def shared_prefix_ids(
-    response_ids: Tensor, response_mask: Tensor, boundaries: list[list[int]], group_ids: Tensor
-) -> Tensor:
-    """An id per prefix ``s_k``: two rows get the same id at columns ``k`` and ``k'`` exactly
-    when they are in the same group and their first ``b_k`` / ``b_k'`` response tokens are the
-    same token sequence (so both prefixes are one state of the policy's tree of samples).
-
-    Args:
-        response_ids: ``(B, T)`` long; response_mask: ``(B, T)``;
-        boundaries: per row ``[0, b_1, ..., b_n]`` in response tokens; group_ids: ``(B,)``.
-
-    Returns:
-        prefix ids ``(B, S+1)`` long (``S`` the most segments of a row), ``-1`` on padding.
-    """
-    check_ndim(response_ids, 2, "response_ids", "(B, T)")
-    check_shape(response_mask, tuple(response_ids.shape), "response_mask", "(B, T)")
-    check_shape(group_ids, (response_ids.shape[0],), "group_ids", "(B,)")
-    if len(boundaries) != response_ids.shape[0]:
-        raise ValueError(
-            f"boundaries has {len(boundaries)} rows, response_ids {response_ids.shape[0]}"
-        )
-    S = max((len(b) - 1 for b in boundaries), default=0)
-    ids = torch.full((len(boundaries), S + 1), -1, dtype=torch.long)
-    lengths = as_bool(response_mask).sum(dim=1).tolist()
-    rows = response_ids.tolist()
-    seen: dict[tuple, int] = {}
-    for row, (bounds, group) in enumerate(zip(boundaries, group_ids.tolist())):
-        tokens = rows[row][: lengths[row]]
-        for k, b in enumerate(bounds):
-            if b > lengths[row]:
-                raise ValueError(f"row {row}: boundary {b} is past its {lengths[row]} tokens")
-            key = (group, tuple(tokens[:b]))
-            ids[row, k] = seen.setdefault(key, len(seen))
-    return ids.to(response_ids.device)
 
 
 def shared_prefix_values(prefix_ids: Tensor, rewards: Tensor) -> tuple[Tensor, Tensor]:

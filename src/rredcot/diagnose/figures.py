@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from rredcot.algebra import credit as credit_algebra
+from rredcot.algebra import layout
 from rredcot.algebra.normalization import group_mean_std
 from rredcot.config.diagnose import DiagnoseConfig
 from rredcot.methods.auto import SUCCESS
@@ -300,7 +301,7 @@ def step_credit_figures(
     """
     seg_r, _ = credit_algebra.redistribute(values.double(), value_mask, rewards.double())
     mask = response_mask.double().cpu()
-    step_tok = credit_algebra.segments_to_tokens(
+    step_tok = layout.segments_to_tokens(
         seg_r.cpu(), segment_ids.cpu(), response_mask.cpu()
     ).double()
     outcome = (rewards.double().cpu() - values[:, 0].double().cpu())[:, None] * mask

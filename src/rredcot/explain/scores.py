@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rredcot.algebra import credit as credit_algebra
+from rredcot.algebra import layout
 from rredcot.algebra.localisation import chance_error_acc, localisation_scores
 from rredcot.algebra.normalization import group_mean_std
 from rredcot.explain.model import segment_credits
@@ -159,7 +160,7 @@ def comparison_advantages(
         r = rewards.double().to(out.values.device)
         seg_rewards, seg_mask = credit_algebra.redistribute(out.values.double(), out.value_mask, r)
         grpo = r - group_mean_std(r, batch.group_ids.to(r.device))[0]
-        lengths = credit_algebra.segment_token_counts(
+        lengths = layout.segment_token_counts(
             batch.segment_ids.to(r.device), batch.response_mask.to(r.device), seg_mask.shape[1]
         )
         sigma = credit_algebra.reweight_coefficients(

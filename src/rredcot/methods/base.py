@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from rredcot.algebra import credit
+from rredcot.algebra import credit, layout
 from rredcot.algebra.credit import Cost, SegmentCredit, Values, Weights
 from rredcot.algebra.normalization import Scale, advantage_scale, group_mean_std, masked_mean
 from rredcot.algebra.shared_prefixes import node_fraction, node_values
@@ -70,7 +70,7 @@ class CreditRows:
             step labels), or None.
         weights: ``(B, S)`` attribution weights, or None.
         prefix_ids: ``(B, S+1)`` the group's shared prefixes
-            (:func:`rredcot.algebra.shared_prefixes.shared_prefix_ids`), or None.
+            (:func:`rredcot.algebra.layout.shared_prefix_ids`), or None.
         tree: the rows were sampled as tree groups (``sampling.tree``).
         cost, metrics: what measuring the rows cost, and its diagnostics.
     """
@@ -95,7 +95,7 @@ class CreditRows:
         _, value_mask = batch.boundary_positions()
         device = batch.rewards.device
         num_segments = batch.num_segments
-        lengths = credit.segment_token_counts(
+        lengths = layout.segment_token_counts(
             batch.segment_ids, batch.response_mask, int(num_segments.max()) if batch.size else 0
         )
         return cls(
@@ -140,7 +140,7 @@ class CreditRows:
             num_segments=num_segments,
             live=response_mask.sum(-1) > 0,
             value_mask=value_mask,
-            segment_lengths=credit.segment_token_counts(segment_ids, response_mask, S),
+            segment_lengths=layout.segment_token_counts(segment_ids, response_mask, S),
             **fields,
         )
 

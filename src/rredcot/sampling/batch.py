@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from rredcot.algebra.credit import boundaries_to_segment_ids
-from rredcot.algebra.shared_prefixes import shared_prefix_ids
+from rredcot.algebra.layout import boundaries_to_segment_ids, shared_prefix_ids
 from rredcot.tasks.base import Problem, Verdict
 
 __all__ = ["RolloutBatch", "segment_layout"]
@@ -32,10 +31,10 @@ def segment_layout(
     ``(segment_ids (B, T), prefix_ids (B, S+1) | None)``, on ``response_mask``'s device.
 
     ``segment_ids``: token ``t`` of a row in segment ``k - 1`` when ``b_{k-1} <= t < b_k``, -1 on
-    padding (:func:`rredcot.algebra.credit.boundaries_to_segment_ids`). ``prefix_ids``: with the
+    padding (:func:`rredcot.algebra.layout.boundaries_to_segment_ids`). ``prefix_ids``: with the
     rows' ``response_ids (B, T)`` and ``group_ids (B,)``, an id per prefix ``s_k``, shared by the
     rows of a group whose first ``b_k`` tokens agree
-    (:func:`rredcot.algebra.shared_prefixes.shared_prefix_ids`); None without them (rows not yet
+    (:func:`rredcot.algebra.layout.shared_prefix_ids`); None without them (rows not yet
     cut, or another trainer's rows)."""
     segment_ids = boundaries_to_segment_ids(boundaries, response_mask.shape[1]).to(
         response_mask.device
@@ -70,7 +69,7 @@ class RolloutBatch:
     position_ids: torch.Tensor | None = None  # (B, L)
     entropies: torch.Tensor | None = None  # (B, T) next-token entropy (entropy segmentation)
     prefix_ids: torch.Tensor | None = (
-        None  # (B, S+1) rredcot.algebra.shared_prefixes.shared_prefix_ids, -1 on padding
+        None  # (B, S+1) rredcot.algebra.layout.shared_prefix_ids, -1 on padding
     )
     # (B, T) float, tree groups only (sampling.tree): how many leaves of the group share the
     # tokens up to and including each one (rredcot.sampling.tree.token_share_counts); None otherwise

@@ -27,7 +27,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from rredcot.algebra.loss import LossSettings, policy_loss
-from rredcot.algebra.normalization import masked_mean
+from rredcot.algebra.normalization import masked_mean, zero_variance_groups
 from rredcot.config import TrainConfig
 from rredcot.config.io import resume_config
 from rredcot.methods.auto import (
@@ -256,11 +256,13 @@ class Trainer:
         and update -> the credit method's own update -> the step's record."""
         clock, work = _StepClock(), _StepWork()
         problems = self.prompts_for_step(step)[self.rank :: self.world]
-        seed_everything(step_seed(self.cfg.seed, step, salt=self.rank))
         with self.precision():  # model.autocast: sampling, forwards, credit and update
-            # sample, verify, segment; keep the decoder's cache where the credit probes prefixes
+            # seed, sample, verify, segment (the decoder's cache kept for the credit's probes)
             batch, stats = self.rollout(
-                problems, forward=False, keep_cache=self.probes_from_cache()
+                problems,
+                forward=False,
+                keep_cache=self.probes_from_cache(),
+                seed=step_seed(self.cfg.seed, step, salt=self.rank),
             )
             if batch.size == 0:
                 raise RuntimeError(
@@ -433,11 +435,18 @@ class Trainer:
         return self.cfg.probe_from_cache and bool(getattr(self.method, "probes_prefixes", False))
 
     def rollout(
-        self, problems, forward: bool = True, keep_cache: bool = False
+        self,
+        problems,
+        forward: bool = True,
+        keep_cache: bool = False,
+        seed: int | None = None,
     ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sample, verify and segment G completions per problem with the current policy (the
-        caller seeds); with ``forward`` also fill the old log-probs and hidden states;
-        ``keep_cache``: the batch carries the decoder's cache (``batch.probe_cache``)."""
+        """Sample, verify and segment G completions per problem with the current policy, every
+        generator seeded by ``seed`` first (``seeding.seed_everything``; None: the caller
+        seeds); with ``forward`` also fill the old log-probs and hidden states; ``keep_cache``:
+        the batch carries the decoder's cache (``batch.probe_cache``)."""
+        if seed is not None:
+            seed_everything(seed)
         self.policy.eval()
         batch, stats = sample_groups(
             self.policy,
@@ -515,18 +524,26 @@ class Trainer:
     def _credit_forward(
         self, batch: RolloutBatch, plan: ForwardPlan, clock: _StepClock | None = None
     ) -> tuple[RolloutBatch, Any]:
-        """The policy forward the credit reads, as ``plan`` says: the no-grad scoring pass
-        (:meth:`_fill_forward`), or the loss forward whose graph the update keeps
-        (:meth:`_loss_forward`), or none (the loss forward runs after the credit); then an
-        entropy segmenter's cuts, at the entropies that forward computed. Returns the batch and
-        the loss forward (None unless it ran); ``clock`` times the forward's phase."""
+        """The policy forward the credit reads, as ``plan`` says: the loss forward whose graph
+        the update keeps (:meth:`_loss_forward`), or the no-grad scoring pass
+        (``sampling.forward.fill_forward``), or none (the loss forward runs after the credit);
+        then an entropy segmenter's cuts, at the entropies that forward computed. Returns the
+        batch and the loss forward (None unless it ran); ``clock`` times the forward's phase."""
         loss_forward = None
-        if plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
-            batch = self._fill_forward(batch)
-            phase = "old_logprobs"
-        elif plan.loss_forward_first:  # the credit reads the loss forward's hidden states
+        if plan.loss_forward_first:  # the credit reads the loss forward's hidden states
             batch, loss_forward = self._loss_forward(batch)
             phase = "update"
+        elif plan.scoring_pass:  # no-grad: the old log-probs and what the credit reads
+            batch = fill_forward(
+                self.policy,
+                batch,
+                hidden_layers=self.hidden_layers(),
+                temperature=self.cfg.sampling.temperature,
+                shared_prompt=self.cfg.shared_prompt_forward,
+                with_entropy=self.segmenter.uses_entropy,
+                micro_batch_tokens=self.micro_batch_tokens,
+            )
+            phase = "old_logprobs"
         else:
             return batch, None
         if self.segmenter.uses_entropy:  # the entropy cuts, after the forward that has them
@@ -535,18 +552,10 @@ class Trainer:
             clock.lap(phase)
         return batch, loss_forward
 
-    def _fill_forward(self, batch: RolloutBatch) -> RolloutBatch:
-        """The separate no-grad scoring pass (off-policy updates, evaluation probes)."""
-        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
-        return fill_forward(
-            self.policy,
-            batch,
-            hidden_layers=layers,
-            temperature=self.cfg.sampling.temperature,
-            shared_prompt=self.cfg.shared_prompt_forward,
-            with_entropy=self.segmenter.uses_entropy,
-            micro_batch_tokens=self.micro_batch_tokens,
-        )
+    def hidden_layers(self) -> tuple[int, ...] | None:
+        """The layers whose hidden states the credit method reads of the policy's forward (None:
+        it reads none)."""
+        return self.method.hidden_layers if self.method.needs_hidden_states else None
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         if self.reference is None:
@@ -594,37 +603,41 @@ class Trainer:
     ) -> tuple[RolloutBatch, Any]:
         """The single pass: the loss forward (with grad) over the whole batch, or over ``rows``
         and their first ``columns`` response columns once the credit is known
-        (:meth:`_credited_loss_forward`). Returns the batch with its detached log-probs (zero
-        where nothing was forwarded), hidden states (and entropy segments) for the credit
-        method, and the forward itself, whose graph the loss uses."""
+        (:meth:`_credited_loss_forward`; nothing is forwarded where no row has a gradient).
+        Returns the batch with its detached log-probs (zero where nothing was forwarded), and,
+        of a whole batch's forward, its hidden states and entropies (and entropy segments) for
+        the credit method; and the forward itself (None where nothing was forwarded), whose
+        graph the loss uses."""
         train_mode_without_dropout(self.model)
-        layers = self.method.hidden_layers if self.method.needs_hidden_states else None
+        rows = torch.arange(batch.size) if rows is None else rows
         columns = batch.response_len if columns is None else columns
-        whole = (rows is None or len(rows) == batch.size) and columns == batch.response_len
-        if not whole and (len(rows) == 0 or columns == 0):  # no gradient: nothing to forward
-            return batch.replace(old_logprobs=torch.zeros_like(batch.response_mask.float())), None
-        if rows is None:
-            rows = torch.arange(batch.size)
+        whole = len(rows) == batch.size and columns == batch.response_len
         width = batch.prompt_len + columns
-        fwd = policy_forward(
-            self.model,
-            batch.input_ids if whole else batch.input_ids[rows, :width],
-            batch.attention_mask if whole else batch.attention_mask[rows, :width],
-            batch.prompt_len,
-            with_entropy=True,
-            hidden_layers=layers,
-            temperature=self.cfg.sampling.temperature,
-            shared_prompt=self.cfg.shared_prompt_forward,
-        )
-        if not whole:
-            old = torch.zeros_like(batch.response_mask, dtype=fwd.logprobs.dtype)
+        fwd = None
+        if whole or (len(rows) and columns):  # nothing to forward where no row has a gradient
+            fwd = policy_forward(
+                self.model,
+                batch.input_ids if whole else batch.input_ids[rows, :width],
+                batch.attention_mask if whole else batch.attention_mask[rows, :width],
+                batch.prompt_len,
+                with_entropy=True,
+                hidden_layers=self.hidden_layers(),
+                temperature=self.cfg.sampling.temperature,
+                shared_prompt=self.cfg.shared_prompt_forward,
+            )
+        if whole:
+            hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
+            batch = batch.replace(
+                old_logprobs=fwd.logprobs.detach(),
+                hidden_states=hidden,
+                entropies=fwd.entropy.detach(),
+            )
+            return batch, fwd
+        dtype = torch.float32 if fwd is None else fwd.logprobs.dtype
+        old = torch.zeros_like(batch.response_mask, dtype=dtype)
+        if fwd is not None:
             old[rows, :columns] = fwd.logprobs.detach()
-            return batch.replace(old_logprobs=old), fwd
-        hidden = None if fwd.hidden_states is None else fwd.hidden_states.detach()
-        batch = batch.replace(
-            old_logprobs=fwd.logprobs.detach(), hidden_states=hidden, entropies=fwd.entropy.detach()
-        )
-        return batch, fwd
+        return batch.replace(old_logprobs=old), fwd
 
     def _credited_loss_forward(self, batch: RolloutBatch, columns: torch.Tensor):
         """The single pass run after the credit: the loss forward over the rows with a gradient,
@@ -853,8 +866,11 @@ class Trainer:
         self.compute_used += compute
         self.train_seconds += clock.total
         stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / B
+        # the batch's group statistics (algebra.normalization), every row's
+        zero_variance = zero_variance_groups(batch.rewards, batch.group_ids)
         mask = batch.response_mask
         advantages = credit_out.advantages.detach()
+        advantage_abs_mean = float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0
         return {
             "step": step,
             "samples_seen": self.samples_seen,
@@ -863,8 +879,8 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             **update_stats,
-            "advantage_abs_mean": float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0,
-            "zero_variance_groups": _zero_variance_groups(batch.rewards, batch.group_ids),
+            "advantage_abs_mean": advantage_abs_mean,
+            "zero_variance_groups": zero_variance,
             "skipped_samples_total": self.skipped_total,
             "lr": self.scheduler.get_last_lr()[0],
             **stats,
@@ -894,8 +910,7 @@ class Trainer:
             i = next(counter)
             # Negative "steps": a prompt and sampling stream disjoint from the RL steps'.
             problems = self.prompts_for_step(-i)[self.rank :: self.world]
-            seed_everything(step_seed(cfg.seed, -i, salt=self.rank))
-            batch, stats = self.rollout(problems)
+            batch, stats = self.rollout(problems, seed=step_seed(cfg.seed, -i, salt=self.rank))
             # Samples drawn for the credit method, not the policy: paid from the token budget.
             self.extra_tokens_generated += int(stats["rollout/tokens"])
             return batch
@@ -1041,13 +1056,6 @@ def shared_token_weighted(advantages: torch.Tensor, batch: RolloutBatch, rule: s
         return advantages
     counts = batch.token_share_counts.to(advantages.device).clamp_min(1.0)
     return advantages / counts
-
-
-def _zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
-    """Fraction of prompt groups whose G rewards are all equal (no GRPO signal)."""
-    groups = group_ids.unique()
-    zero = sum(int(rewards[group_ids == g].std(unbiased=False) == 0) for g in groups)
-    return zero / max(len(groups), 1)
 
 
 def planned_saves(cfg: TrainConfig, start: int) -> list[int]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rredcot.algebra import credit
+from rredcot.algebra import credit, layout
 from rredcot.errors import require_extra
 from rredcot.integrations._batch import fit_columns, group_ids_from_keys, span_mask
 from rredcot.integrations.verl.config import (
@@ -313,7 +313,7 @@ def _critic_credit(
     returns = _critic_returns(
         raw + rows.prefix, raw_mask, rows.rewards, rows.segment_ids, response_mask, lam_v
     )
-    received = credit.segments_to_tokens(rows.prefix[:, :-1], rows.segment_ids, response_mask)
+    received = layout.segments_to_tokens(rows.prefix[:, :-1], rows.segment_ids, response_mask)
     return out.advantages, torch.where(rows.mask, returns - received, torch.zeros_like(returns))
 
 
@@ -331,7 +331,7 @@ def _credit_from_values(
         num_segments=value_mask.sum(dim=1) - 1,
         live=verl_rows.mask.any(dim=-1),
         value_mask=value_mask,
-        segment_lengths=credit.segment_token_counts(
+        segment_lengths=layout.segment_token_counts(
             verl_rows.segment_ids, response_mask, value_mask.shape[1] - 1
         ),
         values=_with_dense_rewards(values, value_mask, verl_rows.prefix),
@@ -356,7 +356,7 @@ def _critic_returns(
     # G_k = V(s_k) + sum_j lam_v^(j-k) r_{j+1}: the lam_v-return, by segment GAE.
     targets = values[:, :-1] + credit.segment_gae(seg_rewards, seg_mask, lam_v)
     targets = torch.where(seg_mask, targets, torch.zeros_like(targets))
-    return credit.segments_to_tokens(targets, segment_ids, response_mask)
+    return layout.segments_to_tokens(targets, segment_ids, response_mask)
 
 
 core_algos.register_adv_est(ESTIMATOR)(compute_rredcot_advantage)
