@@ -168,7 +168,7 @@ def _method_context(policy, tokenizer, task, segmenter, cfg: CreditBenchConfig, 
 
 
 def ground_truth(
-    policy, tokenizer, task, traces: Traces, cfg: CreditBenchConfig, device=None
+    policy, tokenizer, task, traces: Traces, cfg: CreditBenchConfig, device: torch.device
 ) -> GroundTruth:
     """The values every method is compared with, and their advantages at ``cfg.lam``:
     ``V_MC`` from ``cfg.mc_k`` rollouts a boundary, or the oracle's first-error values."""
@@ -217,27 +217,31 @@ def monte_carlo_truth(policy, tokenizer, task, traces: Traces, cfg) -> GroundTru
     return gt
 
 
+def _oracle_credit_config(overrides: dict[str, str]):
+    """The oracle's credit settings under ``--set`` (its ``credit.oracle.*`` among them)."""
+    return Variant("oracle", "oracle").credit_config(overrides)
+
+
 def oracle_truth(policy, tokenizer, task, traces: Traces, cfg, device) -> GroundTruth:
     """The oracle method's values (the verifier's first-wrong-line labels, its
     ``credit.oracle.*`` settings from ``--set``) and their advantages at ``cfg.lam``. Only the
     traces whose every boundary has a value are kept (``GroundTruth.keep``): a trace the labels
     cannot judge would get GRPO's credit, which is no truth."""
     t0 = time.perf_counter()
-    credit_cfg = Variant("oracle", "oracle").credit_config(cfg.overrides)
-    device = device if device is not None else torch.device("cpu")
+    credit_cfg = _oracle_credit_config(cfg.overrides)
     ctx = CreditContext(policy=policy, tokenizer=tokenizer, task=task, device=device)
     oracle = build_credit("oracle", credit_cfg, ctx)
     label = f"oracle, {credit_cfg.oracle.values} values"
     gt = GroundTruth([], [], [], {}, 0.0, label=label, keep=[])
     for b in traces.batches:
-        out = oracle.compute(b)
+        rows = oracle.rows(b)  # a label-less row's boundaries are NaN here, before the estimate
+        unknown = rows.values.isnan() & rows.value_mask  # hands them GRPO's credit
+        gt.keep += (~unknown.any(dim=1)).tolist()
+        out = oracle.credit_output(rows, oracle.estimate(rows), b.segment_ids, b.response_mask)
         v, m = out.values, out.value_mask.bool()
         adv = comparison_advantages(out, b.rewards, cfg.lam, oracle, b)
         gt.adv += masked_rows(adv, out.segment_mask.bool())
         gt.values += [r[:-1] for r in masked_rows(v, m)]  # drop s_n (it is R)
-        rows = oracle.rows(b)  # a label-less row's boundaries are NaN here, before the estimate
-        unknown = rows.values.isnan() & rows.value_mask  # hands them GRPO's credit
-        gt.keep += (~unknown.any(dim=1)).tolist()
         gt.full.append((v, m))
         for k, x in out.metrics.items():
             if k.startswith("credit/extra_"):
@@ -636,7 +640,7 @@ def _truth_text(report: dict[str, Any]) -> str:
     )
     return (
         "the oracle's values from the verifier's first-wrong-line labels "
-        f"(credit.oracle.values={config['overrides'].get('credit.oracle.values', 'group')}); "
+        f"(credit.oracle.values={_oracle_credit_config(config['overrides']).oracle.values}); "
         f"scored over the {counts} traces the labels judge"
     )
 
