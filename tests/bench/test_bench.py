@@ -446,6 +446,66 @@ def test_bench_credit_against_the_oracle(init_dir, tmp_path, capsys):
     )
 
 
+class _Killed(Exception):
+    pass
+
+
+def _timing_free(rows):
+    timed = ("seconds_per_trace", "credit_seconds_per_trace", "time_ratio_to_uniform")
+    return [
+        {k: v for k, v in r.items() if k not in timed}
+        | ({"fit": {k: v for k, v in r["fit"].items() if k != "seconds"}} if r.get("fit") else {})
+        for r in rows
+    ]
+
+
+def test_bench_credit_resumes_a_killed_run_without_scoring_a_method_twice(
+    init_dir, tmp_path, monkeypatch
+):
+    from rredcot.bench import credit
+
+    methods = "uniform,oracle,value_head"
+
+    def argv(out):  # the value head fits on one batch (a later flag wins)
+        fit = ["--value-fit-batches", "1", "--value-fit-prompts", "2"]
+        return _oracle_truth_argv(init_dir, out, "bench_first_char", methods) + fit
+
+    assert main(argv(tmp_path / "whole")) == 0  # the reference: one uninterrupted run
+    whole = json.loads((tmp_path / "whole" / "credit.json").read_text())
+    assert not (tmp_path / "whole" / credit.PARTIAL).exists()  # removed with the report
+
+    real, scored = credit._method_row, []
+
+    def method_row(bench, variant, *args):
+        if variant.name == kill_at:
+            raise _Killed
+        scored.append(variant.name)
+        return real(bench, variant, *args)
+
+    monkeypatch.setattr(credit, "_method_row", method_row)
+    out = tmp_path / "killed"
+    kill_at = "value_head"
+    with pytest.raises(_Killed):
+        main(argv(out))
+    assert scored == ["uniform", "oracle"] and not (out / "credit.json").exists()
+    kill_at, scored[:] = None, []
+    assert main(argv(out)) == 0  # the same command again
+    assert scored == ["value_head"]  # the two finished rows are read back, not scored again
+    report = json.loads((out / "credit.json").read_text())
+    assert _timing_free(report["results"]) == _timing_free(whole["results"])
+    assert (out / report["examples"]["tokens:4"]).read_text().count("value_head") >= 1
+    assert (out / report["examples"]["tokens:4"]).read_text().count("oracle") >= 1
+    assert not (out / credit.PARTIAL).exists()
+
+    # rows of other traces (another seed) are never reused
+    kill_at, scored[:] = "value_head", []
+    with pytest.raises(_Killed):
+        main(argv(out))
+    kill_at, scored[:] = None, []
+    assert main(argv(out) + ["--seed", "5"]) == 0
+    assert scored == ["uniform", "oracle", "value_head"]
+
+
 def test_bench_credit_against_the_oracle_scores_only_judged_traces(init_dir, tmp_path):
     # a wrong trace without a step label cut by the cap, or ended on its own with the blame of
     # ended traces off, gets GRPO's credit from the oracle: it is no truth, and is not scored

@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +77,7 @@ from rredcot.explain.model import (
     run_credit_config,
     segment_credits,
 )
-from rredcot.explain.pictures import render_html
+from rredcot.explain.pictures import SegmentCredit, render_html
 from rredcot.explain.scores import (
     GroundTruth,
     Traces,
@@ -87,7 +89,7 @@ from rredcot.explain.scores import (
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
-from rredcot.safe_fs import write_text_atomic
+from rredcot.safe_fs import MAX_CONFIG_BYTES, read_json_file, write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.forward import fill_forward, policy_forward
 from rredcot.sampling.rollout import build_rollout_batch, segment_batch
@@ -322,6 +324,76 @@ class _Bench:
         return batches
 
 
+PARTIAL = "credit_partial.json"  # the rows scored so far; removed when the report is written
+
+
+def traces_fingerprint(cfg: CreditBenchConfig, sampled: list[RolloutBatch]) -> str:
+    """What a scored row depends on besides its own variant: every setting but the output
+    directory and the lists of methods and segmenters, and the sampled traces themselves (their
+    tokens and rewards), so that a row is reused only for the very same traces."""
+    settings = {
+        k: v
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in ("out", "methods", "segmenters")
+    }
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for b in sampled:
+        h.update(b.input_ids.cpu().numpy().tobytes())
+        h.update(b.rewards.cpu().double().numpy().tobytes())
+    return h.hexdigest()
+
+
+class ScoredRows:
+    """The rows a run has scored, kept in ``out/credit_partial.json`` (rewritten atomically
+    after every method), so that a killed run, started again with the same command, samples its
+    traces again (the same seed gives the same traces), checks that they are the same, and
+    scores only the methods it had not finished. Rows of other traces or settings are dropped."""
+
+    def __init__(self, out_dir: Path, fingerprint: str, log) -> None:
+        self.path = out_dir / PARTIAL
+        self.fingerprint = fingerprint
+        self.rows: dict[str, dict[str, Any]] = {}
+        if not (self.path.exists() or self.path.is_symlink()):
+            return
+        saved = read_json_file(
+            self.path, "partial credit report", follow=False, limit=MAX_CONFIG_BYTES
+        )
+        if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
+            log(f"{self.path}: rows of other traces or settings; scoring every method again")
+            return
+        self.rows = dict(saved.get("rows", {}))
+        if self.rows:
+            log(f"{self.path}: reusing {len(self.rows)} scored row(s) of a stopped run")
+
+    @staticmethod
+    def key(seg_name: str, variant: Variant) -> str:
+        overrides = json.dumps(variant.overrides, sort_keys=True)
+        return f"{seg_name}|{variant.name}|{variant.method}|{overrides}"
+
+    def get(self, seg_name: str, variant: Variant) -> tuple[dict, dict[int, list]] | None:
+        saved = self.rows.get(self.key(seg_name, variant))
+        if saved is None:
+            return None
+        examples = {
+            int(i): [SegmentCredit(**s) for s in segs] for i, segs in saved["examples"].items()
+        }
+        return saved["row"], examples
+
+    def put(self, seg_name: str, variant: Variant, row: dict, examples: dict[int, list]) -> None:
+        self.rows[self.key(seg_name, variant)] = {
+            "row": row,
+            "examples": {
+                str(i): [dataclasses.asdict(s) for s in segs] for i, segs in examples.items()
+            },
+        }
+        text = json.dumps({"fingerprint": self.fingerprint, "rows": self.rows})
+        write_text_atomic(self.path, text)
+
+    def finish(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
 def _variants_and_segmenters(cfg: CreditBenchConfig) -> tuple[list[Variant], list[str]]:
     """The variants to score (uniform first when not named) and the segmentation strategies."""
     variants = parse_variants(cfg.methods)
@@ -479,6 +551,7 @@ def _score_segmentation(
     variants: list[Variant],
     fit_batches: list[RolloutBatch],
     out_dir: Path,
+    scored: ScoredRows,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
     """The sampled traces cut by ``segmenter``, scored by the ground truth and every variant:
     ``(result rows, the ground truth's summary, the example page's file name or None)``. The
@@ -495,12 +568,20 @@ def _score_segmentation(
     results = [_ground_truth_row(gt, traces, cfg, seg_name)]
     # 3. every method
     pages = _ground_truth_pages(gt, traces, examples, cfg)
-    for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
-        fill_forward(policy, b)  # (result unused)
+    warmed = False
     for variant in variants:
-        row, method_examples = _method_row(
-            bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
-        )
+        saved = scored.get(seg_name, variant)
+        if saved is None:
+            if not warmed:  # untimed warm-up, so that the first method pays no start-up
+                for b in traces.batches:
+                    fill_forward(policy, b)  # (result unused)
+                warmed = True
+            row, method_examples = _method_row(
+                bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
+            )
+            scored.put(seg_name, variant, row, method_examples)
+        else:  # scored by a run that was stopped: its row and timing as that run measured them
+            row, method_examples = saved
         results.append(row)
         for i, segs in method_examples.items():
             pages[i].append((variant.name, segs))
@@ -551,7 +632,9 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     sample_seconds = time.perf_counter() - t0
     rewards = torch.cat([b.rewards.cpu() for b in sampled])
     log(f"sampled {len(rewards)} traces in {sample_seconds:.1f}s, mean reward {rewards.mean():.3f}")
-    fit_batches = _fit_batches(bench, variants)
+    scored = ScoredRows(out_dir, traces_fingerprint(cfg, sampled), log)
+    unscored = [v for s in segmenter_names for v in variants if scored.get(s, v) is None]
+    fit_batches = _fit_batches(bench, unscored) if unscored else []
 
     results: list[dict[str, Any]] = []
     gt_summary: dict[str, Any] = {}
@@ -559,7 +642,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     for seg_name in segmenter_names:
         segmenter = segmenter_from_config(base_credit, pattern, seg_name)
         rows, gt_summary[seg_name], page = _score_segmentation(
-            bench, seg_name, segmenter, sampled, variants, fit_batches, out_dir
+            bench, seg_name, segmenter, sampled, variants, fit_batches, out_dir, scored
         )
         results += rows
         _add_time_ratios(results, seg_name)
@@ -583,6 +666,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         "definitions": DEFINITIONS,
     }
     md = write_report(report, out_dir, "credit", credit_markdown)
+    scored.finish()
     log(md)
     return report
 
