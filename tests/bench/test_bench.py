@@ -459,7 +459,7 @@ def _timing_free(rows):
     ]
 
 
-def test_bench_credit_resumes_a_killed_run_without_scoring_a_method_twice(
+def test_bench_credit_resumes_a_killed_run_and_adds_methods_without_scoring_twice(
     init_dir, tmp_path, monkeypatch
 ):
     from rredcot.bench import credit
@@ -472,7 +472,6 @@ def test_bench_credit_resumes_a_killed_run_without_scoring_a_method_twice(
 
     assert main(argv(tmp_path / "whole")) == 0  # the reference: one uninterrupted run
     whole = json.loads((tmp_path / "whole" / "credit.json").read_text())
-    assert not (tmp_path / "whole" / credit.PARTIAL).exists()  # removed with the report
 
     real, scored = credit._method_row, []
 
@@ -495,13 +494,17 @@ def test_bench_credit_resumes_a_killed_run_without_scoring_a_method_twice(
     assert _timing_free(report["results"]) == _timing_free(whole["results"])
     assert (out / report["examples"]["tokens:4"]).read_text().count("value_head") >= 1
     assert (out / report["examples"]["tokens:4"]).read_text().count("oracle") >= 1
-    assert not (out / credit.PARTIAL).exists()
+
+    # a later run with one more method scores only that one
+    scored[:] = []
+    assert main(argv(out) + ["--methods", methods + ",first_last"]) == 0
+    assert scored == ["first_last"]
+    report = json.loads((out / "credit.json").read_text())
+    assert [r["method"] for r in report["results"]][-1] == "first_last"
+    assert _timing_free(report["results"][:-1]) == _timing_free(whole["results"])
 
     # rows of other traces (another seed) are never reused
-    kill_at, scored[:] = "value_head", []
-    with pytest.raises(_Killed):
-        main(argv(out))
-    kill_at, scored[:] = None, []
+    scored[:] = []
     assert main(argv(out) + ["--seed", "5"]) == 0
     assert scored == ["uniform", "oracle", "value_head"]
 

@@ -324,7 +324,7 @@ class _Bench:
         return batches
 
 
-PARTIAL = "credit_partial.json"  # the rows scored so far; removed when the report is written
+ROWS = "credit_rows.json"  # every row scored on these traces, kept for a later run to reuse
 
 
 def traces_fingerprint(cfg: CreditBenchConfig, sampled: list[RolloutBatch]) -> str:
@@ -344,13 +344,14 @@ def traces_fingerprint(cfg: CreditBenchConfig, sampled: list[RolloutBatch]) -> s
 
 
 class ScoredRows:
-    """The rows a run has scored, kept in ``out/credit_partial.json`` (rewritten atomically
-    after every method), so that a killed run, started again with the same command, samples its
-    traces again (the same seed gives the same traces), checks that they are the same, and
-    scores only the methods it had not finished. Rows of other traces or settings are dropped."""
+    """The rows scored on a run's traces, kept in ``out/credit_rows.json`` (rewritten atomically
+    after every method), so that a stopped run started again with the same command, or a later
+    run with more methods, samples its traces again (the same seed gives the same traces),
+    checks that they are the same, and scores only the methods not yet scored. Rows of other
+    traces or settings are dropped."""
 
     def __init__(self, out_dir: Path, fingerprint: str, log) -> None:
-        self.path = out_dir / PARTIAL
+        self.path = out_dir / ROWS
         self.fingerprint = fingerprint
         self.rows: dict[str, dict[str, Any]] = {}
         if not (self.path.exists() or self.path.is_symlink()):
@@ -363,7 +364,7 @@ class ScoredRows:
             return
         self.rows = dict(saved.get("rows", {}))
         if self.rows:
-            log(f"{self.path}: reusing {len(self.rows)} scored row(s) of a stopped run")
+            log(f"{self.path}: reusing {len(self.rows)} row(s) scored on these traces")
 
     @staticmethod
     def key(seg_name: str, variant: Variant) -> str:
@@ -388,10 +389,6 @@ class ScoredRows:
         }
         text = json.dumps({"fingerprint": self.fingerprint, "rows": self.rows})
         write_text_atomic(self.path, text)
-
-    def finish(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
 
 
 def _variants_and_segmenters(cfg: CreditBenchConfig) -> tuple[list[Variant], list[str]]:
@@ -580,7 +577,7 @@ def _score_segmentation(
                 bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
             )
             scored.put(seg_name, variant, row, method_examples)
-        else:  # scored by a run that was stopped: its row and timing as that run measured them
+        else:  # scored by an earlier run on these traces: its row and timing as measured then
             row, method_examples = saved
         results.append(row)
         for i, segs in method_examples.items():
@@ -666,7 +663,6 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
         "definitions": DEFINITIONS,
     }
     md = write_report(report, out_dir, "credit", credit_markdown)
-    scored.finish()
     log(md)
     return report
 
