@@ -52,11 +52,14 @@ def _values(policy, tok, task, batch, **options):
     )
 
 
+@pytest.mark.parametrize("estimator", ["importance", "per_token"])
 def test_reuse_reference_gives_the_exact_values_with_fewer_tokens(
-    char_tokenizer, task, batch, policy
+    char_tokenizer, task, batch, policy, estimator
 ):
-    exact, mask, exact_stats = _values(policy, char_tokenizer, task, batch)
-    cheap, cheap_mask, stats = _values(policy, char_tokenizer, task, batch, reuse_reference=True)
+    exact, mask, exact_stats = _values(policy, char_tokenizer, task, batch, estimator=estimator)
+    cheap, cheap_mask, stats = _values(
+        policy, char_tokenizer, task, batch, reuse_reference=True, estimator=estimator
+    )
     assert torch.equal(mask, cheap_mask)
     assert torch.allclose(cheap[mask], exact[mask], rtol=1e-4, atol=1e-7)
     # the gold rows' prefixes are all the reference's: read from its pass, not probed

@@ -144,6 +144,37 @@ def test_a_reference_counts_exactly():
     assert float(values[0, 0]) == pytest.approx(0.6 * 0.7)
 
 
+def test_per_token_estimate_is_the_mean_geometric_probability_of_the_continuations():
+    # from prefix b the correct continuations written are "a EOS" (row 1) and "c EOS" (row 2):
+    # per token exp(log(0.2 * 1) / 2) and exp(log(0.3 * 1) / 2), averaged
+    batch = _group_batch([(B, B), (B, A), (B, C)])
+    values, _, _ = values_from_scorer(
+        batch, {}, _table_scorer(batch), source="group", estimator="per_token"
+    )
+    expected = (math.sqrt(0.2) + math.sqrt(0.3)) / 2
+    assert float(values[0, 1]) == pytest.approx(expected)
+    # from the prompt: "b a EOS" and "b c EOS", three tokens each
+    assert float(values[0, 0]) == pytest.approx(
+        ((0.4 * 0.2) ** (1 / 3) + (0.4 * 0.3) ** (1 / 3)) / 2
+    )
+    # the reference counts as one more continuation: "a a EOS" from the prompt
+    refs = {0: [(A, A, EOS), (A, EOS)]}
+    values, _, _ = values_from_scorer(
+        batch, refs, _table_scorer(batch), source="both", estimator="per_token"
+    )
+    three = [(0.6 * 0.7) ** (1 / 3), (0.4 * 0.2) ** (1 / 3), (0.4 * 0.3) ** (1 / 3)]
+    assert float(values[0, 0]) == pytest.approx(sum(three) / 3)
+
+
+def test_per_token_refuses_stop_below():
+    with pytest.raises(ValueError, match="stop_below=0 or another estimator"):
+        from_dict(
+            CreditConfig,
+            {"continuation_likelihood": {"estimator": "per_token", "stop_below": 0.1}},
+            where="credit.",
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # The policy's packed forward
 

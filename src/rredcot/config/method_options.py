@@ -249,7 +249,9 @@ class ContinuationLikelihoodConfig:
         "importance: V = pi(reference) + (1/G) sum over correct samples of pi(u | prefix) / "
         "pi(u | the sample's own prefix), a lower bound in expectation (the paper's form); "
         "sum: V = sum of pi(u | prefix) over the distinct continuations, a lower bound on every "
-        "batch.",
+        "batch; per_token: V = mean over the distinct continuations of exp(log pi(u | prefix) "
+        "/ |u|), the per-token probability (length-normalised, in log space; a score, not a "
+        "bound, that does not vanish on long continuations).",
         default="importance",
     )
     max_continuations: int = help_field(
@@ -309,10 +311,16 @@ class ContinuationLikelihoodConfig:
                 f"credit.continuation_likelihood.source={self.source!r} must be group, "
                 "reference or both"
             )
-        if self.estimator not in ("importance", "sum"):
+        if self.estimator not in ("importance", "sum", "per_token"):
             raise ValueError(
                 f"credit.continuation_likelihood.estimator={self.estimator!r} must be "
-                "importance or sum"
+                "importance, sum or per_token"
+            )
+        if self.estimator == "per_token" and self.stop_below > 0.0:
+            raise ValueError(
+                "credit.continuation_likelihood.stop_below reads a path's probability, which "
+                "only falls along it; per_token values need not: set stop_below=0 or another "
+                "estimator"
             )
         for name in ("max_continuations", "chunk_tokens", "logits_mb"):
             if getattr(self, name) < 1:

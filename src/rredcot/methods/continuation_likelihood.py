@@ -35,6 +35,12 @@ estimators see only a few:
   Distinct complete continuations are disjoint events, so this is a lower bound on every batch,
   not just in expectation, but it counts a continuation once however likely the policy was to
   produce it elsewhere.
+- ``per_token`` (length-normalised, in log space): ``V(s_k) = (1/C) Σ_{distinct u}
+  exp(log π(u | s_k) / |u|)``, the mean over the ``C`` distinct known-good continuations of
+  the policy's per-token (geometric-mean) probability of each. No probability and no bound: a
+  score in [0, 1] that does not vanish with a continuation's length, as a pretrained model's
+  raw probabilities of a whole remainder do (issue 60; the likelihood-reward study, arXiv
+  2602.03979, reads log-probabilities for this reason). ``stop_below`` is refused with it.
 
 A sample's own continuation (and that of every sample with the same prefix) has ratio 1 and is
 not probed. Continuations per boundary are capped (``max_continuations``; the reference first,
@@ -92,7 +98,7 @@ from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.forward import eval_mode
 from rredcot.segment import Segmenter, segment_completion
 
-ESTIMATORS = ("importance", "sum")
+ESTIMATORS = ("importance", "sum", "per_token")
 SOURCES = ("group", "reference", "both")
 
 
@@ -101,7 +107,8 @@ class Continuation:
     """One known-good continuation probed after boundary ``k`` of row ``row``.
 
     ``log_weight``: the log of its factor in the estimate (0 for the reference or the ``sum``
-    estimator; ``log Σ_j 1 / (G q_j)`` over the samples that wrote it, for ``importance``);
+    estimator; ``log Σ_j 1 / (G q_j)`` over the samples that wrote it, for ``importance``;
+    ``-log C`` over the boundary's ``C`` continuations, for ``per_token``);
     ``known_logp``: its log-probability where it needs no probe (the prefix is the source's
     own), else None.
     """
@@ -136,6 +143,12 @@ def estimate_from_logprobs(
     terms = log_weights.double() + logp.double()
     out = out.index_add(0, slots, (terms.clamp(max=0.0) if clip else terms).exp())
     return (out.clamp(0.0, 1.0) if clip else out).float()
+
+
+def per_token(conts: list[Continuation], logp: list[float]) -> list[float]:
+    """Each continuation's log-probability divided by its length (the ``per_token``
+    estimator's terms)."""
+    return [lp / max(len(c.ids), 1) for c, lp in zip(conts, logp)]
 
 
 def _response_tokens(batch: RolloutBatch) -> list[list[int]]:
@@ -233,7 +246,7 @@ def build_continuations(
                             continue
                         found[u] = [[], float("nan"), j]
                         order.append(u)
-                    if estimator == "sum":
+                    if estimator in ("sum", "per_token"):
                         found[u][0] = [0.0]
                         own = responses[j][: bj[k]] == prefix
                         if own and j in own_logprobs:
@@ -247,6 +260,8 @@ def build_continuations(
                 log_weights, known, origin = found[u]
                 if log_weights:
                     log_weight = float(torch.tensor(log_weights, dtype=torch.float64).logsumexp(0))
+                    if estimator == "per_token":  # the mean over the boundary's continuations
+                        log_weight = -math.log(len(order))
                     known_logp = None if known != known else known  # nan -> probe it
                     out.append(Continuation(row, k, u, log_weight, known_logp, origin))
     return out
@@ -357,6 +372,8 @@ def values_from_scorer(
         [c.known_logp if c.known_logp is not None else float(next(probed).sum()) for c in conts],
         dtype=torch.float64,
     )
+    if estimator == "per_token":
+        logp = torch.tensor(per_token(conts, logp.tolist()), dtype=torch.float64)
     n = batch.num_segments.cpu()
     S = int(n.max()) if len(n) else 0
     slots = torch.tensor([c.row * (S + 1) + c.k for c in conts], dtype=torch.long)
@@ -597,6 +614,11 @@ def cheap_values_from_scorer(
     """
     if window < 0 or not 0.0 <= stop_below < 1.0:
         raise ValueError(f"window={window} must be >= 0 and stop_below={stop_below} in [0, 1)")
+    if stop_below > 0.0 and estimator == "per_token":
+        raise ValueError(
+            "continuation_likelihood.stop_below reads a path's probability, which only falls "
+            "along it; per_token values need not: set stop_below=0 or another estimator"
+        )
     responses = _response_tokens(batch)
     in_scope = _rows_in_scope(batch, scope)
     paths = dict(paths) if source in ("reference", "both") else {}
@@ -616,6 +638,8 @@ def cheap_values_from_scorer(
     skipped = [i for i in heads if logp[i] is None]
     for i in skipped:
         logp[i] = -math.inf  # a stopped trace's later continuations: its stop value instead
+    if estimator == "per_token":
+        logp = per_token(conts, logp)
     values, mask = _cheap_values(batch, conts, logp, stopped, in_scope, clip)
     n = batch.num_segments
     stats = {
