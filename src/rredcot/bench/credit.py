@@ -356,9 +356,7 @@ class ScoredRows:
         self.rows: dict[str, dict[str, Any]] = {}
         if not (self.path.exists() or self.path.is_symlink()):
             return
-        saved = read_json_file(
-            self.path, "partial credit report", follow=False, limit=MAX_CONFIG_BYTES
-        )
+        saved = read_json_file(self.path, "kept credit rows", follow=False, limit=MAX_CONFIG_BYTES)
         if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
             log(f"{self.path}: rows of other traces or settings; scoring every method again")
             return
