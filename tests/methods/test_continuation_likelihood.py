@@ -16,6 +16,7 @@ from rredcot.config import CreditConfig
 from rredcot.config.io import from_dict
 from rredcot.methods.base import CreditContext, get_credit
 from rredcot.methods.continuation_likelihood import (
+    cheap_values_from_scorer,
     continuation_values,
     reference_remainders,
     values_from_scorer,
@@ -172,6 +173,11 @@ def test_per_token_refuses_stop_below():
             CreditConfig,
             {"continuation_likelihood": {"estimator": "per_token", "stop_below": 0.1}},
             where="credit.",
+        )
+    batch = _group_batch([(B, A), (B, C)])  # and where the function is called directly
+    with pytest.raises(ValueError, match="stop_below=0 or another estimator"):
+        cheap_values_from_scorer(
+            batch, {}, _table_scorer(batch), estimator="per_token", stop_below=0.1
         )
 
 

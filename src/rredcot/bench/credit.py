@@ -369,6 +369,9 @@ class ScoredRows:
         overrides = json.dumps(variant.overrides, sort_keys=True)
         return f"{seg_name}|{variant.name}|{variant.method}|{overrides}"
 
+    def has(self, seg_name: str, variant: Variant) -> bool:
+        return self.key(seg_name, variant) in self.rows
+
     def get(self, seg_name: str, variant: Variant) -> tuple[dict, dict[int, list]] | None:
         saved = self.rows.get(self.key(seg_name, variant))
         if saved is None:
@@ -628,7 +631,7 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     rewards = torch.cat([b.rewards.cpu() for b in sampled])
     log(f"sampled {len(rewards)} traces in {sample_seconds:.1f}s, mean reward {rewards.mean():.3f}")
     scored = ScoredRows(out_dir, traces_fingerprint(cfg, sampled), log)
-    unscored = [v for s in segmenter_names for v in variants if scored.get(s, v) is None]
+    unscored = [v for s in segmenter_names for v in variants if not scored.has(s, v)]
     fit_batches = _fit_batches(bench, unscored) if unscored else []
 
     results: list[dict[str, Any]] = []

@@ -233,6 +233,17 @@ class MonteCarloConfig:
 CONTINUATION_SCOPES = ("all", "all_wrong", "mixed", "any_wrong")
 
 
+def refuse_per_token_stop_below(estimator: str, stop_below: float) -> None:
+    """``stop_below`` stops probing where a path's probability is small, which only falls along
+    the path; ``per_token`` values need not, so the two are refused together."""
+    if estimator == "per_token" and stop_below > 0.0:
+        raise ValueError(
+            "credit.continuation_likelihood.stop_below reads a path's probability, which "
+            "only falls along it; per_token values need not: set stop_below=0 or another "
+            "estimator"
+        )
+
+
 @dataclass
 class ContinuationLikelihoodConfig:
     """Options of the continuation_likelihood method (--credit_method continuation_likelihood):
@@ -316,12 +327,7 @@ class ContinuationLikelihoodConfig:
                 f"credit.continuation_likelihood.estimator={self.estimator!r} must be "
                 "importance, sum or per_token"
             )
-        if self.estimator == "per_token" and self.stop_below > 0.0:
-            raise ValueError(
-                "credit.continuation_likelihood.stop_below reads a path's probability, which "
-                "only falls along it; per_token values need not: set stop_below=0 or another "
-                "estimator"
-            )
+        refuse_per_token_stop_below(self.estimator, self.stop_below)
         for name in ("max_continuations", "chunk_tokens", "logits_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(

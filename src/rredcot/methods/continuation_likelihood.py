@@ -86,6 +86,7 @@ from torch import Tensor
 
 from rredcot.algebra.normalization import group_mean_std
 from rredcot.config import CONTINUATION_SCOPES, ContinuationLikelihoodConfig
+from rredcot.config.method_options import refuse_per_token_stop_below
 from rredcot.methods.base import CreditContext, CreditRows, Estimate, register_credit
 from rredcot.methods.probe_logprobs import (
     Probe,
@@ -614,11 +615,7 @@ def cheap_values_from_scorer(
     """
     if window < 0 or not 0.0 <= stop_below < 1.0:
         raise ValueError(f"window={window} must be >= 0 and stop_below={stop_below} in [0, 1)")
-    if stop_below > 0.0 and estimator == "per_token":
-        raise ValueError(
-            "continuation_likelihood.stop_below reads a path's probability, which only falls "
-            "along it; per_token values need not: set stop_below=0 or another estimator"
-        )
+    refuse_per_token_stop_below(estimator, stop_below)
     responses = _response_tokens(batch)
     in_scope = _rows_in_scope(batch, scope)
     paths = dict(paths) if source in ("reference", "both") else {}
