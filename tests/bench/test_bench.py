@@ -451,7 +451,7 @@ class _Killed(Exception):
 
 
 def _timing_free(rows):
-    timed = ("seconds_per_trace", "credit_seconds_per_trace", "time_ratio_to_uniform")
+    timed = ("seconds_per_trace", "credit_seconds_per_trace", "time_ratio_to_uniform", "timed_in")
     return [
         {k: v for k, v in r.items() if k not in timed}
         | ({"fit": {k: v for k, v in r["fit"].items() if k != "seconds"}} if r.get("fit") else {})
@@ -487,18 +487,32 @@ def test_bench_credit_resumes_a_killed_run_and_adds_methods_without_scoring_twic
     with pytest.raises(_Killed):
         main(argv(out))
     assert scored == ["uniform", "oracle"] and not (out / "credit.json").exists()
+    kept = json.loads((out / credit.ROWS).read_text())["rows"]
+    first_oracle = next(r["row"] for k, r in kept.items() if "|oracle|" in k)
     kill_at, scored[:] = None, []
     assert main(argv(out)) == 0  # the same command again
-    assert scored == ["value_head"]  # the two finished rows are read back, not scored again
+    # oracle's row is read back, not scored again; uniform, the time reference, is timed again
+    assert scored == ["uniform", "value_head"]
     report = json.loads((out / "credit.json").read_text())
     assert _timing_free(report["results"]) == _timing_free(whole["results"])
+    rows = {r["method"]: r for r in report["results"]}
+    # each row's time ratio is against uniform timed in the run that timed the row
+    assert rows["oracle"]["timed_in"] == first_oracle["timed_in"]
+    assert rows["oracle"]["time_ratio_to_uniform"] == first_oracle["time_ratio_to_uniform"]
+    assert rows["value_head"]["timed_in"] == rows["uniform"]["timed_in"]
+    assert rows["value_head"]["time_ratio_to_uniform"] == pytest.approx(
+        rows["value_head"]["seconds_per_trace"] / rows["uniform"]["seconds_per_trace"]
+    )
+    md = (out / "credit.md").read_text()
+    assert rows["oracle"]["timed_in"] != rows["uniform"]["timed_in"] and "timed in 2 runs" in md
+    assert "timed in" not in (tmp_path / "whole" / "credit.md").read_text()
     assert (out / report["examples"]["tokens:4"]).read_text().count("value_head") >= 1
     assert (out / report["examples"]["tokens:4"]).read_text().count("oracle") >= 1
 
     # a later run with one more method scores only that one
     scored[:] = []
     assert main(argv(out) + ["--methods", methods + ",first_last"]) == 0
-    assert scored == ["first_last"]
+    assert scored == ["uniform", "first_last"]
     report = json.loads((out / "credit.json").read_text())
     assert [r["method"] for r in report["results"]][-1] == "first_last"
     assert _timing_free(report["results"][:-1]) == _timing_free(whole["results"])

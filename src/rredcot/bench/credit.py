@@ -43,7 +43,9 @@ Metrics per (method, segmenter):
 - Cost per trace: ``extra_forward_tokens``, ``extra_generated_tokens`` (from the method's
   ``credit/extra_*`` metrics), ``seconds_per_trace`` = (the shared no-grad forward + the method's
   ``compute``) / traces and ``credit_seconds_per_trace`` (``compute`` alone);
-  ``time_ratio_to_uniform`` divides ``seconds_per_trace`` by uniform's (uniform is always run).
+  ``time_ratio_to_uniform`` divides ``seconds_per_trace`` by uniform's in the same run
+  (``timed_in``): a run that scores any method times uniform again, and a row kept from an
+  earlier run keeps that run's time and ratio.
 
 A ``ground_truth`` row scores the ``K``-rollout values themselves on localisation (the ceiling a
 value-based method can reach with these traces).
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import time
@@ -301,6 +304,7 @@ class _Bench:
     sampling_segmenter: Segmenter  # the first strategy; the traces are re-segmented per strategy
     saved_run: tuple | None  # run_credit_config(cfg.run): a trained method's state to load
     log: Callable[..., Any]
+    run: str = ""  # when this run started (UTC): the stamp of the rows it times
 
     def sample(self, problems: list, seed: int) -> list[RolloutBatch]:
         """``cfg.samples`` completions of each problem, in chunks of ``cfg.chunk_prompts``
@@ -529,16 +533,12 @@ def _method_row(
     return row, col.examples
 
 
-def _add_time_ratios(results: list[dict[str, Any]], seg_name: str) -> None:
-    """``time_ratio_to_uniform`` on every timed row of segmentation ``seg_name``."""
-    uniform_s = next(
-        r["seconds_per_trace"]
-        for r in results
-        if r["method"] == "uniform" and r["segmenter"] == seg_name
-    )
-    for r in results:
-        if r["segmenter"] == seg_name and "seconds_per_trace" in r:
-            r["time_ratio_to_uniform"] = r["seconds_per_trace"] / uniform_s if uniform_s else None
+def _time_against(row: dict[str, Any], uniform: dict[str, Any], run: str) -> None:
+    """Stamp ``row`` with the run that timed it and its ``time_ratio_to_uniform`` against
+    ``uniform``'s time in that same run (times of different runs differ with the machine's load)."""
+    uniform_s = uniform["seconds_per_trace"]
+    row["timed_in"] = run
+    row["time_ratio_to_uniform"] = row["seconds_per_trace"] / uniform_s if uniform_s else None
 
 
 def _score_segmentation(
@@ -552,8 +552,7 @@ def _score_segmentation(
     scored: ScoredRows,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
     """The sampled traces cut by ``segmenter``, scored by the ground truth and every variant:
-    ``(result rows, the ground truth's summary, the example page's file name or None)``. The
-    rows' ``time_ratio_to_uniform`` is added by the caller, over every row of ``seg_name``."""
+    ``(result rows, the ground truth's summary, the example page's file name or None)``."""
     cfg, policy, tokenizer = bench.cfg, bench.policy, bench.tokenizer
     traces = Traces.of(
         [resegment(b, tokenizer, segmenter, policy, cfg.temperature) for b in sampled]
@@ -564,22 +563,25 @@ def _score_segmentation(
     bench.log(f"[{seg_name}] ground truth in {gt.seconds:.1f}s")
     examples = traces.example_rows(cfg.examples, [len(r) for r in gt.adv], gt.keep)
     results = [_ground_truth_row(gt, traces, cfg, seg_name)]
-    # 3. every method
+    # 3. every method not scored by an earlier run on these traces; uniform, the time
+    # reference, is timed again in every run that scores anything
     pages = _ground_truth_pages(gt, traces, examples, cfg)
-    warmed = False
-    for variant in variants:
-        saved = scored.get(seg_name, variant)
-        if saved is None:
-            if not warmed:  # untimed warm-up, so that the first method pays no start-up
-                for b in traces.batches:
-                    fill_forward(policy, b)  # (result unused)
-                warmed = True
-            row, method_examples = _method_row(
-                bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
-            )
-            scored.put(seg_name, variant, row, method_examples)
-        else:  # scored by an earlier run on these traces: its row and timing as measured then
-            row, method_examples = saved
+    uniform = next(v for v in variants if v.name == "uniform")
+    fresh = [v for v in variants if not scored.has(seg_name, v)]
+    if fresh:
+        for b in traces.batches:  # untimed warm-up, so that the first method pays no start-up
+            fill_forward(policy, b)  # (result unused)
+        fresh = [uniform] + [v for v in fresh if v is not uniform]
+    reference: dict[str, Any] = {}
+    for variant in fresh:
+        row, method_examples = _method_row(
+            bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
+        )
+        reference = reference or row
+        _time_against(row, reference, bench.run)
+        scored.put(seg_name, variant, row, method_examples)
+    for variant in variants:  # a row of an earlier run keeps the timing and ratio of that run
+        row, method_examples = scored.get(seg_name, variant)
         results.append(row)
         for i, segs in method_examples.items():
             pages[i].append((variant.name, segs))
@@ -622,7 +624,8 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
     )
     pattern = task.answer_line_pattern
     first = segmenter_from_config(base_credit, pattern, segmenter_names[0])
-    bench = _Bench(cfg, policy, tokenizer, task, device, first, saved_run, log)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+    bench = _Bench(cfg, policy, tokenizer, task, device, first, saved_run, log, started)
 
     # 1. the evaluated traces, sampled once (re-segmented per segmenter below)
     t0 = time.perf_counter()
@@ -643,7 +646,6 @@ def run_credit_bench(cfg: CreditBenchConfig, log=print) -> dict[str, Any]:
             bench, seg_name, segmenter, sampled, variants, fit_batches, out_dir, scored
         )
         results += rows
-        _add_time_ratios(results, seg_name)
         if page is not None:
             example_pages[seg_name] = page
 
@@ -767,6 +769,13 @@ def credit_markdown(report: dict[str, Any]) -> str:
         "- fwd / gen tok: extra forward and generated tokens per trace; ms/trace: shared forward + "
         "credit computation; × uniform: ratio of that time to uniform's.",
     ]
+    runs = {r.get("timed_in", "earlier") for r in report["results"] if "seconds_per_trace" in r}
+    if len(runs) > 1:
+        lines.append(
+            f"- The rows were timed in {len(runs)} runs on the same traces (a resumed run; "
+            "`timed_in` in credit.json): each row's × uniform is against uniform timed in its own "
+            "run, and ms/trace of different runs differ with the machine's load."
+        )
     if report.get("examples"):
         lines += ["", "Example traces, segment by segment:"]
         lines += [f"- [{seg}]({page})" for seg, page in report["examples"].items()]
