@@ -636,6 +636,9 @@ def test_bench_learn_stops_at_the_budget_and_resumes(init_dir, tmp_path):
     assert summary["uniform"]["final_vs_reference"]["mean"] == 0.0
     mean_after_start = sum(acc["mc"][1:]) / len(acc["mc"][1:])
     assert summary["mc"]["mean_accuracy"]["0"] == pytest.approx(mean_after_start)
+    # and against its own start: whether it learned at all (a lead can come from falling less)
+    over_start = summary["mc"]["mean_accuracy_vs_start"]["per_seed"]["0"]
+    assert over_start == pytest.approx(mean_after_start - acc["mc"][0])
     for png in ("accuracy_vs_tokens.png", "accuracy_vs_wallclock.png", "grad_variance.png"):
         assert (tmp_path / "learn" / png).stat().st_size > 1000
     assert "| uniform" in (tmp_path / "learn" / "learn.md").read_text()

@@ -485,6 +485,7 @@ def _variant_summary(
     paired = {s: finals[s] - ref_finals[s] for s in finals if s in ref_finals}
     paired_means = {s: means[s] - ref_means[s] for s in means if s in ref_means}
     paired_tokens = {s: tokens[s] - ref_tokens[s] for s in tokens if s in ref_tokens}
+    over_start = {s: means[s] - per[s]["accuracy"][0] for s in means}
     reach = {s: first_reach(c, _target_of(cfg, c)) for s, c in per.items() if c["accuracy"]}
     reached = [r for r in reach.values() if r is not None]
     below = [s for s, c in per.items() if c["accuracy"] and c["accuracy"][-1] < c["accuracy"][0]]
@@ -513,6 +514,7 @@ def _variant_summary(
         "reference": reference,
         "final_vs_reference": paired_summary(paired),
         "mean_accuracy_vs_reference": paired_summary(paired_means),
+        "mean_accuracy_vs_start": paired_summary(over_start),
         "tokens_to_target_vs_reference": paired_summary(paired_tokens),
         "mean_accuracy_improvement_probability": probability_of_improvement(
             list(means.values()), list(ref_means.values())
@@ -722,6 +724,7 @@ def _learn_columns(ref: str) -> list[str]:
         f"final − {ref} (paired)",
         "mean acc in training",
         f"mean acc − {ref} (paired)",
+        "mean acc − its start",
         "mean acc, IQM [95% CI]",
         f"P(mean acc > {ref})",
         "any seed below warm start",
@@ -754,6 +757,7 @@ def _learn_row(s: dict[str, Any]) -> list:
         _fmt_paired(s["final_vs_reference"], is_reference),
         fmt_mean_std(s["mean_accuracy_mean"], s["mean_accuracy_std"]),
         _fmt_paired(s["mean_accuracy_vs_reference"], is_reference),
+        _fmt_paired(s["mean_accuracy_vs_start"], False) if "mean_accuracy_vs_start" in s else "–",
         _fmt_interval(s["mean_accuracy_interval"]),
         _fmt_probability(s, "mean_accuracy_improvement_probability"),
         fmt(s["any_below_warm_start"]),
@@ -791,7 +795,10 @@ def _learn_notes(ref: str, variance_minibatch) -> list[str]:
         "- final acc: last held-out greedy accuracy, mean ± std over seeds; tokens / s to target: "
         "mean over the seeds that reached it.",
         "- mean acc in training: mean of each run's held-out accuracies after step 0 (the area "
-        "under its learning curve: speed and level, less noisy than one final evaluation).",
+        "under its learning curve: speed and level, less noisy than one final evaluation); "
+        "mean acc − its start: that minus the run's step-0 accuracy, per seed (mean ± standard "
+        "error, seeds at or above): whether the method learned at all, where a lead over "
+        f"`{ref}` can also come from falling less.",
         f"- paired: per seed (same warm start, prompts and held-out set) minus `{ref}`; mean ± "
         "standard error over seeds, then how many seeds are at or above it (95% t intervals "
         "and p-values in `learn.json`).",
