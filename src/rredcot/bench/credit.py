@@ -304,7 +304,7 @@ class _Bench:
     sampling_segmenter: Segmenter  # the first strategy; the traces are re-segmented per strategy
     saved_run: tuple | None  # run_credit_config(cfg.run): a trained method's state to load
     log: Callable[..., Any]
-    run: str = ""  # when this run started (UTC): the stamp of the rows it times
+    started: str  # when this bench run started (UTC, ISO): the `timed_in` stamp of its rows
 
     def sample(self, problems: list, seed: int) -> list[RolloutBatch]:
         """``cfg.samples`` completions of each problem, in chunks of ``cfg.chunk_prompts``
@@ -533,11 +533,11 @@ def _method_row(
     return row, col.examples
 
 
-def _time_against(row: dict[str, Any], uniform: dict[str, Any], run: str) -> None:
+def _time_against(row: dict[str, Any], uniform: dict[str, Any], started: str) -> None:
     """Stamp ``row`` with the run that timed it and its ``time_ratio_to_uniform`` against
     ``uniform``'s time in that same run (times of different runs differ with the machine's load)."""
     uniform_s = uniform["seconds_per_trace"]
-    row["timed_in"] = run
+    row["timed_in"] = started
     row["time_ratio_to_uniform"] = row["seconds_per_trace"] / uniform_s if uniform_s else None
 
 
@@ -578,7 +578,7 @@ def _score_segmentation(
             bench, variant, seg_name, segmenter, traces, gt, fit_batches, examples
         )
         reference = reference or row
-        _time_against(row, reference, bench.run)
+        _time_against(row, reference, bench.started)
         scored.put(seg_name, variant, row, method_examples)
     for variant in variants:  # a row of an earlier run keeps the timing and ratio of that run
         row, method_examples = scored.get(seg_name, variant)
