@@ -5,7 +5,7 @@ prints one markdown row per method: each quantity is averaged over a run's steps
 seeds, with the range over seeds in brackets.
 
     python benchmarks/training_log_summary.py 400:6 \
-        "GRPO 3e-5=benchmarks/results/smollm2/ceiling/block_partial/uniform" \
+        "GRPO 3e-5=benchmarks/results/smollm2/ceiling/block/uniform" \
         "GRPO 1e-5=benchmarks/results/smollm2/ceiling/control_partial/uniform_1e-5" ...
 
 Each ``LABEL=PREFIX`` names a method and the path prefix of its files (``PREFIX_seed400_...``).
