@@ -6,7 +6,7 @@ seeds, with the range over seeds in brackets.
 
     python benchmarks/training_log_summary.py 400:6 \
         "GRPO 3e-5=benchmarks/results/smollm2/ceiling/block/uniform" \
-        "GRPO 1e-5=benchmarks/results/smollm2/ceiling/control_partial/uniform_1e-5" ...
+        "GRPO 1e-5=benchmarks/results/smollm2/ceiling/control/uniform_1e-5" ...
 
 Each ``LABEL=PREFIX`` names a method and the path prefix of its files (``PREFIX_seed400_...``).
 """

@@ -76,7 +76,7 @@ class TrainConfig:
         "word_problems: benchmarks/results/smollm2/word_problems_tuning; 1e-4 there halves its "
         "accuracy in three steps; for longer generations pass 1e-5: at 128 new tokens 3e-5 fell on "
         "five of the eight fresh seeds of benchmarks/results/smollm2/ceiling and 1e-5 ended "
-        "higher on each seed run). The run logs the value it used and config.yaml holds it.",
+        "higher on each). The run logs the value it used and config.yaml holds it.",
         default=None,
     )
     lr_schedule: str = help_field("constant, linear or cosine (after warm-up).", default="constant")
