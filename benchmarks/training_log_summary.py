@@ -14,16 +14,16 @@ Each ``LABEL=PREFIX`` names a method and the path prefix of its files (``PREFIX_
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
+from rredcot.training.runio import MetricsLog
+
 
 def read_steps(path: Path) -> list[dict]:
     """The training-step rows of one run's ``metrics.jsonl`` (rows with a reward)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [row for row in rows if "reward_mean" in row]
+    return [row for row in MetricsLog(path).read() if "reward_mean" in row]
 
 
 def run_summary(steps: list[dict]) -> dict[str, float]:
