@@ -12,6 +12,7 @@ evaluates at 72, the task's suggestion.
         --seed 5   (training's view: 8 samples at temperature 1 per training prompt; the share
                     that ends by each cap is read off one long cap, and the share of groups
                     all wrong or all right, where GRPO has no signal)
+    --model DIR reads a warm-up of the model (`rredcot sft --init smollm2-135m-instruct ...`).
 """
 
 from __future__ import annotations
@@ -46,10 +47,15 @@ def main() -> None:
     ap.add_argument(
         "--temperature", type=float, default=1.0, help="of --sampled rows (training's: 1.0)"
     )
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="the policy: the shipped model, or a warm-up of it (`rredcot sft --init ...`)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    policy, tokenizer = load_policy("smollm2-135m-instruct", dtype="float32")
+    policy, tokenizer = load_policy(args.model, dtype="float32")
     policy.eval()
     task_args = dict(kv.split("=", 1) for kv in args.task_arg)
     task = get_task(args.task, **task_args)
@@ -114,7 +120,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     meta = {
-        "model": "smollm2-135m-instruct",
+        "model": args.model,
         "task": args.task,
         "seed": args.seed,
         "eval_size": len(problems),

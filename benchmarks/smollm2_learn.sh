@@ -12,12 +12,13 @@
 #   EVAL_EVERY=100 EVAL_SIZE=16 STEPS_MAX=5 smollm2_learn.sh ROOT 0:3e-5:uniform 0:1e-5:cl_cheap
 # MAX_NEW_TOKENS (default 72) and BUDGET (sampled tokens, default 40000) size a longer protocol;
 # CHECKPOINT_EVERY (default 10 steps) lets a killed run resume from a nearer step; EXTRA adds
-# bench-learn flags (another testbed: EXTRA="--set task_args.min_steps=2 --set sampling.temperature=0.7").
+# bench-learn flags (another testbed: EXTRA="--set task_args.min_steps=2 --set sampling.temperature=0.7");
+# INIT (default smollm2-135m-instruct) starts from a warm-up of it (`rredcot sft --init ...`).
 here=$(cd "$(dirname "$0")" && pwd)
 root=$1; shift
 mkdir -p "$root" && cd "$root" || exit 1
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
-common="--init smollm2-135m-instruct --task word_problems --set threads=1 --set prompts_per_step=8 \
+common="--init ${INIT:-smollm2-135m-instruct} --task word_problems --set threads=1 --set prompts_per_step=8 \
 --set sampling.num_generations=8 --set sampling.max_new_tokens=${MAX_NEW_TOKENS:-72} --budget-tokens ${BUDGET:-40000} \
 --set checkpoint_every=${CHECKPOINT_EVERY:-10} --eval-every ${EVAL_EVERY:-2} --eval-size ${EVAL_SIZE:-128} --steps-max ${STEPS_MAX:-24} --progress false ${EXTRA:-}"
 for job in "$@"; do

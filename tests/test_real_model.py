@@ -293,3 +293,40 @@ def test_trl_adapter_two_steps(real_model, task, tmp_path):
     history = [h for h in trainer.state.log_history if "rredcot/extra_forward" in h]
     assert len(history) == 2 and trainer.credit_method.guard.num_updates == 2
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_sft_warms_up_the_real_model_at_a_pretrained_rate_and_saves_what_train_loads(
+    real_model, tmp_path
+):
+    """``rredcot sft --init smollm2-135m-instruct``: the pretrained model (its own tokenizer)
+    trains on the task's gold traces at the pretrained default rate, 2e-5, not the tiny model's
+    2e-3 (two AdamW steps then move no weight by more than a few 1e-5), and the saved
+    warm-start loads as a model ``rredcot train --init`` accepts."""
+    from rredcot.config import SFTConfig
+    from rredcot.training.sft import run_sft
+
+    base, base_tokenizer = real_model
+    out = tmp_path / "warm"
+    cfg = SFTConfig(
+        init=DEFAULT_REAL_MODEL,
+        task="word_problems",
+        task_args={"min_steps": 1, "max_steps": 1},
+        max_steps=2,
+        stop_at_step=2,
+        batch_size=2,
+        eval_size=4,
+        max_new_tokens=24,
+        out=str(out),
+        progress=False,
+    )
+    info = run_sft(cfg, log=lambda *_: None)
+    assert (info["init"], info["lr"], info["steps"]) == (DEFAULT_REAL_MODEL, 2e-5, 2)
+    assert 0.0 <= info["eval_accuracy"] <= 1.0 and len(info["history"]) == 1
+
+    warmed, tokenizer = load_policy(out)
+    assert tokenizer.get_vocab() == base_tokenizer.get_vocab()
+    moved = max(
+        (a.detach() - b.detach()).abs().max().item()
+        for a, b in zip(warmed.parameters(), base.parameters(), strict=True)
+    )
+    assert 0.0 < moved < 2e-4, moved

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import (
     AutoModelForCausalLM,
@@ -445,6 +446,25 @@ def looks_like_path(name: str) -> bool:
         or name.count("/") > 1
         or name in (".", "..")
     )
+
+
+def load_named_policy(flag: str, source: str, **options: Any) -> tuple[PreTrainedModel, Any]:
+    """:func:`load_policy` of a model the user named with ``flag`` (``--init``, ...): a directory
+    with no model in it, a file, or model files that do not read are a ``UserError`` naming
+    ``flag``, before anything loads where it can be told."""
+    local = Path(source).expanduser()
+    if local.is_dir() and not (local / "config.json").exists():
+        raise UserError(
+            f"{flag} {source}: no model there (no config.json); pass a directory written by "
+            "`rredcot sft` or save_pretrained, or a hub model id"
+        )
+    if local.is_file():
+        raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
+    try:
+        return load_policy(source, **options)
+    except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"{flag} {source}: the model does not load ({first})") from err
 
 
 def load_policy(

@@ -136,6 +136,14 @@ def _user_mistakes(tmp):
             ["sft", "--out", str(tmp)],
             "not a warm-start checkpoint",
         ),
+        "--init at a directory with no model (sft)": (
+            ["sft", "--init", str(empty), "--out", out],
+            f"--init {empty}: no model there (no config.json)",
+        ),
+        "--init with the tiny model's shape (sft)": (
+            ["sft", "--init", str(empty), "--num_layers", "2", "--out", out],
+            "--init " + str(empty) + " with --num_layers: those shape the tiny model",
+        ),
         "--device that does not exist": (
             ["train", "--device", "gpu", "--out", out],
             "is not a device",
@@ -176,6 +184,8 @@ MISTAKE_IDS = [
     "--out at a file",
     "--out at a file (sft)",
     "--out of sft at a directory that is not a warm-start",
+    "--init at a directory with no model (sft)",
+    "--init with the tiny model's shape (sft)",
     "--device that does not exist",
     "--resume of a directory that is not a run",
     "--out ''",
@@ -212,7 +222,7 @@ def test_an_unknown_name_fails_before_any_model_is_loaded(tmp_path, monkeypatch,
 
     for module, name in [
         (rredcot.training.setup, "load_train_policy"),
-        (rredcot.training.setup, "load_policy"),
+        (rredcot.training.setup, "load_named_policy"),
         (rredcot.models, "load_policy"),
         (rredcot.models, "build_tiny_llama"),
     ]:
@@ -435,8 +445,9 @@ def test_names_and_data_fail_before_explain_or_diagnose_loads_a_model(
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the names and the data were checked")
 
-    for module in (rredcot.explain.model, rredcot.diagnose.measure, rredcot.training.setup):
+    for module in (rredcot.explain.model, rredcot.diagnose.measure):
         monkeypatch.setattr(module, "load_policy", no_loading)
+    monkeypatch.setattr(rredcot.training.setup, "load_named_policy", no_loading)
     monkeypatch.setattr(rredcot.diagnose.measure, "default_policy_source", no_loading)
     monkeypatch.setattr(rredcot.training.setup, "default_policy_source", no_loading)
     bad_data = tmp_path / "data.jsonl"

@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=deferred("train"))
 
     p = sub.add_parser(
-        "sft", help="Supervised warm-start of the tiny model to the edge of competence."
+        "sft",
+        help="Supervised warm-start on a task's gold traces: the tiny model to the edge of "
+        "competence, or any causal LM (--init) for a short warm-up.",
     )
     _config_flags(p, SFTConfig)
     p.set_defaults(func=deferred("sft"))

@@ -11,6 +11,7 @@ import argparse
 
 from rredcot.config import SFTConfig, TrainConfig
 from rredcot.config.io import given_fields, resolve_config
+from rredcot.errors import UserError
 from rredcot.training.sft import run_sft
 from rredcot.training.trainer import train
 
@@ -36,6 +37,17 @@ def run_train(args: argparse.Namespace, task_args: dict) -> int:
     return 0
 
 
+TINY_SHAPE = ("hidden_size", "num_layers", "num_heads")
+
+
 def run_warmstart(args: argparse.Namespace, task_args: dict) -> int:
-    run_sft(resolve_config(SFTConfig, args.config, overrides(args), task_args))
+    given = overrides(args)
+    cfg = resolve_config(SFTConfig, args.config, given, task_args)
+    shape = sorted(set(TINY_SHAPE) & given_fields(args.config, given))
+    if cfg.init and shape:
+        raise UserError(
+            f"--init {cfg.init} with --{', --'.join(shape)}: those shape the tiny model, and an "
+            "--init model keeps its own; drop them, or drop --init to train the tiny model"
+        )
+    run_sft(cfg)
     return 0

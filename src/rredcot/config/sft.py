@@ -14,16 +14,28 @@ from rredcot.config.fields import (
 )
 from rredcot.machine import refuse_beyond_memory
 
+TINY_LR = 2e-3
+"""The tiny character model's supervised rate (every shipped warm-start was built at it)."""
+PRETRAINED_LR = 2e-5
+"""An ``--init`` model's supervised rate: TRL's ``SFTConfig`` default."""
+
 
 @dataclass
 class SFTConfig:
     task: str = help_field("Task whose gold traces the model learns.", default="arithmetic")
     task_args: dict = help_field("Task parameters (CLI: --task.NAME VALUE).", default_factory=dict)
+    init: str = help_field(
+        "Start from this causal LM instead of the tiny character model: a directory written by "
+        "save_pretrained, a .gguf file, a hub id or a shipped name such as "
+        "smollm2-135m-instruct. Its own tokenizer is kept; it trains on a GPU where one is "
+        "visible. Empty: the tiny model, built from hidden_size, num_layers and num_heads.",
+        default="",
+    )
     out: str = help_field("Output checkpoint directory.", default="runs/warmstart")
     seed: int = help_field("Random seed.", default=0)
-    hidden_size: int = help_field("Tiny Llama hidden size.", default=128)
-    num_layers: int = help_field("Tiny Llama layers.", default=4)
-    num_heads: int = help_field("Tiny Llama attention heads.", default=4)
+    hidden_size: int = help_field("Tiny Llama hidden size (not with --init).", default=128)
+    num_layers: int = help_field("Tiny Llama layers (not with --init).", default=4)
+    num_heads: int = help_field("Tiny Llama attention heads (not with --init).", default=4)
     max_steps: int = help_field("Upper bound on optimiser steps.", default=1200)
     max_seconds: float = help_field(
         "Upper bound on wall-clock seconds (0: none). The default warm-start is bounded by steps "
@@ -34,7 +46,12 @@ class SFTConfig:
         "CPU threads for torch; the tiny model gains nothing from more.", default=1
     )
     batch_size: int = help_field("Gold traces per optimiser step.", default=64)
-    lr: float = help_field("Peak learning rate (AdamW).", default=2e-3)
+    lr: float | None = help_field(
+        "Peak learning rate (AdamW). Empty (the default): 2e-3 for the tiny model (its shipped "
+        "warm-starts were built at it), 2e-5 for an --init model (TRL's SFT default; the tiny "
+        "model's rate wrecks a pretrained one).",
+        default=None,
+    )
     eval_every: int = help_field("Greedy evaluation every N steps.", default=50)
     eval_size: int = help_field("Held-out prompts per evaluation.", default=128)
     target_accuracy: float = help_field(
@@ -58,8 +75,11 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         refuse_non_finite(self)
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(
+                f"lr={self.lr} must be > 0 (empty: {TINY_LR:g} for the tiny model, "
+                f"{PRETRAINED_LR:g} with --init)"
+            )
         if not 0 <= self.early_answer_prob <= 1:
             raise ValueError("early_answer_prob must be in [0, 1]")
         if not 0 < self.target_accuracy <= self.max_accuracy <= 1:
@@ -91,3 +111,10 @@ class SFTConfig:
                 "(0: stop by the accuracy band)"
             )
         refuse_blank_path(self.out)
+
+    @property
+    def resolved_lr(self) -> float:
+        """``lr``, or its default for the model being trained."""
+        if self.lr is not None:
+            return self.lr
+        return PRETRAINED_LR if self.init else TINY_LR

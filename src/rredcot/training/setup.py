@@ -12,12 +12,10 @@ import copy
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from safetensors import SafetensorError
 
 from rredcot.algebra.loss import lr_lambda
 from rredcot.algebra.normalization import get_normalizer
@@ -25,7 +23,7 @@ from rredcot.config import MODEL_DEFAULTS, TrainConfig
 from rredcot.errors import UserError, require_extra
 from rredcot.methods.auto import AUTO, check_method_name, measured_rows, model_kind
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
-from rredcot.models import load_policy, set_activation_checkpointing
+from rredcot.models import load_named_policy, set_activation_checkpointing
 from rredcot.sampling.memory import (
     ModelShape,
     check_run_fits,
@@ -192,19 +190,7 @@ def load_train_policy(cfg: TrainConfig, task: Task, log=print) -> tuple[Any, Any
     dtype = getattr(torch, cfg.model.dtype)
     attn = cfg.model.attn_implementation or ("eager" if cfg.credit_method == "attention" else None)
     flag = "--init" if cfg.init else "--model.name_or_path"
-    local = Path(source).expanduser()
-    if local.is_dir() and not (local / "config.json").exists():
-        raise UserError(
-            f"{flag} {source}: no model there (no config.json); pass a directory written by "
-            "`rredcot sft` or save_pretrained, or a hub model id"
-        )
-    if local.is_file():
-        raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
-    try:
-        policy, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
-    except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UserError(f"{flag} {source}: the model does not load ({first})") from err
+    policy, tokenizer = load_named_policy(flag, source, dtype=dtype, attn_implementation=attn)
     if cfg.model.gradient_checkpointing:
         set_activation_checkpointing(policy, True)
     if cfg.model.lora_r > 0:

@@ -1,5 +1,7 @@
-"""Supervised warm-start: train a tiny model on gold traces until it sits at the edge of
+"""Supervised warm-start: train a model on a task's gold traces until it sits at the edge of
 competence (docs/method.md, the RL step), then save a checkpoint that ``rredcot train --init`` accepts.
+The model is the tiny character Llama, or any causal LM named by ``--init`` (a short warm-up of a
+pretrained model on the answer format, on data disjoint from the RL task's).
 
 With ``early_answer_prob > 0`` some gold traces are cut after k steps and followed straight by the
 final answer line, so the model learns to answer from a partial chain; the answer-likelihood
@@ -36,6 +38,7 @@ from rredcot.models import (
     build_tiny_llama,
     cache_root,
     count_parameters,
+    load_named_policy,
     shipped_model_available,
 )
 from rredcot.sampling.rollout import prompt_special_tokens, render_prompt
@@ -142,12 +145,12 @@ class _Trained:
 def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Trained:
     """Train on gold traces, evaluating every ``eval_every`` steps, until the greedy accuracy is
     in ``[target_accuracy, max_accuracy]``, over it, out of time or out of steps."""
-    device = torch.device("cpu")
+    device = next(model.parameters()).device
     train = task.train_problems(20_000, seed=cfg.seed)
     evalset = task.eval_problems(cfg.eval_size, seed=cfg.seed)
     if not train or not evalset:
         raise ValueError(f"task {cfg.task!r} produced no problems")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.resolved_lr, weight_decay=0.01)
     warmup = min(100, cfg.max_steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup))
@@ -185,7 +188,7 @@ def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Traine
 
 def _check_fits(cfg: SFTConfig, task: Task, tokenizer, positions: int) -> None:
     """Refuse, before any training, a task whose prompts and gold traces (or prompts and
-    ``max_new_tokens``) are longer than the tiny model's ``positions``: a few problems tell."""
+    ``max_new_tokens``) are longer than the model's ``positions``: a few problems tell."""
     problems = task.train_problems(4, seed=cfg.seed)
     longest = 0
     for problem in problems:
@@ -195,7 +198,7 @@ def _check_fits(cfg: SFTConfig, task: Task, tokenizer, positions: int) -> None:
     if longest > positions:
         raise UserError(
             f"task {cfg.task!r} with {brief(cfg.task_args, 80) if cfg.task_args else 'its defaults'}: a prompt and its trace "
-            f"take {longest} tokens, more than the tiny model's {positions} positions; lower the "
+            f"take {longest} tokens, more than the model's {positions} positions; lower the "
             "task's size (e.g. --task.num_steps) or give a model that fits (--init / "
             "--model.name_or_path)"
         )
@@ -208,14 +211,7 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     task = get_task(cfg.task, **cfg.task_args)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(
-        tokenizer,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        seed=cfg.seed,
-    )
+    model, tokenizer = _starting_model(cfg, log)
     _check_fits(cfg, task, tokenizer, model.config.max_position_embeddings)
     done = _train_to_band(cfg, model, tokenizer, task, log)
     out = Path(cfg.out)
@@ -236,6 +232,25 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     return info
 
 
+def _starting_model(cfg: SFTConfig, log) -> tuple[Any, Any]:
+    """The model to train and its tokenizer: ``cfg.init`` loaded (on a GPU where one is
+    visible), or the tiny character Llama built from ``cfg``'s shape on the CPU."""
+    if cfg.init:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, tokenizer = load_named_policy("--init", cfg.init, device=device)
+        log(f"warm-up of {cfg.init} on {device} at lr {cfg.resolved_lr:g}")
+        return model.train(), tokenizer
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(
+        tokenizer,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        seed=cfg.seed,
+    )
+    return model, tokenizer
+
+
 def _save_warmstart(cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path) -> None:
     """Write the warm-start into ``tmp``, then put it at ``out`` (an earlier warm-start there,
     which ``_check_out`` allowed, is replaced)."""
@@ -244,6 +259,8 @@ def _save_warmstart(cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path
     info = {
         "task": cfg.task,
         "task_args": cfg.task_args,
+        "init": cfg.init or TINY_MODEL,
+        "lr": cfg.resolved_lr,
         "steps": done.step,
         "seconds": time.perf_counter() - done.start,
         "eval_accuracy": done.accuracy,
@@ -304,6 +321,9 @@ def warmstart_dir_name(cfg: SFTConfig) -> str:
     or its thread count)."""
     volatile = ("out", "progress", "threads")
     settings = {k: v for k, v in to_dict(cfg).items() if k not in volatile}
+    if not cfg.init:  # added later: the tiny model's builds keep their names
+        del settings["init"]
+        settings["lr"] = cfg.resolved_lr  # an empty lr is the rate they were built at
     if not cfg.stop_at_step:  # added later: at its default, earlier builds keep their names
         del settings["stop_at_step"]
     key = json.dumps(settings, sort_keys=True)
