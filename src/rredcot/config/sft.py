@@ -43,7 +43,9 @@ class SFTConfig:
         default=0.0,
     )
     threads: int = help_field(
-        "CPU threads for torch; the tiny model gains nothing from more.", default=1
+        "CPU threads for torch (0: torch's default, every core); the tiny model gains nothing "
+        "from more, a pretrained --init model on a CPU does.",
+        default=1,
     )
     batch_size: int = help_field("Gold traces per optimiser step.", default=64)
     lr: float | None = help_field(
