@@ -50,8 +50,8 @@ class SFTConfig:
     batch_size: int = help_field("Gold traces per optimiser step.", default=64)
     lr: float | None = help_field(
         "Peak learning rate (AdamW). Empty (the default): 2e-3 for the tiny model (its shipped "
-        "warm-starts were built at it), 2e-5 for an --init model (TRL's SFT default; the tiny "
-        "model's rate wrecks a pretrained one).",
+        "warm-starts were built at it), 2e-5 for an --init model (TRL's SFT default, a "
+        "hundredth of the tiny model's).",
         default=None,
     )
     eval_every: int = help_field("Greedy evaluation every N steps.", default=50)
