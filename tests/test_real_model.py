@@ -330,3 +330,19 @@ def test_sft_warms_up_the_real_model_at_a_pretrained_rate_and_saves_what_train_l
         for a, b in zip(warmed.parameters(), base.parameters(), strict=True)
     )
     assert 0.0 < moved < 2e-4, moved
+
+
+def test_a_gguf_file_named_by_a_flag_loads_and_a_plain_file_is_refused(real_model, tmp_path):
+    """``--init`` / ``--model.name_or_path`` take a ``.gguf`` file (as ``load_policy`` does);
+    another file is refused with one line naming the flag."""
+    from rredcot.errors import UserError
+    from rredcot.models import load_named_policy, shipped_model_path
+
+    gguf = shipped_model_path(DEFAULT_REAL_MODEL)
+    model, tokenizer = load_named_policy("--init", str(gguf))
+    assert tokenizer.get_vocab() == real_model[1].get_vocab()
+    assert model.config.num_hidden_layers == real_model[0].config.num_hidden_layers
+    text = tmp_path / "weights.bin"
+    text.write_text("not a model")
+    with pytest.raises(UserError, match=r"--init .*weights\.bin is a file; pass a model directory"):
+        load_named_policy("--init", str(text))

@@ -453,13 +453,16 @@ def load_named_policy(flag: str, source: str, **options: Any) -> tuple[PreTraine
     with no model in it, a file, or model files that do not read are a ``UserError`` naming
     ``flag``, before anything loads where it can be told."""
     local = Path(source).expanduser()
-    if local.is_dir() and not (local / "config.json").exists():
+    gguf = local.is_dir() and any(local.glob("*.gguf"))
+    if local.is_dir() and not (local / "config.json").exists() and not gguf:
         raise UserError(
             f"{flag} {source}: no model there (no config.json); pass a directory written by "
-            "`rredcot sft` or save_pretrained, or a hub model id"
+            "`rredcot sft` or save_pretrained, a .gguf file, or a hub model id"
         )
-    if local.is_file():
-        raise UserError(f"{flag} {source} is a file; pass a model directory or a hub model id")
+    if local.is_file() and local.suffix.lower() != ".gguf":
+        raise UserError(
+            f"{flag} {source} is a file; pass a model directory, a .gguf file or a hub model id"
+        )
     try:
         return load_policy(source, **options)
     except (OSError, SafetensorError) as err:  # unreadable or cut model files: the user's
