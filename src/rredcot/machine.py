@@ -1,4 +1,5 @@
-"""This machine's physical memory, and the refusal of a size that cannot fit it.
+"""This machine: its physical memory, the refusal of a size that cannot fit it, and the torch
+device a run names (``--device``).
 
 Read without torch, before anything is loaded or sampled: the configs (``rredcot.config``) check
 their batch, evaluation and Monte Carlo sizes with it when they are built, and the commands that
@@ -10,6 +11,12 @@ fail in an allocator or swap for hours.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+from rredcot.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 BYTES_PER_TOKEN = 12  # the least a sampled token costs: its int64 id and float32 log-prob
 
@@ -47,3 +54,31 @@ def refuse_beyond_memory(what: str, rows: int, tokens: int, fix: str) -> None:
             f"{need / 2**30:,.0f} GiB for their token ids and log-probs alone, more than this "
             f"machine's {memory / 2**30:,.0f} GiB; {fix}"
         )
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device``; a device this machine does not have is a ``UserError``
+    (training on the CPU instead would be a silent surprise). torch is imported here, so the
+    memory checks above stay free of it."""
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or mps") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(
+                f"--device {name}: no CUDA GPU is visible on this machine "
+                "(torch.cuda.is_available() is False); use --device cpu or auto"
+            )
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s); use cuda:0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu or auto")
+    return device

@@ -89,6 +89,7 @@ from rredcot.explain.scores import (
     masked_rows,
     method_scores,
 )
+from rredcot.machine import resolve_device
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
 from rredcot.models import load_policy
@@ -97,7 +98,6 @@ from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.forward import fill_forward, policy_forward
 from rredcot.sampling.rollout import build_rollout_batch, segment_batch
 from rredcot.segment import Segmenter, get_segmenter, segmenter_from_config
-from rredcot.training.setup import resolve_device
 
 # ---------------------------------------------------------------------------------------------
 # batches

@@ -47,7 +47,7 @@ from rredcot.explain.model import (
     run_credit_config,
 )
 from rredcot.explain.scores import GroundTruth, Traces, evaluate_method, masked_rows, method_scores
-from rredcot.machine import refuse_beyond_memory
+from rredcot.machine import refuse_beyond_memory, resolve_device
 from rredcot.methods.auto import SUCCESS, policy_figures
 from rredcot.methods.base import CreditContext, build_credit
 from rredcot.methods.monte_carlo import mc_values
@@ -58,7 +58,6 @@ from rredcot.sampling.rollout import build_rollout_batch, context_limit, segment
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task, read_task_data
-from rredcot.training.setup import resolve_device
 from rredcot.training.sft import default_policy_source
 
 # ---------------------------------------------------------------------------------------------

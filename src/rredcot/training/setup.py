@@ -21,6 +21,7 @@ from rredcot.algebra.loss import lr_lambda
 from rredcot.algebra.normalization import get_normalizer
 from rredcot.config import MODEL_DEFAULTS, TrainConfig
 from rredcot.errors import UserError, require_extra
+from rredcot.machine import resolve_device
 from rredcot.methods.auto import AUTO, check_method_name, measured_rows, model_kind
 from rredcot.methods.base import CreditContext, CreditMethod, build_credit
 from rredcot.models import load_named_policy, set_activation_checkpointing
@@ -93,31 +94,6 @@ def choose_threads(requested: int, device: torch.device) -> int | None:
     if free is None:
         return None
     return max(1, min(usable_cores(), round(free)))
-
-
-def resolve_device(name: str) -> torch.device:
-    """The torch device of ``--device``; a device this machine does not have is a ``UserError``
-    (training on the CPU instead would be a silent surprise)."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or mps") from err
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UserError(
-                f"--device {name}: no CUDA GPU is visible on this machine "
-                "(torch.cuda.is_available() is False); use --device cpu or auto"
-            )
-        if device.index is not None and device.index >= count:
-            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s); use cuda:0")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {name}: MPS is not available here; use --device cpu or auto")
-    return device
 
 
 def check_device(cfg: TrainConfig) -> torch.device:

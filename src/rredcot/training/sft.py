@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from rredcot.config import SFTConfig
 from rredcot.config.io import brief, save_yaml, to_dict
 from rredcot.errors import UserError
+from rredcot.machine import resolve_device
 from rredcot.models import (
     DEFAULT_REAL_MODEL,
     SHIPPED_MODELS,
@@ -236,7 +237,7 @@ def _starting_model(cfg: SFTConfig, log) -> tuple[Any, Any]:
     """The model to train and its tokenizer: ``cfg.init`` loaded (on a GPU where one is
     visible), or the tiny character Llama built from ``cfg``'s shape on the CPU."""
     if cfg.init:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device("auto")
         model, tokenizer = load_named_policy("--init", cfg.init, device=device)
         log(f"warm-up of {cfg.init} on {device} at lr {cfg.resolved_lr:g}")
         return model.train(), tokenizer
