@@ -69,8 +69,10 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
     where process 1 runs fewer micro-batches than process 0 (``cut_fewer``, dr_grpo), where the
     agreeing rows of both are drawn to a budget, and where only process 0 has
     references (``sft``: an NLL pass there, a stand-in on process 1; ``luffy``: a reference
-    row; ``bread``: branched rollouts)."""
-    from train_two_process import SCENARIOS
+    row; ``bread``: branched rollouts), and where a KL penalty keeps process 1's zero-credit
+    rows in the update (``kl``). The record's means (entropy, KL, rewards, ...) are every
+    process's rows'."""
+    from train_two_process import EVERY, SCENARIOS
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -85,6 +87,9 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
         assert_same_gradient(first["grads"], whole["grads"])
         assert first["rows"] + second["rows"] == whole["rows"], name
         assert first["policy_loss"] == pytest.approx(whole["policy_loss"], rel=1e-5)
+        for key in EVERY:  # the record's means over every process's rows
+            assert first[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-9), (name, key)
+            assert second[key] == pytest.approx(first[key], rel=1e-9, abs=1e-12), (name, key)
     # what each scenario exercises happened
     cut = load(two, "cut", 1), load(two, "cut_micro", 1)
     assert all(r["update/rows_forwarded"] == 0.0 for r in cut)  # process 1 skipped every row
@@ -96,6 +101,10 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
     assert load(one, "sft", 0)["sft_rows"] == 1
     for name in ("luffy", "bread"):  # process 0's batch grew, process 1's did not
         assert load(two, name, 0)["rows"] > load(two, name, 1)["rows"] == 8
+    # the KL term keeps process 1's zero-credit rows in the update
+    assert load(two, "kl", 1)["update/rows_forwarded"] == 1.0
+    assert load(two, "kl", 0)["kl"] > 0 and load(two, "cut", 0)["kl"] == 0
+    assert 0 < load(two, "budget", 0)["zero_variance_groups"] < 1
 
 
 @pytest.mark.slow

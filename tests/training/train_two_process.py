@@ -28,6 +28,9 @@ from rredcot.training.seeding import seed_everything  # noqa: E402
 from rredcot.training.trainer import Trainer  # noqa: E402
 
 GROUP = 4  # samples per prompt
+# record keys logged over every process's rows (the same on every process)
+EVERY = ("entropy", "clip_fraction", "kl", "ratio_mean", "reward_mean", "reward_std")
+EVERY += ("zero_variance_groups",)
 # scenario -> (settings, rewards of the four groups: process 0 holds groups 0-1, process 1 2-3)
 SCENARIOS = {
     # process 1's credit is zero on every row: it skips all of them (a stand-in of zero weight)
@@ -55,6 +58,12 @@ SCENARIOS = {
     "sft": ({"references.mode": "sft"}, [[1, 0, 1, 0], [0] * 4, [1, 1, 0, 1], [0, 1, 1, 0]]),
     "luffy": ({"references.mode": "luffy"}, [[1, 0, 1, 0], [0] * 4, [1, 1, 0, 1], [0, 1, 1, 0]]),
     "bread": ({"references.mode": "bread"}, [[1, 0, 1, 0], [0] * 4, [1, 1, 0, 1], [0, 1, 1, 0]]),
+    # a KL penalty to a reference the policy has drifted from: process 1's credit is zero on
+    # every row, as in "cut", yet the KL term's gradient reaches its rows, so none is skipped
+    "kl": (
+        {"kl_coef": 0.1, "advantage_tail_floor": 0.01},
+        [[1, 0, 1, 0], [0, 1, 0, 0], [-1] * 4, [-1] * 4],
+    ),
 }
 
 
@@ -140,10 +149,24 @@ def apply(trainer: Trainer, settings: dict) -> None:
     for key, value in settings.items():
         if key == "micro_batch_tokens":
             trainer.micro_batch_tokens = value
+        elif key == "kl_coef":
+            cfg.kl_coef = value
+            trainer.reference = drifted_copy(trainer.policy)
         elif key.startswith("references."):
             setattr(cfg.references, key.split(".", 1)[1], value)
         else:
             setattr(cfg, key, value)
+
+
+def drifted_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A frozen reference the policy has moved away from (each weight plus seeded noise, the
+    same on every process): at the reference itself the KL term's gradient would be zero."""
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for weight in reference.parameters():
+            weight.add_(0.05 * torch.randn(weight.shape, generator=generator))
+    return reference
 
 
 def run(init_dir: str, batch_file: str, out: str) -> None:
@@ -163,10 +186,11 @@ def run(init_dir: str, batch_file: str, out: str) -> None:
         trainer.policy.load_state_dict(start)
         trainer.cfg.__dict__.update(copy.deepcopy(base).__dict__)
         trainer.micro_batch_tokens = 1 << 20
+        trainer.reference = None  # the run's own (kl_coef 0: none); "kl" sets one
         apply(trainer, settings)
         trainer.given = scenario_batch(whole, rewards, rank, world)
         record, grads = step_with_grads(trainer)
-        keys = ("update/rows_forwarded", "update/agreeing_rows_kept", "policy_loss")
+        keys = ("update/rows_forwarded", "update/agreeing_rows_kept", "policy_loss", *EVERY)
         torch.save(
             {
                 "grads": grads,

@@ -88,6 +88,8 @@ class _StepShares:
     scale: float  # the number of processes
 
 
+# the update's per-token means, logged over every process's forwarded tokens
+TOKEN_MEANS = ("entropy", "clip_fraction", "kl", "ratio_mean")
 SCORING_PASS = ForwardPlan(scoring_pass=True, loss_forward_first=False, loss_forward_after=False)
 """The plan of a batch scored outside a step (:meth:`Trainer.rollout` with ``forward``)."""
 
@@ -760,6 +762,7 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + v * share
         totals.update(self._reference_sft_step(batch, shares, work))
         totals.update(self._summed_metrics(totals, ("policy_loss", "references/sft_nll")))
+        totals.update(self._token_means(totals, live_tokens))
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         totals["grad_norm"] = float(self.accelerator.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
@@ -838,6 +841,36 @@ class Trainer:
         summed = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
         return dict(zip(keys, summed))
 
+    def _token_means(self, totals: dict[str, float], tokens: float) -> dict[str, float]:
+        """The update's per-token means (:data:`TOKEN_MEANS`) over every process's forwarded
+        tokens: each process averaged over its own ``tokens``."""
+        keys = [k for k in TOKEN_MEANS if k in totals]
+        if self.world == 1 or not keys:
+            return {}
+        mine = [tokens] + [totals[k] * tokens for k in keys]
+        mine = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        every_tokens, *sums = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
+        if every_tokens == 0:
+            return {}
+        return {k: total / every_tokens for k, total in zip(keys, sums)}
+
+    def _reward_figures(self, rewards: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
+        """``reward_mean`` and ``reward_std`` of the step's own samples ``rewards (B',)``, and
+        ``zero_variance_groups`` of the batch's groups, over every process's rows and groups."""
+        zero_variance = zero_variance_groups(batch.rewards, batch.group_ids)
+        if self.world > 1:
+            groups = float(len(batch.group_ids.unique()))
+            mine = [zero_variance * groups, groups]
+            mine = torch.tensor(mine, dtype=torch.float64, device=self.device)
+            flat, groups = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
+            zero_variance = flat / max(groups, 1.0)
+            _, (rewards,) = self._gathered_rows([rewards])
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "zero_variance_groups": zero_variance,
+        }
+
     def _record(
         self, step, batch, stats, credit_out, update_stats, value_stats, clock, plan, work
     ) -> dict[str, Any]:
@@ -866,8 +899,6 @@ class Trainer:
         self.compute_used += compute
         self.train_seconds += clock.total
         stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / B
-        # the batch's group statistics (algebra.normalization), every row's
-        zero_variance = zero_variance_groups(batch.rewards, batch.group_ids)
         mask = batch.response_mask
         advantages = credit_out.advantages.detach()
         advantage_abs_mean = float(masked_mean(advantages.abs(), mask)) if mask.any() else 0.0
@@ -876,11 +907,9 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "tokens_generated": self.tokens_generated,
             "extra_tokens_generated": self.extra_tokens_generated,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            **self._reward_figures(rewards, batch),
             **update_stats,
             "advantage_abs_mean": advantage_abs_mean,
-            "zero_variance_groups": zero_variance,
             "skipped_samples_total": self.skipped_total,
             "lr": self.scheduler.get_last_lr()[0],
             **stats,
