@@ -70,8 +70,8 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
     agreeing rows of both are drawn to a budget, and where only process 0 has
     references (``sft``: an NLL pass there, a stand-in on process 1; ``luffy``: a reference
     row; ``bread``: branched rollouts), and where a KL penalty keeps process 1's zero-credit
-    rows in the update (``kl``). The record's means (entropy, KL, rewards, ...) are every
-    process's rows'."""
+    rows in the update (``kl``). The record's means (entropy, KL, rewards, ...) and totals
+    (samples, tokens) are every process's rows'."""
     from train_two_process import EVERY, SCENARIOS
 
     one, two = tmp_path / "one", tmp_path / "two"
@@ -105,6 +105,9 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
     assert load(two, "kl", 1)["update/rows_forwarded"] == 1.0
     assert load(two, "kl", 0)["kl"] > 0 and load(two, "cut", 0)["kl"] == 0
     assert 0 < load(two, "budget", 0)["zero_variance_groups"] < 1
+    # the run's totals: every process's samples and tokens (bread's branches charged)
+    assert load(two, "cut", 1)["tokens_generated"] > 2 * load(two, "cut", 1)["samples_seen"] > 0
+    assert load(two, "bread", 0)["extra_tokens_generated"] > 0
 
 
 @pytest.mark.slow

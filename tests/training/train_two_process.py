@@ -30,7 +30,7 @@ from rredcot.training.trainer import Trainer  # noqa: E402
 GROUP = 4  # samples per prompt
 # record keys logged over every process's rows (the same on every process)
 EVERY = ("entropy", "clip_fraction", "kl", "ratio_mean", "reward_mean", "reward_std")
-EVERY += ("zero_variance_groups",)
+EVERY += ("zero_variance_groups", "samples_seen", "tokens_generated", "extra_tokens_generated")
 # scenario -> (settings, rewards of the four groups: process 0 holds groups 0-1, process 1 2-3)
 SCENARIOS = {
     # process 1's credit is zero on every row: it skips all of them (a stand-in of zero weight)

@@ -103,6 +103,8 @@ class _StepWork:
     reference_mode: references.ReferenceMode | None = None  # references.mode, its strategy
     sft_rows: references.ReferenceRows | None = None  # references.mode sft: the step's references
     own_rows: torch.Tensor | None = None  # (B,) the step's own samples, where references join
+    reference_generated: int = 0  # references.mode: tokens charged to the budget this step
+    reference_trained: int = 0  # references.mode: reference tokens trained on this step
 
 
 class Trainer:
@@ -478,8 +480,7 @@ class Trainer:
         work.reference_mode = references.reference_mode(cfg.references, parts)
         step = work.reference_mode.step(batch, self.reference_tokens_trained)
         work.sft_rows, work.own_rows = step.sft_rows, step.own_rows
-        self.extra_tokens_generated += step.generated
-        self.reference_tokens_trained += step.trained
+        work.reference_generated, work.reference_trained = step.generated, step.trained
         stats.update(step.stats)
         return step.batch
 
@@ -841,6 +842,16 @@ class Trainer:
         summed = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
         return dict(zip(keys, summed))
 
+    def _count(self, **counts: float) -> None:
+        """Add a step's ``counts`` (every process's summed) to the run's totals of the same
+        names: the totals are the run's, the same on every process (and in its checkpoint)."""
+        mine = torch.tensor([float(v) for v in counts.values()], dtype=torch.float64)
+        if self.world > 1:
+            mine = self.accelerator.reduce(mine.to(self.device), reduction="sum").cpu()
+        for name, total in zip(counts, mine.tolist()):
+            before = getattr(self, name)
+            setattr(self, name, before + (total if isinstance(before, float) else round(total)))
+
     def _token_means(self, totals: dict[str, float], tokens: float) -> dict[str, float]:
         """The update's per-token means (:data:`TOKEN_MEANS`) over every process's forwarded
         tokens: each process averaged over its own ``tokens``."""
@@ -879,10 +890,6 @@ class Trainer:
         rewards = batch.rewards  # the policy's own samples' (reference rows, branches left out)
         if work.own_rows is not None:
             rewards = rewards[work.own_rows]
-        self.samples_seen += rewards.numel()
-        self.tokens_generated += int(stats["rollout/tokens"])
-        self.extra_tokens_generated += int(credit_out.cost.extra_generated_tokens)
-        self.skipped_total += int(stats["rollout/skipped_samples"])
         sampled = batch.attention_mask
         if batch.off_policy is not None:  # luffy's reference rows were given, not sampled
             sampled = sampled[~batch.off_policy.to(sampled.device)]
@@ -896,7 +903,17 @@ class Trainer:
             credit_backward_tokens=float(credit_out.cost.extra_backward_tokens),
             credit_generated_tokens=float(credit_out.cost.extra_generated_tokens),
         )
-        self.compute_used += compute
+        self._count(
+            samples_seen=rewards.numel(),
+            tokens_generated=int(stats["rollout/tokens"]),
+            extra_tokens_generated=int(credit_out.cost.extra_generated_tokens)
+            + work.reference_generated,
+            reference_tokens_trained=work.reference_trained,
+            skipped_total=int(stats["rollout/skipped_samples"]),
+            compute_used=compute,
+        )
+        if "reference_tokens_trained" in stats:  # the run's total, not this process's share
+            stats["reference_tokens_trained"] = self.reference_tokens_trained
         self.train_seconds += clock.total
         stats["rollout/mean_segments"] = sum(len(b) - 1 for b in batch.boundaries) / B
         mask = batch.response_mask
@@ -934,17 +951,19 @@ class Trainer:
             )
         cfg = self.cfg
         counter = iter(range(1, 1 << 30))
+        sampled = [0]  # tokens this process sampled for the fit
 
         def sample_batch() -> RolloutBatch:
             i = next(counter)
             # Negative "steps": a prompt and sampling stream disjoint from the RL steps'.
             problems = self.prompts_for_step(-i)[self.rank :: self.world]
             batch, stats = self.rollout(problems, seed=step_seed(cfg.seed, -i, salt=self.rank))
-            # Samples drawn for the credit method, not the policy: paid from the token budget.
-            self.extra_tokens_generated += int(stats["rollout/tokens"])
+            sampled[0] += int(stats["rollout/tokens"])
             return batch
 
         stats = self.method.pretrain(sample_batch, cfg.credit.value_head.pretrain_steps)
+        # samples drawn for the credit method, not the policy: paid from the token budget
+        self._count(extra_tokens_generated=sampled[0])
         self.log(
             "value pretraining: "
             + ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in stats.items())
@@ -995,27 +1014,20 @@ class Trainer:
     def budget_spent(self) -> bool:
         """Whether a budget is reached: ``max_train_seconds`` (rank 0's training seconds: every
         process stops at the same step), ``max_compute`` or ``max_tokens_generated`` (policy
-        rollouts + credit generations, summed over processes)."""
+        rollouts + credit generations; both totals are every process's, :meth:`_count`)."""
         cfg = self.cfg
-        if cfg.max_train_seconds > 0 or cfg.max_compute > 0:
-            used = torch.tensor([self.train_seconds, self.compute_used], dtype=torch.float64)
-            if self.world > 1:  # rank 0's clock decides; compute adds up over processes
+        if cfg.max_train_seconds > 0:
+            seconds = torch.tensor([self.train_seconds], dtype=torch.float64)
+            if self.world > 1:  # rank 0's clock decides
                 seconds = self.accelerator.reduce(
-                    used[:1].to(self.device) * (self.rank == 0), reduction="sum"
-                )
-                compute = self.accelerator.reduce(used[1:].to(self.device), reduction="sum")
-                used = torch.cat([seconds.cpu(), compute.cpu()])
-            if 0 < cfg.max_train_seconds <= float(used[0]):
+                    seconds.to(self.device) * (self.rank == 0), reduction="sum"
+                ).cpu()
+            if cfg.max_train_seconds <= float(seconds[0]):
                 return True
-            if 0 < cfg.max_compute <= float(used[1]):
-                return True
+        if 0 < cfg.max_compute <= self.compute_used:
+            return True
         budget = cfg.max_tokens_generated
-        if budget <= 0:
-            return False
-        used = torch.tensor(float(self.tokens_generated + self.extra_tokens_generated))
-        if self.world > 1:
-            used = self.accelerator.reduce(used.to(self.device), reduction="sum")
-        return float(used) >= budget
+        return 0 < budget <= self.tokens_generated + self.extra_tokens_generated
 
 
 def step_compute(
