@@ -21,11 +21,12 @@ RTOL, ATOL = 1e-4, 1e-6
 
 
 def launch(script: str, *args: str, processes: int = 1, timeout: int = 180) -> None:
-    """Run ``script`` in ``processes`` processes (torchrun, gloo, on the CPU) with this
-    session's import path; a run that fails, or hangs because one process skipped a collective
-    the other entered, fails the test."""
+    """Run ``script`` (or ``-m MODULE``) in ``processes`` processes (torchrun, gloo, on the CPU)
+    with this session's import path; a run that fails, or hangs because one process skipped a
+    collective the other entered, fails the test."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, str(HERE / script), *args]
+    target = [script] if script == "-m" else [str(HERE / script)]
+    cmd = [sys.executable, *target, *args]
     if processes > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -108,6 +109,36 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
     # the run's totals: every process's samples and tokens (bread's branches charged)
     assert load(two, "cut", 1)["tokens_generated"] > 2 * load(two, "cut", 1)["samples_seen"] > 0
     assert load(two, "bread", 0)["extra_tokens_generated"] > 0
+
+
+@pytest.mark.slow
+def test_rredcot_train_on_two_processes_resumes_as_it_would_have_run(init_dir, tmp_path):
+    """``rredcot train`` under torchrun (two CPU processes), stopped after step 2 and resumed to
+    step 3, logs what an uninterrupted 3-step run logs, and its totals count both processes'
+    samples (what its token budget reads)."""
+    import json
+
+    def train(out, *flags):
+        common = ["--threads", "1", "--progress", "false"]
+        launch("-m", "rredcot", "train", "--out", str(out), *common, *flags, processes=2)
+
+    shape = ["--init", str(init_dir), "--task.num_steps", "2", "--prompts_per_step", "4"]
+    shape += ["--sampling.num_generations", "4", "--sampling.max_new_tokens", "16"]
+    shape += ["--eval_every", "0", "--eval_size", "4", "--checkpoint_every", "1"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(whole, *shape, "--steps", "3")
+    train(cut, *shape, "--steps", "2")
+    train(cut, "--resume", str(cut), "--steps", "3")
+
+    def records(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        timed = ("time/", "step_seconds", "eval_accuracy")  # clocks; a stopped run's last eval
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(timed)} for line in lines
+        ]
+
+    assert records(cut) == records(whole)
+    assert [r["samples_seen"] for r in records(whole)] == [0, 16, 32, 48]  # 4 prompts x 4
 
 
 @pytest.mark.slow
