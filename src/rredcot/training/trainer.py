@@ -842,15 +842,18 @@ class Trainer:
         summed = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
         return dict(zip(keys, summed))
 
-    def _count(self, **counts: float) -> None:
+    def _count(self, **counts: float) -> dict[str, float]:
         """Add a step's ``counts`` (every process's summed) to the run's totals of the same
-        names: the totals are the run's, the same on every process (and in its checkpoint)."""
+        names, and return those sums: the totals are the run's, the same on every process (and
+        in its checkpoint)."""
         mine = torch.tensor([float(v) for v in counts.values()], dtype=torch.float64)
         if self.world > 1:
             mine = self.accelerator.reduce(mine.to(self.device), reduction="sum").cpu()
-        for name, total in zip(counts, mine.tolist()):
+        summed = dict(zip(counts, mine.tolist()))
+        for name, total in summed.items():
             before = getattr(self, name)
             setattr(self, name, before + (total if isinstance(before, float) else round(total)))
+        return summed
 
     def _token_means(self, totals: dict[str, float], tokens: float) -> dict[str, float]:
         """The update's per-token means (:data:`TOKEN_MEANS`) over every process's forwarded
@@ -903,7 +906,7 @@ class Trainer:
             credit_backward_tokens=float(credit_out.cost.extra_backward_tokens),
             credit_generated_tokens=float(credit_out.cost.extra_generated_tokens),
         )
-        self._count(
+        summed = self._count(
             samples_seen=rewards.numel(),
             tokens_generated=int(stats["rollout/tokens"]),
             extra_tokens_generated=int(credit_out.cost.extra_generated_tokens)
@@ -936,7 +939,7 @@ class Trainer:
             **{f"time/{name}": seconds for name, seconds in clock.laps.items()},
             "step_seconds": clock.total,
             "time/train_seconds": self.train_seconds,
-            "compute/step": compute,
+            "compute/step": summed["compute_used"],
             "compute/used": self.compute_used,
         }
 
