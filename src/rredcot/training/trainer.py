@@ -381,10 +381,7 @@ class Trainer:
         ``credit_choice.json``, and ``config.yaml`` holds the chosen method (a resume reads it)."""
         missing = sum(self.task.gold_completion(p) is None for p in problems)
         counts = outcome_counts(batch.rewards.cpu(), batch.group_ids.cpu())
-        totals = torch.tensor([*counts, float(missing)], dtype=torch.float64)
-        if self.world > 1:
-            totals = self.accelerator.reduce(totals.to(self.device), reduction="sum").cpu()
-        *summed, missing = totals.tolist()
+        *summed, missing = self._sum_over_processes([*counts, float(missing)])
         figures = {**outcome_figures(summed), **policy_figures(self.policy, self.tokenizer)}
         choice = choose_credit(figures, has_references=missing == 0)
         apply_choice(self.cfg, choice)
@@ -832,24 +829,26 @@ class Trainer:
             scale=float(self.world),
         )
 
+    def _sum_over_processes(self, values: list[float]) -> list[float]:
+        """``values`` summed element-wise over every process (float64; themselves on one)."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
+
     def _summed_metrics(self, totals: dict[str, float], keys) -> dict[str, float]:
         """``keys`` of ``totals`` (those present) summed over the processes: each process
         computed its share of the global loss or NLL."""
         keys = [k for k in keys if k in totals]
         if self.world == 1 or not keys:
             return {}
-        mine = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
-        summed = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
-        return dict(zip(keys, summed))
+        return dict(zip(keys, self._sum_over_processes([totals[k] for k in keys])))
 
     def _count(self, **counts: float) -> dict[str, float]:
         """Add a step's ``counts`` (every process's summed) to the run's totals of the same
         names, and return those sums: the totals are the run's, the same on every process (and
         in its checkpoint)."""
-        mine = torch.tensor([float(v) for v in counts.values()], dtype=torch.float64)
-        if self.world > 1:
-            mine = self.accelerator.reduce(mine.to(self.device), reduction="sum").cpu()
-        summed = dict(zip(counts, mine.tolist()))
+        summed = dict(zip(counts, self._sum_over_processes([float(v) for v in counts.values()])))
         for name, total in summed.items():
             before = getattr(self, name)
             setattr(self, name, before + (total if isinstance(before, float) else round(total)))
@@ -861,9 +860,9 @@ class Trainer:
         keys = [k for k in TOKEN_MEANS if k in totals]
         if self.world == 1 or not keys:
             return {}
-        mine = [tokens] + [totals[k] * tokens for k in keys]
-        mine = torch.tensor(mine, dtype=torch.float64, device=self.device)
-        every_tokens, *sums = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
+        every_tokens, *sums = self._sum_over_processes(
+            [tokens] + [totals[k] * tokens for k in keys]
+        )
         if every_tokens == 0:
             return {}
         return {k: total / every_tokens for k, total in zip(keys, sums)}
@@ -874,9 +873,7 @@ class Trainer:
         zero_variance = zero_variance_groups(batch.rewards, batch.group_ids)
         if self.world > 1:
             groups = float(len(batch.group_ids.unique()))
-            mine = [zero_variance * groups, groups]
-            mine = torch.tensor(mine, dtype=torch.float64, device=self.device)
-            flat, groups = self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
+            flat, groups = self._sum_over_processes([zero_variance * groups, groups])
             zero_variance = flat / max(groups, 1.0)
             _, (rewards,) = self._gathered_rows([rewards])
         return {
@@ -1019,13 +1016,9 @@ class Trainer:
         process stops at the same step), ``max_compute`` or ``max_tokens_generated`` (policy
         rollouts + credit generations; both totals are every process's, :meth:`_count`)."""
         cfg = self.cfg
-        if cfg.max_train_seconds > 0:
-            seconds = torch.tensor([self.train_seconds], dtype=torch.float64)
-            if self.world > 1:  # rank 0's clock decides
-                seconds = self.accelerator.reduce(
-                    seconds.to(self.device) * (self.rank == 0), reduction="sum"
-                ).cpu()
-            if cfg.max_train_seconds <= float(seconds[0]):
+        if cfg.max_train_seconds > 0:  # rank 0's clock decides
+            (seconds,) = self._sum_over_processes([self.train_seconds * (self.rank == 0)])
+            if cfg.max_train_seconds <= seconds:
                 return True
         if 0 < cfg.max_compute <= self.compute_used:
             return True
