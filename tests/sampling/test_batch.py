@@ -53,6 +53,30 @@ def test_with_segments_lays_out_every_segment_field():
     assert batch.prefix_ids is None  # frozen: the batch it came from is unchanged
 
 
+def test_a_selected_sub_batch_has_prefix_ids_as_wide_as_its_rows():
+    """``select`` keeps the layout ``segment_batch`` makes: prefix ids ``(B', S'+1)`` for the
+    widest row kept (a credit method checks them against the boundaries' mask)."""
+    ids, mask, bounds, groups = _rows()
+    P = 2
+    prompt = torch.ones(3, P, dtype=torch.long)
+    segment_ids, prefix_ids = segment_layout(bounds, mask, ids, groups)
+    batch = RolloutBatch(
+        input_ids=torch.cat([prompt, ids], dim=1),
+        attention_mask=torch.cat([prompt, mask.long()], dim=1),
+        prompt_len=P,
+        response_mask=mask,
+        rewards=torch.zeros(3),
+        group_ids=groups,
+        boundaries=bounds,
+        segment_ids=segment_ids,
+        prefix_ids=prefix_ids,
+    )
+    last = batch.select([2])  # one segment: two boundaries
+    assert last.prefix_ids.equal(prefix_ids[2:, :2])
+    assert last.boundary_positions()[1].shape == last.prefix_ids.shape
+    assert batch.select([0, 2]).prefix_ids.equal(prefix_ids[[0, 2]])
+
+
 def test_what_left_rollout_keeps_its_path_there():
     for name in forward.__all__:
         if name in ("prompt_groups", "shared_prompt_forward", "shared_prompt_unsupported_reason"):

@@ -112,6 +112,55 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
 
 
 @pytest.mark.slow
+def test_rredcot_train_credit_on_two_processes_as_one_process(init_dir, tmp_path):
+    """``rredcot train``'s credit method over every process's rows: with the batch's std, with
+    whitening over every token, and with a value head (its values, and its fit after the
+    step), each process's gradient equals one process's on the union, and every process holds
+    the same value head afterwards (the one process 0 checkpoints)."""
+    from train_two_process import CREDIT_SCENARIOS
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    batch = str(tmp_path / "batch.pt")
+    launch("train_two_process.py", str(init_dir), batch, str(one), "credit")
+    launch("train_two_process.py", str(init_dir), batch, str(two), "credit", processes=2)
+    for name in CREDIT_SCENARIOS:
+        whole, first, second = load(one, name, 0), load(two, name, 0), load(two, name, 1)
+        for a, b in zip(first["grads"], second["grads"]):
+            assert torch.equal(a, b), name
+        assert_same_gradient(first["grads"], whole["grads"])
+        assert_same_state(first["state"], second["state"], exact=True)
+        assert_same_state(first["state"], whole["state"], exact=False)
+        for key in (k for k in whole if k.startswith("value/")):
+            assert first[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-6), (name, key)
+    assert load(one, "value_head", 0)["state"]["head"] is not None  # the head was fitted
+
+
+def assert_same_state(a, b, exact: bool) -> None:
+    """Two methods' ``state_dict`` (nested dicts, lists, tensors, numbers) agree."""
+    if isinstance(a, dict):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            assert_same_state(a[key], b[key], exact)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_state(x, y, exact)
+    elif isinstance(a, torch.Tensor):
+        if exact:
+            assert torch.equal(a, b)
+        elif a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        else:
+            assert torch.equal(a, b)
+    elif isinstance(a, float):
+        assert a == (b if exact else pytest.approx(b, rel=RTOL, abs=ATOL))
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
 def test_rredcot_train_on_two_processes_resumes_as_it_would_have_run(init_dir, tmp_path):
     """``rredcot train`` under torchrun (two CPU processes), stopped after step 2 and resumed to
     step 3, logs what an uninterrupted 3-step run logs, and its totals count both processes'

@@ -9,7 +9,10 @@ the same rows with the same advantages; what differs is only how the update is s
 processes: the cut after a row's last credited token (with ``advantage_tail_floor``), the
 budgeted draw of agreeing rows, the references' rows and terms.
 
-Usage: ``train_two_process.py INIT_DIR BATCH_FILE OUT_DIR``.
+The credit scenarios (``CREDIT_SCENARIOS``, after the others wrote the batch) use the method's own
+credit instead: its statistics, estimate and update over every process's rows.
+
+Usage: ``train_two_process.py INIT_DIR BATCH_FILE OUT_DIR [credit]``.
 """
 
 from __future__ import annotations
@@ -67,12 +70,27 @@ SCENARIOS = {
 }
 
 
-def config(init_dir: str, out: str) -> TrainConfig:
+# credit scenario -> (credit settings, rewards): the method's own credit (no hand credit), whose
+# statistics, estimate and update read every process's rows. Process 0's groups (0-1) and
+# process 1's (2-3) have different reward spreads, so a process's own statistics differ.
+MIXED = [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1], [1, 1, 1, 0]]
+CREDIT_SCENARIOS = {
+    # the batch's std divides every advantage
+    "batch_std": ({"credit_method": "uniform", "normalization": "batch_std"}, MIXED),
+    # whitened over every token of the step
+    "whiten": ({"credit_method": "uniform", "normalization": "whiten"}, MIXED),
+    # a learned estimator: its values, the group-or-batch scale, and the head's fit after the
+    # step (the state every process checkpoints)
+    "value_head": ({"credit_method": "value_head"}, MIXED),
+}
+
+
+def config(init_dir: str, out: str, method: str = "uniform") -> TrainConfig:
     cfg = TrainConfig(
         init=init_dir,
         out=out,
         task_args={"num_steps": 2},
-        credit_method="uniform",
+        credit_method=method,
         steps=1,
         prompts_per_step=4,
         eval_size=2,
@@ -126,8 +144,8 @@ class Replay(Trainer):
     def use_hand_credit(self) -> None:
         credit_output = self.method.credit_output
 
-        def hand(*args):
-            out = credit_output(*args)
+        def hand(*args, **kwargs):
+            out = credit_output(*args, **kwargs)
             seen = self.seen
             P = seen.prompt_len
             adv = hand_credit(seen.input_ids[:, P:], seen.response_mask, seen.rewards)
@@ -169,16 +187,42 @@ def drifted_copy(policy: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
-def run(init_dir: str, batch_file: str, out: str) -> None:
-    trainer = Replay(config(init_dir, f"{out}/run"), log=lambda *_: None)
-    rank, world = trainer.rank, trainer.world
-    if not Path(batch_file).exists():  # the one-process run samples the batch once
+def replayed_batch(trainer: Trainer, batch_file: str):
+    """The whole batch every run replays: sampled once, by the first one-process run."""
+    if not Path(batch_file).exists():
         problems = trainer.prompts_for_step(1)
         torch.manual_seed(0)
         whole, _ = Trainer.rollout(trainer, problems, forward=False)
-        assert whole.size == len(SCENARIOS["cut"][1]) * GROUP, "a sample was rejected"
+        assert whole.size == len(MIXED) * GROUP, "a sample was rejected"
         torch.save(whole, batch_file)
-    whole = torch.load(batch_file, weights_only=False)
+    return torch.load(batch_file, weights_only=False)
+
+
+def run_credit(init_dir: str, batch_file: str, out: str) -> None:
+    """The credit scenarios: one step with the method's own credit; writes the gradient, a few
+    metrics and the method's state after its update."""
+    for name, (settings, rewards) in CREDIT_SCENARIOS.items():
+        cfg = config(init_dir, f"{out}/run_{name}", method=settings["credit_method"])
+        cfg.credit.normalization = settings.get("normalization", cfg.credit.normalization)
+        trainer = Replay(cfg, log=lambda *_: None)
+        whole = replayed_batch(trainer, batch_file)
+        trainer.given = scenario_batch(whole, rewards, trainer.rank, trainer.world)
+        record, grads = step_with_grads(trainer)
+        torch.save(
+            {
+                "grads": grads,
+                "state": trainer.method.state_dict(),
+                **{k: v for k, v in record.items() if k.startswith("value/")},
+            },
+            f"{out}/{name}_{trainer.rank}.pt",
+        )
+        trainer.release()
+
+
+def run(init_dir: str, batch_file: str, out: str) -> None:
+    trainer = Replay(config(init_dir, f"{out}/run"), log=lambda *_: None)
+    rank, world = trainer.rank, trainer.world
+    whole = replayed_batch(trainer, batch_file)
     start = copy.deepcopy(trainer.policy.state_dict())
     base = copy.deepcopy(trainer.cfg)
     trainer.use_hand_credit()
@@ -220,4 +264,4 @@ def step_with_grads(trainer: Trainer):
 
 
 if __name__ == "__main__":
-    run(*sys.argv[1:4])
+    (run_credit if sys.argv[4:] == ["credit"] else run)(*sys.argv[1:4])

@@ -24,6 +24,7 @@ from rredcot.algebra.tensor_checks import as_bool, check_ndim, check_shape
 
 __all__ = [
     "boundaries_to_segment_ids",
+    "fit_columns",
     "segment_token_counts",
     "segments_to_tokens",
     "shared_prefix_ids",
@@ -68,6 +69,14 @@ def boundaries_to_segment_ids(
         ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         segment_ids[row, : bounds[-1]] = ids
     return segment_ids.to(device) if device is not None else segment_ids
+
+
+def fit_columns(t: Tensor, width: int, fill: float = 0) -> Tensor:
+    """``t`` with dim 1 padded with ``fill`` (or cut) to ``width`` columns (further dims kept)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)
+    return torch.cat([t, pad], dim=1)
 
 
 def segments_to_tokens(

@@ -22,7 +22,6 @@ from rredcot.tasks.base import Problem, Verdict
 
 __all__ = [
     "METRICS_PREFIX",
-    "fit_columns",
     "group_ids_from_keys",
     "prompt_text",
     "rollout_batch_from_tensors",
@@ -189,11 +188,3 @@ def span_mask(response_mask: Tensor) -> Tensor:
     cols = torch.arange(T, device=mask.device).unsqueeze(0)
     last = torch.where(mask, cols, torch.full_like(cols, -1)).max(dim=1, keepdim=True).values
     return (cols <= last).to(response_mask.dtype)
-
-
-def fit_columns(t: Tensor, width: int, fill: float = 0) -> Tensor:
-    """``t`` with dim 1 padded with ``fill`` (or cut) to ``width`` columns (further dims kept)."""
-    if t.shape[1] >= width:
-        return t[:, :width]
-    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)
-    return torch.cat([t, pad], dim=1)

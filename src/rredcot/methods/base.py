@@ -368,9 +368,15 @@ class CreditMethod:
         """Learn from the rows' outcomes after their credit was formed from ``est``."""
         return {}
 
-    def pretrain(self, sample_batch: Callable[[], RolloutBatch], steps: int) -> dict[str, float]:
+    def pretrain(
+        self,
+        sample_batch: Callable[[], RolloutBatch],
+        steps: int,
+        every: Callable[[CreditRows], CreditRows] | None = None,
+    ) -> dict[str, float]:
         """Before RL: ``steps`` rounds of rows -> estimate -> update on ``sample_batch()`` (the
-        warm-start policy's samples), exactly as in RL; returns :meth:`pretrain_summary`."""
+        warm-start policy's samples), exactly as in RL; returns :meth:`pretrain_summary`.
+        ``every``: a process's rows -> every process's (several processes), as in RL."""
         if not self.learns:
             raise ValueError(f"credit method {self.name!r} learns nothing: nothing to pretrain")
         if steps < 0:
@@ -378,6 +384,8 @@ class CreditMethod:
         history = []
         for _ in range(steps):
             rows = self.rows(sample_batch())
+            if every is not None:
+                rows = every(rows)
             est = self.estimate(rows)
             history.append({**est.metrics, **self.update(rows, est)})
         return {"value_pretrain/steps": float(steps), **self.pretrain_summary(history)}

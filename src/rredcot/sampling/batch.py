@@ -134,6 +134,9 @@ class RolloutBatch:
         idx = torch.as_tensor(rows, dtype=torch.long)
         pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
         keep = idx.tolist()
+        # the prefix ids are as wide as the widest row kept (as segment_batch lays them out)
+        width = max((len(self.boundaries[i]) for i in keep), default=1)
+        prefix_ids = None if self.prefix_ids is None else pick(self.prefix_ids)[:, :width]
         return RolloutBatch(
             input_ids=pick(self.input_ids),
             attention_mask=pick(self.attention_mask),
@@ -153,7 +156,7 @@ class RolloutBatch:
             hidden_states=pick(self.hidden_states),
             position_ids=pick(self.position_ids),
             entropies=pick(self.entropies),
-            prefix_ids=pick(self.prefix_ids),
+            prefix_ids=prefix_ids,
             token_share_counts=pick(self.token_share_counts),
             off_policy=pick(self.off_policy),
             probe_cache=None if self.probe_cache is None else self.probe_cache.select(keep),

@@ -39,6 +39,7 @@ from rredcot.methods.auto import (
     outcome_figures,
     policy_figures,
 )
+from rredcot.methods.processes import Collective, credit_over_processes, every_process_rows
 from rredcot.safe_fs import write_text_atomic
 from rredcot.sampling.batch import RolloutBatch
 from rredcot.sampling.forward import (
@@ -141,6 +142,7 @@ class Trainer:
             self.release()
             raise
         self.accelerator, self.device = parts.accelerator, parts.device
+        self.collective = Collective(parts.accelerator)
         self.rank, self.world = parts.rank, parts.world
         self.task, self.source = parts.task, parts.source
         self.policy, self.model, self.tokenizer = parts.policy, parts.model, parts.tokenizer
@@ -293,9 +295,18 @@ class Trainer:
             credit_rows = self.method.rows(batch)
             # the decoder's cache is read by the credit's probes only, before the update
             batch = _without_probe_cache(batch)
+            # every process's rows: group and batch statistics, the estimate and the method's
+            # update are the same on every process (rredcot.methods.processes)
+            credit_rows, mine = every_process_rows(credit_rows, self.collective)
             estimate = self.method.estimate(credit_rows)
-            credit_out = self.method.credit_output(
-                credit_rows, estimate, batch.segment_ids, batch.response_mask
+            credit_out = credit_over_processes(
+                self.method,
+                credit_rows,
+                estimate,
+                batch.segment_ids,
+                batch.response_mask,
+                mine,
+                self.collective,
             )
             clock.lap("credit")
 
@@ -961,7 +972,11 @@ class Trainer:
             sampled[0] += int(stats["rollout/tokens"])
             return batch
 
-        stats = self.method.pretrain(sample_batch, cfg.credit.value_head.pretrain_steps)
+        stats = self.method.pretrain(
+            sample_batch,
+            cfg.credit.value_head.pretrain_steps,
+            every=lambda rows: every_process_rows(rows, self.collective)[0],
+        )
         # samples drawn for the credit method, not the policy: paid from the token budget
         self._count(extra_tokens_generated=sampled[0])
         self.log(

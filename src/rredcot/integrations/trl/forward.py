@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rredcot.integrations.trl.gather import Collective
 from rredcot.methods.base import CreditMethod, CreditRows, RolloutBatch
+from rredcot.methods.processes import Collective
 from rredcot.models import is_activation_checkpointing, set_activation_checkpointing
 from rredcot.sampling.forward import eval_mode, policy_forward
 from rredcot.sampling.rollout import segment_batch

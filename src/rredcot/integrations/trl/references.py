@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rredcot.algebra.layout import fit_columns
 from rredcot.algebra.loss import off_policy_pg, shaped_ratio
 from rredcot.config import ReferencesConfig
-from rredcot.integrations._batch import fit_columns
 from rredcot.integrations.trl.config import LOSS_AGG_OF_LOSS_TYPE
-from rredcot.integrations.trl.gather import Collective
+from rredcot.methods.processes import Collective
 from rredcot.tasks.base import Problem, Task
 from rredcot.training import references as training_refs
 

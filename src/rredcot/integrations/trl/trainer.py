@@ -39,7 +39,6 @@ from rredcot.integrations.trl.config import (
     describe_credit,
     resolve_model,
 )
-from rredcot.integrations.trl.gather import Collective, GlobalRows, global_rows
 from rredcot.integrations.trl.rewards import outcome_rewards, problem_of_row
 from rredcot.methods.auto import (
     AUTO,
@@ -53,9 +52,14 @@ from rredcot.methods.base import (
     CreditContext,
     CreditMethod,
     CreditOutput,
-    CreditRows,
     RolloutBatch,
     build_credit,
+)
+from rredcot.methods.processes import (
+    Collective,
+    GlobalRows,
+    credit_over_processes,
+    global_rows,
 )
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -427,12 +431,15 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         local = forward.local_rows(method, batch, self.model, self.collective)
         every = rows.gather(local, self.collective)
         estimate = method.estimate(every)
-        if method.normalization == "whiten" and self.collective.world > 1:
-            out = self._whitened_credit(every, estimate, batch, rows)
-        else:
-            out = method.credit_output(
-                every, estimate, batch.segment_ids, batch.response_mask, local=rows.local
-            )
+        out = credit_over_processes(
+            method,
+            every,
+            estimate,
+            batch.segment_ids,
+            batch.response_mask,
+            rows.local,
+            self.collective,
+        )
         advantages = out.advantages.to(torch.float32) * loss_mask.to(torch.float32)
         advantages = drop_small_tails(advantages, loss_mask, self.args.advantage_tail_floor)
         self.last_batch, self.last_credit = batch, out
@@ -441,27 +448,6 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if mode == "train":
             self._log_credit(method.update(every, estimate), mode)
         return advantages
-
-    def _whitened_credit(self, every: CreditRows, estimate, batch: RolloutBatch, rows):
-        """``credit.normalization='whiten'`` under several processes: whitening is over every
-        token of the generation batch, so the token stage runs on every process's rows (their
-        segment ids and masks gathered, a few integers a token) and each process keeps its
-        own rows' credit."""
-        device = self.collective.device
-        segment_ids = self.collective.gather_padded(batch.segment_ids.to(device), pad_index=-1)
-        mask = self.collective.gather_padded(batch.response_mask.to(device))
-        out = self.credit_method.credit_output(
-            every, estimate, segment_ids.to(every.rewards.device), mask.to(every.rewards.device)
-        )
-        T, local = batch.response_mask.shape[1], rows.local
-        return dataclasses.replace(
-            out,
-            advantages=out.advantages[local, :T],
-            segment_advantages=out.segment_advantages[local],
-            segment_mask=out.segment_mask[local],
-            values=None if out.values is None else out.values[local],
-            value_mask=None if out.value_mask is None else out.value_mask[local],
-        )
 
     def _wait_for_loss_forward(self, output: dict, batch, rows, loss_mask: Tensor, mode: str):
         """Leave zero advantages and number the rows (TRL shuffles them); the batch's one loss

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from rredcot.algebra import credit, layout
+from rredcot.algebra.layout import fit_columns
 from rredcot.errors import require_extra
-from rredcot.integrations._batch import fit_columns, group_ids_from_keys, span_mask
+from rredcot.integrations._batch import group_ids_from_keys, span_mask
 from rredcot.integrations.verl.config import (
     ESTIMATOR,
     INSTALL_VERL,
