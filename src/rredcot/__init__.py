@@ -12,8 +12,8 @@ import sys
 
 __version__ = "0.1.0"
 
-# The modules' paths before the packages by role (0.1.0 of 2026-12-05): an old import still
-# works, as the module at its new place.
+# The modules' paths before the packages by role (0.1.0 of 2026-12-05), and later moves: an old
+# import still works, as the module at its new place.
 _MOVED = {
     "batch": "sampling.batch",
     "checkpoint": "training.checkpoint",
@@ -29,6 +29,7 @@ _MOVED = {
     "decode": "sampling.decode",
     "diagnose_config": "config.diagnose",
     "evaluation": "training.evaluation",
+    "integrations.trl.gather": "methods.processes",
     "explain_model": "explain.model",
     "localisation": "algebra.localisation",
     "loss": "algebra.loss",
