@@ -253,3 +253,17 @@ def test_the_length_and_loop_checks_find_what_they_look_for(tmp_path):
     (pkg / "b.py").write_text("from rredcot import a\n\ndef g():\n    pass\n")
     assert [line.split()[1:] for line in long_functions(pkg)] == [["f", "82"]]
     assert import_cycles(import_graph(pkg)) == [["rredcot.a", "rredcot.b"]]
+
+
+def test_every_moved_module_imports_at_its_old_path_as_the_same_module():
+    """``rredcot._MOVED``: an import of a module's path before a move gives the module at its new
+    place (the same object), for every entry."""
+    import importlib
+
+    import rredcot
+
+    assert "integrations.trl.gather" in rredcot._MOVED
+    for old, new in rredcot._MOVED.items():
+        assert importlib.import_module(f"rredcot.{old}") is importlib.import_module(
+            f"rredcot.{new}"
+        ), old
