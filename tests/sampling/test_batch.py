@@ -20,6 +20,23 @@ def _rows():
     return response_ids, mask, boundaries, group_ids
 
 
+def _batch(boundaries, segment_ids, prefix_ids=None) -> RolloutBatch:
+    """``_rows()`` as a batch behind a 2-token prompt, laid out as given."""
+    ids, mask, _, groups = _rows()
+    prompt = torch.ones(3, 2, dtype=torch.long)
+    return RolloutBatch(
+        input_ids=torch.cat([prompt, ids], dim=1),
+        attention_mask=torch.cat([prompt, mask.long()], dim=1),
+        prompt_len=2,
+        response_mask=mask,
+        rewards=torch.zeros(3),
+        group_ids=groups,
+        boundaries=boundaries,
+        segment_ids=segment_ids,
+        prefix_ids=prefix_ids,
+    )
+
+
 def test_segment_layout_is_segment_ids_and_the_groups_shared_prefixes():
     ids, mask, bounds, groups = _rows()
     segment_ids, prefix_ids = segment_layout(bounds, mask, ids, groups)
@@ -32,19 +49,8 @@ def test_segment_layout_is_segment_ids_and_the_groups_shared_prefixes():
 
 def test_with_segments_lays_out_every_segment_field():
     ids, mask, bounds, groups = _rows()
-    P = 2
-    prompt = torch.ones(3, P, dtype=torch.long)
     whole = [[0, int(n)] for n in mask.sum(-1)]
-    batch = RolloutBatch(
-        input_ids=torch.cat([prompt, ids], dim=1),
-        attention_mask=torch.cat([prompt, mask.long()], dim=1),
-        prompt_len=P,
-        response_mask=mask,
-        rewards=torch.zeros(3),
-        group_ids=groups,
-        boundaries=whole,
-        segment_ids=segment_layout(whole, mask)[0],
-    )
+    batch = _batch(whole, segment_layout(whole, mask)[0])
     starts = [[0, 2, 3], [0, 2, 4], [0]]
     cut = batch.with_segments(bounds, starts)
     assert cut.boundaries == bounds and cut.segment_char_starts == starts
@@ -57,20 +63,8 @@ def test_a_selected_sub_batch_has_prefix_ids_as_wide_as_its_rows():
     """``select`` keeps the layout ``segment_batch`` makes: prefix ids ``(B', S'+1)`` for the
     widest row kept (a credit method checks them against the boundaries' mask)."""
     ids, mask, bounds, groups = _rows()
-    P = 2
-    prompt = torch.ones(3, P, dtype=torch.long)
     segment_ids, prefix_ids = segment_layout(bounds, mask, ids, groups)
-    batch = RolloutBatch(
-        input_ids=torch.cat([prompt, ids], dim=1),
-        attention_mask=torch.cat([prompt, mask.long()], dim=1),
-        prompt_len=P,
-        response_mask=mask,
-        rewards=torch.zeros(3),
-        group_ids=groups,
-        boundaries=bounds,
-        segment_ids=segment_ids,
-        prefix_ids=prefix_ids,
-    )
+    batch = _batch(bounds, segment_ids, prefix_ids)
     last = batch.select([2])  # one segment: two boundaries
     assert last.prefix_ids.equal(prefix_ids[2:, :2])
     assert last.boundary_positions()[1].shape == last.prefix_ids.shape
