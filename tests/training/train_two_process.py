@@ -27,6 +27,7 @@ import torch
 torch.set_num_threads(1)
 
 from rredcot.config import TrainConfig  # noqa: E402
+from rredcot.sampling.batch import segment_layout  # noqa: E402
 from rredcot.training.seeding import seed_everything  # noqa: E402
 from rredcot.training.trainer import Trainer  # noqa: E402
 
@@ -79,6 +80,9 @@ CREDIT_SCENARIOS = {
     "batch_std": ({"credit_method": "uniform", "normalization": "batch_std"}, MIXED),
     # whitened over every token of the step
     "whiten": ({"credit_method": "uniform", "normalization": "whiten"}, MIXED),
+    # the group's shared prefixes (each process's prefix ids, shifted past the ones before it):
+    # a node's value is the mean reward below it, s_0's the group's mean
+    "node_values": ({"credit_method": "node_values"}, MIXED),
     # a learned estimator: its values, the group-or-batch scale, and the head's fit after the
     # step (the state every process checkpoints)
     "value_head": ({"credit_method": "value_head"}, MIXED),
@@ -155,11 +159,18 @@ class Replay(Trainer):
 
 
 def scenario_batch(whole, rewards, rank: int, world: int):
-    """The rows of process ``rank`` of ``world`` (half the groups each), ``rewards`` set."""
+    """The rows of process ``rank`` of ``world`` (half the groups each), ``rewards`` set, laid
+    out as that process's own rollout lays them out: group ids and shared-prefix ids from 0."""
     R = torch.tensor([float(r) for group in rewards for r in group])
     batch = whole.replace(rewards=R)
     per = batch.size // world
-    return batch.select(list(range(rank * per, (rank + 1) * per)))
+    mine = batch.select(list(range(rank * per, (rank + 1) * per)))
+    groups = mine.group_ids - mine.group_ids.min()
+    P = mine.prompt_len
+    _, prefix_ids = segment_layout(
+        mine.boundaries, mine.response_mask, mine.input_ids[:, P:], groups
+    )
+    return mine.replace(group_ids=groups, prefix_ids=prefix_ids)
 
 
 def apply(trainer: Trainer, settings: dict) -> None:
