@@ -114,8 +114,8 @@ def test_rredcot_train_on_two_processes_updates_as_one_process(init_dir, tmp_pat
 @pytest.mark.slow
 def test_rredcot_train_credit_on_two_processes_as_one_process(init_dir, tmp_path):
     """``rredcot train``'s credit method over every process's rows: with the batch's std, with
-    whitening over every token, and with a value head (its values, and its fit after the
-    step), each process's gradient equals one process's on the union, and every process holds
+    whitening over every token, with the shared prefixes' node values (prefix ids local to
+    each process), and with a value head (its values, and its fit after the step), each process's gradient equals one process's on the union, and every process holds
     the same value head afterwards (the one process 0 checkpoints)."""
     from train_two_process import CREDIT_SCENARIOS
 
