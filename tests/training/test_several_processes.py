@@ -135,6 +135,8 @@ def test_rredcot_train_credit_on_two_processes_as_one_process(init_dir, tmp_path
         for key in (k for k in whole if k.startswith("value/")):
             assert first[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-6), (name, key)
     assert load(one, "value_head", 0)["state"]["head"] is not None  # the head was fitted
+    means = {"a": 0.5, "only0": 1.0, "only1": 1.0, "nan": 1.0}
+    assert load(two, "mean_metrics", 0) == load(two, "mean_metrics", 1) == means
 
 
 def assert_same_state(a, b, exact: bool) -> None:

@@ -228,6 +228,12 @@ def run_credit(init_dir: str, batch_file: str, out: str) -> None:
             f"{out}/{name}_{trainer.rank}.pt",
         )
         trainer.release()
+    # a measurement's diagnostics, averaged over the processes that report each
+    rank = trainer.rank
+    means = trainer.collective.mean_metrics(
+        {"a": float(rank), f"only{rank}": 1.0, "nan": rank or float("nan")}
+    )
+    torch.save(means, f"{out}/mean_metrics_{rank}.pt")
 
 
 def run(init_dir: str, batch_file: str, out: str) -> None:

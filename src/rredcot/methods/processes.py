@@ -79,15 +79,17 @@ class Collective:
         return int(self.gather(torch.tensor([int(x)], device=self.accelerator.device)).max())
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Each metric averaged over the processes (NaNs skipped); keys must agree."""
-        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-        if self.world == 1 or not keys:
-            return {k: float(metrics[k]) for k in keys}
-        local = torch.tensor(
-            [float(metrics[k]) for k in keys], device=self.accelerator.device, dtype=torch.float64
-        )
-        every = self.gather(local.unsqueeze(0))
-        return dict(zip(keys, torch.nanmean(every, dim=0).tolist()))
+        """Each numeric metric averaged over the processes that report it (NaNs skipped)."""
+        mine = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.world == 1:
+            return mine
+        every: list[dict[str, float]] = [{} for _ in range(self.world)]
+        torch.distributed.all_gather_object(every, mine)
+        keys = sorted({k for part in every for k in part})
+        return {
+            k: float(torch.tensor([p[k] for p in every if k in p], dtype=torch.float64).nanmean())
+            for k in keys
+        }
 
 
 @dataclass
@@ -205,7 +207,8 @@ def every_process_rows(local: CreditRows, collective: Collective) -> tuple[Credi
         prefix_ids = _distinct(local.prefix_ids.long(), collective, sizes)
     every = rows.gather(local, collective, prefix_ids=prefix_ids)
     live = collective.gather_rows(local.live.long(), sizes=sizes).to(device) > 0
-    return dataclasses.replace(every, live=live), rows.local
+    metrics = collective.mean_metrics(local.metrics)  # what measuring the rows saw
+    return dataclasses.replace(every, live=live, metrics=metrics), rows.local
 
 
 def credit_over_processes(
