@@ -116,7 +116,8 @@ def test_rredcot_train_credit_on_two_processes_as_one_process(init_dir, tmp_path
     """``rredcot train``'s credit method over every process's rows: with the batch's std, with
     whitening over every token, with the shared prefixes' node values (prefix ids local to
     each process), and with a value head (its values, and its fit after the step), each process's gradient equals one process's on the union, and every process holds
-    the same value head afterwards (the one process 0 checkpoints)."""
+    the same value head afterwards (the one process 0 checkpoints), after value pretraining on
+    each process's own samples too."""
     from train_two_process import CREDIT_SCENARIOS
 
     one, two = tmp_path / "one", tmp_path / "two"
@@ -135,6 +136,9 @@ def test_rredcot_train_credit_on_two_processes_as_one_process(init_dir, tmp_path
         for key in (k for k in whole if k.startswith("value/")):
             assert first[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-6), (name, key)
     assert load(one, "value_head", 0)["state"]["head"] is not None  # the head was fitted
+    # value pretraining on each process's own samples leaves one head on every process
+    assert_same_state(load(two, "pretrain", 0)["state"], load(two, "pretrain", 1)["state"], True)
+    assert load(two, "pretrain", 0)["state"]["head"] is not None
     means = {"a": 0.5, "only0": 1.0, "only1": 1.0, "nan": 1.0}
     assert load(two, "mean_metrics", 0) == load(two, "mean_metrics", 1) == means
 

@@ -228,6 +228,13 @@ def run_credit(init_dir: str, batch_file: str, out: str) -> None:
             f"{out}/{name}_{trainer.rank}.pt",
         )
         trainer.release()
+    # value pretraining: each process samples its own prompts' batch, the head fits every row
+    cfg = config(init_dir, f"{out}/run_pretrain", method="value_head")
+    cfg.credit.value_head.pretrain_steps = 2
+    trainer = Trainer(cfg, log=lambda *_: None)  # its own rollouts
+    trainer._pretrain_credit()
+    torch.save({"state": trainer.method.state_dict()}, f"{out}/pretrain_{trainer.rank}.pt")
+    trainer.release()
     # a measurement's diagnostics, averaged over the processes that report each
     rank = trainer.rank
     means = trainer.collective.mean_metrics(
