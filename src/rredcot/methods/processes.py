@@ -61,6 +61,8 @@ class Collective:
         given)."""
         if self.world == 1:
             return t
+        if t.dtype == torch.bool:  # not every backend gathers booleans
+            return self.gather_rows(t.to(torch.uint8), pad_index, sizes).bool()
         acc = self.accelerator
         sizes = self.sizes(t.shape[0]) if sizes is None else sizes
         t = t.to(self.device).contiguous()
@@ -72,6 +74,13 @@ class Collective:
             t = torch.cat([t, pad])
         every = acc.gather(t.contiguous())
         return torch.cat([every[p * most : p * most + n] for p, n in enumerate(sizes)])
+
+    def sum(self, values: list[float]) -> list[float]:
+        """``values`` summed element-wise over every process (float64; themselves on one)."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
 
     def max_int(self, x: int) -> int:
         if self.world == 1:
@@ -206,7 +215,7 @@ def every_process_rows(local: CreditRows, collective: Collective) -> tuple[Credi
     if local.prefix_ids is not None:
         prefix_ids = _distinct(local.prefix_ids.long(), collective, sizes)
     every = rows.gather(local, collective, prefix_ids=prefix_ids)
-    live = collective.gather_rows(local.live.long(), sizes=sizes).to(device) > 0
+    live = collective.gather_rows(local.live, sizes=sizes).to(device)
     metrics = collective.mean_metrics(local.metrics)  # what measuring the rows saw
     return dataclasses.replace(every, live=live, metrics=metrics), rows.local
 
@@ -232,8 +241,7 @@ def credit_over_processes(
     sizes = collective.sizes(segment_ids.shape[0])
     device = every.rewards.device
     all_ids = collective.gather_rows(segment_ids.long(), pad_index=-1, sizes=sizes).to(device)
-    all_mask = collective.gather_rows(response_mask.long(), sizes=sizes)
-    all_mask = all_mask.to(device=device, dtype=response_mask.dtype)
+    all_mask = collective.gather_rows(response_mask, sizes=sizes).to(device)
     out = method.credit_output(every, estimate, all_ids, all_mask)
     T = response_mask.shape[1]
     return dataclasses.replace(

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from rredcot.algebra.loss import LossSettings, policy_loss
@@ -375,15 +374,9 @@ class Trainer:
     def _gathered_rows(self, columns: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
         """``(start, every)``: per-row tensors ``(B,)`` of every process concatenated in process
         order (on the CPU), and where this process's rows start in them."""
-        if self.world == 1:
-            return 0, [c.cpu() for c in columns]
-        parts = gather_object([[c.tolist() for c in columns]])  # one entry per process
-        start = sum(len(part[0]) for part in parts[: self.rank])
-        every = [
-            torch.tensor([x for part in parts for x in part[i]], dtype=c.dtype)
-            for i, c in enumerate(columns)
-        ]
-        return start, every
+        sizes = self.collective.sizes(len(columns[0]))
+        every = [self.collective.gather_rows(c, sizes=sizes).cpu() for c in columns]
+        return sum(sizes[: self.rank]), every
 
     def choose_credit(self, batch: RolloutBatch, problems) -> None:
         """``--credit auto``: choose the credit method from step 1's own batch (every process's
@@ -392,7 +385,7 @@ class Trainer:
         ``credit_choice.json``, and ``config.yaml`` holds the chosen method (a resume reads it)."""
         missing = sum(self.task.gold_completion(p) is None for p in problems)
         counts = outcome_counts(batch.rewards.cpu(), batch.group_ids.cpu())
-        *summed, missing = self._sum_over_processes([*counts, float(missing)])
+        *summed, missing = self.collective.sum([*counts, float(missing)])
         figures = {**outcome_figures(summed), **policy_figures(self.policy, self.tokenizer)}
         choice = choose_credit(figures, has_references=missing == 0)
         apply_choice(self.cfg, choice)
@@ -840,26 +833,19 @@ class Trainer:
             scale=float(self.world),
         )
 
-    def _sum_over_processes(self, values: list[float]) -> list[float]:
-        """``values`` summed element-wise over every process (float64; themselves on one)."""
-        if self.world == 1:
-            return [float(v) for v in values]
-        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
-        return self.accelerator.reduce(mine, reduction="sum").cpu().tolist()
-
     def _summed_metrics(self, totals: dict[str, float], keys) -> dict[str, float]:
         """``keys`` of ``totals`` (those present) summed over the processes: each process
         computed its share of the global loss or NLL."""
         keys = [k for k in keys if k in totals]
         if self.world == 1 or not keys:
             return {}
-        return dict(zip(keys, self._sum_over_processes([totals[k] for k in keys])))
+        return dict(zip(keys, self.collective.sum([totals[k] for k in keys])))
 
     def _count(self, **counts: float) -> dict[str, float]:
         """Add a step's ``counts`` (every process's summed) to the run's totals of the same
         names, and return those sums: the totals are the run's, the same on every process (and
         in its checkpoint)."""
-        summed = dict(zip(counts, self._sum_over_processes([float(v) for v in counts.values()])))
+        summed = dict(zip(counts, self.collective.sum([float(v) for v in counts.values()])))
         for name, total in summed.items():
             before = getattr(self, name)
             setattr(self, name, before + (total if isinstance(before, float) else round(total)))
@@ -871,9 +857,7 @@ class Trainer:
         keys = [k for k in TOKEN_MEANS if k in totals]
         if self.world == 1 or not keys:
             return {}
-        every_tokens, *sums = self._sum_over_processes(
-            [tokens] + [totals[k] * tokens for k in keys]
-        )
+        every_tokens, *sums = self.collective.sum([tokens] + [totals[k] * tokens for k in keys])
         if every_tokens == 0:
             return {}
         return {k: total / every_tokens for k, total in zip(keys, sums)}
@@ -884,7 +868,7 @@ class Trainer:
         zero_variance = zero_variance_groups(batch.rewards, batch.group_ids)
         if self.world > 1:
             groups = float(len(batch.group_ids.unique()))
-            flat, groups = self._sum_over_processes([zero_variance * groups, groups])
+            flat, groups = self.collective.sum([zero_variance * groups, groups])
             zero_variance = flat / max(groups, 1.0)
             _, (rewards,) = self._gathered_rows([rewards])
         return {
@@ -1032,7 +1016,7 @@ class Trainer:
         rollouts + credit generations; both totals are every process's, :meth:`_count`)."""
         cfg = self.cfg
         if cfg.max_train_seconds > 0:  # rank 0's clock decides
-            (seconds,) = self._sum_over_processes([self.train_seconds * (self.rank == 0)])
+            (seconds,) = self.collective.sum([self.train_seconds * (self.rank == 0)])
             if cfg.max_train_seconds <= seconds:
                 return True
         if 0 < cfg.max_compute <= self.compute_used:
