@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import warnings
@@ -35,6 +36,7 @@ from rredcot.methods.probe_logprobs import (
     unpacked_probe_logprobs,
 )
 from rredcot.models import build_tiny_llama
+from rredcot.sampling.batch import GroupPeers
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 from rredcot.tasks.answers import answers_match, equivalent_renderings, extract_boxed
@@ -175,6 +177,14 @@ def test_answer_sources(char_tokenizer, wide_task):
     assert correct_answers(batch, "both") == [[p0.answer]] * 2 + [[p1.answer]] * 2
     with pytest.raises(ValueError, match="reference, group or both"):
         correct_answers(batch, "gold")
+    # row 1 alone on its process (TRL: a group may span processes) reads row 0's answer from
+    # its peers; without them its group has no correct answer
+    alone = batch.select([1])
+    assert correct_answers(alone, "group") == [[]]
+    peer = GroupPeers([0], [1.0], [(1, 2)], [[0, 2]], [str(p0.answer)], [True])
+    assert correct_answers(alone.replace(peers=peer), "group") == [[p0.answer]]
+    wrong_peer = dataclasses.replace(peer, rewards=[0.0])
+    assert correct_answers(alone.replace(peers=wrong_peer), "group") == [[]]
 
     policy = eval_llama(char_tokenizer)
     ref, _, _ = answer_values(policy, char_tokenizer, wide_task, batch, answer_source="reference")

@@ -22,7 +22,7 @@ from rredcot.methods.continuation_likelihood import (
     values_from_scorer,
 )
 from rredcot.methods.probe_logprobs import Probe
-from rredcot.sampling.batch import RolloutBatch
+from rredcot.sampling.batch import GroupPeers, RolloutBatch
 from rredcot.segment import get_segmenter
 from rredcot.tasks import get_task
 from text_batches import traces_batch
@@ -165,6 +165,46 @@ def test_per_token_estimate_is_the_mean_geometric_probability_of_the_continuatio
     )
     three = [(0.6 * 0.7) ** (1 / 3), (0.4 * 0.2) ** (1 / 3), (0.4 * 0.3) ** (1 / 3)]
     assert float(values[0, 0]) == pytest.approx(sum(three) / 3)
+
+
+def _held_by_one_process(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """``batch``'s ``rows`` as one process holds them under TRL: the group's other rows are
+    its peers (``before``: rows of a process before this one)."""
+    others = [r for r in range(batch.size) if r not in rows]
+    response = batch.input_ids[:, batch.prompt_len :]
+    peers = GroupPeers(
+        group_ids=[int(batch.group_ids[r]) for r in others],
+        rewards=[float(batch.rewards[r]) for r in others],
+        responses=[tuple(response[r, : batch.boundaries[r][-1]].tolist()) for r in others],
+        boundaries=[list(batch.boundaries[r]) for r in others],
+        answers=[None] * len(others),
+        before=[r < rows[0] for r in others],
+    )
+    return batch.select(rows).replace(peers=peers)
+
+
+@pytest.mark.parametrize("estimator", ["importance", "sum", "per_token"])
+@pytest.mark.parametrize("cheap", [False, True])
+def test_a_group_split_over_processes_gets_the_values_of_the_whole_group(estimator, cheap):
+    # six samples, three distinct correct continuations from the prompt and at most two
+    # probed: which two is the order of every process's rows
+    batch = _group_batch([(A, B), (B, C), (A, A), (B, B), (B, A), (A, A)])
+
+    def values(b: RolloutBatch) -> torch.Tensor:
+        options = {"source": "group", "estimator": estimator, "max_continuations": 2}
+        if cheap:  # the window reads a continuation's tail from its source's own pass
+            return cheap_values_from_scorer(
+                b, {}, _table_scorer(b), window=1, scope="any_wrong", **options
+            )[0]
+        return values_from_scorer(b, {}, _table_scorer(b), **options)[0]
+
+    whole = values(batch)
+    for rows in ([0, 1, 2], [3, 4, 5], [2, 3]):
+        part = values(_held_by_one_process(batch, rows))
+        assert torch.allclose(part, whole[rows], atol=1e-6), (rows, part, whole[rows])
+    # without its peers a process reads its own rows' continuations only
+    alone = values(batch.select([3, 4, 5]))
+    assert not torch.allclose(alone, whole[[3, 4, 5]], atol=1e-3)
 
 
 def test_per_token_refuses_stop_below():

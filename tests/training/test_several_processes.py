@@ -205,7 +205,10 @@ def test_trl_on_two_processes_updates_as_one_process(tmp_path):
     process 1 none (a stand-in pass); ``luffy``: process 1 (the group's last row) puts the
     reference in place of its rollout, process 0 none; the reward functions' scores of it reach
     both processes' credit. The references' metrics are the same as in one process. Without
-    references, ``credit.normalization='whiten'`` whitens over both processes' tokens."""
+    references, ``credit.normalization='whiten'`` whitens over both processes' tokens. The
+    methods that read the group's samples (``continuation_likelihood``, ``answer_likelihood``
+    with ``source=group``) read them across processes: process 1, holding only wrong rows,
+    values its prefixes as one process holding the whole group does."""
     from rredcot.models import build_char_tokenizer, build_tiny_llama
 
     model = tmp_path / "model"
@@ -236,3 +239,18 @@ def test_trl_on_two_processes_updates_as_one_process(tmp_path):
         logged = [load(two, mode, r)["logs"][f"rredcot/references/{key}"] for r in (0, 1)]
         expected = load(one, mode, 0)["logs"][f"rredcot/references/{key}"]
         assert logged == pytest.approx([expected] * 2, rel=1e-5)
+    # methods that read the group's other samples: process 1 holds only the group's wrong
+    # rows, and reads the right ones (continuations, answers) from process 0 (batch.peers)
+    for mode in ("continuation", "answer"):
+        whole, first, second = load(one, mode, 0), load(two, mode, 0), load(two, mode, 1)
+        assert whole["rewards"] == first["rewards"] + second["rewards"] == [1.0, 1.0, 0.0, 0.0]
+        both = torch.cat([first["values"], second["values"]])
+        torch.testing.assert_close(both, whole["values"], rtol=RTOL, atol=ATOL)
+        assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
+        assert_same_gradient(first["grads"], whole["grads"])
+        # without its peers process 1 would value every prefix at 0 (no right sample of its own)
+        assert torch.all(second["alone"][:, 0] == 0), mode
+        assert torch.all(second["with_peers"][:, 0] > 0), mode
+        width = second["with_peers"].shape[1]
+        rows_of_one = whole["with_peers"][2:, :width]
+        torch.testing.assert_close(second["with_peers"], rows_of_one, rtol=1e-4, atol=0)

@@ -10,6 +10,11 @@ the process holding the group's first row builds it (process 1 has none and runs
 pass), under ``luffy`` the process holding its last row puts it in place of that rollout
 (process 0 has none), and the reward functions score it on every process. ``whiten``: no
 references, the credit whitened over every token of the generation batch (both processes').
+``continuation`` and ``answer``: methods that read the group's other samples
+(``continuation_likelihood``, ``answer_likelihood`` with ``source=group``), the hand-over off,
+on a group whose right completions sit on process 0 only (rows 0 and 1 of four): process 1's
+continuations and answers are all its peers' (``batch.peers``). Each run also writes the
+method's measured values of its last batch with and without the peers.
 
 Usage: ``trl_references_two_process.py MODEL_DIR OUT_DIR``.
 """
@@ -37,6 +42,21 @@ from rredcot.tasks import get_task  # noqa: E402
 GROUP = 4
 # wrong answers of different digit shares: the rewards vary inside the group, none reaches 1
 TEXTS = ["1+1=2\nA:2", "2+3=5\nabc\nA:5", "4*2=8\nA:8x", "so\nA:0"]
+PROBLEMS = get_task("arithmetic", num_steps=2).train_problems(2, seed=0)
+READS_THE_GROUP = {
+    "continuation": (
+        "continuation_likelihood",
+        {"continuation_likelihood": {"source": "group", "estimator": "per_token"}},
+    ),
+    "answer": ("answer_likelihood", {"answer_likelihood": {"source": "group"}}),
+}
+
+
+def group_texts(prompt: str) -> list[str]:
+    """Two right completions (rows 0 and 1: the gold trace and another) and two wrong ones."""
+    problem = next(p for p in PROBLEMS if p.prompt in str(prompt))
+    gold = get_task("arithmetic", num_steps=2).gold_completion(problem)
+    return [gold, f"so\nA:{problem.answer}", "1+1=2\nA:2", "so\nA:0"]
 
 
 def digit_share(completions, **kwargs) -> list[float]:
@@ -49,9 +69,13 @@ def fixed_rollouts(prompts, trainer) -> dict:
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
     tok = trainer.processing_class
     first = trainer.accelerator.process_index * len(prompts)
+    reads_group = trainer.args.credit_method != "uniform"
+    texts = [
+        group_texts(p)[(first + i) % GROUP] if reads_group else TEXTS[(first + i) % GROUP]
+        for i, p in enumerate(prompts)
+    ]
     completion_ids = [
-        tok(TEXTS[(first + i) % GROUP], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        for i in range(len(prompts))
+        tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts
     ]
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
@@ -70,8 +94,16 @@ class Gradients(TrainerCallback):
 
 def run(model_dir: str, out: str, mode: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    problems = get_task("arithmetic", num_steps=2).train_problems(2, seed=0)
+    problems = PROBLEMS
     data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    method, credit = READS_THE_GROUP.get(mode, ("uniform", None))
+    if method != "uniform":
+        credit = {**credit, "handover": {"mode": "off"}}
+    elif mode == "whiten":
+        credit = {"normalization": "whiten"}
+    rewards = [task_reward("arithmetic", num_steps=2)]
+    if method == "uniform":
+        rewards.append(digit_share)
     args = RREDCoTGRPOConfig(
         output_dir=f"{out}/{mode}",
         use_cpu=True,
@@ -86,18 +118,18 @@ def run(model_dir: str, out: str, mode: str) -> None:
         logging_steps=1,
         save_strategy="no",
         seed=0,
-        reward_weights=[0.5, 0.5],
-        credit_method="uniform",
+        reward_weights=[0.5, 0.5] if method == "uniform" else None,
+        credit_method=method,
         task="arithmetic",
         task_args={"num_steps": 2},
-        references={"mode": mode if mode != "whiten" else "off"},
-        credit={"normalization": "whiten"} if mode == "whiten" else None,
+        references={"mode": mode if mode in ("sft", "luffy") else "off"},
+        credit=credit,
         disable_tqdm=True,
     )
     spy = Gradients()
     trainer = RREDCoTGRPOTrainer(
         model=model_dir,
-        reward_funcs=[task_reward("arithmetic", num_steps=2), digit_share],
+        reward_funcs=rewards,
         args=args,
         train_dataset=data,
         processing_class=build_char_tokenizer(),
@@ -108,7 +140,14 @@ def run(model_dir: str, out: str, mode: str) -> None:
     trainer.train()
     logs = {k: v for h in trainer.state.log_history for k, v in h.items() if "references" in k}
     rank = trainer.accelerator.process_index
-    if mode == "whiten":
+    measured = {}
+    if method != "uniform":  # the method's rows of the last batch, with and without its peers
+        batch = trainer.last_batch
+        measured = {
+            "with_peers": trainer.credit_method.rows(batch).values,
+            "alone": trainer.credit_method.rows(batch.replace(peers=None)).values,
+        }
+    if mode not in ("sft", "luffy"):
         own = 0
     elif mode == "sft":  # the reference rows this process's NLL term holds
         term = trainer._state.references
@@ -118,11 +157,19 @@ def run(model_dir: str, out: str, mode: str) -> None:
         golds = [task.gold_completion(p) for p in problems]
         own = sum(c in golds for c in trainer.last_batch.completions)
     torch.save(
-        {"grads": spy.grads, "logs": logs, "rows": trainer.last_batch.size, "own_references": own},
+        {
+            "grads": spy.grads,
+            "logs": logs,
+            "rows": trainer.last_batch.size,
+            "own_references": own,
+            "rewards": trainer.last_batch.rewards.tolist(),
+            "values": trainer.last_credit.values,
+            **measured,
+        },
         f"{out}/{mode}_{rank}.pt",
     )
 
 
 if __name__ == "__main__":
-    for mode in ("sft", "luffy", "whiten"):
+    for mode in ("sft", "luffy", "whiten", *READS_THE_GROUP):
         run(sys.argv[1], sys.argv[2], mode)

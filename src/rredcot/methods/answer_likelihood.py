@@ -188,6 +188,11 @@ class AnswerLikelihoodCredit(ValueSourceCredit):
     def max_batch_tokens(self) -> int:
         return int(self.options.chunk_tokens)
 
+    @property
+    def reads_group_samples(self) -> bool:
+        """The ``group`` and ``both`` sources read the group's correct answers."""
+        return self.options.source != "reference"
+
     def _check_packing(self, batch: RolloutBatch) -> None:
         """Compare packed and unpacked log-probs on the first row that has probes."""
         self._checked = True

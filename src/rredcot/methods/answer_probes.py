@@ -87,7 +87,8 @@ def correct_answers(batch: RolloutBatch, source: str = "reference") -> list[list
     """Per row, the answers counted as correct (``A+``, before renderings), in a stable order.
 
     ``reference``: ``problem.answer``; ``group``: distinct ``verdict.answer`` of the rows of the
-    same group with reward 1; ``both``: the union.
+    same group with reward 1, on every process (``batch.peers``: the group's rows other
+    processes hold, in the order of every process's rows); ``both``: the union.
     """
     if source not in ("reference", "group", "both"):
         raise ValueError(f"answer_source={source!r}: use reference, group or both")
@@ -97,12 +98,19 @@ def correct_answers(batch: RolloutBatch, source: str = "reference") -> list[list
         raise ValueError("answer_source 'group' needs batch.verdicts (one Verdict per row)")
     group_answers: dict[int, list[str]] = {}
     if source in ("group", "both"):
-        for row, verdict in enumerate(batch.verdicts):
-            gid = int(batch.group_ids[row])
+        peers = batch.peers
+        mine = [
+            (int(g), float(r), v.answer)
+            for g, r, v in zip(batch.group_ids.tolist(), batch.rewards.tolist(), batch.verdicts)
+        ]
+        if peers is not None:
+            rows = zip(peers.group_ids, peers.rewards, peers.answers, peers.before)
+            theirs = [((g, r, a), before) for g, r, a, before in rows]
+            mine = [x for x, b in theirs if b] + mine + [x for x, b in theirs if not b]
+        for gid, reward, answer in mine:
             found = group_answers.setdefault(gid, [])
-            correct = float(batch.rewards[row]) >= 1.0 and verdict.answer is not None
-            if correct and str(verdict.answer) not in found:
-                found.append(str(verdict.answer))
+            if reward >= 1.0 and answer is not None and str(answer) not in found:
+                found.append(str(answer))
     out = []
     for row in range(batch.size):
         answers: list[str] = []

@@ -204,6 +204,9 @@ class CreditMethod:
     # whether rows() scores probes after prefixes of the batch's rows: the trainer then keeps
     # the sampling's KV cache for them (train's probe_from_cache)
     probes_prefixes: bool = False
+    # whether rows() reads the other samples of each row's group: a trainer whose groups may
+    # span processes (TRL) then gives the batch those rows (RolloutBatch.peers)
+    reads_group_samples: bool = False
 
     def __init__(self, config: CreditConfig, context: CreditContext) -> None:
         self.config = config

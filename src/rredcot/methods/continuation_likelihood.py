@@ -70,6 +70,12 @@ scores some groups only (``all_wrong``: where GRPO gives no credit; ``mixed``: w
 the update forwards what GRPO's does; ``any_wrong``); the others get GRPO's credit.
 Costs and credit quality of each: ``benchmarks/results/cheap_continuation/``.
 
+**Several processes**: under TRL a group's samples may sit on several processes; the adapter
+gives the batch its groups' other rows (``batch.peers``, :func:`rredcot.methods.processes.group_peers`),
+and every process builds its rows' continuations from the whole group, in the order of the rows
+of every process, as one process holding every row would (the peers' proposals are scored here,
+after their prompt, which the group shares).
+
 **Safe credit**: the guards of every frozen estimator (:mod:`rredcot.methods.value_source`): the
 group-mean anchor and the hand-over from uniform by measured reliability.
 """
@@ -101,6 +107,7 @@ from rredcot.segment import Segmenter, segment_completion
 
 ESTIMATORS = ("importance", "sum", "per_token")
 SOURCES = ("group", "reference", "both")
+REFERENCE = -1  # a continuation's source when it is the task's reference (Continuation.source)
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,56 @@ class Continuation:
     ids: tuple[int, ...]
     log_weight: float
     known_logp: float | None = None
-    source: int = -1  # the reference (-1), or the first correct row that wrote it
+    source: int = REFERENCE  # or the key of the first correct sample that wrote it (Sample)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A sample of a group as a continuation's source: a row of the batch (``key`` = its row)
+    or a row another process holds (``key = -2 - i``: ``batch.peers`` entry ``i``)."""
+
+    key: int
+    ids: tuple[int, ...]  # response tokens, EOS included
+    bounds: list[int]  # [0, b_1, ..., b_n]
+    correct: bool
+    prompt_row: int  # a row of the batch with the sample's prompt (its group's)
+
+    def proposal(self) -> Probe:
+        """The probe of its whole response after its prompt (the proposal's log-probs)."""
+        return Probe(self.prompt_row, 0, 0, self.ids)
+
+
+def group_samples(batch: RolloutBatch, responses: list[list[int]]) -> dict[int, list[Sample]]:
+    """Each group's samples in the order of the rows of every process: the peers that processes
+    before this one hold (``batch.peers``), the batch's own rows, then the later peers."""
+    own: dict[int, list[Sample]] = {}
+    for row, gid in enumerate(batch.group_ids.tolist()):
+        correct = float(batch.rewards[row]) >= 1.0
+        sample = Sample(row, tuple(responses[row]), list(batch.boundaries[row]), correct, row)
+        own.setdefault(gid, []).append(sample)
+    before: dict[int, list[Sample]] = {}
+    after: dict[int, list[Sample]] = {}
+    peers = batch.peers
+    for i in range(len(peers) if peers is not None else 0):
+        gid = peers.group_ids[i]
+        if gid not in own:
+            continue
+        correct = peers.rewards[i] >= 1.0
+        sample = Sample(-2 - i, peers.responses[i], peers.boundaries[i], correct, own[gid][0].key)
+        (before if peers.before[i] else after).setdefault(gid, []).append(sample)
+    return {g: before.get(g, []) + rows + after.get(g, []) for g, rows in own.items()}
+
+
+def proposals(samples: dict[int, list[Sample]], groups=None, skip=None) -> list[Sample]:
+    """The correct samples (of ``groups`` only, where given; ``skip(sample)``: leave it out)
+    whose proposals the importance weights and the cheap window read."""
+    return [
+        s
+        for gid, members in samples.items()
+        if groups is None or gid in groups
+        for s in members
+        if s.correct and s.ids and not (skip is not None and skip(s))
+    ]
 
 
 def estimate_from_logprobs(
@@ -204,8 +260,9 @@ def build_continuations(
     """Every (row, boundary ``k < n``, continuation) of the batch, with its weight (of the rows
     in ``rows`` only, where given).
 
-    ``own_logprobs[j]``: ``(T_j,)`` log π of correct row ``j``'s response tokens from its prompt
-    (the proposal's log-probs; needed for ``importance``).
+    ``own_logprobs[key]``: ``(T_j,)`` log π of correct sample ``key``'s response tokens from its
+    prompt (:class:`Sample`; the proposal's log-probs; needed for ``importance``). A group's
+    samples are its rows here and its ``batch.peers`` (:func:`group_samples`).
     """
     if source not in SOURCES:
         raise ValueError(f"continuation source={source!r}: use {', '.join(SOURCES)}")
@@ -214,49 +271,46 @@ def build_continuations(
     if max_continuations < 1:
         raise ValueError(f"max_continuations={max_continuations} must be >= 1")
     responses = _response_tokens(batch)
-    groups: dict[int, list[int]] = {}
-    for row, gid in enumerate(batch.group_ids.tolist()):
-        groups.setdefault(gid, []).append(row)
-    correct = {row for row in range(batch.size) if float(batch.rewards[row]) >= 1.0}
+    groups = group_samples(batch, responses)
     out: list[Continuation] = []
     for row, bounds in enumerate(batch.boundaries):
         if rows is not None and row not in rows:
             continue
         gid = int(batch.group_ids[row])
         members = groups[gid]
-        G = len(members)
+        G = len(members)  # every process's samples of the group
         refs = references.get(gid, []) if source in ("reference", "both") else []
         for k in range(len(bounds) - 1):
-            prefix = responses[row][: bounds[k]]
+            prefix = tuple(responses[row][: bounds[k]])
             found: dict[tuple[int, ...], list] = {}  # ids -> [log-weights, known logp or nan]
             order: list[tuple[int, ...]] = []
             ref = refs[k] if k < len(refs) else None
             if ref is not None:
-                found[ref] = [[0.0], float("nan"), -1]
+                found[ref] = [[0.0], float("nan"), REFERENCE]
                 order.append(ref)
             if source in ("group", "both"):
-                for j in members:
-                    bj = batch.boundaries[j]
-                    if j not in correct or k >= len(bj) - 1:
+                for s in members:
+                    bj = s.bounds
+                    if not s.correct or k >= len(bj) - 1:
                         continue
-                    u = tuple(responses[j][bj[k] :])
+                    u = s.ids[bj[k] :]
                     if u == ref:
                         continue  # counted exactly as the reference
                     if u not in found:
                         if len(order) >= max_continuations:
                             continue
-                        found[u] = [[], float("nan"), j]
+                        found[u] = [[], float("nan"), s.key]
                         order.append(u)
+                    own = s.ids[: bj[k]] == prefix  # the prefix is the source's own: p = q
                     if estimator in ("sum", "per_token"):
                         found[u][0] = [0.0]
-                        own = responses[j][: bj[k]] == prefix
-                        if own and j in own_logprobs:
-                            found[u][1] = float(own_logprobs[j][bj[k] :].sum())
+                        if own and s.key in own_logprobs:
+                            found[u][1] = float(own_logprobs[s.key][bj[k] :].sum())
                         continue
-                    log_q = float(own_logprobs[j][bj[k] :].sum())
+                    log_q = float(own_logprobs[s.key][bj[k] :].sum())
                     found[u][0].append(-log_q - math.log(G))
-                    if responses[j][: bj[k]] == prefix:
-                        found[u][1] = log_q  # the prefix is the source's own: p = q
+                    if own:
+                        found[u][1] = log_q
             for u in order:
                 log_weights, known, origin = found[u]
                 if log_weights:
@@ -347,14 +401,11 @@ def values_from_scorer(
     Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool, stats)``.
     """
     responses = _response_tokens(batch)
-    own_probes = []
+    sources = []
     if source in ("group", "both"):
-        own_probes = [
-            Probe(j, 0, 0, tuple(responses[j]))
-            for j in range(batch.size)
-            if float(batch.rewards[j]) >= 1.0 and responses[j]
-        ]
-    own_logprobs = {p.row: lp for p, lp in zip(own_probes, score(own_probes) if own_probes else [])}
+        sources = proposals(group_samples(batch, responses))
+    probes = [s.proposal() for s in sources]
+    own_logprobs = {s.key: lp for s, lp in zip(sources, score(probes) if probes else [])}
     conts = build_continuations(
         batch,
         references,
@@ -392,22 +443,23 @@ def values_from_scorer(
     return values, mask, stats
 
 
-def _reference_followed(responses, batch, paths, row: int) -> bool:
-    """Whether ``row``'s response is its group's reference token for token, cut at the same
+def _reference_followed(sample: Sample, path: tuple[tuple[int, ...], list[int]] | None) -> bool:
+    """Whether ``sample`` is its group's reference ``path`` token for token, cut at the same
     boundaries (then every remainder of it is the reference's)."""
-    path = paths.get(int(batch.group_ids[row]))
-    return path is not None and (tuple(responses[row]), list(batch.boundaries[row])) == path
+    return path is not None and (sample.ids, sample.bounds) == path
 
 
 @dataclass
 class _SourcePasses:
     """Cheap scoring's first pass: each group's reference ``paths`` (ids, boundaries), with its
     per-token log-probs from the prompt (``reference``, by group), and the proposals of the
-    correct samples off the reference (``own``, by row)."""
+    correct samples off the reference (``own``, by :class:`Sample` key; ``bounds``: their
+    boundaries)."""
 
     paths: dict[int, tuple[tuple[int, ...], list[int]]]
     reference: dict[int, Tensor]
     own: dict[int, Tensor]
+    bounds: dict[int, list[int]]
 
     def remainders(self) -> dict[int, list[tuple[int, ...]]]:
         """Per group, the reference's remainder after each of its boundaries."""
@@ -415,15 +467,20 @@ class _SourcePasses:
 
     def of(self, c: Continuation, batch: RolloutBatch) -> tuple[Tensor, list[int]]:
         """The per-token log-probs of ``c``'s source from its own prefix, and its boundaries."""
-        if c.source < 0:
+        if c.source == REFERENCE:
             g = int(batch.group_ids[c.row])
             return self.reference[g], self.paths[g][1]
-        return self.own[c.source], batch.boundaries[c.source]
+        return self.own[c.source], self.bounds[c.source]
 
 
 def _rows_in_scope(batch: RolloutBatch, scope: str) -> set[int]:
-    """The rows scored: those of :func:`groups_in_scope`."""
-    scored = groups_in_scope(batch.rewards, batch.group_ids, scope)
+    """The rows scored: those of :func:`groups_in_scope`, read over each group's samples on
+    every process (its ``batch.peers`` included)."""
+    rewards, group_ids = batch.rewards.detach().float().cpu(), batch.group_ids.cpu()
+    if batch.peers is not None and len(batch.peers):
+        rewards = torch.cat([rewards, torch.tensor(batch.peers.rewards, dtype=torch.float32)])
+        group_ids = torch.cat([group_ids, torch.tensor(batch.peers.group_ids, dtype=torch.long)])
+    scored = groups_in_scope(rewards, group_ids, scope)
     return {r for r, g in enumerate(batch.group_ids.tolist()) if g in scored}
 
 
@@ -443,20 +500,21 @@ def _source_passes(
         first_row.setdefault(gids[r], r)
     ref_groups = [g for g in first_row if g in paths]
     ref_probes = [Probe(first_row[g], 0, 0, paths[g][0]) for g in ref_groups]
-    own_probes = []
+    sources = []
     if source in ("group", "both"):
-        own_probes = [
-            Probe(j, 0, 0, tuple(responses[j]))
-            for j in sorted(in_scope)
-            if float(batch.rewards[j]) >= 1.0
-            and responses[j]
-            and not _reference_followed(responses, batch, paths, j)
-        ]
-    first = score(ref_probes + own_probes) if ref_probes or own_probes else []
+        samples = group_samples(batch, responses)
+        sources = proposals(
+            samples,
+            set(first_row),
+            skip=lambda s: _reference_followed(s, paths.get(gids[s.prompt_row])),
+        )
+    probes = ref_probes + [s.proposal() for s in sources]
+    first = score(probes) if probes else []
     return _SourcePasses(
         paths=paths,
         reference=dict(zip(ref_groups, first[: len(ref_probes)])),
-        own={p.row: lp for p, lp in zip(own_probes, first[len(ref_probes) :])},
+        own={s.key: lp for s, lp in zip(sources, first[len(ref_probes) :])},
+        bounds={s.key: s.bounds for s in sources},
     )
 
 
@@ -472,7 +530,7 @@ def _read_from_reference(
     logp: list[float | None] = [c.known_logp for c in conts]
     from_reference = 0
     for i, c in enumerate(conts):
-        if logp[i] is None and c.source < 0:
+        if logp[i] is None and c.source == REFERENCE:
             g = int(batch.group_ids[c.row])
             ids, bounds = passes.paths[g]
             if tuple(responses[c.row][: batch.boundaries[c.row][c.k]]) == ids[: bounds[c.k]]:
@@ -682,6 +740,7 @@ class ContinuationLikelihoodCredit(ValueSourceCredit):
     model that ignores the custom 4D mask) switches to unpacked scoring with a warning."""
 
     probes_prefixes = True
+    reads_group_samples = True  # its continuations are the group's correct samples
 
     def __init__(self, config, context: CreditContext) -> None:
         super().__init__(config, context)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from rredcot.algebra.layout import fit_columns
 from rredcot.methods.base import CreditMethod, CreditOutput, CreditRows, Estimate, RolloutBatch
+from rredcot.sampling.batch import GroupPeers
 
 __all__ = [
     "Collective",
@@ -21,6 +22,7 @@ __all__ = [
     "credit_over_processes",
     "every_process_rows",
     "global_rows",
+    "group_peers",
 ]
 
 
@@ -87,13 +89,20 @@ class Collective:
             return int(x)
         return int(self.gather(torch.tensor([int(x)], device=self.accelerator.device)).max())
 
+    def gather_objects(self, obj) -> list:
+        """Every process's picklable ``obj``, in process order."""
+        if self.world == 1:
+            return [obj]
+        every: list = [None] * self.world
+        torch.distributed.all_gather_object(every, obj)
+        return every
+
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each numeric metric averaged over the processes that report it (NaNs skipped)."""
         mine = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.world == 1:
             return mine
-        every: list[dict[str, float]] = [{} for _ in range(self.world)]
-        torch.distributed.all_gather_object(every, mine)
+        every: list[dict[str, float]] = self.gather_objects(mine)
         keys = sorted({k for part in every for k in part})
         return {
             k: float(torch.tensor([p[k] for p in every if k in p], dtype=torch.float64).nanmean())
@@ -181,6 +190,43 @@ def global_rows(
         )
     group_ids = torch.arange(N, device=rewards.device) // num_generations
     return GlobalRows(rewards, group_ids, counts.cpu(), start, batch.size)
+
+
+def group_peers(batch: RolloutBatch, collective: Collective) -> GroupPeers | None:
+    """The rows other processes hold of ``batch``'s groups (TRL's groups may span processes):
+    every process's rows (group id, reward, response tokens, boundaries, parsed answer)
+    gathered, and those of this process's groups kept (:class:`~rredcot.sampling.batch.GroupPeers`).
+    None on one process. Every process must call it (a collective)."""
+    if collective.world == 1:
+        return None
+    P = batch.prompt_len
+    answers = [v.answer for v in batch.verdicts] if batch.verdicts else [None] * batch.size
+    mine = [
+        (
+            int(batch.group_ids[row]),
+            float(batch.rewards[row]),
+            tuple(batch.input_ids[row, P : P + bounds[-1]].tolist()),
+            list(bounds),
+            None if answers[row] is None else str(answers[row]),
+        )
+        for row, bounds in enumerate(batch.boundaries)
+    ]
+    groups = {row[0] for row in mine}
+    kept = [
+        (p < collective.rank, row)
+        for p, rows in enumerate(collective.gather_objects(mine))
+        if p != collective.rank
+        for row in rows
+        if row[0] in groups
+    ]
+    return GroupPeers(
+        group_ids=[row[0] for _, row in kept],
+        rewards=[row[1] for _, row in kept],
+        responses=[row[2] for _, row in kept],
+        boundaries=[row[3] for _, row in kept],
+        answers=[row[4] for _, row in kept],
+        before=[before for before, _ in kept],
+    )
 
 
 def _distinct(ids: Tensor, collective: Collective, sizes: list[int]) -> Tensor:

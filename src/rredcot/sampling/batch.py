@@ -18,7 +18,7 @@ import torch
 from rredcot.algebra.layout import boundaries_to_segment_ids, shared_prefix_ids
 from rredcot.tasks.base import Problem, Verdict
 
-__all__ = ["RolloutBatch", "segment_layout"]
+__all__ = ["GroupPeers", "RolloutBatch", "segment_layout"]
 
 
 def segment_layout(
@@ -42,6 +42,25 @@ def segment_layout(
     if response_ids is None or group_ids is None:
         return segment_ids, None
     return segment_ids, shared_prefix_ids(response_ids, response_mask, boundaries, group_ids)
+
+
+@dataclass(frozen=True)
+class GroupPeers:
+    """The rows of a batch's groups that other processes hold (under TRL a group may span
+    processes), as a method that reads the group's samples needs them (continuation
+    likelihood's sources): one entry per peer row, in the order of the rows of every process.
+    ``before[i]``: peer ``i`` is held by a process before this one (so it comes before this
+    batch's rows in its group)."""
+
+    group_ids: list[int]
+    rewards: list[float]
+    responses: list[tuple[int, ...]]  # response tokens, EOS included
+    boundaries: list[list[int]]  # [0, b_1, ..., b_n]
+    answers: list[str | None]  # the verifier's parsed answer of each (Verdict.answer)
+    before: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,9 @@ class RolloutBatch:
     # rredcot.sampling.decode.SampledCache or None: the fast decoder's keys and values of the sampled
     # rows, kept for the credit's probes (train's probe_from_cache) until the credit is computed
     probe_cache: Any = None
+    # GroupPeers or None: the rows of these groups that other processes hold (TRL; set by the
+    # adapter for a method that reads the group's samples); None: every group's rows are here
+    peers: GroupPeers | None = None
 
     def replace(self, **changes: Any) -> RolloutBatch:
         """A copy with the given fields changed (tensors are shared, not copied)."""

@@ -101,8 +101,8 @@ class RREDCoTGRPOConfig(GRPOConfig):
         metadata={
             "help": "rredcot credit method: auto (as rredcot train: chosen on the first "
             "generation batch from its own rollouts, rredcot.methods.auto), value_head, "
-            "answer_likelihood, continuation_likelihood (the group's correct completions on this "
-            "process, and the task's reference), process_reward (your step scores or a frozen "
+            "answer_likelihood, continuation_likelihood (the group's correct completions, on "
+            "every process, and the task's reference), process_reward (your step scores or a frozen "
             "PRM, credit.process_reward) or uniform (GRPO)."
         },
     )
@@ -343,9 +343,19 @@ def describe_credit(
             }[hidden_source]
             source = f"hidden states of layers {list(method.hidden_layers)}{extra} from {where}"
         elif method.name == "answer_likelihood":
-            source = "the policy's probability of the reference answer after each prefix"
+            answers = {
+                "reference": "the reference answer",
+                "group": "the group's right answers",
+                "both": "the reference and the group's right answers",
+            }[c.answer_likelihood.source]
+            source = f"the policy's probability of {answers} after each prefix"
         elif method.name == "continuation_likelihood":
-            source = "the policy's likelihood of the group's correct continuations"
+            conts = {
+                "group": "the group's right completions",
+                "reference": "the reference",
+                "both": "the group's right completions and the reference",
+            }[c.continuation_likelihood.source]
+            source = f"the policy's likelihood of the continuations of {conts}"
         else:
             prm = c.process_reward
             source = f"step scores of {prm.function or prm.model}"

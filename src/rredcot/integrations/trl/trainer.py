@@ -60,6 +60,7 @@ from rredcot.methods.processes import (
     GlobalRows,
     credit_over_processes,
     global_rows,
+    group_peers,
 )
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -428,6 +429,8 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         every process holds the same head and guard)."""
         method = self.credit_method
         method.context.policy = self.model  # the prepared (possibly wrapped) model
+        if method.reads_group_samples:  # a group's rows may sit on several processes
+            batch = batch.replace(peers=group_peers(batch, self.collective))
         local = forward.local_rows(method, batch, self.model, self.collective)
         every = rows.gather(local, self.collective)
         estimate = method.estimate(every)
