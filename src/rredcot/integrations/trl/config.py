@@ -342,20 +342,16 @@ def describe_credit(
                 "own_forward": "one extra no-grad forward per generation batch",
             }[hidden_source]
             source = f"hidden states of layers {list(method.hidden_layers)}{extra} from {where}"
-        elif method.name == "answer_likelihood":
-            answers = {
-                "reference": "the reference answer",
-                "group": "the group's right answers",
-                "both": "the reference and the group's right answers",
-            }[c.answer_likelihood.source]
-            source = f"the policy's probability of {answers} after each prefix"
-        elif method.name == "continuation_likelihood":
-            conts = {
-                "group": "the group's right completions",
-                "reference": "the reference",
-                "both": "the group's right completions and the reference",
-            }[c.continuation_likelihood.source]
-            source = f"the policy's likelihood of the continuations of {conts}"
+        elif method.name in ("answer_likelihood", "continuation_likelihood"):
+            answers = method.name == "answer_likelihood"
+            group = "the group's right " + ("answers" if answers else "completions")
+            ref = "the reference answer" if answers else "the reference"
+            read = {"group": group, "reference": ref, "both": f"{ref} and {group}"}
+            what = read[getattr(c, method.name).source]
+            if answers:
+                source = f"the policy's probability of {what} after each prefix"
+            else:
+                source = f"the policy's likelihood of the continuations of {what}"
         else:
             prm = c.process_reward
             source = f"step scores of {prm.function or prm.model}"
