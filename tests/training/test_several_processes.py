@@ -20,10 +20,10 @@ HERE = Path(__file__).parent
 RTOL, ATOL = 1e-4, 1e-6
 
 
-def launch(script: str, *args: str, processes: int = 1, timeout: int = 180) -> None:
+def launch(script: str, *args: str, processes: int = 1, timeout: int = 180) -> str:
     """Run ``script`` (or ``-m MODULE``) in ``processes`` processes (torchrun, gloo, on the CPU)
     with this session's import path; a run that fails, or hangs because one process skipped a
-    collective the other entered, fails the test."""
+    collective the other entered, fails the test. Returns what the processes printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     target = [script] if script == "-m" else [str(HERE / script)]
     cmd = [sys.executable, *target, *args]
@@ -34,11 +34,9 @@ def launch(script: str, *args: str, processes: int = 1, timeout: int = 180) -> N
         run = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
         cmd = [sys.executable, *run, "--master_port", str(port), *cmd[1:]]
     # torchrun ends its workers (each in a session of its own) when it is terminated
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        _, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.terminate()
         try:
@@ -49,6 +47,7 @@ def launch(script: str, *args: str, processes: int = 1, timeout: int = 180) -> N
             f"{script} hung for {timeout} s (a collective one process skipped?)"
         ) from None
     assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 def load(folder: Path, name: str, rank: int) -> dict:
@@ -194,6 +193,39 @@ def test_rredcot_train_on_two_processes_resumes_as_it_would_have_run(init_dir, t
 
     assert records(cut) == records(whole)
     assert [r["samples_seen"] for r in records(whole)] == [0, 16, 32, 48]  # 4 prompts x 4
+
+
+@pytest.mark.slow
+def test_rredcot_sft_on_two_processes_trains_as_one_process(tmp_path):
+    """``rredcot sft`` under torchrun (two CPU processes) splits each step's batch and its
+    held-out set (7 problems: 3 and 4) between the processes: its warm-start is one process's
+    (weights within float rounding, the same losses and accuracy), and process 0 alone logs and
+    writes ``--out`` (nothing else is left beside it)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from rredcot.training.sft import SHIPPED_WARMSTARTS
+
+    init = sorted(p for p in SHIPPED_WARMSTARTS.iterdir() if p.is_dir())[0]
+    flags = ["--init", str(init), "--task.num_steps", "4", "--batch_size", "4", "--lr", "1e-4"]
+    flags += ["--max_steps", "20", "--stop_at_step", "2", "--eval_size", "7"]
+    flags += ["--max_new_tokens", "64", "--progress", "false", "--threads", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch("-m", "rredcot", "sft", "--out", str(one), *flags)
+    printed = launch("-m", "rredcot", "sft", "--out", str(two), *flags, processes=2)
+    assert printed.count("warm-start: ") == 1, printed  # process 0's log only
+    info = {run: json.loads((run / "warmstart.json").read_text()) for run in (one, two)}
+    assert (info[one]["processes"], info[two]["processes"]) == (1, 2)
+    first, second = info[one]["history"], info[two]["history"]
+    assert [h["step"] for h in first] == [h["step"] for h in second] == [2]
+    assert first[0]["eval_accuracy"] == second[0]["eval_accuracy"] > 0
+    assert second[0]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=RTOL, atol=ATOL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
 
 
 @pytest.mark.slow

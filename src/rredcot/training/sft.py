@@ -6,6 +6,11 @@ pretrained model on the answer format, on data disjoint from the RL task's).
 With ``early_answer_prob > 0`` some gold traces are cut after k steps and followed straight by the
 final answer line, so the model learns to answer from a partial chain; the answer-likelihood
 estimator needs a model that can judge its own partial work (docs/method.md, failure modes).
+
+Under ``accelerate launch`` or ``torchrun`` the processes split each step's batch (every process
+draws the same ``batch_size`` problems and trains on its share), the loss is the mean over every
+process's completion tokens, so the update is one process's on the whole batch, the held-out
+set is split for evaluation, and process 0 writes ``--out``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 import transformers
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from rredcot.config import SFTConfig
@@ -99,18 +105,46 @@ def _check_out(out: Path) -> None:
         raise UserError(f"--out {out}: {parent} is a file, not a directory")
 
 
-def _batch_loss(model, tokenizer, task: Task, problems: list, rng, early_answer_prob, device):
-    """Mean cross-entropy over the completion tokens of a batch of gold traces of ``problems``
-    (some cut early, with ``early_answer_prob``)."""
+def _batch_loss(
+    model, tokenizer, task: Task, problems: list, rng, early_answer_prob, accelerator: Accelerator
+) -> tuple[torch.Tensor, float]:
+    """The cross-entropy over the completion tokens of a batch of gold traces of ``problems``
+    (some cut early, with ``early_answer_prob``): this process's share of the rows, divided by
+    every process's completion tokens and scaled by the number of processes (whose gradients
+    are averaged), so the gradient is the whole batch's token mean. Returns ``(loss to
+    backpropagate, the whole batch's mean loss)``. Every process draws the same texts."""
     prompts = [render_prompt(p, tokenizer) for p in problems]
     completions = [_training_text(task, p, rng, early_answer_prob) for p in problems]
-    ids, attn, loss_mask = _encode_batch(tokenizer, prompts, completions, device)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = slice(rank * len(problems) // world, (rank + 1) * len(problems) // world)
+    ids, attn, loss_mask = _encode_batch(
+        tokenizer, prompts[mine], completions[mine], accelerator.device
+    )
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     token_loss = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
     ).view(ids.shape[0], -1)
     mask = loss_mask[:, 1:]
-    return (token_loss * mask).sum() / mask.sum()
+    total = (token_loss * mask).sum()
+    if world == 1:
+        loss = total / mask.sum()
+        return loss, float(loss.detach())
+    both = accelerator.reduce(torch.stack([total.detach(), mask.sum()]), reduction="sum")
+    return total * world / both[1], float(both[0] / both[1])
+
+
+def _evaluate(accelerator: Accelerator, model, tokenizer, task: Task, evalset, max_new_tokens):
+    """Greedy accuracy on ``evalset``, each process solving its share of the problems."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if world == 1:
+        return greedy_accuracy(model, tokenizer, task, evalset, max_new_tokens)
+    mine = evalset[rank * len(evalset) // world : (rank + 1) * len(evalset) // world]
+    policy = accelerator.unwrap_model(model)
+    solved = (
+        greedy_accuracy(policy, tokenizer, task, mine, max_new_tokens) * len(mine) if mine else 0.0
+    )
+    total = accelerator.reduce(torch.tensor([solved], device=accelerator.device), reduction="sum")
+    return float(total) / len(evalset)
 
 
 def _stops(cfg: SFTConfig, accuracy: float, step: int, out_of_time: bool, log) -> bool:
@@ -143,10 +177,12 @@ class _Trained:
     start: float  # time.perf_counter() when training began
 
 
-def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Trained:
+def _train_to_band(
+    cfg: SFTConfig, model, tokenizer, task: Task, log, accelerator: Accelerator
+) -> tuple[_Trained, Any]:
     """Train on gold traces, evaluating every ``eval_every`` steps, until the greedy accuracy is
-    in ``[target_accuracy, max_accuracy]``, over it, out of time or out of steps."""
-    device = next(model.parameters()).device
+    in ``[target_accuracy, max_accuracy]``, over it, out of time or out of steps. Returns where
+    it stopped and the trained model (unwrapped)."""
     train = task.train_problems(20_000, seed=cfg.seed)
     evalset = task.eval_problems(cfg.eval_size, seed=cfg.seed)
     if not train or not evalset:
@@ -156,35 +192,43 @@ def _train_to_band(cfg: SFTConfig, model, tokenizer, task: Task, log) -> _Traine
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup))
     )
-    rng = random.Random(cfg.seed)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rng = random.Random(cfg.seed)  # the same draws on every process
     done = _Trained(0, 0.0, False, [], time.perf_counter())
     bar = None
-    if cfg.progress:
+    if cfg.progress and accelerator.is_main_process:
         bar = tqdm(total=cfg.max_steps, desc="warm-start", unit="step", dynamic_ncols=True)
     for step in range(1, cfg.max_steps + 1):
         done.step = step
         model.train()
         problems = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
-        loss = _batch_loss(model, tokenizer, task, problems, rng, cfg.early_answer_prob, device)
+        loss, mean_loss = _batch_loss(
+            model, tokenizer, task, problems, rng, cfg.early_answer_prob, accelerator
+        )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{done.accuracy:.2f}")
+            bar.set_postfix(loss=f"{mean_loss:.3f}", acc=f"{done.accuracy:.2f}")
         out_of_time = cfg.max_seconds > 0 and time.perf_counter() - done.start > cfg.max_seconds
+        if accelerator.num_processes > 1:  # process 0's clock decides for every process
+            clocks = torch.tensor([int(out_of_time)], device=accelerator.device)
+            out_of_time = bool(accelerator.gather(clocks)[0])
         last = step in (cfg.max_steps, cfg.stop_at_step)
         if step % cfg.eval_every == 0 or out_of_time or last:
-            done.accuracy = greedy_accuracy(model, tokenizer, task, evalset, cfg.max_new_tokens)
-            done.history.append({"step": step, "loss": loss.item(), "eval_accuracy": done.accuracy})
+            done.accuracy = _evaluate(
+                accelerator, model, tokenizer, task, evalset, cfg.max_new_tokens
+            )
+            done.history.append({"step": step, "loss": mean_loss, "eval_accuracy": done.accuracy})
             if _stops(cfg, done.accuracy, step, out_of_time, log):
                 done.in_band = cfg.target_accuracy <= done.accuracy <= cfg.max_accuracy
                 break
     if bar is not None:
         bar.close()
-    return done
+    return done, accelerator.unwrap_model(model)
 
 
 def _check_fits(cfg: SFTConfig, task: Task, tokenizer, positions: int) -> None:
@@ -212,19 +256,32 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     task = get_task(cfg.task, **cfg.task_args)
-    model, tokenizer = _starting_model(cfg, log)
+    accelerator = _processes(cfg)
+    if cfg.batch_size < accelerator.num_processes:
+        raise UserError(
+            f"--batch_size {cfg.batch_size} is split over {accelerator.num_processes} processes: "
+            f"give at least {accelerator.num_processes} (a row each), or launch fewer processes"
+        )
+    if not accelerator.is_main_process:
+        log = _quiet
+    model, tokenizer = _starting_model(cfg, log, accelerator.device)
     _check_fits(cfg, task, tokenizer, model.config.max_position_embeddings)
-    done = _train_to_band(cfg, model, tokenizer, task, log)
+    done, model = _train_to_band(cfg, model, tokenizer, task, log, accelerator)
     out = Path(cfg.out)
+    if not accelerator.is_main_process:  # process 0 writes --out
+        accelerator.wait_for_everyone()
+        return json.loads((out / "warmstart.json").read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     # a fresh folder of our own beside --out: never one that is there already (``ws.tmp`` may be
     # the user's), so nothing but --out itself is replaced
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        _save_warmstart(cfg, model, tokenizer, done, tmp, out)
+        _save_warmstart(cfg, model, tokenizer, done, tmp, out, accelerator.num_processes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        accelerator.wait_for_everyone()
     info = json.loads((out / "warmstart.json").read_text())
     log(
         f"warm-start: {info['parameters'] / 1e6:.2f}M parameters, {done.step} steps, "
@@ -233,11 +290,50 @@ def run_sft(cfg: SFTConfig, log=print) -> dict[str, Any]:
     return info
 
 
-def _starting_model(cfg: SFTConfig, log) -> tuple[Any, Any]:
-    """The model to train and its tokenizer: ``cfg.init`` loaded (on a GPU where one is
-    visible), or the tiny character Llama built from ``cfg``'s shape on the CPU."""
+def _quiet(*_: Any) -> None:
+    """The log of every process but process 0."""
+
+
+class _OneProcess:
+    """What warm-up training needs of an ``Accelerator``, on one process: nothing is wrapped,
+    and no process-wide accelerate state is set (a later ``rredcot train`` in the same process
+    chooses its own device)."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prepare(self, *objects: Any) -> tuple[Any, ...]:
+        return objects
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def unwrap_model(self, model):
+        return model
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def _processes(cfg: SFTConfig):
+    """An ``Accelerator`` under ``accelerate launch`` / ``torchrun`` with several processes, else
+    :class:`_OneProcess`. The tiny model trains on the CPU; a model named by ``--init`` on a
+    GPU where one is visible."""
+    cpu = not cfg.init or resolve_device("auto").type == "cpu"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return Accelerator(cpu=cpu)
+    return _OneProcess(torch.device("cpu") if cpu else resolve_device("auto"))
+
+
+def _starting_model(cfg: SFTConfig, log, device: torch.device) -> tuple[Any, Any]:
+    """The model to train and its tokenizer: ``cfg.init`` loaded on ``device`` (a GPU where one
+    is visible), or the tiny character Llama built from ``cfg``'s shape on the CPU."""
     if cfg.init:
-        device = resolve_device("auto")
         model, tokenizer = load_named_policy("--init", cfg.init, device=device)
         log(f"warm-up of {cfg.init} on {device} at lr {cfg.resolved_lr:g}")
         return model.train(), tokenizer
@@ -252,7 +348,9 @@ def _starting_model(cfg: SFTConfig, log) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _save_warmstart(cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path) -> None:
+def _save_warmstart(
+    cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path, processes: int = 1
+) -> None:
     """Write the warm-start into ``tmp``, then put it at ``out`` (an earlier warm-start there,
     which ``_check_out`` allowed, is replaced)."""
     model.save_pretrained(tmp)
@@ -267,6 +365,7 @@ def _save_warmstart(cfg: SFTConfig, model, tokenizer, done, tmp: Path, out: Path
         "eval_accuracy": done.accuracy,
         "in_band": done.in_band,
         "parameters": count_parameters(model),
+        "processes": processes,
         "early_answer_prob": cfg.early_answer_prob,
         "history": done.history,
         "built_with": build_environment(),
