@@ -196,6 +196,29 @@ def test_rredcot_train_on_two_processes_resumes_as_it_would_have_run(init_dir, t
 
 
 @pytest.mark.slow
+def test_rredcot_train_on_two_processes_evaluates_as_one_process(tmp_path):
+    """``rredcot train`` splits its held-out set over the processes (7 problems: 3 and 4) and
+    sums what each solved: the shipped warm-start's accuracy before RL is one process's."""
+    import json
+
+    from rredcot.training.sft import SHIPPED_WARMSTARTS
+
+    init = sorted(p for p in SHIPPED_WARMSTARTS.iterdir() if p.is_dir())[0]
+    flags = ["--init", str(init), "--task.num_steps", "4", "--steps", "1", "--eval_size", "7"]
+    flags += ["--prompts_per_step", "2", "--sampling.num_generations", "2"]
+    flags += ["--threads", "1", "--progress", "false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch("-m", "rredcot", "train", "--out", str(one), *flags)
+    launch("-m", "rredcot", "train", "--out", str(two), *flags, processes=2)
+
+    def start(run):
+        first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+        return first["step"], first["eval_accuracy"]
+
+    assert start(two) == start(one) and start(one)[1] > 0
+
+
+@pytest.mark.slow
 def test_rredcot_sft_on_two_processes_trains_as_one_process(tmp_path):
     """``rredcot sft`` under torchrun (two CPU processes) splits each step's batch and its
     held-out set (7 problems: 3 and 4) between the processes: its warm-start is one process's

@@ -45,3 +45,21 @@ def greedy_accuracy(
             correct += float(verdict.reward) if ok else 0.0
     policy.train(was_training)
     return correct / len(problems)
+
+
+def greedy_accuracy_over_processes(
+    policy, tokenizer, task: Task, problems: list[Problem], max_new_tokens: int, collective, **kw
+) -> float:
+    """:func:`greedy_accuracy` with ``problems`` split over the processes: each solves its
+    share and the solved counts are summed (``collective``:
+    :class:`rredcot.methods.processes.Collective`). On one process, :func:`greedy_accuracy`."""
+    if collective.world == 1:
+        return greedy_accuracy(policy, tokenizer, task, problems, max_new_tokens, **kw)
+    if not problems:
+        raise ValueError("evaluation set is empty")
+    n, world, rank = len(problems), collective.world, collective.rank
+    share = problems[rank * n // world : (rank + 1) * n // world]
+    solved = 0.0
+    if share:
+        solved = greedy_accuracy(policy, tokenizer, task, share, max_new_tokens, **kw) * len(share)
+    return collective.sum([solved])[0] / n

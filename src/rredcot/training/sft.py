@@ -37,6 +37,7 @@ from rredcot.config import SFTConfig
 from rredcot.config.io import brief, save_yaml, to_dict
 from rredcot.errors import UserError
 from rredcot.machine import resolve_device
+from rredcot.methods.processes import Collective
 from rredcot.models import (
     DEFAULT_REAL_MODEL,
     SHIPPED_MODELS,
@@ -51,7 +52,7 @@ from rredcot.models import (
 from rredcot.sampling.rollout import prompt_special_tokens, render_prompt
 from rredcot.tasks import get_task
 from rredcot.tasks.base import Task
-from rredcot.training.evaluation import greedy_accuracy
+from rredcot.training.evaluation import greedy_accuracy_over_processes
 from rredcot.training.seeding import seed_everything
 
 
@@ -133,20 +134,6 @@ def _batch_loss(
     return total * world / both[1], float(both[0] / both[1])
 
 
-def _evaluate(accelerator: Accelerator, model, tokenizer, task: Task, evalset, max_new_tokens):
-    """Greedy accuracy on ``evalset``, each process solving its share of the problems."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if world == 1:
-        return greedy_accuracy(model, tokenizer, task, evalset, max_new_tokens)
-    mine = evalset[rank * len(evalset) // world : (rank + 1) * len(evalset) // world]
-    policy = accelerator.unwrap_model(model)
-    solved = (
-        greedy_accuracy(policy, tokenizer, task, mine, max_new_tokens) * len(mine) if mine else 0.0
-    )
-    total = accelerator.reduce(torch.tensor([solved], device=accelerator.device), reduction="sum")
-    return float(total) / len(evalset)
-
-
 def _stops(cfg: SFTConfig, accuracy: float, step: int, out_of_time: bool, log) -> bool:
     """Whether training stops after an evaluation at ``accuracy``: in the band, over it, or out
     of time (the last two say so); with ``stop_at_step``, at that step and nowhere else."""
@@ -219,8 +206,13 @@ def _train_to_band(
             out_of_time = bool(accelerator.gather(clocks)[0])
         last = step in (cfg.max_steps, cfg.stop_at_step)
         if step % cfg.eval_every == 0 or out_of_time or last:
-            done.accuracy = _evaluate(
-                accelerator, model, tokenizer, task, evalset, cfg.max_new_tokens
+            done.accuracy = greedy_accuracy_over_processes(
+                accelerator.unwrap_model(model),
+                tokenizer,
+                task,
+                evalset,
+                cfg.max_new_tokens,
+                Collective(accelerator),
             )
             done.history.append({"step": step, "loss": mean_loss, "eval_accuracy": done.accuracy})
             if _stops(cfg, done.accuracy, step, out_of_time, log):

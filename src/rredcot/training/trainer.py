@@ -59,7 +59,7 @@ from rredcot.training.checkpoint import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from rredcot.training.evaluation import greedy_accuracy
+from rredcot.training.evaluation import greedy_accuracy_over_processes
 from rredcot.training.plots import plot_run
 from rredcot.training.row_policies import forwarded_columns, update_rows
 from rredcot.training.seeding import seed_everything, step_seed
@@ -200,8 +200,8 @@ class Trainer:
                 self.log("value pretraining skipped: --credit auto chooses at step 1")
             else:
                 self._pretrain_credit()
+        acc0 = self.evaluate() if self.step == 0 else None  # every process solves its share
         if self.step == 0 and main:
-            acc0 = self.evaluate()
             self.metrics.append(
                 {
                     "step": 0,
@@ -224,7 +224,7 @@ class Trainer:
             self.step += 1
             record = self.train_step(self.step)
             last = self.step == cfg.steps or self.budget_spent()
-            if main and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                 last_acc = self.evaluate()
                 record["eval_accuracy"] = last_acc
             if main:
@@ -972,13 +972,14 @@ class Trainer:
 
     # -- evaluation and checkpoints -----------------------------------------------------------
     def evaluate(self) -> float:
-        """Greedy accuracy on the evaluation set."""
-        return greedy_accuracy(
+        """Greedy accuracy on the evaluation set (split over the processes)."""
+        return greedy_accuracy_over_processes(
             self.policy,
             self.tokenizer,
             self.task,
             self.eval_set,
             self.cfg.sampling.max_new_tokens,
+            self.collective,
             decoder=self.decoder,
         )
 
