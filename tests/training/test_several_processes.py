@@ -263,7 +263,8 @@ def test_trl_on_two_processes_updates_as_one_process(tmp_path):
     references, ``credit.normalization='whiten'`` whitens over both processes' tokens. The
     methods that read the group's samples (``continuation_likelihood``, ``answer_likelihood``
     with ``source=group``) read them across processes: process 1, holding only wrong rows,
-    values its prefixes as one process holding the whole group does."""
+    values its prefixes as one process holding the whole group does; so does the value head's
+    shared prefix (a node whose rows sit on both processes)."""
     from rredcot.models import build_char_tokenizer, build_tiny_llama
 
     model = tmp_path / "model"
@@ -309,3 +310,15 @@ def test_trl_on_two_processes_updates_as_one_process(tmp_path):
         width = second["with_peers"].shape[1]
         rows_of_one = whole["with_peers"][2:, :width]
         torch.testing.assert_close(second["with_peers"], rows_of_one, rtol=1e-4, atol=0)
+    # the value head's shared prefixes: rows 0, 1 (process 0) and 3 (process 1) start with the
+    # same line, a node whose value is the mean reward of the three (1/3) on both processes
+    whole, first, second = (
+        load(one, "value_head", 0),
+        *(load(two, "value_head", r) for r in (0, 1)),
+    )
+    assert whole["rewards"] == first["rewards"] + second["rewards"] == [1.0, 0.0, 0.0, 0.0]
+    both = torch.cat([first["values"], second["values"]])
+    torch.testing.assert_close(both, whole["values"], rtol=RTOL, atol=ATOL)
+    assert both[[0, 1, 3], 1].tolist() == pytest.approx([1 / 3] * 3)
+    assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
+    assert_same_gradient(first["grads"], whole["grads"])

@@ -14,7 +14,9 @@ references, the credit whitened over every token of the generation batch (both p
 (``continuation_likelihood``, ``answer_likelihood`` with ``source=group``), the hand-over off,
 on a group whose right completions sit on process 0 only (rows 0 and 1 of four): process 1's
 continuations and answers are all its peers' (``batch.peers``). Each run also writes the
-method's measured values of its last batch with and without the peers.
+method's measured values of its last batch with and without the peers. ``value_head``: rows 0,
+1 (process 0) and 3 (process 1) share their first line, a node of the group's prefix tree that
+only the rows of every process show.
 
 Usage: ``trl_references_two_process.py MODEL_DIR OUT_DIR``.
 """
@@ -49,13 +51,19 @@ READS_THE_GROUP = {
         {"continuation_likelihood": {"source": "group", "estimator": "per_token"}},
     ),
     "answer": ("answer_likelihood", {"answer_likelihood": {"source": "group"}}),
+    "value_head": ("value_head", {}),
 }
 
 
-def group_texts(prompt: str) -> list[str]:
-    """Two right completions (rows 0 and 1: the gold trace and another) and two wrong ones."""
+def group_texts(prompt: str, method: str) -> list[str]:
+    """Two right completions (rows 0 and 1: the gold trace and another) and two wrong ones;
+    for the value head, rows 0, 1 and 3 start with the gold trace's first line (a prefix the
+    group shares across the processes) and only row 0 is right."""
     problem = next(p for p in PROBLEMS if p.prompt in str(prompt))
     gold = get_task("arithmetic", num_steps=2).gold_completion(problem)
+    if method == "value_head":
+        line = gold.split("\n")[0] + "\n"
+        return [gold, line + "1+1=2\nA:0", "so\nA:0", line + "9*9=81\nA:81"]
     return [gold, f"so\nA:{problem.answer}", "1+1=2\nA:2", "so\nA:0"]
 
 
@@ -69,9 +77,11 @@ def fixed_rollouts(prompts, trainer) -> dict:
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
     tok = trainer.processing_class
     first = trainer.accelerator.process_index * len(prompts)
-    reads_group = trainer.args.credit_method != "uniform"
+    method = trainer.args.credit_method
     texts = [
-        group_texts(p)[(first + i) % GROUP] if reads_group else TEXTS[(first + i) % GROUP]
+        group_texts(p, method)[(first + i) % GROUP]
+        if method != "uniform"
+        else TEXTS[(first + i) % GROUP]
         for i, p in enumerate(prompts)
     ]
     completion_ids = [
@@ -141,7 +151,7 @@ def run(model_dir: str, out: str, mode: str) -> None:
     logs = {k: v for h in trainer.state.log_history for k, v in h.items() if "references" in k}
     rank = trainer.accelerator.process_index
     measured = {}
-    if method != "uniform":  # the method's rows of the last batch, with and without its peers
+    if trainer.credit_method.reads_group_samples:  # its rows with and without the peers
         batch = trainer.last_batch
         measured = {
             "with_peers": trainer.credit_method.rows(batch).values,

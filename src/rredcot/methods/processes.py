@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rredcot.algebra.layout import fit_columns
+from rredcot.algebra.layout import fit_columns, shared_prefix_ids
 from rredcot.methods.base import CreditMethod, CreditOutput, CreditRows, Estimate, RolloutBatch
 from rredcot.sampling.batch import GroupPeers
 
@@ -23,6 +23,7 @@ __all__ = [
     "every_process_rows",
     "global_rows",
     "group_peers",
+    "prefix_ids_over_processes",
 ]
 
 
@@ -139,9 +140,9 @@ class GlobalRows:
     ) -> CreditRows:
         """The credit rows of every process (:class:`~rredcot.methods.base.CreditRows`): this
         process's ``local`` rows' measurements gathered (padded to the widest row), the rewards
-        and groups of every row. The group's shared prefixes are gathered only when given as
-        ``prefix_ids`` (every process's, made distinct across processes; under TRL a group's
-        rows may sit on several processes, so its prefix ids, which are local, are not)."""
+        and groups of every row, and the group's shared prefixes where given as ``prefix_ids``
+        (every process's rows': :func:`prefix_ids_over_processes` under TRL, whose groups may
+        span processes; each process's own ids made distinct under ``rredcot train``)."""
         width = self.width
         device = self.rewards.device
         sizes = self.sizes or [self.size] * collective.world
@@ -227,6 +228,27 @@ def group_peers(batch: RolloutBatch, collective: Collective) -> GroupPeers | Non
         answers=[row[4] for _, row in kept],
         before=[before for before, _ in kept],
     )
+
+
+def prefix_ids_over_processes(batch: RolloutBatch, collective: Collective) -> Tensor:
+    """The shared-prefix ids of every process's rows, in process order, the same on every
+    process (:func:`rredcot.algebra.layout.shared_prefix_ids`): prefixes of one group whose
+    tokens agree share an id wherever their rows are (TRL's groups may span processes).
+    Returns ``(N, S+1)`` long on the CPU, -1 on padding; on one process, the batch's own."""
+    sizes = collective.sizes(batch.size)
+    width = max((len(b) for b in batch.boundaries), default=1)
+    bounds = torch.full((batch.size, width), -1, dtype=torch.long)
+    for row, b in enumerate(batch.boundaries):
+        bounds[row, : len(b)] = torch.tensor(b, dtype=torch.long)
+
+    def every(t: Tensor, pad: float = 0) -> Tensor:
+        return collective.gather_rows(t.to(collective.device), pad_index=pad, sizes=sizes).cpu()
+
+    response = every(batch.input_ids[:, batch.prompt_len :].long())
+    mask = every(batch.response_mask.float())
+    groups = every(batch.group_ids.long())
+    boundaries = [[b for b in row if b >= 0] for row in every(bounds, pad=-1).tolist()]
+    return shared_prefix_ids(response, mask, boundaries, groups)
 
 
 def _distinct(ids: Tensor, collective: Collective, sizes: list[int]) -> Tensor:

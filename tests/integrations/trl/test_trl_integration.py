@@ -503,8 +503,12 @@ def test_handover_weight_zero_is_trls_grpo_for_small_spread_rewards(
     tiny_model_dir, arithmetic_dataset, tmp_path, method, capsys
 ):
     """Before any trust is earned (w = 0) every value method's advantages are TRL's GRPO
-    advantages, also where every group's reward std (~0.02) is below credit.agreeing_std."""
+    advantages, also where every group's reward std (~0.02) is below credit.agreeing_std (the
+    value head's shared prefixes off: their mean outcomes act from the first step, as in
+    rredcot train)."""
     credit = {"handover": {"mode": "reliability"}}
+    if method == "value_head":
+        credit["value_head"] = {"shared_prefixes": False}
     if method == "process_reward":
         credit["process_reward"] = {"function": f"{__name__}:step_scores"}
     trainer = make_trainer(
@@ -553,13 +557,13 @@ def test_scale_rewards_batch_is_trls_for_small_spread_rewards(
 ):
     """scale_rewards="batch" with a batch reward std below batch_std's 0.1 floor: uniform, and a
     value method before any trust is earned, still give TRL's advantages (the floor only guards
-    the value credit's departure from GRPO)."""
+    the value credit's departure from GRPO; shared prefixes off, whose means act at once)."""
     trainer = make_trainer(
         tiny_model_dir,
         arithmetic_dataset,
         tmp_path,
         method=method,
-        credit={"handover": {"mode": "reliability"}},
+        credit={"handover": {"mode": "reliability"}, "value_head": {"shared_prefixes": False}},
         reward_funcs=[small_spread],
         reward_weights=[1.0],
         scale_rewards="batch",
@@ -755,6 +759,8 @@ def test_trl_credit_equals_the_trainers(tiny_model_dir, arithmetic_dataset, tmp_
             method = self.credit_method
             twin = copy.deepcopy(method, memo={id(method.context): method.context})
             plain = batch.replace(hidden_states=None, old_logprobs=None)
+            # cut as rredcot train cuts its rows: with the group's shared prefixes laid out
+            plain = plain.with_segments(plain.boundaries, plain.segment_char_starts)
             with torch.random.fork_rng():  # a head built lazily is built alike on both sides
                 if twin.needs_hidden_states:
                     plain = fill_forward(

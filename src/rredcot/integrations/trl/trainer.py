@@ -61,6 +61,7 @@ from rredcot.methods.processes import (
     credit_over_processes,
     global_rows,
     group_peers,
+    prefix_ids_over_processes,
 )
 from rredcot.segment import segmenter_from_config
 from rredcot.tasks import get_task
@@ -432,7 +433,10 @@ class RREDCoTGRPOTrainer(GRPOTrainer):
         if method.reads_group_samples:  # a group's rows may sit on several processes
             batch = batch.replace(peers=group_peers(batch, self.collective))
         local = forward.local_rows(method, batch, self.model, self.collective)
-        every = rows.gather(local, self.collective)
+        prefix_ids = None  # the value head's shared prefixes, wherever a group's rows are
+        if method.node_values == "always":
+            prefix_ids = prefix_ids_over_processes(batch, self.collective)
+        every = rows.gather(local, self.collective, prefix_ids=prefix_ids)
         estimate = method.estimate(every)
         out = credit_over_processes(
             method,
