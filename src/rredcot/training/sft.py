@@ -107,7 +107,7 @@ def _check_out(out: Path) -> None:
 
 
 def _batch_loss(
-    model, tokenizer, task: Task, problems: list, rng, early_answer_prob, accelerator: Accelerator
+    model, tokenizer, task: Task, problems: list, rng, early_answer_prob, collective: Collective
 ) -> tuple[torch.Tensor, float]:
     """The cross-entropy over the completion tokens of a batch of gold traces of ``problems``
     (some cut early, with ``early_answer_prob``): this process's share of the rows, divided by
@@ -116,10 +116,10 @@ def _batch_loss(
     backpropagate, the whole batch's mean loss)``. Every process draws the same texts."""
     prompts = [render_prompt(p, tokenizer) for p in problems]
     completions = [_training_text(task, p, rng, early_answer_prob) for p in problems]
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = collective.world, collective.rank
     mine = slice(rank * len(problems) // world, (rank + 1) * len(problems) // world)
     ids, attn, loss_mask = _encode_batch(
-        tokenizer, prompts[mine], completions[mine], accelerator.device
+        tokenizer, prompts[mine], completions[mine], collective.device
     )
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     token_loss = torch.nn.functional.cross_entropy(
@@ -130,8 +130,8 @@ def _batch_loss(
     if world == 1:
         loss = total / mask.sum()
         return loss, float(loss.detach())
-    both = accelerator.reduce(torch.stack([total.detach(), mask.sum()]), reduction="sum")
-    return total * world / both[1], float(both[0] / both[1])
+    summed, tokens = collective.sum([float(total.detach()), float(mask.sum())])
+    return total * world / tokens, summed / tokens
 
 
 def _stops(cfg: SFTConfig, accuracy: float, step: int, out_of_time: bool, log) -> bool:
@@ -180,6 +180,7 @@ def _train_to_band(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup))
     )
     model, optimizer = accelerator.prepare(model, optimizer)
+    collective = Collective(accelerator)
     rng = random.Random(cfg.seed)  # the same draws on every process
     done = _Trained(0, 0.0, False, [], time.perf_counter())
     bar = None
@@ -190,7 +191,7 @@ def _train_to_band(
         model.train()
         problems = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
         loss, mean_loss = _batch_loss(
-            model, tokenizer, task, problems, rng, cfg.early_answer_prob, accelerator
+            model, tokenizer, task, problems, rng, cfg.early_answer_prob, collective
         )
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
@@ -201,9 +202,8 @@ def _train_to_band(
             bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.3f}", acc=f"{done.accuracy:.2f}")
         out_of_time = cfg.max_seconds > 0 and time.perf_counter() - done.start > cfg.max_seconds
-        if accelerator.num_processes > 1:  # process 0's clock decides for every process
-            clocks = torch.tensor([int(out_of_time)], device=accelerator.device)
-            out_of_time = bool(accelerator.gather(clocks)[0])
+        # process 0's clock decides for every process
+        out_of_time = collective.sum([float(out_of_time) * (collective.rank == 0)])[0] > 0
         last = step in (cfg.max_steps, cfg.stop_at_step)
         if step % cfg.eval_every == 0 or out_of_time or last:
             done.accuracy = greedy_accuracy_over_processes(
@@ -212,7 +212,7 @@ def _train_to_band(
                 task,
                 evalset,
                 cfg.max_new_tokens,
-                Collective(accelerator),
+                collective,
             )
             done.history.append({"step": step, "loss": mean_loss, "eval_accuracy": done.accuracy})
             if _stops(cfg, done.accuracy, step, out_of_time, log):
