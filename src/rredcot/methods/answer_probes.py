@@ -98,16 +98,14 @@ def correct_answers(batch: RolloutBatch, source: str = "reference") -> list[list
         raise ValueError("answer_source 'group' needs batch.verdicts (one Verdict per row)")
     group_answers: dict[int, list[str]] = {}
     if source in ("group", "both"):
-        peers = batch.peers
-        mine = [
+        rows = [
             (int(g), float(r), v.answer)
             for g, r, v in zip(batch.group_ids.tolist(), batch.rewards.tolist(), batch.verdicts)
         ]
+        peers = batch.peers
         if peers is not None:
-            rows = zip(peers.group_ids, peers.rewards, peers.answers, peers.before)
-            theirs = [((g, r, a), before) for g, r, a, before in rows]
-            mine = [x for x, b in theirs if b] + mine + [x for x, b in theirs if not b]
-        for gid, reward, answer in mine:
+            rows = peers.around(rows, list(zip(peers.group_ids, peers.rewards, peers.answers)))
+        for gid, reward, answer in rows:
             found = group_answers.setdefault(gid, [])
             if reward >= 1.0 and answer is not None and str(answer) not in found:
                 found.append(str(answer))

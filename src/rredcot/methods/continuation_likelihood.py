@@ -148,22 +148,28 @@ class Sample:
 def group_samples(batch: RolloutBatch, responses: list[list[int]]) -> dict[int, list[Sample]]:
     """Each group's samples in the order of the rows of every process: the peers that processes
     before this one hold (``batch.peers``), the batch's own rows, then the later peers."""
-    own: dict[int, list[Sample]] = {}
+    first_row: dict[int, int] = {}
+    samples = []
     for row, gid in enumerate(batch.group_ids.tolist()):
+        first_row.setdefault(gid, row)
         correct = float(batch.rewards[row]) >= 1.0
-        sample = Sample(row, tuple(responses[row]), list(batch.boundaries[row]), correct, row)
-        own.setdefault(gid, []).append(sample)
-    before: dict[int, list[Sample]] = {}
-    after: dict[int, list[Sample]] = {}
+        samples.append(
+            (gid, Sample(row, tuple(responses[row]), batch.boundaries[row], correct, row))
+        )
     peers = batch.peers
-    for i in range(len(peers) if peers is not None else 0):
-        gid = peers.group_ids[i]
-        if gid not in own:
-            continue
-        correct = peers.rewards[i] >= 1.0
-        sample = Sample(-2 - i, peers.responses[i], peers.boundaries[i], correct, own[gid][0].key)
-        (before if peers.before[i] else after).setdefault(gid, []).append(sample)
-    return {g: before.get(g, []) + rows + after.get(g, []) for g, rows in own.items()}
+    if peers is not None:
+        theirs = [
+            (gid, Sample(-2 - i, ids, bounds, reward >= 1.0, first_row.get(gid, -1)))
+            for i, (gid, reward, ids, bounds) in enumerate(
+                zip(peers.group_ids, peers.rewards, peers.responses, peers.boundaries)
+            )
+        ]
+        samples = peers.around(samples, theirs)
+    groups: dict[int, list[Sample]] = {gid: [] for gid in first_row}
+    for gid, sample in samples:
+        if gid in groups:  # a peer of a group this batch does not hold is no source here
+            groups[gid].append(sample)
+    return groups
 
 
 def proposals(samples: dict[int, list[Sample]], groups=None, skip=None) -> list[Sample]:

@@ -62,6 +62,14 @@ class GroupPeers:
     def __len__(self) -> int:
         return len(self.group_ids)
 
+    def around(self, own: list, theirs: list) -> list:
+        """``own`` (one item per row of the batch, in row order) with ``theirs`` (one per peer)
+        placed as the rows of every process are: earlier processes' peers first, then the
+        batch's rows, then the later processes' peers."""
+        first = [t for t, before in zip(theirs, self.before) if before]
+        last = [t for t, before in zip(theirs, self.before) if not before]
+        return first + own + last
+
 
 @dataclass(frozen=True)
 class RolloutBatch:
