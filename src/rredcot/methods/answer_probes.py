@@ -259,7 +259,6 @@ def build_probes(
     probe = probe or ProbeFormat()
     cue = resolve_cue(probe.cue, tokenizer)
     needs_closure = cue == "think" or THINK_CLOSE in cue
-    P = batch.prompt_len
     id_cache: dict[str, tuple[int, ...]] = {}
     tail_cache: dict[tuple[int, ...], str] = {}
     probes: list[Probe] = []
@@ -271,7 +270,7 @@ def build_probes(
         if not ks:
             continue
         prompt_ids = prompt_token_ids(batch, row)
-        response = batch.input_ids[row, P : P + bounds[-1]].tolist()
+        response = batch.response_tokens(row)
         prompt_text = (
             tokenizer.decode(prompt_ids, skip_special_tokens=False) if needs_closure else ""
         )

@@ -215,8 +215,7 @@ def per_token(conts: list[Continuation], logp: list[float]) -> list[float]:
 
 
 def _response_tokens(batch: RolloutBatch) -> list[list[int]]:
-    P = batch.prompt_len
-    return [batch.input_ids[row, P : P + b[-1]].tolist() for row, b in enumerate(batch.boundaries)]
+    return [batch.response_tokens(row) for row in range(batch.size)]
 
 
 def reference_paths(
@@ -255,6 +254,7 @@ def reference_remainders(
 
 def build_continuations(
     batch: RolloutBatch,
+    samples: dict[int, list[Sample]],
     references: dict[int, list[tuple[int, ...]]],
     own_logprobs: dict[int, Tensor],
     *,
@@ -266,9 +266,10 @@ def build_continuations(
     """Every (row, boundary ``k < n``, continuation) of the batch, with its weight (of the rows
     in ``rows`` only, where given).
 
-    ``own_logprobs[key]``: ``(T_j,)`` log π of correct sample ``key``'s response tokens from its
-    prompt (:class:`Sample`; the proposal's log-probs; needed for ``importance``). A group's
-    samples are its rows here and its ``batch.peers`` (:func:`group_samples`).
+    ``samples``: each group's samples, its rows here and its ``batch.peers``
+    (:func:`group_samples`). ``own_logprobs[key]``: ``(T_j,)`` log π of correct sample ``key``'s
+    response tokens from its prompt (:class:`Sample`; the proposal's log-probs; needed for
+    ``importance``).
     """
     if source not in SOURCES:
         raise ValueError(f"continuation source={source!r}: use {', '.join(SOURCES)}")
@@ -277,13 +278,12 @@ def build_continuations(
     if max_continuations < 1:
         raise ValueError(f"max_continuations={max_continuations} must be >= 1")
     responses = _response_tokens(batch)
-    groups = group_samples(batch, responses)
     out: list[Continuation] = []
     for row, bounds in enumerate(batch.boundaries):
         if rows is not None and row not in rows:
             continue
         gid = int(batch.group_ids[row])
-        members = groups[gid]
+        members = samples[gid]
         G = len(members)  # every process's samples of the group
         refs = references.get(gid, []) if source in ("reference", "both") else []
         for k in range(len(bounds) - 1):
@@ -406,14 +406,13 @@ def values_from_scorer(
 
     Returns ``(values (B, S+1) on the CPU, value_mask (B, S+1) bool, stats)``.
     """
-    responses = _response_tokens(batch)
-    sources = []
-    if source in ("group", "both"):
-        sources = proposals(group_samples(batch, responses))
+    samples = group_samples(batch, _response_tokens(batch))
+    sources = proposals(samples) if source in ("group", "both") else []
     probes = [s.proposal() for s in sources]
     own_logprobs = {s.key: lp for s, lp in zip(sources, score(probes) if probes else [])}
     conts = build_continuations(
         batch,
+        samples,
         references,
         own_logprobs,
         source=source,
@@ -492,7 +491,7 @@ def _rows_in_scope(batch: RolloutBatch, scope: str) -> set[int]:
 
 def _source_passes(
     batch: RolloutBatch,
-    responses: list[list[int]],
+    samples: dict[int, list[Sample]],
     paths: dict[int, tuple[tuple[int, ...], list[int]]],
     score: Callable[[list[Probe]], list[Tensor]],
     in_scope: set[int],
@@ -508,7 +507,6 @@ def _source_passes(
     ref_probes = [Probe(first_row[g], 0, 0, paths[g][0]) for g in ref_groups]
     sources = []
     if source in ("group", "both"):
-        samples = group_samples(batch, responses)
         sources = proposals(
             samples,
             set(first_row),
@@ -683,9 +681,11 @@ def cheap_values_from_scorer(
     responses = _response_tokens(batch)
     in_scope = _rows_in_scope(batch, scope)
     paths = dict(paths) if source in ("reference", "both") else {}
-    passes = _source_passes(batch, responses, paths, score, in_scope, source)
+    samples = group_samples(batch, responses)
+    passes = _source_passes(batch, samples, paths, score, in_scope, source)
     conts = build_continuations(
         batch,
+        samples,
         passes.remainders(),
         passes.own,
         source=source,

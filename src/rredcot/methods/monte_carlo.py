@@ -57,7 +57,7 @@ def prefix_token_ids(batch: RolloutBatch, row: int, b: int) -> list[int]:
     """The tokens of ``s_k``: the non-pad prompt of ``row`` and its first ``b`` response tokens."""
     P = batch.prompt_len
     keep = batch.attention_mask[row, :P].bool()
-    return batch.input_ids[row, :P][keep].tolist() + batch.input_ids[row, P : P + b].tolist()
+    return batch.input_ids[row, :P][keep].tolist() + batch.response_tokens(row, b)
 
 
 @torch.no_grad()
@@ -142,7 +142,6 @@ def _unique_prefixes(
 ) -> _Prefixes:
     """The prefixes ``s_k`` to estimate, each once: identical ones (same problem, same prompt
     and prefix token ids) share an index, across the whole batch."""
-    P = batch.prompt_len
     index: dict[tuple, int] = {}
     found = _Prefixes()
     for row, bounds in enumerate(batch.boundaries):
@@ -161,7 +160,7 @@ def _unique_prefixes(
             if key not in index:
                 index[key] = len(found.ids)
                 found.ids.append(ids)
-                found.heads.append(batch.input_ids[row, P : P + b].tolist())
+                found.heads.append(batch.response_tokens(row, b))
                 found.problems.append(problem)
                 found.budgets.append(max(1, max_new_tokens - b))
             picked[j] = index[key]

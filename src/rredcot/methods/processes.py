@@ -200,13 +200,12 @@ def group_peers(batch: RolloutBatch, collective: Collective) -> GroupPeers | Non
     None on one process. Every process must call it (a collective)."""
     if collective.world == 1:
         return None
-    P = batch.prompt_len
     answers = [v.answer for v in batch.verdicts] if batch.verdicts else [None] * batch.size
     mine = [
         (
             int(batch.group_ids[row]),
             float(batch.rewards[row]),
-            tuple(batch.input_ids[row, P : P + bounds[-1]].tolist()),
+            tuple(batch.response_tokens(row)),
             list(bounds),
             None if answers[row] is None else str(answers[row]),
         )

@@ -144,6 +144,11 @@ class RolloutBatch:
         """(B,) number of segments of each row."""
         return torch.tensor([len(b) - 1 for b in self.boundaries], dtype=torch.long)
 
+    def response_tokens(self, row: int, length: int | None = None) -> list[int]:
+        """``row``'s first ``length`` response token ids (default: up to its last boundary)."""
+        end = self.boundaries[row][-1] if length is None else length
+        return self.input_ids[row, self.prompt_len : self.prompt_len + end].tolist()
+
     def boundary_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence positions of the last token of each prefix ``s_k`` and their mask.
 
