@@ -146,6 +146,52 @@ def test_values_match_a_plain_forward_of_the_text(char_tokenizer, wide_task, tra
     assert stats["credit/extra_forward_tokens"] == expected_probe_tokens + contexts
 
 
+def test_per_token_values_read_each_probe_per_token(char_tokenizer, wide_task, trace_batch):
+    """estimator=per_token: V(s_k) = exp(mean log pi(probe | s_k)), the probe's per-token
+    probability, from the same probes as the probability form."""
+    policy = eval_llama(char_tokenizer)
+    prob, mask, _ = answer_values(policy, char_tokenizer, wide_task, trace_batch)
+    tok, tok_mask, stats = answer_values(
+        policy, char_tokenizer, wide_task, trace_batch, estimator="per_token"
+    )
+    assert torch.equal(mask, tok_mask)
+    n = trace_batch.num_segments
+    torch.testing.assert_close(tok[torch.arange(trace_batch.size), n], trace_batch.rewards)
+    for row in range(trace_batch.size):
+        m = len(f"A:{trace_batch.problems[row].answer}") + 1  # one probe a boundary, EOS ended
+        for k in range(int(n[row])):
+            log_p = math.log(max(float(prob[row, k]), 1e-38))
+            assert float(tok[row, k]) == pytest.approx(math.exp(log_p / m), rel=1e-3)
+    # a probability below 1 is never above its own per-token probability
+    before_last = mask & (torch.arange(mask.shape[1]) < n.unsqueeze(1))
+    assert bool((tok[before_last] >= prob[before_last]).all())
+    assert stats["credit/probes"] == float(before_last.sum())
+
+
+def test_per_token_takes_the_best_probe_of_a_boundary():
+    """Two probes at one boundary: the probability form sums them (capped at 1), the per-token
+    form takes the larger per-token probability."""
+    from rredcot.methods.answer_likelihood import _values_from_probes
+    from rredcot.methods.probe_logprobs import Probe
+
+    batch = dataclasses.make_dataclass("B", ["num_segments", "size", "rewards"])(
+        torch.tensor([2]), 1, torch.tensor([1.0])
+    )
+    probes = [Probe(0, 0, 0, (1, 2)), Probe(0, 0, 0, (3,)), Probe(0, 1, 4, (5,))]
+    logprobs = [
+        torch.log(torch.tensor([0.5, 0.5])),
+        torch.log(torch.tensor([0.9])),
+        torch.log(torch.tensor([0.2])),
+    ]
+    prob, _ = _values_from_probes(batch, probes, logprobs)
+    tok, mask = _values_from_probes(batch, probes, logprobs, "per_token")
+    torch.testing.assert_close(prob, torch.tensor([[1.0, 0.2, 1.0]]))  # 0.25 + 0.9 capped
+    torch.testing.assert_close(tok, torch.tensor([[0.9, 0.2, 1.0]]))
+    assert bool(mask.all())
+    with pytest.raises(ValueError, match="estimator='mean'"):
+        _values_from_probes(batch, probes, logprobs, "mean")
+
+
 def test_probe_gets_a_newline_when_the_prefix_lacks_one(char_tokenizer, wide_task):
     problem = wide_task.train_problems(1, seed=3)[0]
     batch = batch_from_texts(
@@ -820,6 +866,7 @@ def test_value_head_reads_the_answer_likelihood_feature(char_tokenizer, think_mo
     [
         ("eos", "maybe", "answer_likelihood.eos='maybe' must be auto, true or false"),
         ("cue", "", "answer_likelihood.cue is empty"),
+        ("estimator", "log", "answer_likelihood.estimator='log' must be probability or per_token"),
         ("chunk_tokens", 0, "answer_likelihood.chunk_tokens=0 must be >= 1"),
         ("logits_mb", 0, "answer_likelihood.logits_mb=0 must be >= 1"),
     ],

@@ -146,6 +146,9 @@ class ValueHeadConfig:
             ) from err
 
 
+ANSWER_ESTIMATORS = ("probability", "per_token")
+
+
 @dataclass
 class AnswerLikelihoodConfig:
     """Options of the answer_likelihood method (--credit_method answer_likelihood): the probe
@@ -156,6 +159,15 @@ class AnswerLikelihoodConfig:
         "Correct answers of the answer-likelihood probe: reference, group (the distinct answers "
         "of the group's verified-correct completions) or both.",
         default="reference",
+    )
+    estimator: str = help_field(
+        "probability: V(s_k) = the summed probability of the correct answers' probes after "
+        "s_k, capped at 1 (the method's form); per_token: V(s_k) = the largest per-token "
+        "probability exp(log pi(probe | s_k) / |probe|) over the boundary's probes "
+        "(length-normalised, in log space: a score, not a probability, that does not vanish "
+        "where a pretrained model gives a stated answer ~1e-9 before its last line). The value "
+        "head's alik_feature reads the probability form either way (its features carry its log).",
+        default="probability",
     )
     cue: str = help_field(
         "Text that makes the policy answer right after a prefix: 'task' (the task's own answer "
@@ -189,6 +201,11 @@ class AnswerLikelihoodConfig:
     def __post_init__(self) -> None:
         if self.source not in ("reference", "group", "both"):
             raise ValueError("credit.answer_likelihood.source must be reference, group or both")
+        if self.estimator not in ANSWER_ESTIMATORS:
+            raise ValueError(
+                f"credit.answer_likelihood.estimator={self.estimator!r} must be "
+                f"{' or '.join(ANSWER_ESTIMATORS)}"
+            )
         if isinstance(self.eos, bool):
             self.eos = "true" if self.eos else "false"
         self.eos = str(self.eos).strip().lower()

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from rredcot.config import AnswerLikelihoodConfig
+from rredcot.config.method_options import ANSWER_ESTIMATORS
 from rredcot.methods.answer_probes import ProbeFormat, build_probes, probe_answers, resolve_cue
 from rredcot.methods.base import CreditContext, register_credit
 from rredcot.methods.probe_logprobs import (
@@ -71,8 +72,10 @@ def answer_values(
     max_batch_tokens: int = 16384,
     probe: ProbeFormat | None = None,
     logits_mb: int = 256,
+    estimator: str = "probability",
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """``V(s_k) = sum_{a in A+} exp(sum log pi(probe(a) | s_k))`` for every boundary ``k < n``.
+    """``V(s_k) = sum_{a in A+} exp(sum log pi(probe(a) | s_k))`` for every boundary ``k < n``
+    (``estimator="per_token"``: ``max_a exp(mean log pi(probe(a) | s_k))``, the per-token form).
 
     Returns ``(values (B, S+1), value_mask (B, S+1) bool, stats)``; ``values[b, n_b] = R_b``
     (the algebra sets ``V(s_n) := R`` anyway). ``probe`` says how probes are written (default:
@@ -97,7 +100,7 @@ def answer_values(
         max_batch_tokens=max_batch_tokens,
         logits_mb=logits_mb,
     )
-    values, mask = _values_from_probes(batch, probes, scorer(probes))
+    values, mask = _values_from_probes(batch, probes, scorer(probes), estimator)
     device = batch.rewards.device
     probed_rows = [a for a in answers if a]
     stats = {
@@ -115,15 +118,22 @@ def answer_values(
 
 
 def _values_from_probes(
-    batch: RolloutBatch, probes: list, logprobs: list[Tensor]
+    batch: RolloutBatch, probes: list, logprobs: list[Tensor], estimator: str = "probability"
 ) -> tuple[Tensor, Tensor]:
     """``(values (B, S+1), value_mask (B, S+1))`` on the CPU: ``V(s_k)`` the summed probability
-    of row ``b``'s probes at boundary ``k`` (capped at 1), ``V(s_n) = R``."""
+    of row ``b``'s probes at boundary ``k`` (capped at 1; ``per_token``: the largest per-token
+    probability of one of them), ``V(s_n) = R``."""
+    if estimator not in ANSWER_ESTIMATORS:
+        raise ValueError(f"answer estimator={estimator!r}: use {', '.join(ANSWER_ESTIMATORS)}")
     n = batch.num_segments
     S = int(n.max()) if len(n) else 0
     values = torch.zeros(batch.size, S + 1, dtype=torch.float)
     for p, lp in zip(probes, logprobs):
-        values[p.row, p.k] += float(lp.sum().exp())
+        if estimator == "per_token":
+            per_token = float(lp.mean().exp()) if lp.numel() else 0.0
+            values[p.row, p.k] = max(float(values[p.row, p.k]), per_token)
+        else:
+            values[p.row, p.k] += float(lp.sum().exp())
     values = values.clamp(max=1.0)
     rows = torch.arange(batch.size)
     values[rows, n] = batch.rewards.detach().float().cpu()
@@ -226,4 +236,5 @@ class AnswerLikelihoodCredit(ValueSourceCredit):
             max_batch_tokens=self.max_batch_tokens,
             probe=self.probe,
             logits_mb=self.options.logits_mb,
+            estimator=self.options.estimator,
         )
